@@ -2,8 +2,13 @@
 
 An adapter wraps one loaded causal-LM and answers, in fla's slot names, where the key/query
 channels of each linear-attention head live, how to capture K and Q as they enter the recurrence,
-how to slice them out, and how to write the reduced config. Nothing outside ``statereduce/adapters``
-may branch on ``model_type``.
+which modules to slice, and how to write the reduced config. Nothing outside ``statereduce/adapters``
+may branch on ``model_type``. Adapters are pure mapping: the slicing itself is done by the verb
+functions of :mod:`statereduce.slicing`, driven by the modules and sizes an adapter hands out.
+
+Everything that depends only on the config is a classmethod (``dims``, ``reduced_config``,
+``mixer_layer_indices``, ``config_state_shape``), so the workflow can validate a run before any
+weights are loaded; the instance properties and methods are conveniences over ``model.config``.
 
 To add a family: write ``adapters/<family>.py`` with a subclass of :class:`LinearAttentionAdapter`
 decorated with ``@register_adapter``, import it in ``adapters/__init__.py``, and add a subclass of
@@ -13,10 +18,13 @@ the contract test class in ``tests/test_adapters.py``.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
+import types
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -60,6 +68,7 @@ def get_adapter(model: nn.Module) -> LinearAttentionAdapter:
 
 # A capture callback receives (layer_idx, q, k) with q, k of shape [B, T, H, d_k]: the tensors
 # exactly as they enter the recurrence kernel (post conv + activation, before the in-kernel L2 norm).
+# They are the live tensors of the forward pass: detach/copy them, never modify them in place.
 QKCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 # An input callback receives (layer_idx, x) with x [B, T, hidden], the input of q_proj/k_proj.
 XCallback = Callable[[int, torch.Tensor], None]
@@ -72,7 +81,7 @@ class StateShape:
     num_heads: int  # heads of the recurrent state (value heads under GVA)
     d_k: int
     d_v: int
-    conv_channels: int  # channels of all short-conv states of the layer (q + k + v)
+    conv_channels: int  # channels of all short-conv states of the layer (q + k + v); 0 without short conv
     conv_width: int
 
     @property
@@ -84,65 +93,131 @@ class StateShape:
         return self.conv_channels * self.conv_width
 
 
+class Dims(NamedTuple):
+    """Head sizes (H, HV, d_k, d_v) of a family's linear-attention layers, read from a config."""
+
+    num_heads: int  # H: q/k heads
+    num_v_heads: int  # HV: value heads (GVA: HV = r * H, value head i reads key head i // r)
+    head_k_dim: int  # d_k
+    head_v_dim: int  # d_v
+
+
 class LinearAttentionAdapter(ABC):
     """Structural facts about one family (fla slot names)."""
 
     family: ClassVar[str]  # config name of the family, e.g. "delta_net"
     model_types: ClassVar[tuple[str, ...]]  # HF config.model_type values handled
+    config_class: ClassVar[type]  # the HF config class of the family
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.config = model.config
 
-    # ---- structure -------------------------------------------------------------------------
+    @property
+    def config(self):
+        """The model's live config (``prune_model`` rewrites it in place)."""
+        return self.model.config
+
+    # ---- config-only facts (usable without weights) -------------------------------------------
+    @classmethod
+    @abstractmethod
+    def dims(cls, config) -> Dims:
+        """(H, HV, d_k, d_v) of the linear-attention layers described by ``config``."""
+
+    @classmethod
+    @abstractmethod
+    def mixer_layer_indices(cls, config) -> list[int]:
+        """Indices of the linear-attention layers of ``config`` (softmax-attention layers excluded)."""
+
+    @classmethod
+    @abstractmethod
+    def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
+        """Config fields (name -> new value) that describe d_k = d_k_new with everything else unchanged.
+        Raises ValueError (one line, with values) if the family cannot express it."""
+
+    @classmethod
+    @abstractmethod
+    def mixer_updates(cls, config, d_k_new: int) -> dict[str, Any]:
+        """Attributes (name -> new value) of each mixer module that change with d_k = d_k_new."""
+
+    @classmethod
+    @abstractmethod
+    def config_state_shape(cls, config) -> StateShape:
+        """Per-layer, per-sequence recurrent/conv state shape described by ``config``."""
+
+    @classmethod
+    def reduced_config(cls, config, d_k_new: int):
+        """A copy of ``config`` describing d_k = d_k_new, everything else unchanged.
+
+        Args:
+            config: the family's HF config.
+            d_k_new: the new key/query head size d_k' (1 <= d_k' <= d_k).
+        Raises:
+            ValueError: one line with the values, if the family cannot express d_k'.
+        """
+        new = copy.deepcopy(config)
+        for name, value in cls.config_updates(config, d_k_new).items():
+            setattr(new, name, value)
+        return new
+
+    @classmethod
+    def check_d_k_new(cls, config, d_k_new: int) -> None:
+        """Raise a one-line ValueError unless 1 <= d_k_new <= d_k is an int."""
+        d_k = cls.dims(config).head_k_dim
+        if isinstance(d_k_new, bool) or not isinstance(d_k_new, int) or not 1 <= d_k_new <= d_k:
+            raise ValueError(f"d_k'={d_k_new!r} is invalid for {cls.family}; valid: an integer in [1, d_k={d_k}]")
+
+    # ---- structure ----------------------------------------------------------------------------
     @abstractmethod
     def mixer_layers(self) -> list[tuple[int, nn.Module]]:
         """(layer index, linear-attention mixer) for every prunable layer; softmax layers skipped."""
 
-    @property
     @abstractmethod
+    def q_proj(self, mixer: nn.Module) -> nn.Linear:
+        """The query projection, [H * d_k, hidden] rows head-major (head h is rows h*d_k .. (h+1)*d_k)."""
+
+    @abstractmethod
+    def k_proj(self, mixer: nn.Module) -> nn.Linear:
+        """The key projection, same layout as :meth:`q_proj`."""
+
+    @abstractmethod
+    def q_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
+        """The depthwise short conv on queries ([H * d_k, 1, W], same channel order), or None."""
+
+    @abstractmethod
+    def k_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
+        """The depthwise short conv on keys, or None."""
+
+    @property
     def num_heads(self) -> int:
         """Number of q/k heads H."""
-
-    @property
-    @abstractmethod
-    def head_k_dim(self) -> int:
-        """d_k of each q/k head."""
-
-    @property
-    @abstractmethod
-    def head_v_dim(self) -> int:
-        """d_v of each value head."""
+        return self.dims(self.config).num_heads
 
     @property
     def num_v_heads(self) -> int:
         """Value heads HV (GVA: HV = r * H, value head i reads key head i // r)."""
-        return self.num_heads
+        return self.dims(self.config).num_v_heads
 
-    @abstractmethod
+    @property
+    def head_k_dim(self) -> int:
+        """d_k of each q/k head."""
+        return self.dims(self.config).head_k_dim
+
+    @property
+    def head_v_dim(self) -> int:
+        """d_v of each value head."""
+        return self.dims(self.config).head_v_dim
+
     def qk_weights(self, mixer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_q, W_k), each [H * d_k, hidden]; head h is rows h*d_k .. (h+1)*d_k."""
+        return self.q_proj(mixer).weight, self.k_proj(mixer).weight
 
-    # ---- capture ---------------------------------------------------------------------------
-    @abstractmethod
-    @contextlib.contextmanager
-    def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
-        """Within the context, every forward pass calls ``on_qk(layer, q, k)`` with q, k [B,T,H,d_k]
-        as they enter the kernel, and ``on_x(layer, x)`` with the q/k projection input [B,T,hidden]."""
+    def pruned_config(self, d_k_new: int):
+        """Instance convenience for :meth:`reduced_config` on the model's own config."""
+        return self.reduced_config(self.config, d_k_new)
 
-    # ---- slicing ---------------------------------------------------------------------------
-    @abstractmethod
-    def slice_layer(self, mixer: nn.Module, keep: torch.Tensor) -> None:
-        """Keep channels ``keep`` ([H, d_k'] long, sorted per row) of q/k projections and convs in place."""
-
-    @abstractmethod
-    def reduced_config(self, d_k_new: int):
-        """A copy of the model config describing d_k = d_k_new, everything else unchanged.
-        Raises ValueError (one line, with values) if the family cannot express it."""
-
-    @abstractmethod
     def state_shape(self) -> StateShape:
         """Per-layer, per-sequence recurrent/conv state shape of the current config."""
+        return self.config_state_shape(self.config)
 
     def num_mixer_layers(self) -> int:
         return len(self.mixer_layers())
@@ -151,3 +226,110 @@ class LinearAttentionAdapter(ABC):
         """Recurrent state bytes per sequence over all linear-attention layers (fp32 state by default)."""
         s = self.state_shape()
         return self.num_mixer_layers() * s.recurrent_elems * dtype_bytes
+
+    # ---- capture ------------------------------------------------------------------------------
+    @abstractmethod
+    @contextlib.contextmanager
+    def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
+        """Within the context, every forward pass calls ``on_qk(layer, q, k)`` with q, k [B,T,H,d_k]
+        as they enter the kernel, and ``on_x(layer, x)`` with the q/k projection input [B,T,hidden]."""
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of decoder blocks of a causal LM, a bare decoder, or a PEFT wrapper of either."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}: {type(decoder).__name__}.layers")
+    return layers
+
+
+class _LayerTracker:
+    """Knows which tracked mixer is running, through forward pre-/post-hooks (mixers never nest)."""
+
+    def __init__(self) -> None:
+        self.current: int | None = None
+
+
+@contextlib.contextmanager
+def capture_kernel_calls(
+    mixers: Sequence[tuple[int, nn.Module]],
+    kernel_module: types.ModuleType,
+    kernel_names: Sequence[str],
+    q_input: Callable[[nn.Module], nn.Module],
+    on_qk: QKCallback | None,
+    on_x: XCallback | None,
+) -> Iterator[None]:
+    """Capture q/k at the recurrence kernel and x at the q projection, for the given mixers.
+
+    Rebinds each ``kernel_module.<name>`` in ``kernel_names`` (the module globals a layer calls, e.g.
+    ``fla.layers.gated_deltanet.chunk_gated_delta_rule``) to a wrapper around whatever object is bound
+    there at enter time (fla's kernel, or a CPU dispatcher installed by ``statereduce.fla_fallback``),
+    and restores that object on exit. The current layer is known through a forward pre-hook on each
+    mixer, so calls from other models or untracked layers pass straight through. Hooking the kernel
+    rather than the conv modules also covers fused conv paths whose conv modules never run.
+
+    Args:
+        mixers: (layer index, mixer) pairs to track.
+        kernel_module: the module whose globals the mixers call.
+        kernel_names: names of the kernel globals; each is called with ``q``, ``k`` as the first two
+            positional arguments or as keywords, shaped [B, T, H, d_k].
+        q_input: mixer -> the module whose forward input is the q/k projection input (for ``on_x``).
+        on_qk, on_x: the callbacks (see ``QKCallback`` / ``XCallback``); either may be None.
+    """
+    tracker = _LayerTracker()
+    handles = []
+    originals = {name: getattr(kernel_module, name) for name in kernel_names}
+    wrappers = {name: _kernel_wrapper(fn, tracker, on_qk) for name, fn in originals.items()}
+    try:
+        for layer_idx, mixer in mixers:
+            handles.append(mixer.register_forward_pre_hook(_push_hook(tracker, layer_idx)))
+            handles.append(mixer.register_forward_hook(_pop_hook(tracker)))
+            if on_x is not None:
+                handles.append(q_input(mixer).register_forward_pre_hook(_x_hook(tracker, layer_idx, on_x)))
+        for name, wrapper in wrappers.items():
+            setattr(kernel_module, name, wrapper)
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for name, fn in originals.items():
+            # leave a binding made inside the context (e.g. a later install()) alone
+            if getattr(kernel_module, name) is wrappers[name]:
+                setattr(kernel_module, name, fn)
+
+
+def _kernel_wrapper(fn: Callable, tracker: _LayerTracker, on_qk: QKCallback | None) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        layer_idx = tracker.current
+        if layer_idx is not None and on_qk is not None:
+            q = kwargs["q"] if "q" in kwargs else args[0]
+            k = kwargs["k"] if "k" in kwargs else args[1]
+            on_qk(layer_idx, q, k)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _push_hook(tracker: _LayerTracker, layer_idx: int) -> Callable:
+    def hook(module, args):
+        tracker.current = layer_idx
+
+    return hook
+
+
+def _pop_hook(tracker: _LayerTracker) -> Callable:
+    def hook(module, args, output):
+        tracker.current = None
+
+    return hook
+
+
+def _x_hook(tracker: _LayerTracker, layer_idx: int, on_x: XCallback) -> Callable:
+    def hook(module, args):
+        # only while the owning mixer runs (the projection module is not shared, but be explicit)
+        if tracker.current == layer_idx:
+            on_x(layer_idx, args[0])
+
+    return hook

@@ -1,0 +1,22 @@
+# statereduce: key/query channel pruning of linear-attention LMs (Nazari & Rusch, 2026).
+# Logic lives in the package `statereduce/`; rules/common.smk validates the config and defines inputs.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/pretrain.smk"
+include: "rules/capture.smk"
+include: "rules/select.smk"
+include: "rules/slice.smk"
+include: "rules/evaluate.smk"
+
+
+rule all:
+    input:
+        get_final_output(),
+    default_target: True

@@ -1,0 +1,43 @@
+rule calibrate:
+    """K/Q rows per head as they enter the recurrence, and projection-input column norms (HDF5)."""
+    input:
+        base=get_base,
+    output:
+        "results/{model}/calib/{calib}/activations.h5",
+    params:
+        info=model_info,
+        calibration=get_calibration,
+        corpus=get_calib_corpus,
+    resources:
+        gpu=gpu_of,
+    log:
+        "logs/calibrate/{model}/{calib}.log",
+    benchmark:
+        "benchmarks/calibrate/{model}/{calib}.tsv"
+    conda:
+        "../envs/fla.yaml"
+    script:
+        "../workflow_scripts/calibrate.py"
+
+
+rule grad_scores:
+    """Grad saliency of every q/k channel from the full model's LM loss (read by `grad` only)."""
+    input:
+        base=get_base,
+    output:
+        "results/{model}/calib/{calib}/grad_scores.h5",
+    params:
+        info=model_info,
+        calibration=get_calibration,
+        corpus=get_calib_corpus,
+        grad=get_grad_settings,
+    resources:
+        gpu=gpu_of,
+    log:
+        "logs/grad_scores/{model}/{calib}.log",
+    benchmark:
+        "benchmarks/grad_scores/{model}/{calib}.tsv"
+    conda:
+        "../envs/fla.yaml"
+    script:
+        "../workflow_scripts/grad_scores.py"

@@ -1,0 +1,150 @@
+# Config validation, wildcard constraints and every input function. Stage files hold only rules.
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, workflow.basedir)  # the package next to this Snakefile wins over an installed copy
+
+from snakemake.exceptions import WorkflowError
+
+from statereduce import config as srconfig
+from statereduce.selectors import METHOD_REGEX, parse_method
+from statereduce.selection import selector_code_files
+
+try:
+    CFG = srconfig.validate_config(config)
+except srconfig.ConfigError as e:
+    raise WorkflowError(str(e)) from None
+
+MODELS = CFG["models"]
+TARGETS = CFG["targets"]
+PKG = Path(workflow.basedir) / "statereduce"
+
+
+wildcard_constraints:
+    model="|".join(re.escape(m) for m in MODELS),
+    method=METHOD_REGEX,
+    pct=r"\d+(\.\d+)?",
+    calib=r"[a-z0-9]+",
+
+
+def checked(fn):
+    """Turn configuration errors raised in input functions into one-line workflow errors."""
+
+    def wrapper(wildcards):
+        try:
+            return fn(wildcards)
+        except ValueError as e:
+            raise WorkflowError(str(e)) from None
+
+    return wrapper
+
+
+def get_final_output():
+    out = ["results/tables/comparison.md"]
+    for model in TARGETS["models"]:
+        out.append(f"results/{model}/baseline/eval.json")
+        for method in TARGETS["methods"]:
+            for pct in TARGETS["pcts"]:
+                out.append(f"results/{model}/{method}_{srconfig.format_pct(pct)}/eval.json")
+    return out
+
+
+def base_marker(model):
+    """The file that marks a finished base artifact of ``model``."""
+    kind = "pretrain.json" if "pretrain" in MODELS[model] else "source.json"
+    return f"results/{model}/base/{kind}"
+
+
+def get_base(wildcards):
+    return base_marker(wildcards.model)
+
+
+def model_resources(model):
+    return {"gpu": 1 if MODELS[model]["device"] == "cuda" else 0}
+
+
+def gpu_of(wildcards):
+    return model_resources(wildcards.model)["gpu"]
+
+
+def get_calibration(wildcards):
+    return srconfig.model_calibration(CFG, wildcards.model, wildcards.calib)
+
+
+def get_grad_settings(wildcards):
+    return CFG.get("selectors", {}).get("grad", {})
+
+
+def get_corpus_spec(name):
+    spec = dict(CFG["corpora"][name])
+    if spec["source"] == "files":  # relative paths are relative to the workflow directory
+        spec["paths"] = [str(Path(workflow.basedir, p)) if not Path(p).is_absolute() else p for p in spec["paths"]]
+    return spec
+
+
+def get_calib_corpus(wildcards):
+    return get_corpus_spec(get_calibration(wildcards)["corpus"])
+
+
+def get_pretrain(wildcards):
+    p = MODELS[wildcards.model].get("pretrain")
+    if p is None:
+        raise WorkflowError(f"model {wildcards.model!r} is not trained by the workflow (it has no pretrain block)")
+    return p
+
+
+def get_pretrain_corpus(wildcards):
+    return get_corpus_spec(get_pretrain(wildcards)["corpus"])
+
+
+def get_source(wildcards):
+    m = MODELS[wildcards.model]
+    if "hub" in m:
+        return {"hub_id": m["hub"]["id"], "revision": m["hub"].get("revision", "main"), "dtype": m["dtype"]}
+    if m.get("local"):
+        return {"hub_id": str(Path(m["local"]).expanduser().resolve()), "revision": None, "dtype": m["dtype"]}
+    raise WorkflowError(f"model {wildcards.model!r} has no checkpoint: set models.{wildcards.model}.local (or hub)")
+
+
+@checked
+def get_select_inputs(wildcards):
+    srconfig.check_method(CFG, wildcards.method)
+    srconfig.check_reduction(CFG, wildcards.model, float(wildcards.pct))
+    spec = parse_method(wildcards.method)
+    from statereduce.selectors import get_selector
+
+    needs = set(get_selector(spec.selector).needs)
+    inputs = {"base": base_marker(wildcards.model), "code": selector_code_files(spec.selector)}
+    if needs & {"activations", "xnorm"}:
+        inputs["activations"] = f"results/{wildcards.model}/calib/{spec.calib}/activations.h5"
+    if "grad" in needs:
+        inputs["grads"] = f"results/{wildcards.model}/calib/{spec.calib}/grad_scores.h5"
+    return inputs
+
+
+def get_selector_options(wildcards):
+    spec = parse_method(wildcards.method)
+    opts = dict(CFG.get("selectors", {}).get(spec.selector, {}))
+    seed = opts.pop("seed", 0)
+    return {"options": opts, "seed": seed}
+
+
+def get_eval(wildcards):
+    ev = srconfig.model_eval(CFG, wildcards.model)
+    if "heldout" in ev["tasks"]:
+        ev["corpus_spec"] = get_corpus_spec(ev.get("corpus") or MODELS[wildcards.model]["pretrain"]["corpus"])
+    return ev
+
+
+def model_info(wildcards):
+    m = MODELS[wildcards.model]
+    return {"model": wildcards.model, "family": m["family"], "dtype": m["dtype"], "device": m["device"]}
+
+
+def get_summaries(wildcards):
+    return [p for p in get_final_output() if p.count("/") == 3 and p.endswith("eval.json") and "/baseline/" not in p]
+
+
+def get_baselines(wildcards):
+    return [f"results/{m}/baseline/eval.json" for m in TARGETS["models"]]

@@ -1,0 +1,72 @@
+rule eval_baseline:
+    """lm-eval on the unpruned model."""
+    input:
+        base=get_base,
+    output:
+        "results/{model}/baseline/eval.json",
+    params:
+        info=model_info,
+        eval=get_eval,
+    resources:
+        gpu=gpu_of,
+    log:
+        "logs/eval_baseline/{model}.log",
+    benchmark:
+        "benchmarks/eval_baseline/{model}.tsv"
+    conda:
+        "../envs/lm_eval.yaml"
+    script:
+        "../workflow_scripts/eval_baseline.py"
+
+
+rule eval_pruned:
+    """lm-eval on the pruned checkpoint (before recovery fine-tuning)."""
+    input:
+        record="results/{model}/{method}_{pct}/pruned/prune_record.json",
+    output:
+        "results/{model}/{method}_{pct}/pruned/eval.json",
+    params:
+        info=model_info,
+        eval=get_eval,
+    resources:
+        gpu=gpu_of,
+    log:
+        "logs/eval_pruned/{model}/{method}_{pct}.log",
+    benchmark:
+        "benchmarks/eval_pruned/{model}/{method}_{pct}.tsv"
+    conda:
+        "../envs/lm_eval.yaml"
+    script:
+        "../workflow_scripts/eval_pruned.py"
+
+
+rule summarize:
+    """The summary the user asks for: baseline vs pruned metrics, state bytes, provenance."""
+    input:
+        baseline="results/{model}/baseline/eval.json",
+        pruned="results/{model}/{method}_{pct}/pruned/eval.json",
+        record="results/{model}/{method}_{pct}/pruned/prune_record.json",
+    output:
+        "results/{model}/{method}_{pct}/eval.json",
+    log:
+        "logs/summarize/{model}/{method}_{pct}.log",
+    conda:
+        "../envs/lm_eval.yaml"
+    script:
+        "../workflow_scripts/summarize.py"
+
+
+rule comparison_table:
+    """Held-out perplexity of every targeted (model, method, pct) beside its baseline."""
+    input:
+        summaries=get_summaries,
+        baselines=get_baselines,
+    output:
+        md="results/tables/comparison.md",
+        csv="results/tables/comparison.csv",
+    log:
+        "logs/comparison_table/comparison.log",
+    conda:
+        "../envs/lm_eval.yaml"
+    script:
+        "../workflow_scripts/comparison_table.py"

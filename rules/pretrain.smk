@@ -1,0 +1,32 @@
+rule pretrain:
+    """Train an embedded tiny model (byte-level tokenizer) into an HF checkpoint folder."""
+    output:
+        marker="results/{model}/base/pretrain.json",
+        config="results/{model}/base/config.json",
+    params:
+        family=lambda wc: MODELS[wc.model]["family"],
+        pretrain=get_pretrain,
+        corpus=get_pretrain_corpus,
+    threads: lambda wc: MODELS[wc.model]["pretrain"]["train"].get("threads", 1)
+    log:
+        "logs/pretrain/{model}.log",
+    benchmark:
+        "benchmarks/pretrain/{model}.tsv"
+    conda:
+        "../envs/fla.yaml"
+    script:
+        "../workflow_scripts/pretrain.py"
+
+
+rule base_source:
+    """Record which hub (or local) checkpoint a model is: a small source.json, never a copy of the weights."""
+    output:
+        "results/{model}/base/source.json",
+    params:
+        source=get_source,
+    log:
+        "logs/base_source/{model}.log",
+    conda:
+        "../envs/fla.yaml"
+    script:
+        "../workflow_scripts/base_source.py"

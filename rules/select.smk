@@ -1,0 +1,18 @@
+rule select_channels:
+    """Per-head kept channels of one selector at one ratio. The selector's own source files are inputs,
+    so editing one selector reruns only its selections and what depends on them."""
+    input:
+        unpack(get_select_inputs),
+    output:
+        "results/{model}/select/{method}_{pct}.parquet",
+    params:
+        info=model_info,
+        selector=get_selector_options,
+    log:
+        "logs/select_channels/{model}/{method}_{pct}.log",
+    benchmark:
+        "benchmarks/select_channels/{model}/{method}_{pct}.tsv"
+    conda:
+        "../envs/fla.yaml"
+    script:
+        "../workflow_scripts/select_channels.py"

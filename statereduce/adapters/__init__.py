@@ -1,0 +1,39 @@
+"""Model-family adapters; importing this package registers every family.
+
+See :mod:`statereduce.adapters.base` for the interface and how to add a family.
+"""
+
+from __future__ import annotations
+
+from statereduce.adapters import deltanet, gated_deltanet  # noqa: F401  (registers the adapters)
+from statereduce.adapters.base import (
+    Dims,
+    LinearAttentionAdapter,
+    QKCallback,
+    StateShape,
+    XCallback,
+    adapter_class,
+    adapter_families,
+    adapter_for_config,
+    decoder_layers,
+    get_adapter,
+    register_adapter,
+)
+from statereduce.adapters.deltanet import DeltaNetAdapter
+from statereduce.adapters.gated_deltanet import GatedDeltaNetAdapter
+
+__all__ = [
+    "DeltaNetAdapter",
+    "Dims",
+    "GatedDeltaNetAdapter",
+    "LinearAttentionAdapter",
+    "QKCallback",
+    "StateShape",
+    "XCallback",
+    "adapter_class",
+    "adapter_families",
+    "adapter_for_config",
+    "decoder_layers",
+    "get_adapter",
+    "register_adapter",
+]

@@ -1,0 +1,100 @@
+"""Adapter for fla DeltaNet (``fla/layers/delta_net.py``, ``fla/models/delta_net/``).
+
+Layout (arch_map §a): ``key_dim = round(hidden_size * expand_k)``, ``head_k_dim = key_dim // num_heads``;
+``q_proj``/``k_proj`` are ``[H*d_k, hidden]`` and ``q_conv1d``/``k_conv1d`` ``[H*d_k, 1, W]``, head h
+in rows ``h*d_k + j``. The value side (``v_proj``, ``v_conv1d``, ``b_proj``, ``o_norm``, ``o_proj``) is
+untouched by key/query pruning. d_k is global through ``expand_k``: per-layer d_k' is not expressible.
+
+q and k are captured where they enter ``chunk_delta_rule`` / ``fused_recurrent_delta_rule`` (after the
+conv and its SiLU, or after the relu/elu/identity activation of non-silu configs; before the in-kernel
+L2 norm; with ``qk_norm='sum'`` the L1 sum-norm runs in the layer, so q/k arrive sum-normalised).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import fla.layers.delta_net as fla_delta_net
+from fla.layers.delta_net import DeltaNet
+from fla.models import DeltaNetConfig
+from fla.models.configuration_utils import get_attention_spec
+from torch import nn
+
+from statereduce.adapters.base import (
+    Dims,
+    LinearAttentionAdapter,
+    QKCallback,
+    StateShape,
+    XCallback,
+    capture_kernel_calls,
+    decoder_layers,
+    register_adapter,
+)
+
+KERNELS = ("chunk_delta_rule", "fused_recurrent_delta_rule")
+
+
+@register_adapter
+class DeltaNetAdapter(LinearAttentionAdapter):
+    """fla DeltaNet: ``expand_k`` carries d_k (paper Sec. 3, App. A)."""
+
+    family = "delta_net"
+    model_types = ("delta_net",)
+    config_class = DeltaNetConfig
+
+    @classmethod
+    def dims(cls, config) -> Dims:
+        key_dim, value_dim = round(config.hidden_size * config.expand_k), round(config.hidden_size * config.expand_v)
+        h = config.num_heads
+        return Dims(num_heads=h, num_v_heads=h, head_k_dim=key_dim // h, head_v_dim=value_dim // h)
+
+    @classmethod
+    def mixer_layer_indices(cls, config) -> list[int]:
+        return [i for i in range(config.num_hidden_layers) if get_attention_spec(config.attn, layer_idx=i) is None]
+
+    @classmethod
+    def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
+        """``expand_k = H * d_k' / hidden_size``, checked to give back exactly ``H * d_k'``."""
+        cls.check_d_k_new(config, d_k_new)
+        key_dim = config.num_heads * d_k_new
+        expand_k = key_dim / config.hidden_size
+        if int(config.hidden_size * expand_k) != key_dim:
+            raise ValueError(
+                f"DeltaNet cannot express d_k'={d_k_new}: expand_k={expand_k!r} gives "
+                f"int(hidden_size={config.hidden_size} * expand_k)={int(config.hidden_size * expand_k)} "
+                f"!= num_heads * d_k' = {key_dim}"
+            )
+        return {"expand_k": expand_k}
+
+    @classmethod
+    def mixer_updates(cls, config, d_k_new: int) -> dict[str, Any]:
+        expand_k = cls.config_updates(config, d_k_new)["expand_k"]
+        return {"expand_k": expand_k, "key_dim": config.num_heads * d_k_new, "head_k_dim": d_k_new}
+
+    @classmethod
+    def config_state_shape(cls, config) -> StateShape:
+        h, _, d_k, d_v = cls.dims(config)
+        conv_channels = h * (2 * d_k + d_v) if config.use_short_conv else 0
+        return StateShape(num_heads=h, d_k=d_k, d_v=d_v, conv_channels=conv_channels, conv_width=config.conv_size)
+
+    def mixer_layers(self) -> list[tuple[int, nn.Module]]:
+        return [(i, block.attn) for i, block in enumerate(decoder_layers(self.model)) if isinstance(block.attn, DeltaNet)]
+
+    def q_proj(self, mixer: nn.Module) -> nn.Linear:
+        return mixer.q_proj
+
+    def k_proj(self, mixer: nn.Module) -> nn.Linear:
+        return mixer.k_proj
+
+    def q_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
+        return mixer.q_conv1d if mixer.use_short_conv else None
+
+    def k_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
+        return mixer.k_conv1d if mixer.use_short_conv else None
+
+    @contextlib.contextmanager
+    def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
+        with capture_kernel_calls(self.mixer_layers(), fla_delta_net, KERNELS, self.q_proj, on_qk, on_x):
+            yield

@@ -1,0 +1,105 @@
+"""Adapter for fla Gated DeltaNet (``fla/layers/gated_deltanet.py``, ``fla/models/gated_deltanet/``).
+
+Layout (arch_map §b): ``head_k_dim = head_dim``, ``head_v_dim = int(head_dim * expand_v)``;
+``q_proj``/``k_proj`` are ``[H*d_k, hidden]`` and ``q_conv1d``/``k_conv1d`` ``[H*d_k, 1, W]``, head h in
+rows ``h*d_k + j``. Everything per value head (``v_proj``, ``g_proj``, ``a_proj``, ``b_proj``, ``A_log``,
+``dt_bias``, ``o_norm``, ``o_proj``) is untouched. Under GVA (``num_v_heads = r * num_heads``) value
+head i reads key head ``i // r``, so one key head's selection serves r value heads.
+
+Because the value size is derived from ``head_dim``, pruning sets ``head_dim = d_k'`` and
+``expand_v = d_v / d_k'`` together; changing ``head_dim`` alone would silently shrink the values.
+
+Capture: without a cache the layer fuses the q/k/v short convs into one ``causal_conv1d`` call, so
+conv-module hooks never fire; q and k are taken where they enter ``chunk_gated_delta_rule`` /
+``fused_recurrent_gated_delta_rule`` (post conv + SiLU, before the in-kernel L2 norm, before the GVA
+head mapping), which covers the fused and the cached paths alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import fla.layers.gated_deltanet as fla_gated_deltanet
+from fla.layers.gated_deltanet import GatedDeltaNet
+from fla.models import GatedDeltaNetConfig
+from fla.models.configuration_utils import get_attention_spec
+from torch import nn
+
+from statereduce.adapters.base import (
+    Dims,
+    LinearAttentionAdapter,
+    QKCallback,
+    StateShape,
+    XCallback,
+    capture_kernel_calls,
+    decoder_layers,
+    register_adapter,
+)
+
+KERNELS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
+
+
+@register_adapter
+class GatedDeltaNetAdapter(LinearAttentionAdapter):
+    """fla Gated DeltaNet: ``head_dim`` carries d_k, ``expand_v`` keeps d_v (paper Sec. 3, App. A)."""
+
+    family = "gated_deltanet"
+    model_types = ("gated_deltanet",)
+    config_class = GatedDeltaNetConfig
+
+    @classmethod
+    def dims(cls, config) -> Dims:
+        h = config.num_heads
+        hv = config.num_v_heads if config.num_v_heads is not None else h
+        return Dims(num_heads=h, num_v_heads=hv, head_k_dim=config.head_dim, head_v_dim=int(config.head_dim * config.expand_v))
+
+    @classmethod
+    def mixer_layer_indices(cls, config) -> list[int]:
+        return [i for i in range(config.num_hidden_layers) if get_attention_spec(config.attn, layer_idx=i) is None]
+
+    @classmethod
+    def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
+        """``head_dim = d_k'`` and ``expand_v = d_v / d_k'``, checked to give back exactly ``d_v``."""
+        cls.check_d_k_new(config, d_k_new)
+        d_v = cls.dims(config).head_v_dim
+        expand_v = d_v / d_k_new
+        if int(d_k_new * expand_v) != d_v:
+            raise ValueError(
+                f"Gated DeltaNet cannot express d_k'={d_k_new} with d_v={d_v}: expand_v=d_v/d_k'={expand_v!r} gives "
+                f"int(d_k' * expand_v)={int(d_k_new * expand_v)} != d_v={d_v}; choose another d_k' (multiples of 16 are safe)"
+            )
+        return {"head_dim": d_k_new, "expand_v": expand_v}
+
+    @classmethod
+    def mixer_updates(cls, config, d_k_new: int) -> dict[str, Any]:
+        fields = cls.config_updates(config, d_k_new)
+        return {**fields, "head_k_dim": d_k_new, "key_dim": config.num_heads * d_k_new}
+
+    @classmethod
+    def config_state_shape(cls, config) -> StateShape:
+        h, hv, d_k, d_v = cls.dims(config)
+        conv_channels = 2 * h * d_k + hv * d_v if config.use_short_conv else 0
+        return StateShape(num_heads=hv, d_k=d_k, d_v=d_v, conv_channels=conv_channels, conv_width=config.conv_size)
+
+    def mixer_layers(self) -> list[tuple[int, nn.Module]]:
+        blocks = decoder_layers(self.model)
+        return [(i, block.attn) for i, block in enumerate(blocks) if isinstance(block.attn, GatedDeltaNet)]
+
+    def q_proj(self, mixer: nn.Module) -> nn.Linear:
+        return mixer.q_proj
+
+    def k_proj(self, mixer: nn.Module) -> nn.Linear:
+        return mixer.k_proj
+
+    def q_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
+        return mixer.q_conv1d if mixer.use_short_conv else None
+
+    def k_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
+        return mixer.k_conv1d if mixer.use_short_conv else None
+
+    @contextlib.contextmanager
+    def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
+        with capture_kernel_calls(self.mixer_layers(), fla_gated_deltanet, KERNELS, self.q_proj, on_qk, on_x):
+            yield

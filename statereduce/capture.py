@@ -1,0 +1,270 @@
+"""Calibration statistics: K/Q activations (HDF5) and Grad saliency scores.
+
+``activations.h5`` (design.md): for every linear-attention layer, a uniform sample of token rows of
+K and Q per head as they enter the recurrence (after conv and activation, before the in-kernel L2
+norm), and the column L2 norms of the q/k projection input X over *all* calibration tokens (the
+S-Wanda statistic). Rows are drawn by bottom-k sampling (each token gets a random priority from the
+seeded generator; the ``rows`` smallest are kept), so memory is bounded by the rows kept, not the
+tokens seen, and the sample is uniform without replacement and deterministic given the seed.
+
+Layout::
+
+    /layer_000/K      float32 [H, rows, d_k]   (same token positions for K and Q)
+    /layer_000/Q      float32 [H, rows, d_k]
+    /layer_000/xnorm  float64 [hidden]
+    attrs: model, revision, corpus, n_samples, seq_len, seed, rows_per_head, n_tokens, num_heads,
+           head_k_dim, hidden_size, layers, dtype, package_version, created
+
+``grad_scores.h5``: per layer ``grad_q``/``grad_k`` float64 [H, d_k] with
+s_j = sum_i |W[j, i] * dL/dW[j, i]| for the full model's mean LM loss over the calibration blocks
+(paper Sec. 3.4, "Grad").
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from statereduce import __version__
+from statereduce.adapters import get_adapter
+
+
+class BottomKReservoir:
+    """Uniform sample of ``rows`` items from a stream, by keeping the smallest random priorities.
+
+    Args:
+        rows: number of rows to keep.
+        rng: numpy Generator drawing the priorities (seeded by the caller).
+    """
+
+    def __init__(self, rows: int, rng: np.random.Generator):
+        if rows < 1:
+            raise ValueError(f"rows_per_head must be >= 1, got {rows}")
+        self.rows = rows
+        self.rng = rng
+        self.keys = np.empty(0)
+        self.data: np.ndarray | None = None  # [n_kept, *row_shape]
+        self.seen = 0
+
+    def add(self, batch: np.ndarray | torch.Tensor) -> None:
+        """Offer ``batch`` [n, *row_shape] (numpy or torch) to the sample; only rows that enter are copied."""
+        n = batch.shape[0]
+        self.seen += n
+        keys = self.rng.random(n)
+        if self.keys.size == self.rows:
+            # only candidates that beat the current worst kept key can enter
+            sel = np.flatnonzero(keys < self.keys.max())
+            if sel.size == 0:
+                return
+            keys, batch = keys[sel], batch[torch.from_numpy(sel) if isinstance(batch, torch.Tensor) else sel]
+        if isinstance(batch, torch.Tensor):
+            batch = batch.detach().float().cpu().numpy()
+        if self.data is None:
+            self.data = np.empty((0, *batch.shape[1:]), dtype=batch.dtype)
+        all_keys = np.concatenate([self.keys, keys])
+        all_data = np.concatenate([self.data, batch])
+        if all_keys.size > self.rows:
+            idx = np.argpartition(all_keys, self.rows - 1)[: self.rows]
+            all_keys, all_data = all_keys[idx], all_data[idx]
+        self.keys, self.data = all_keys, all_data
+
+    def result(self) -> np.ndarray:
+        """The kept rows in stream order (sorted by priority is arbitrary; stream order is stable)."""
+        assert self.data is not None, "no rows were offered"
+        return self.data[np.argsort(self.keys, kind="stable")]
+
+
+@dataclass
+class _LayerStats:
+    reservoir: BottomKReservoir
+    xsq: np.ndarray | None = None  # running sum of squares of X columns (float64)
+    shape: tuple[int, int] | None = None  # (H, d_k)
+    pending_x: list[np.ndarray] = field(default_factory=list)
+
+
+def _atomic_h5(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def capture_activations(
+    model: torch.nn.Module,
+    blocks: torch.Tensor,
+    out_path: str | Path,
+    *,
+    rows_per_head: int = 2500,
+    seed: int = 0,
+    batch_size: int = 4,
+    attrs: dict | None = None,
+) -> Path:
+    """Run the calibration blocks through ``model`` and write ``activations.h5`` atomically.
+
+    Args:
+        model: a loaded causal LM with an adapter (eval mode).
+        blocks: LongTensor [n_samples, seq_len] of calibration token ids.
+        out_path: destination; written to a temporary file and renamed.
+        rows_per_head: rows of K and of Q kept per head (2,500 + 2,500 by default, as in the paper).
+        seed: seeds the row sampling.
+        batch_size: sequences per forward pass.
+        attrs: provenance attributes to store (model, revision, corpus, ...).
+    """
+    out_path = Path(out_path)
+    adapter = get_adapter(model)
+    layers = [i for i, _ in adapter.mixer_layers()]
+    rng = np.random.default_rng(seed)
+    stats = {i: _LayerStats(BottomKReservoir(rows_per_head, np.random.default_rng(rng.integers(1 << 63)))) for i in layers}
+
+    def on_qk(layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        st = stats[layer]
+        b, t, h, d = k.shape
+        st.shape = (h, d)
+        # rows = tokens; each row holds all heads' K and Q so K and Q share token positions
+        st.reservoir.add(torch.stack([k, q], dim=2).reshape(b * t, 2, h, d))
+
+    def on_x(layer: int, x: torch.Tensor) -> None:
+        st = stats[layer]
+        sq = x.detach().float().pow(2).sum(dim=(0, 1)).double().cpu().numpy()
+        st.xsq = sq if st.xsq is None else st.xsq + sq
+
+    device = next(model.parameters()).device
+    n_tokens = 0
+    with torch.no_grad(), adapter.capture(on_qk=on_qk, on_x=on_x):
+        for start in tqdm(range(0, blocks.shape[0], batch_size), desc="calibration", unit="batch"):
+            batch = blocks[start : start + batch_size].to(device)
+            model(input_ids=batch, use_cache=False)
+            n_tokens += batch.numel()
+
+    tmp = _atomic_h5(out_path)
+    try:
+        with h5py.File(tmp, "w") as f:
+            for i in layers:
+                st = stats[i]
+                if st.shape is None or st.xsq is None:
+                    raise RuntimeError(f"layer {i}: capture callbacks never fired; the adapter's capture is broken")
+                rows = st.reservoir.result()  # [R, 2, H, d]
+                g = f.create_group(f"layer_{i:03d}")
+                g.create_dataset("K", data=np.ascontiguousarray(rows[:, 0].transpose(1, 0, 2)), dtype="float32")
+                g.create_dataset("Q", data=np.ascontiguousarray(rows[:, 1].transpose(1, 0, 2)), dtype="float32")
+                g.create_dataset("xnorm", data=np.sqrt(st.xsq))
+                g.attrs["layer"] = i
+            meta = {
+                "n_samples": int(blocks.shape[0]),
+                "seq_len": int(blocks.shape[1]),
+                "seed": seed,
+                "rows_per_head": rows_per_head,
+                "n_tokens": n_tokens,
+                "num_heads": adapter.num_heads,
+                "head_k_dim": adapter.head_k_dim,
+                "hidden_size": int(model.config.hidden_size),
+                "layers": np.asarray(layers, dtype=np.int64),
+                "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                "package_version": __version__,
+                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            }
+            meta.update({k: v for k, v in (attrs or {}).items() if v is not None})
+            for k, v in meta.items():
+                f.attrs[k] = v
+        os.replace(tmp, out_path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out_path
+
+
+def grad_scores(
+    model: torch.nn.Module,
+    blocks: torch.Tensor,
+    out_path: str | Path,
+    *,
+    batch_size: int = 4,
+    attrs: dict | None = None,
+) -> Path:
+    """Grad saliency of every q/k channel from the full model's LM loss; writes ``grad_scores.h5``.
+
+    The gradient of the mean next-token loss over all calibration blocks is accumulated, then
+    s_q[h, j] = sum_i |W_q[h*d_k + j, i] * dL/dW_q[h*d_k + j, i]| (same for k).
+
+    Args:
+        model: loaded causal LM (its parameters' ``requires_grad`` is managed here).
+        blocks: LongTensor [n_samples, seq_len].
+        out_path: destination (atomic write).
+        batch_size: sequences per backward pass.
+        attrs: provenance attributes.
+    """
+    out_path = Path(out_path)
+    adapter = get_adapter(model)
+    mixers = adapter.mixer_layers()
+    weights = {i: adapter.qk_weights(m) for i, m in mixers}
+    targets = {id(w) for pair in weights.values() for w in pair}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in targets)
+        p.grad = None
+    model.eval()  # no dropout; autograd still records
+    device = next(model.parameters()).device
+    n_total = blocks.shape[0]
+    for start in tqdm(range(0, n_total, batch_size), desc="grad scores", unit="batch"):
+        batch = blocks[start : start + batch_size].to(device)
+        logits = model(input_ids=batch, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1), reduction="mean"
+        )
+        (loss * batch.shape[0] / n_total).backward()
+    h, d = adapter.num_heads, adapter.head_k_dim
+    tmp = _atomic_h5(out_path)
+    try:
+        with h5py.File(tmp, "w") as f:
+            for i, (wq, wk) in weights.items():
+                g = f.create_group(f"layer_{i:03d}")
+                for name, w in (("grad_q", wq), ("grad_k", wk)):
+                    if w.grad is None:
+                        raise RuntimeError(f"layer {i}: no gradient reached {name[-1]}_proj")
+                    s = (w.detach().double() * w.grad.double()).abs().sum(dim=1).reshape(h, d)
+                    g.create_dataset(name, data=s.cpu().numpy())
+                g.attrs["layer"] = i
+            meta = {
+                "n_samples": int(n_total),
+                "seq_len": int(blocks.shape[1]),
+                "num_heads": h,
+                "head_k_dim": d,
+                "layers": np.asarray(list(weights), dtype=np.int64),
+                "package_version": __version__,
+                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            }
+            meta.update({k: v for k, v in (attrs or {}).items() if v is not None})
+            for k, v in meta.items():
+                f.attrs[k] = v
+        os.replace(tmp, out_path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    for p in model.parameters():
+        p.grad = None
+    return out_path
+
+
+@dataclass
+class CalibrationFile:
+    """Read access to ``activations.h5`` / ``grad_scores.h5``."""
+
+    path: Path
+
+    def attrs(self) -> dict:
+        with h5py.File(self.path, "r") as f:
+            return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in f.attrs.items()}
+
+    def layers(self) -> list[int]:
+        with h5py.File(self.path, "r") as f:
+            return sorted(int(f[name].attrs["layer"]) for name in f)
+
+    def read(self, layer: int, names: Iterable[str]) -> dict[str, np.ndarray]:
+        with h5py.File(self.path, "r") as f:
+            g = f[f"layer_{layer:03d}"]
+            return {n: g[n][()] for n in names}

@@ -1,0 +1,148 @@
+"""Workflow configuration: schema validation and semantic checks, before any job runs.
+
+``validate_config`` checks ``config.yaml`` against ``schemas/config.schema.yaml`` (unknown keys are
+errors) and then what a schema cannot express: known families and selectors, method tokens, corpus
+and calibration references, and that every targeted (model, pct) leaves at least one channel and a
+representable head size. Every error is one line naming the bad value and the valid choices.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
+
+CALIBRATION_DEFAULTS = {"split": "calib", "n_samples": 32, "seq_len": 256, "seed": 0, "rows_per_head": 2500, "batch_size": 4}
+EVAL_DEFAULTS = {"tasks": ["heldout"], "max_docs": 64, "max_doc_bytes": 2048, "batch_size": 1, "max_length": 2048, "limit": None}
+
+
+class ConfigError(ValueError):
+    """A one-line configuration error."""
+
+
+def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def _where(path) -> str:
+    return ".".join(str(p) for p in path) or "<top level>"
+
+
+def check_schema(config: dict, schema: dict | None = None) -> None:
+    """Raise ConfigError (one line) for the first schema violation, naming where it is."""
+    schema = schema or load_schema()
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(config), key=lambda e: (len(e.path), list(map(str, e.path))))
+    if not errors:
+        return
+    err = errors[0]
+    if err.validator == "oneOf" and list(err.path)[:1] == ["models"]:
+        raise ConfigError(f"config error at {_where(err.path)}: a model needs exactly one of hub, local, pretrain")
+    raise ConfigError(f"config error at {_where(err.path)}: {err.message}")
+
+
+def model_calibration(config: dict, model: str, calib: str = "default") -> dict:
+    """The calibration settings of ``model`` for calibration id ``calib`` (defaults filled)."""
+    cal = dict(CALIBRATION_DEFAULTS)
+    cal.update(config["models"][model].get("calibration", {}))
+    if calib != "default":
+        variants = config.get("calibrations", {})
+        if calib not in variants:
+            raise ConfigError(f"unknown calibration {calib!r}; valid: default, {', '.join(sorted(variants)) or '(none)'}")
+        cal.update(variants[calib])
+    if "corpus" not in cal:
+        raise ConfigError(f"model {model!r} has no calibration corpus (models.{model}.calibration.corpus)")
+    return cal
+
+
+def model_eval(config: dict, model: str) -> dict:
+    ev = dict(EVAL_DEFAULTS)
+    ev.update(config["models"][model].get("eval", {}))
+    return ev
+
+
+def model_dims(config: dict, model: str) -> dict | None:
+    """(num_heads, head_k_dim, head_v_dim) of a model known from config alone, or None."""
+    from statereduce.adapters import adapter_class
+    from statereduce.models import tiny_config
+
+    m = config["models"][model]
+    if "pretrain" in m:
+        cls = adapter_class(m["family"])
+        h, hv, dk, dv = cls.dims(tiny_config(m["family"], m["pretrain"]["arch"]))
+        return {"num_heads": h, "head_k_dim": dk, "head_v_dim": dv}
+    return m.get("dims")
+
+
+def check_reduction(config: dict, model: str, pct: float) -> int:
+    """Check that removing ``pct`` percent of ``model``'s key channels is possible; return d_k'."""
+    from statereduce.adapters import adapter_class
+    from statereduce.selectors import n_keep_for
+
+    if not 0 < pct < 100:
+        raise ConfigError(f"pct {pct} is outside (0, 100): it is the percent of key channels removed")
+    dims = model_dims(config, model)
+    if dims is None or "head_k_dim" not in dims:
+        return -1  # checked when the checkpoint is loaded
+    try:
+        n_keep = n_keep_for(dims["head_k_dim"], pct)
+        if "head_v_dim" in dims:
+            adapter_class(config["models"][model]["family"]).check_reduction(dims["head_k_dim"], dims["head_v_dim"], n_keep)
+    except ValueError as e:
+        raise ConfigError(f"model {model!r} at pct {pct}: {e}") from None
+    return n_keep
+
+
+def check_method(config: dict, method: str) -> None:
+    from statereduce.selectors import parse_method
+
+    try:
+        spec = parse_method(method)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if spec.calib != "default" and spec.calib not in config.get("calibrations", {}):
+        raise ConfigError(
+            f"method {method!r} names calibration {spec.calib!r}; valid: {', '.join(sorted(config.get('calibrations', {}))) or '(none defined)'}"
+        )
+
+
+def validate_config(config: dict, schema: dict | None = None) -> dict:
+    """Validate ``config`` fully; return a copy with defaults filled. Raises ConfigError (one line)."""
+    from statereduce.adapters import adapter_families
+
+    check_schema(config, schema)
+    cfg = copy.deepcopy(config)
+    families = adapter_families()
+    corpora = cfg["corpora"]
+    for name, m in cfg["models"].items():
+        if m["family"] not in families:
+            raise ConfigError(f"model {name!r}: unknown family {m['family']!r}; valid: {', '.join(families)}")
+        m.setdefault("dtype", "float32")
+        m.setdefault("device", "cpu")
+        for where, cname in (("calibration", m.get("calibration", {}).get("corpus")), ("eval", m.get("eval", {}).get("corpus")),
+                             ("pretrain", m.get("pretrain", {}).get("corpus"))):
+            if cname is not None and cname not in corpora:
+                raise ConfigError(f"models.{name}.{where}.corpus: unknown corpus {cname!r}; valid: {', '.join(sorted(corpora))}")
+    for cname, cal in cfg.get("calibrations", {}).items():
+        if "corpus" in cal and cal["corpus"] not in corpora:
+            raise ConfigError(f"calibrations.{cname}.corpus: unknown corpus {cal['corpus']!r}; valid: {', '.join(sorted(corpora))}")
+    t = cfg["targets"]
+    for model in t["models"]:
+        if model not in cfg["models"]:
+            raise ConfigError(f"targets.models: unknown model {model!r}; valid: {', '.join(sorted(cfg['models']))}")
+    for method in t["methods"]:
+        check_method(cfg, method)
+    for model in t["models"]:
+        for pct in t["pcts"]:
+            check_reduction(cfg, model, pct)
+    return cfg
+
+
+def format_pct(pct: float) -> str:
+    """Path form of a pct: 50 -> '50', 37.5 -> '37.5'."""
+    return str(int(pct)) if float(pct).is_integer() else str(pct)

@@ -1,0 +1,503 @@
+"""Corpus sources and token blocks for pretraining, calibration and held-out evaluation.
+
+A corpus is described by a small spec dict (the ``corpus`` entries of ``config.yaml``) and read as a
+list of documents (``str``) per split: ``"train"`` (pretraining the embedded tiny models),
+``"calib"`` (calibration activations / gradient scores, paper Sec. 3.4 and App. B.2) and
+``"heldout"`` (loss/perplexity on text the model never saw). Three sources:
+
+``embedded``
+    An offline corpus that exists on every machine with Python installed: the Python source files
+    of the running interpreter's standard library. Nothing is downloaded. Keys (all optional):
+    ``max_bytes`` (corpus byte budget, default 4,000,000), ``fractions`` (default
+    ``{"train": 0.8, "calib": 0.1, "heldout": 0.1}``; whole files are documents, so the split is
+    lumpy, and 5% gave the calibration split only 3 files on CPython 3.11), ``packages`` (stdlib
+    packages read after the top-level modules, default :data:`EMBEDDED_PACKAGES`). See
+    :func:`embedded_corpus` and :func:`embedded_provenance`.
+``files``
+    Local UTF-8 text files. Either ``paths: [...]`` (all files cut into documents, then split by
+    ``fractions`` with the same stable hash as ``embedded``) or ``splits: {"train": [...],
+    "heldout": [...]}`` (explicit files per split; a split not listed is an error). ``doc_mode``:
+    ``"paragraphs"`` (default: blank-line-separated paragraphs grouped greedily into documents of at
+    least ``doc_bytes`` bytes, default 8192, paragraphs re-joined with one blank line),
+    ``"wikitext"`` (one document per top-level `` = Title = `` heading of the WikiText release) or
+    ``"file"`` (one document per file). Optional ``max_docs``/``max_bytes`` cap each returned split.
+``hf``
+    A Hugging Face dataset through ``datasets.load_dataset(path, name, data_files=..., split=...,
+    revision=..., streaming=...)``. Keys: ``path`` (required), ``name``, ``data_files``, ``revision``,
+    ``cache_dir``, ``streaming`` (default False), ``text_field`` (default ``"text"``), ``splits``
+    (our split -> HF split, default ``{"train": "train", "calib": "train", "heldout": "test"}``; HF
+    slicing such as ``"train[:95%]"`` works when not streaming), ``doc_mode`` (``"rows"``, default:
+    one document per row; ``"paragraphs"``/``"wikitext"``: rows are joined into one text first, as in
+    WikiText-2-raw where each row is a line), ``doc_bytes``, ``max_docs``, ``max_bytes``.
+
+Document order is deterministic for every source; byte caps are hard budgets (documents are taken
+in order while the running total of UTF-8 bytes stays within the budget).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import re
+import sysconfig
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SPLITS = ("train", "calib", "heldout")
+SOURCES = ("embedded", "files", "hf")
+DOC_MODES = ("paragraphs", "wikitext", "file")
+HF_DOC_MODES = ("rows", "paragraphs", "wikitext")
+
+DEFAULT_FRACTIONS = {"train": 0.80, "calib": 0.10, "heldout": 0.10}
+DEFAULT_EMBEDDED_MAX_BYTES = 4_000_000
+DEFAULT_DOC_BYTES = 8192
+DEFAULT_HF_SPLITS = {"train": "train", "calib": "train", "heldout": "test"}
+
+# Pure-Python stdlib packages read (sorted by relative path) after the top-level ``*.py`` modules,
+# when the byte budget asks for more. Packages absent from an interpreter version are skipped.
+EMBEDDED_PACKAGES = (
+    "asyncio",
+    "collections",
+    "concurrent",
+    "email",
+    "html",
+    "http",
+    "importlib",
+    "json",
+    "logging",
+    "multiprocessing",
+    "re",
+    "sqlite3",
+    "tomllib",
+    "unittest",
+    "urllib",
+    "wsgiref",
+    "xml",
+    "xmlrpc",
+    "zoneinfo",
+)
+# Directory names never read, wherever they occur.
+_EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3"})
+
+_WIKITEXT_HEADING = re.compile(r"^ = [^=\n](?:.*[^=\n])? = $", flags=re.M)
+_BLANK_LINES = re.compile(r"\n[ \t]*\n")
+
+
+# ---- shared helpers -------------------------------------------------------------------------------
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+
+
+def _check_keys(spec: dict, allowed: Iterable[str]) -> None:
+    allowed = set(allowed) | {"source"}
+    bad = sorted(set(spec) - allowed)
+    if bad:
+        raise ValueError(f"unknown key(s) {bad} for corpus source {spec.get('source')!r}; valid: {sorted(allowed)}")
+
+
+def _fractions(spec: dict) -> dict[str, float]:
+    fr = dict(spec.get("fractions") or DEFAULT_FRACTIONS)
+    bad = sorted(set(fr) - set(SPLITS))
+    if bad:
+        raise ValueError(f"unknown split(s) {bad} in fractions; valid: {', '.join(SPLITS)}")
+    fr = {s: float(fr.get(s, 0.0)) for s in SPLITS}
+    if any(v < 0 for v in fr.values()) or abs(sum(fr.values()) - 1.0) > 1e-9:
+        raise ValueError(f"fractions must be >= 0 and sum to 1, got {fr}")
+    return fr
+
+
+def hash_fraction(key: str) -> float:
+    """A stable number in [0, 1) from the SHA-1 of ``key`` (independent of Python's hash seed)."""
+    return int(hashlib.sha1(key.encode("utf-8")).hexdigest()[:15], 16) / float(16**15)
+
+
+def split_of(key: str, fractions: dict[str, float]) -> str:
+    """The split a document with stable key ``key`` belongs to, under cumulative ``fractions``."""
+    u = hash_fraction(key)
+    acc = 0.0
+    for s in SPLITS:
+        acc += fractions.get(s, 0.0)
+        if u < acc:
+            return s
+    return [s for s in SPLITS if fractions.get(s, 0.0) > 0][-1]  # u within rounding of 1.0
+
+
+def _cap(docs: Iterable[str], max_docs: int | None = None, max_bytes: int | None = None) -> list[str]:
+    """Documents in order while count <= max_docs and total UTF-8 bytes <= max_bytes."""
+    out: list[str] = []
+    total = 0
+    for d in docs:
+        if max_docs is not None and len(out) >= max_docs:
+            break
+        n = len(d.encode("utf-8"))
+        if max_bytes is not None and total + n > max_bytes:
+            break
+        out.append(d)
+        total += n
+    return out
+
+
+def split_documents(text: str, doc_mode: str, doc_bytes: int = DEFAULT_DOC_BYTES) -> list[str]:
+    """Cut one text into documents.
+
+    Args:
+        text: the whole text (e.g. a file).
+        doc_mode: ``"paragraphs"`` (blank-line-separated paragraphs, grouped greedily until a group
+            has at least ``doc_bytes`` UTF-8 bytes, re-joined with one blank line), ``"wikitext"``
+            (one document per top-level `` = Title = `` line, the heading included; text before the
+            first heading forms its own document when not blank), or ``"file"`` (the whole text).
+        doc_bytes: target document size for ``"paragraphs"``.
+    """
+    if doc_mode == "file":
+        return [text] if text.strip() else []
+    if doc_mode == "wikitext":
+        starts = [m.start() for m in _WIKITEXT_HEADING.finditer(text)]
+        bounds = [0, *starts, len(text)]
+        docs = [text[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        return [d for d in docs if d.strip()]
+    if doc_mode == "paragraphs":
+        if doc_bytes < 1:
+            raise ValueError(f"doc_bytes must be >= 1, got {doc_bytes}")
+        docs, group, size = [], [], 0
+        for p in _BLANK_LINES.split(text):
+            if not p.strip():
+                continue
+            size += len(p.encode("utf-8")) + (2 if group else 0)  # the joined document's size
+            group.append(p)
+            if size >= doc_bytes:
+                docs.append("\n\n".join(group))
+                group, size = [], 0
+        if group:
+            docs.append("\n\n".join(group))
+        return docs
+    raise ValueError(f"unknown doc_mode {doc_mode!r}; valid: {', '.join(DOC_MODES)}")
+
+
+def _sha256_docs(docs: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for d in docs:
+        h.update(d.encode("utf-8"))
+    return h.hexdigest()
+
+
+# ---- embedded: the running interpreter's standard library -----------------------------------------
+def _stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+@functools.lru_cache(maxsize=8)
+def _embedded_files(root: str, max_bytes: int, packages: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    base = Path(root)
+    candidates = sorted(p for p in base.glob("*.py") if p.is_file())
+    pkg_files = []
+    for pkg in packages:
+        d = base / pkg
+        if d.is_dir():
+            pkg_files += [p for p in d.rglob("*.py") if not (_EXCLUDED_DIRS & set(p.relative_to(base).parts[:-1]))]
+    candidates += sorted(pkg_files, key=lambda p: p.relative_to(base).as_posix())
+    out: list[tuple[str, str]] = []
+    total = 0
+    for p in candidates:
+        try:
+            text = p.read_bytes().decode("utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        n = len(text.encode("utf-8"))
+        if total + n > max_bytes:
+            break
+        out.append((p.relative_to(base).as_posix(), text))
+        total += n
+    return tuple(out)
+
+
+def embedded_corpus(max_bytes: int = DEFAULT_EMBEDDED_MAX_BYTES, packages: Sequence[str] = EMBEDDED_PACKAGES):
+    """The embedded corpus: ``[(relative path, text)]`` in corpus order.
+
+    Files: the top-level ``*.py`` modules of ``sysconfig.get_paths()["stdlib"]`` sorted by name, then
+    the ``*.py`` files of ``packages`` sorted by relative path (directories ``test``, ``tests``,
+    ``idlelib``, ``site-packages``, ``lib2to3``, ``__pycache__`` skipped), decoded as UTF-8 (files
+    that do not decode are skipped). Files are taken in that order while the total stays within
+    ``max_bytes``; the first file that would cross the budget ends the corpus. One file = one document.
+
+    Args:
+        max_bytes: byte budget of the whole corpus (UTF-8 bytes).
+        packages: stdlib packages read after the top-level modules.
+    """
+    if max_bytes < 1:
+        raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+    files = _embedded_files(str(_stdlib_root()), int(max_bytes), tuple(packages))
+    if not files:
+        raise ValueError(f"embedded corpus is empty: no readable *.py files under {_stdlib_root()} within {max_bytes} bytes")
+    return list(files)
+
+
+def _embedded_split(spec: dict, split: str) -> list[str]:
+    _check_keys(spec, ("max_bytes", "fractions", "packages"))
+    fr = _fractions(spec)
+    files = embedded_corpus(int(spec.get("max_bytes", DEFAULT_EMBEDDED_MAX_BYTES)), spec.get("packages", EMBEDDED_PACKAGES))
+    return [text for rel, text in files if split_of(rel, fr) == split]
+
+
+def embedded_provenance(spec: dict | None = None) -> dict[str, Any]:
+    """What the embedded corpus is, exactly: interpreter, file count, bytes, SHA-256, split sizes.
+
+    The SHA-256 is over the UTF-8 bytes of all documents concatenated in corpus order (no separators).
+    """
+    spec = dict(spec or {"source": "embedded"})
+    fr = _fractions(spec)
+    max_bytes = int(spec.get("max_bytes", DEFAULT_EMBEDDED_MAX_BYTES))
+    packages = list(spec.get("packages", EMBEDDED_PACKAGES))
+    files = embedded_corpus(max_bytes, packages)
+    per_split = {s: {"n_docs": 0, "bytes": 0} for s in SPLITS}
+    for rel, text in files:
+        s = per_split[split_of(rel, fr)]
+        s["n_docs"] += 1
+        s["bytes"] += len(text.encode("utf-8"))
+    return {
+        "source": "embedded",
+        "python_version": platform.python_version(),
+        "python_implementation": platform.python_implementation(),
+        "stdlib": str(_stdlib_root()),
+        "packages": packages,
+        "max_bytes": max_bytes,
+        "n_files": len(files),
+        "total_bytes": sum(len(t.encode("utf-8")) for _, t in files),
+        "sha256": _sha256_docs([t for _, t in files]),
+        "first_file": files[0][0],
+        "last_file": files[-1][0],
+        "fractions": fr,
+        "splits": per_split,
+        "split_hash": "sha1(relative posix path)[:15 hex] / 16**15, cumulative over train, calib, heldout",
+    }
+
+
+# ---- files: local text files ----------------------------------------------------------------------
+_FILES_KEYS = ("paths", "splits", "doc_mode", "doc_bytes", "fractions", "max_docs", "max_bytes", "encoding")
+
+
+def _read_text(path: str | Path, encoding: str) -> str:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"corpus file {str(p)!r} does not exist (cwd {Path.cwd()})")
+    return p.read_text(encoding=encoding)
+
+
+def _files_docs(paths: Sequence[str], spec: dict) -> list[tuple[str, str]]:
+    """[(stable key, document)] for all files in order; key = '<file name>:<document index>'."""
+    mode = spec.get("doc_mode", "paragraphs")
+    if mode not in DOC_MODES:
+        raise ValueError(f"unknown doc_mode {mode!r}; valid: {', '.join(DOC_MODES)}")
+    out = []
+    for path in paths:
+        docs = split_documents(_read_text(path, spec.get("encoding", "utf-8")), mode, int(spec.get("doc_bytes", DEFAULT_DOC_BYTES)))
+        out += [(f"{Path(path).name}:{i}", d) for i, d in enumerate(docs)]
+    return out
+
+
+def _files_split(spec: dict, split: str) -> list[str]:
+    _check_keys(spec, _FILES_KEYS)
+    if ("paths" in spec) == ("splits" in spec):
+        raise ValueError("corpus source 'files' needs exactly one of 'paths' (split by fractions) or 'splits' (files per split)")
+    if "splits" in spec:
+        explicit = spec["splits"]
+        bad = sorted(set(explicit) - set(SPLITS))
+        if bad:
+            raise ValueError(f"unknown split(s) {bad} in 'splits'; valid: {', '.join(SPLITS)}")
+        if split not in explicit:
+            raise ValueError(f"split {split!r} not listed in corpus 'splits' (listed: {', '.join(explicit)})")
+        docs = [d for _, d in _files_docs(_as_list(explicit[split]), spec)]
+    else:
+        fr = _fractions(spec)
+        docs = [d for key, d in _files_docs(_as_list(spec["paths"]), spec) if split_of(key, fr) == split]
+    return _cap(docs, spec.get("max_docs"), spec.get("max_bytes"))
+
+
+def _as_list(x: str | Sequence[str]) -> list[str]:
+    return [x] if isinstance(x, (str, Path)) else list(x)
+
+
+def _file_record(path: str) -> dict[str, Any]:
+    data = Path(path).expanduser().read_bytes()
+    return {"path": str(path), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+# ---- hf: Hugging Face datasets ----------------------------------------------------------------------
+_HF_KEYS = (
+    "path",
+    "name",
+    "data_files",
+    "revision",
+    "cache_dir",
+    "streaming",
+    "text_field",
+    "splits",
+    "doc_mode",
+    "doc_bytes",
+    "max_docs",
+    "max_bytes",
+)
+
+
+def _hf_split(spec: dict, split: str) -> list[str]:
+    _check_keys(spec, _HF_KEYS)
+    if "path" not in spec:
+        raise ValueError("corpus source 'hf' needs 'path' (a dataset id, or a builder such as 'text'/'json' with data_files)")
+    mode = spec.get("doc_mode", "rows")
+    if mode not in HF_DOC_MODES:
+        raise ValueError(f"unknown doc_mode {mode!r} for source 'hf'; valid: {', '.join(HF_DOC_MODES)}")
+    mapping = dict(spec.get("splits") or DEFAULT_HF_SPLITS)
+    if split not in mapping:
+        raise ValueError(f"split {split!r} not mapped in corpus 'splits' (mapped: {', '.join(mapping)})")
+    import datasets  # lazy: heavy import, only this source needs it
+
+    ds = datasets.load_dataset(
+        spec["path"],
+        spec.get("name"),
+        data_files=spec.get("data_files"),
+        split=mapping[split],
+        revision=spec.get("revision"),
+        cache_dir=spec.get("cache_dir"),
+        streaming=bool(spec.get("streaming", False)),
+    )
+    field = spec.get("text_field", "text")
+    max_docs, max_bytes = spec.get("max_docs"), spec.get("max_bytes")
+    rows = _hf_rows(ds, field)
+    if mode == "rows":
+        return _cap((r for r in rows if r.strip()), max_docs, max_bytes)
+    # join rows into one text (a newline added to rows without one), read only up to the byte budget
+    parts, total = [], 0
+    for r in rows:
+        r = r if r.endswith("\n") else r + "\n"
+        n = len(r.encode("utf-8"))
+        if max_bytes is not None and total + n > max_bytes:
+            break
+        parts.append(r)
+        total += n
+    docs = split_documents("".join(parts), "paragraphs" if mode == "paragraphs" else "wikitext", int(spec.get("doc_bytes", DEFAULT_DOC_BYTES)))
+    return _cap(docs, max_docs, None)
+
+
+def _hf_rows(ds, field: str):
+    for row in ds:
+        if field not in row:
+            raise ValueError(f"text_field {field!r} not in dataset columns {sorted(row)}")
+        yield row[field] or ""
+
+
+# ---- public entry points --------------------------------------------------------------------------
+_LOADERS = {"embedded": _embedded_split, "files": _files_split, "hf": _hf_split}
+
+
+def load_split(spec: dict, split: str) -> list[str]:
+    """Documents of one split of a corpus.
+
+    Args:
+        spec: corpus spec; ``spec["source"]`` is one of ``embedded``, ``files``, ``hf`` and the other
+            keys are those of that source (module docstring).
+        split: ``"train"``, ``"calib"`` or ``"heldout"``.
+
+    Returns:
+        The split's documents, in a deterministic order.
+    """
+    _check_split(split)
+    source = spec.get("source")
+    if source not in _LOADERS:
+        raise ValueError(f"unknown corpus source {source!r}; valid: {', '.join(SOURCES)}")
+    return _LOADERS[source](spec, split)
+
+
+def corpus_provenance(spec: dict) -> dict[str, Any]:
+    """A JSON-serialisable record of what a corpus spec reads (for artifact metadata and the README).
+
+    ``embedded``: :func:`embedded_provenance`. ``files``: the spec plus size and SHA-256 of every file.
+    ``hf``: the spec (dataset id, config name, revision, split mapping) and the ``datasets`` version.
+    """
+    source = spec.get("source")
+    if source == "embedded":
+        return embedded_provenance(spec)
+    if source == "files":
+        _check_keys(spec, _FILES_KEYS)
+        paths = _as_list(spec["paths"]) if "paths" in spec else [p for v in spec["splits"].values() for p in _as_list(v)]
+        return {**spec, "files": [_file_record(p) for p in dict.fromkeys(paths)]}
+    if source == "hf":
+        _check_keys(spec, _HF_KEYS)
+        import datasets
+
+        return {**spec, "splits": dict(spec.get("splits") or DEFAULT_HF_SPLITS), "datasets_version": datasets.__version__}
+    raise ValueError(f"unknown corpus source {source!r}; valid: {', '.join(SOURCES)}")
+
+
+def token_stream(tokenizer, docs: Sequence[str]) -> torch.Tensor:
+    """All documents tokenized once (no special tokens added) and joined with EOS between them.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with ``eos_token_id`` (the byte tokenizer or a hub one).
+        docs: documents in order.
+
+    Returns:
+        A 1-D LongTensor.
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no eos_token_id; documents cannot be separated")
+    docs = [d for d in docs if d]
+    if not docs:
+        return torch.empty(0, dtype=torch.long)
+    flat: list[int] = []
+    for x in tokenizer(list(docs), add_special_tokens=False)["input_ids"]:
+        flat.extend(x)
+        flat.append(eos)
+    flat.pop()  # EOS between documents, none after the last
+    out = torch.tensor(flat, dtype=torch.long)
+    return out
+
+
+def token_blocks(tokenizer, docs: Sequence[str], n_samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """``n_samples`` token blocks of length ``seq_len``, chosen deterministically from ``seed``.
+
+    The documents are joined with EOS (:func:`token_stream`) and cut into non-overlapping blocks of
+    ``seq_len`` tokens (the tail shorter than ``seq_len`` is dropped); ``n_samples`` distinct blocks
+    are drawn by ``torch.randperm`` under a generator seeded with ``seed``, in that random order.
+    This is how calibration samples are drawn (paper App. B.2: N sequences of length L).
+
+    Args:
+        tokenizer: Hugging Face tokenizer.
+        docs: the split's documents (:func:`load_split`).
+        n_samples: number of blocks.
+        seq_len: tokens per block.
+        seed: selection seed.
+
+    Returns:
+        LongTensor ``[n_samples, seq_len]``.
+    """
+    if n_samples < 1 or seq_len < 1:
+        raise ValueError(f"n_samples and seq_len must be >= 1, got n_samples={n_samples}, seq_len={seq_len}")
+    stream = token_stream(tokenizer, docs)
+    n_blocks = stream.numel() // seq_len
+    if n_blocks < n_samples:
+        raise ValueError(
+            f"split too small: {stream.numel()} tokens give {n_blocks} blocks of seq_len={seq_len}, "
+            f"but n_samples={n_samples} were asked"
+        )
+    g = torch.Generator().manual_seed(int(seed))
+    pick = torch.randperm(n_blocks, generator=g)[:n_samples]
+    return stream[: n_blocks * seq_len].view(n_blocks, seq_len)[pick].contiguous()
+
+
+__all__ = [
+    "SPLITS",
+    "SOURCES",
+    "load_split",
+    "corpus_provenance",
+    "embedded_corpus",
+    "embedded_provenance",
+    "split_documents",
+    "split_of",
+    "token_stream",
+    "token_blocks",
+]

@@ -1,0 +1,593 @@
+"""Evaluation through lm-eval-harness, and the ``eval.json`` documents of the workflow.
+
+The paper (Sec. 4, Tables 1-6) reports WikiText-2 word perplexity, LAMBADA perplexity and accuracy,
+ARC-Easy/Challenge, HellaSwag, WinoGrande and PIQA, plus a recall suite. All of them run here
+through lm-eval's own tasks and ``lm_eval.simple_evaluate`` on an already-loaded model wrapped in
+``HFLM``. Offline, the same code path runs *local-file* tasks: :func:`write_perplexity_task` writes
+held-out documents to JSONL plus an lm-eval task YAML that mirrors lm-eval's ``wikitext`` task
+(``loglikelihood_rolling``; word perplexity, byte perplexity, bits per byte with lm-eval's own
+aggregations), and :func:`evaluate_model` is pointed at that folder with ``include_path``.
+
+Documents:
+- :func:`evaluate_model` returns ``{"metrics": {task: {metric: value}}, "lm_eval": {...raw...},
+  "settings": {...}, "timing": {...}}``; metric names are clean (``word_perplexity``), lm-eval's raw
+  keys (``word_perplexity,none``) stay in the raw part.
+- :func:`write_eval_json` writes one checkpoint's ``eval.json``: that result plus a ``state`` block
+  (recurrent-state size, from the adapter) and ``provenance``.
+- :func:`summarize` builds ``results/{model}/{method}_{pct}/eval.json`` from the baseline, pruned
+  and (later) RFT documents.
+
+Recurrent models and HFLM: for ``loglikelihood_rolling`` (and every other loglikelihood request)
+HFLM calls ``model(input_ids)`` with no attention mask (``HFLM._model_call``), right-padding the
+batch. Right padding cannot change earlier positions of a causal model, so batch sizes > 1 give
+the same numbers as 1, and fla never takes its varlen path (which an attention mask would trigger).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import difflib
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import numbers
+import os
+import re
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import statereduce
+
+log = logging.getLogger(__name__)
+
+HELDOUT_TASK = "statereduce_heldout"
+"""Default name of the local held-out perplexity task (prefixed so it never shadows an lm-eval task)."""
+
+PERPLEXITY_METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
+
+EVAL_CFG_KEYS = ("tasks", "batch_size", "max_length", "device", "limit", "bootstrap_iters", "heldout_task")
+"""Keys accepted in the ``eval_cfg`` mapping of :func:`evaluate_and_write`."""
+
+_TASK_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+# Keys of lm-eval's per-task config kept in the raw record (the rest is prompts, functions, filters).
+_CONFIG_KEYS = (
+    "task",
+    "tag",
+    "dataset_path",
+    "dataset_name",
+    "dataset_kwargs",
+    "training_split",
+    "validation_split",
+    "test_split",
+    "fewshot_split",
+    "output_type",
+    "num_fewshot",
+    "metric_list",
+    "repeats",
+    "target_delimiter",
+    "fewshot_delimiter",
+    "metadata",
+)
+# Top-level parts of simple_evaluate's result that are kept (``samples`` is never requested).
+_RAW_KEYS = ("results", "groups", "group_subtasks", "versions", "n-shot", "higher_is_better", "n-samples", "config")
+
+
+# ---------------------------------------------------------------------------------------------
+# local-file tasks
+# ---------------------------------------------------------------------------------------------
+def write_perplexity_task(docs: Sequence[str], task_dir: Path, name: str = HELDOUT_TASK) -> str:
+    """Write ``docs`` as a local lm-eval perplexity task (a JSONL file plus a task YAML).
+
+    The YAML mirrors lm-eval's ``wikitext`` task: ``output_type: loglikelihood_rolling``, empty
+    ``doc_to_text``, the document as target, metrics ``word_perplexity``, ``byte_perplexity`` and
+    ``bits_per_byte`` with lm-eval's default aggregations (weighted perplexity; words counted as
+    ``len(re.split(r"\\s+", doc))``, bytes as UTF-8 bytes). The target is the feature name ``text``
+    rather than the template ``"{{text}}"``: lm-eval returns a feature verbatim, whereas a rendered
+    template that starts with ``[`` and ends with ``]`` is ``ast.literal_eval``-ed into a list.
+    ``datasets`` loads the file with its packaged ``json`` builder (no network); its Arrow cache goes
+    to ``task_dir/.hf_datasets`` so concurrent jobs never share a cache.
+
+    Args:
+        docs: non-empty documents, one request each (split long texts before; lm-eval rolls windows
+            of ``max_length`` tokens over each document, restarting the model's state per window).
+        task_dir: folder for ``{name}.jsonl`` and ``{name}.yaml``; pass it as ``include_path``.
+        name: task name; letters, digits, ``_``, ``.``, ``-``.
+
+    Returns:
+        The task name, to put in the ``tasks`` list of :func:`evaluate_model`.
+    """
+    if not isinstance(name, str) or not _TASK_NAME.match(name):
+        raise ValueError(f"invalid task name {name!r}; use letters, digits, '_', '.', '-' (not starting with '.' or '-')")
+    docs = list(docs)
+    if not docs:
+        raise ValueError("docs is empty; a perplexity task needs at least one document")
+    for i, d in enumerate(docs):
+        if not isinstance(d, str) or not d:
+            raise ValueError(f"docs[{i}] is {d!r}; every document must be a non-empty string")
+    task_dir = Path(task_dir).resolve()
+    task_dir.mkdir(parents=True, exist_ok=True)
+    data_path = task_dir / f"{name}.jsonl"
+    payload = "".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs)
+    _write_text_atomic(data_path, payload)
+    import yaml
+
+    config = {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data_path)}, "cache_dir": str(task_dir / ".hf_datasets")},
+        "output_type": "loglikelihood_rolling",
+        "test_split": "test",
+        "doc_to_text": "",
+        "doc_to_target": "text",
+        "metric_list": [{"metric": m} for m in PERPLEXITY_METRICS],
+        "metadata": {
+            "version": 1.0,
+            "n_docs": len(docs),
+            "sha256": hashlib.sha256(payload.encode("utf-8")).hexdigest(),
+        },
+    }
+    _write_text_atomic(task_dir / f"{name}.yaml", yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# running lm-eval
+# ---------------------------------------------------------------------------------------------
+def evaluate_model(
+    model: nn.Module,
+    tokenizer,
+    tasks: Sequence[str],
+    *,
+    include_path: Path | str | None = None,
+    batch_size: int | str = 1,
+    max_length: int | None = None,
+    device: str | torch.device | None = None,
+    limit: int | float | None = None,
+    bootstrap_iters: int = 100_000,
+    num_fewshot: int | None = None,
+) -> dict:
+    """Evaluate an already-loaded causal LM on lm-eval tasks (paper Sec. 4 metrics).
+
+    Wraps ``model`` in ``lm_eval.models.huggingface.HFLM`` and calls ``lm_eval.simple_evaluate``
+    with a ``TaskManager`` that also indexes ``include_path``. If every requested task lives in
+    ``include_path`` the built-in task index (about 15k YAML files, ~15 s to scan) is skipped.
+
+    Args:
+        model: a loaded ``PreTrainedModel`` (fla DeltaNet/GatedDeltaNet, transformers Mamba2/Qwen3.5, ...).
+            On CPU, call ``statereduce.fla_fallback.install()`` first for fla models.
+        tokenizer: its tokenizer (instance or name/path).
+        tasks: lm-eval task, group or tag names (``"wikitext"``, ``"lambada_openai"``, ...) and/or
+            local task names written by :func:`write_perplexity_task`.
+        include_path: folder(s) with local task YAMLs.
+        batch_size: HFLM batch size (int or ``"auto"``); right padding, no attention mask.
+        max_length: tokens per forward window (rolling-window length for perplexity); ``None`` lets
+            HFLM read it from the config (default 2048).
+        device: move the model there first; ``None`` keeps its current device (HFLM ignores its own
+            ``device`` argument for a pre-loaded model).
+        limit: documents per task (int) or fraction (float < 1); for smoke tests only.
+        bootstrap_iters: lm-eval's bootstrap draws for the stderr of bootstrappable metrics (0: none).
+        num_fewshot: override the tasks' few-shot count (``None``: each task's own default, else 0).
+
+    Returns:
+        ``{"metrics", "lm_eval", "settings", "timing"}``, JSON-serialisable.
+    """
+    if isinstance(tasks, str) or not tasks:
+        raise ValueError(f"tasks must be a non-empty list of task names, got {tasks!r}")
+    tasks = list(tasks)
+    if isinstance(batch_size, int) and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 or 'auto', got {batch_size}")
+    if max_length is not None and max_length < 2:
+        raise ValueError(f"max_length must be >= 2 or None, got {max_length}")
+
+    t0 = time.perf_counter()
+    task_manager = build_task_manager(tasks, include_path)
+    t_index = time.perf_counter() - t0
+
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    if device is not None:
+        model.to(device)
+    was_training = model.training
+    lm = HFLM(
+        pretrained=model,
+        tokenizer=tokenizer,
+        backend="causal",
+        batch_size=batch_size,
+        max_length=max_length,
+        device=str(model.device),
+    )
+    t1 = time.perf_counter()
+    try:
+        out = simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            task_manager=task_manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            bootstrap_iters=bootstrap_iters,
+            log_samples=False,
+        )
+    finally:
+        model.train(was_training)
+    t_eval = time.perf_counter() - t1
+    if out is None:  # only non-zero ranks get None; we never run distributed here
+        raise RuntimeError("lm_eval.simple_evaluate returned no results")
+
+    settings = {
+        "tasks": tasks,
+        "include_path": [str(Path(p).resolve()) for p in _as_list(include_path)],
+        "batch_size": batch_size,
+        "max_length": int(lm.max_length),
+        "device": str(model.device),
+        "dtype": str(next(model.parameters()).dtype),
+        "limit": limit,
+        "bootstrap_iters": bootstrap_iters,
+        "num_fewshot": num_fewshot,
+        "prefix_token_id": int(lm.prefix_token_id),
+    }
+    return {
+        "metrics": clean_metrics(out["results"]),
+        "lm_eval": _jsonable(_raw_lm_eval(out)),
+        "settings": _jsonable(settings),
+        "timing": {"task_index_s": round(t_index, 3), "evaluate_s": round(t_eval, 3)},
+    }
+
+
+def build_task_manager(tasks: Sequence[str], include_path: Path | str | Sequence[Path | str] | None = None):
+    """A ``TaskManager`` that knows every task in ``tasks``; a clear ``ValueError`` for unknown names.
+
+    Local tasks only: the built-in index is skipped (fast). Otherwise lm-eval's full index plus
+    ``include_path`` (later paths take precedence).
+    """
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(Path(p).resolve()) for p in _as_list(include_path)]
+    for p in paths:
+        if not Path(p).is_dir():
+            raise ValueError(f"include_path {p!r} is not a folder")
+    if paths:
+        local = TaskManager(include_path=paths, include_defaults=False)
+        if all(_known(local, t) for t in tasks):
+            return local
+    manager = TaskManager(include_path=paths or None)
+    for t in tasks:
+        if not _known(manager, t):
+            close = difflib.get_close_matches(t, manager.all_tasks, n=5, cutoff=0.6)
+            hint = f"; close matches: {', '.join(close)}" if close else ""
+            where = f" (searched lm-eval's tasks and {', '.join(paths)})" if paths else " (searched lm-eval's tasks)"
+            raise ValueError(f"unknown lm-eval task {t!r}{where}{hint}")
+    return manager
+
+
+def clean_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """lm-eval's ``results`` with clean metric names: ``{task: {metric: value}}``.
+
+    ``"word_perplexity,none"`` becomes ``"word_perplexity"``; a non-default filter is kept as
+    ``"exact_match/flexible-extract"``; stderrs keep their ``_stderr`` suffix and are dropped when
+    lm-eval has none (``"N/A"``). ``alias`` and other non-numeric entries are dropped.
+    """
+    clean: dict[str, dict[str, Any]] = {}
+    for task, res in results.items():
+        row: dict[str, Any] = {}
+        for key, value in res.items():
+            if "," not in key or isinstance(value, bool) or not isinstance(value, numbers.Real):
+                continue
+            metric, filt = key.split(",", 1)
+            row[metric if filt == "none" else f"{metric}/{filt}"] = _jsonable(float(value))
+        clean[task] = row
+    return clean
+
+
+def _known(manager, task: str) -> bool:
+    return task in manager.all_tasks or (task.endswith((".yaml", ".yml")) and Path(task).is_file())
+
+
+def _raw_lm_eval(out: Mapping[str, Any]) -> dict:
+    raw = {k: out[k] for k in _RAW_KEYS if k in out}
+    raw["configs"] = {
+        task: {k: cfg[k] for k in _CONFIG_KEYS if k in cfg and cfg[k] is not None}
+        for task, cfg in out.get("configs", {}).items()
+    }
+    for k in ("date", "git_hash", "lm_eval_version", "transformers_version"):
+        if k in out:
+            raw[k] = out[k]
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------
+# eval.json of one checkpoint
+# ---------------------------------------------------------------------------------------------
+def state_record(model: nn.Module, dtype_bytes: int = 4) -> dict:
+    """The recurrent-state block of ``eval.json``, from the model's adapter (paper Sec. 2: state d_k x d_v per head).
+
+    Args:
+        model: a loaded model whose family has an adapter.
+        dtype_bytes: bytes per state element (fp32 state by default, as fla keeps it).
+    """
+    import statereduce.adapters  # noqa: F401  (registers the family adapters)
+    from statereduce.adapters.base import get_adapter
+
+    adapter = get_adapter(model)
+    shape = adapter.state_shape()
+    return {
+        "state_bytes_per_sequence": int(adapter.state_bytes(dtype_bytes)),
+        "dtype_bytes": int(dtype_bytes),
+        "d_k": int(shape.d_k),
+        "d_v": int(shape.d_v),
+        "num_heads": int(shape.num_heads),
+        "layers": int(adapter.num_mixer_layers()),
+        "conv_elems_per_layer": int(shape.conv_elems),
+    }
+
+
+def eval_record(
+    result: Mapping[str, Any],
+    state: Mapping[str, Any],
+    *,
+    checkpoint: str | Path | None = None,
+    model_id: str | None = None,
+    extra_provenance: Mapping[str, Any] | None = None,
+) -> dict:
+    """The ``eval.json`` document of one checkpoint: ``result`` + ``state`` + ``provenance``.
+
+    Args:
+        result: the output of :func:`evaluate_model`.
+        state: the output of :func:`state_record` (must hold ``state_bytes_per_sequence``).
+        checkpoint: path of the evaluated checkpoint (or hub id).
+        model_id: the workflow's model name (``{model}`` wildcard).
+        extra_provenance: more provenance fields (stage, method, pct, revision, ...).
+    """
+    for key in ("metrics", "settings"):
+        if key not in result:
+            raise ValueError(f"result lacks {key!r}; pass the output of evaluate_model (keys: {sorted(result)})")
+    if "state_bytes_per_sequence" not in state:
+        raise ValueError(f"state lacks 'state_bytes_per_sequence' (keys: {sorted(state)}); use state_record(model)")
+    provenance = {
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "model_id": model_id,
+        "tasks": list(result["settings"].get("tasks", [])),
+        "settings": dict(result["settings"]),
+        **versions(),
+        "date": _now(),
+    }
+    provenance.update(extra_provenance or {})
+    return _jsonable({**result, "state": dict(state), "provenance": provenance})
+
+
+def write_eval_json(path: str | Path, result: Mapping[str, Any], extra: Mapping[str, Any]) -> dict:
+    """Write a checkpoint's ``eval.json`` atomically and return the document.
+
+    Args:
+        path: output file.
+        result: the output of :func:`evaluate_model`.
+        extra: ``{"state": state_record(model), "checkpoint": ..., "model_id": ..., <more provenance>}``;
+            ``state`` is required, every other key goes into ``provenance``.
+    """
+    if "state" not in extra:
+        raise ValueError(f"extra lacks 'state' (keys: {sorted(extra)}); pass {{'state': state_record(model), ...}}")
+    rest = {k: v for k, v in extra.items() if k not in ("state", "checkpoint", "model_id")}
+    doc = eval_record(
+        result, extra["state"], checkpoint=extra.get("checkpoint"), model_id=extra.get("model_id"), extra_provenance=rest
+    )
+    write_json_atomic(path, doc)
+    return doc
+
+
+def evaluate_and_write(
+    model: nn.Module,
+    tokenizer,
+    out_path: str | Path,
+    *,
+    eval_cfg: Mapping[str, Any],
+    heldout_docs: Sequence[str] | None = None,
+    task_dir: str | Path | None = None,
+    checkpoint: str | Path | None = None,
+    model_id: str | None = None,
+    extra_provenance: Mapping[str, Any] | None = None,
+) -> dict:
+    """Evaluate a loaded model and write its ``eval.json`` (the whole body of an evaluation rule).
+
+    Args:
+        model: loaded model (fla on CPU: ``fla_fallback.install()`` first).
+        tokenizer: its tokenizer.
+        out_path: the ``eval.json`` to write.
+        eval_cfg: ``tasks`` (lm-eval names, may be empty when ``heldout_docs`` is given),
+            ``batch_size`` (1), ``max_length`` (None: from config), ``device`` (None: keep),
+            ``limit`` (None), ``bootstrap_iters`` (100000), ``heldout_task`` (``statereduce_heldout``).
+        heldout_docs: held-out documents; when given, a local perplexity task is written to
+            ``task_dir`` and evaluated first.
+        task_dir: folder for the local task (default: a folder next to ``out_path``).
+        checkpoint, model_id, extra_provenance: provenance fields.
+
+    Returns:
+        The written document.
+    """
+    unknown = sorted(set(eval_cfg) - set(EVAL_CFG_KEYS))
+    if unknown:
+        raise ValueError(f"unknown eval_cfg keys {unknown}; valid: {', '.join(EVAL_CFG_KEYS)}")
+    tasks = list(eval_cfg.get("tasks") or [])
+    include_path = None
+    if heldout_docs is not None:
+        task_dir = Path(task_dir) if task_dir is not None else Path(out_path).parent / "lm_eval_tasks"
+        name = write_perplexity_task(heldout_docs, task_dir, eval_cfg.get("heldout_task", HELDOUT_TASK))
+        tasks = [name] + [t for t in tasks if t != name]
+        include_path = task_dir
+    if not tasks:
+        raise ValueError("nothing to evaluate: eval_cfg['tasks'] is empty and no heldout_docs were given")
+    result = evaluate_model(
+        model,
+        tokenizer,
+        tasks,
+        include_path=include_path,
+        batch_size=eval_cfg.get("batch_size", 1),
+        max_length=eval_cfg.get("max_length"),
+        device=eval_cfg.get("device"),
+        limit=eval_cfg.get("limit"),
+        bootstrap_iters=eval_cfg.get("bootstrap_iters", 100_000),
+    )
+    extra = {"state": state_record(model), "checkpoint": checkpoint, "model_id": model_id, **(extra_provenance or {})}
+    return write_eval_json(out_path, result, extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# the summary results/{model}/{method}_{pct}/eval.json
+# ---------------------------------------------------------------------------------------------
+def summarize(
+    baseline_eval: Mapping[str, Any],
+    pruned_eval: Mapping[str, Any],
+    rft_eval: Mapping[str, Any] | None,
+    meta: Mapping[str, Any],
+) -> dict:
+    """The summary ``eval.json`` the user asks for: metrics before/after pruning (and after RFT), state size.
+
+    Args:
+        baseline_eval: ``eval.json`` document of the unpruned model.
+        pruned_eval: ``eval.json`` of the pruned checkpoint.
+        rft_eval: ``eval.json`` of the recovery-fine-tuned checkpoint, or ``None`` (slot stays null).
+        meta: ``model``, ``method``, ``pct`` (percent of key channels removed, paper's "compression");
+            any other keys go into ``provenance``.
+
+    Returns:
+        ``{"model", "method", "pct", "metrics": {"baseline", "pruned", "rft"}, "state": {"bytes_before",
+        "bytes_after", "ratio"}, "provenance"}``. Raises ``ValueError`` if the documents were evaluated
+        on different tasks or windows (their metrics would not be comparable).
+    """
+    missing = [k for k in ("model", "method", "pct") if k not in meta]
+    if missing:
+        raise ValueError(f"meta lacks {missing}; required: model, method, pct")
+    docs = {"baseline": baseline_eval, "pruned": pruned_eval}
+    if rft_eval is not None:
+        docs["rft"] = rft_eval
+    for stage, doc in docs.items():
+        for key in ("metrics", "state"):
+            if key not in doc:
+                raise ValueError(f"{stage} eval lacks {key!r} (keys: {sorted(doc)}); pass an eval.json document")
+    ref = _comparable(baseline_eval)
+    for stage, doc in docs.items():
+        if _comparable(doc) != ref:
+            raise ValueError(f"{stage} eval settings {_comparable(doc)} differ from baseline's {ref}; not comparable")
+    before = int(baseline_eval["state"]["state_bytes_per_sequence"])
+    after = int(pruned_eval["state"]["state_bytes_per_sequence"])
+    if rft_eval is not None and int(rft_eval["state"]["state_bytes_per_sequence"]) != after:
+        raise ValueError(
+            f"RFT state bytes {rft_eval['state']['state_bytes_per_sequence']} != pruned state bytes {after}; "
+            "RFT must not change shapes"
+        )
+    provenance = {
+        "evals": {stage: _brief_provenance(doc) for stage, doc in docs.items()},
+        **{k: v for k, v in meta.items() if k not in ("model", "method", "pct")},
+        "statereduce_version": statereduce.__version__,
+        "date": _now(),
+    }
+    return _jsonable(
+        {
+            "model": meta["model"],
+            "method": meta["method"],
+            "pct": meta["pct"],
+            "metrics": {
+                "baseline": baseline_eval["metrics"],
+                "pruned": pruned_eval["metrics"],
+                "rft": rft_eval["metrics"] if rft_eval is not None else None,
+            },
+            "state": {
+                "bytes_before": before,
+                "bytes_after": after,
+                "ratio": after / before if before else None,
+                "d_k_before": baseline_eval["state"].get("d_k"),
+                "d_k_after": pruned_eval["state"].get("d_k"),
+            },
+            "provenance": provenance,
+        }
+    )
+
+
+def _comparable(doc: Mapping[str, Any]) -> dict:
+    s = doc.get("settings") or doc.get("provenance", {}).get("settings") or {}
+    return {"tasks": sorted(doc["metrics"]), "max_length": s.get("max_length"), "limit": s.get("limit")}
+
+
+def _brief_provenance(doc: Mapping[str, Any]) -> dict:
+    p = doc.get("provenance", {})
+    return {k: p.get(k) for k in ("checkpoint", "model_id", "date", "statereduce_version", "lm_eval_version")}
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def versions() -> dict[str, str | None]:
+    """Versions of the packages an evaluation depends on."""
+    out: dict[str, str | None] = {"statereduce_version": statereduce.__version__, "torch_version": torch.__version__}
+    for key, dist in (
+        ("lm_eval_version", "lm_eval"),
+        ("transformers_version", "transformers"),
+        ("datasets_version", "datasets"),
+        ("fla_version", "flash-linear-attention"),
+    ):
+        try:
+            out[key] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[key] = None
+    return out
+
+
+def write_json_atomic(path: str | Path, doc: Any) -> None:
+    """Write ``doc`` as strict JSON (non-finite floats as strings) via a temp file and ``os.replace``."""
+    text = json.dumps(_jsonable(doc), indent=2, sort_keys=False, allow_nan=False) + "\n"
+    _write_text_atomic(Path(path), text)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _jsonable(obj: Any) -> Any:
+    """A JSON-serialisable copy: numpy/torch scalars to Python, dtypes/paths/callables to str,
+    non-finite floats to the strings ``"nan"``, ``"inf"``, ``"-inf"``."""
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, str, int)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else str(obj)
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 0) == 0:
+        return _jsonable(obj.item())
+    if callable(obj):
+        return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
+    return str(obj)
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return []
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    return [x]
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

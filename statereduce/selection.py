@@ -1,0 +1,150 @@
+"""Per-head channel selections: run a selector over a model and store the result as Parquet.
+
+``results/{model}/select/{method}_{pct}.parquet`` holds one row per (layer, head) with the kept
+channel indices (sorted) and, where the selector has scores, their scores. The file's key/value
+metadata records selector, variant, pct, d_k, d_k', calibration id, seed, options and version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from statereduce import __version__
+from statereduce.adapters import get_adapter
+from statereduce.capture import CalibrationFile
+from statereduce.selectors import HeadData, get_selector, n_keep_for, parse_method, select_heads
+
+
+def _head_data_iter(model, needs: set[str], variant: str, activations: Path | None, grads: Path | None):
+    """Yield (layer, head, HeadData) with only the fields the selector needs."""
+    adapter = get_adapter(model)
+    h, d = adapter.num_heads, adapter.head_k_dim
+    acts = CalibrationFile(activations) if activations is not None else None
+    grad = CalibrationFile(grads) if grads is not None else None
+    for layer, mixer in adapter.mixer_layers():
+        wq = wk = None
+        if "weights" in needs:
+            wq_t, wk_t = adapter.qk_weights(mixer)
+            wq = wq_t.detach().float().cpu().numpy().reshape(h, d, -1)
+            wk = wk_t.detach().float().cpu().numpy().reshape(h, d, -1)
+        a = acts.read(layer, [n for n in ("K", "Q", "xnorm") if _wanted(n, needs)]) if acts else {}
+        g = grad.read(layer, ["grad_q", "grad_k"]) if grad and "grad" in needs else {}
+        for head in range(h):
+            yield layer, head, HeadData(
+                W_q=None if wq is None else wq[head],
+                W_k=None if wk is None else wk[head],
+                K=a["K"][head] if "K" in a else None,
+                Q=a["Q"][head] if "Q" in a else None,
+                xnorm=a.get("xnorm"),
+                grad_q=g["grad_q"][head] if g else None,
+                grad_k=g["grad_k"][head] if g else None,
+            )
+
+
+def _wanted(name: str, needs: set[str]) -> bool:
+    return ("activations" in needs and name in ("K", "Q")) or ("xnorm" in needs and name == "xnorm")
+
+
+def run_selection(
+    model: torch.nn.Module,
+    method: str,
+    pct: float,
+    *,
+    activations: str | Path | None = None,
+    grads: str | Path | None = None,
+    seed: int = 0,
+    options: dict | None = None,
+) -> tuple[list[tuple[int, int, object]], dict]:
+    """Select channels for every (layer, head) of ``model``.
+
+    Args:
+        model: the base model (weights are read from it for weight-based selectors).
+        method: method token, e.g. ``drrqr``, ``l1-q``, ``grad.shakespeare`` (see ``parse_method``).
+        pct: percent of key channels removed.
+        activations: ``activations.h5`` (needed by activation/xnorm-based selectors).
+        grads: ``grad_scores.h5`` (needed by ``grad``).
+        seed: selection seed (``rand``; tie-breaking elsewhere is deterministic).
+        options: selector options from the config (e.g. DRRQR's ``f``).
+
+    Returns:
+        (rows, meta): rows of (layer, head, HeadSelection) and the file metadata.
+    """
+    spec = parse_method(method)
+    selector = get_selector(spec.selector)
+    adapter = get_adapter(model)
+    d_k = adapter.head_k_dim
+    n_keep = n_keep_for(d_k, pct)
+    needs = set(selector.needs)
+    if needs & {"activations", "xnorm"} and activations is None:
+        raise ValueError(f"selector {spec.selector!r} needs calibration activations (activations.h5)")
+    if "grad" in needs and grads is None:
+        raise ValueError(f"selector {spec.selector!r} needs gradient scores (grad_scores.h5)")
+    heads = _head_data_iter(
+        model,
+        needs,
+        spec.variant,
+        Path(activations) if activations and needs & {"activations", "xnorm"} else None,
+        Path(grads) if grads and "grad" in needs else None,
+    )
+    rows = select_heads(selector, heads, n_keep, spec.variant, seed, options or {})
+    meta = {
+        "method": method,
+        "selector": spec.selector,
+        "variant": spec.variant,
+        "calibration": spec.calib,
+        "pct": pct,
+        "d_k": d_k,
+        "d_k_new": n_keep,
+        "num_heads": adapter.num_heads,
+        "seed": seed,
+        "options": options or {},
+        "package_version": __version__,
+    }
+    return rows, meta
+
+
+def write_selection(path: str | Path, rows, meta: dict) -> Path:
+    """Write the selection Parquet file atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table(
+        {
+            "layer": pa.array([r[0] for r in rows], pa.int32()),
+            "head": pa.array([r[1] for r in rows], pa.int32()),
+            "keep": pa.array([np.asarray(r[2].keep, dtype=np.int64).tolist() for r in rows], pa.list_(pa.int64())),
+            "scores": pa.array(
+                [None if r[2].scores is None else np.asarray(r[2].scores, np.float64).tolist() for r in rows],
+                pa.list_(pa.float64()),
+            ),
+        }
+    )
+    table = table.replace_schema_metadata({"statereduce": json.dumps(meta, sort_keys=True)})
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def read_selection(path: str | Path) -> tuple[dict[int, torch.Tensor], dict]:
+    """Read a selection file: ({layer: LongTensor [H, d_k']}, metadata)."""
+    table = pq.read_table(path)
+    meta = json.loads(table.schema.metadata[b"statereduce"])
+    df = table.to_pydict()
+    by_layer: dict[int, dict[int, list[int]]] = {}
+    for layer, head, keep in zip(df["layer"], df["head"], df["keep"]):
+        by_layer.setdefault(layer, {})[head] = keep
+    keep = {
+        layer: torch.tensor([heads[h] for h in sorted(heads)], dtype=torch.long) for layer, heads in by_layer.items()
+    }
+    return keep, meta

@@ -1,0 +1,13 @@
+"""rule base_source: write results/{model}/base/source.json for a hub or local checkpoint."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+from statereduce.runtime import start  # noqa: E402
+
+log = start(snakemake.log[0])
+from statereduce.models import write_hub_source  # noqa: E402
+
+src = snakemake.params.source
+write_hub_source(Path(snakemake.output[0]).parent, src["hub_id"], src["revision"], src["dtype"])
+log.info("wrote %s", snakemake.output[0])

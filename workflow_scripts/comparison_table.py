@@ -1,0 +1,14 @@
+"""rule comparison_table: results/tables/comparison.{md,csv} from every targeted summary."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+from statereduce.runtime import read_json, start  # noqa: E402
+
+log = start(snakemake.log[0])
+from statereduce.tables import write_comparison  # noqa: E402
+
+summaries = [read_json(p) for p in snakemake.input.summaries]
+baselines = {Path(p).parts[-3]: read_json(p) for p in snakemake.input.baselines}
+df = write_comparison(summaries, baselines, snakemake.output.md, snakemake.output.csv)
+log.info("wrote %d rows to %s", len(df), snakemake.output.md)

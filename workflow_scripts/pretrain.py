@@ -1,0 +1,15 @@
+"""rule pretrain: train an embedded tiny model into results/{model}/base/."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+from statereduce.runtime import start  # noqa: E402
+
+log = start(snakemake.log[0], snakemake.threads)
+from statereduce.pretrain import pretrain  # noqa: E402
+
+p = snakemake.params.pretrain
+out_dir = Path(snakemake.output.marker).parent
+pretrain(snakemake.params.family, p["arch"], snakemake.params.corpus, p["train"], out_dir,
+         log_path=Path(snakemake.log[0]).with_suffix(".jsonl"))
+log.info("trained %s into %s", snakemake.wildcards.model, out_dir)

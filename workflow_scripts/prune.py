@@ -1,0 +1,19 @@
+"""rule prune: results/{model}/{method}_{pct}/pruned/ (HF checkpoint + prune_record.json)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+from statereduce.runtime import start  # noqa: E402
+
+log = start(snakemake.log[0], snakemake.threads)
+from statereduce.models import load_model  # noqa: E402
+from statereduce.selection import read_selection  # noqa: E402
+from statereduce.slicing import prune_model, save_pruned  # noqa: E402
+
+info = snakemake.params.info
+model, tokenizer = load_model(Path(snakemake.input.base).parent, dtype=info["dtype"], device="cpu")
+keep, meta = read_selection(snakemake.input.selection)
+meta.update(source=str(Path(snakemake.input.base).parent), selection=snakemake.input.selection)
+record = prune_model(model, keep, meta)
+save_pruned(model, tokenizer, record, Path(snakemake.output.record).parent)
+log.info("pruned d_k %s -> %s", meta["d_k"], meta["d_k_new"])

@@ -1,0 +1,16 @@
+"""rule summarize: results/{model}/{method}_{pct}/eval.json from the baseline and pruned evaluations."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+from statereduce.runtime import read_json, start, write_json  # noqa: E402
+
+log = start(snakemake.log[0])
+from statereduce.evaluate import summarize  # noqa: E402
+
+record = read_json(snakemake.input.record)
+meta = {"model": snakemake.wildcards.model, "method": snakemake.wildcards.method,
+        "pct": float(snakemake.wildcards.pct), "prune_record": record}
+summary = summarize(read_json(snakemake.input.baseline), read_json(snakemake.input.pruned), None, meta)
+write_json(snakemake.output[0], summary)
+log.info("wrote %s", snakemake.output[0])
