@@ -124,10 +124,13 @@ def get_select_inputs(wildcards):
 
 
 def get_selector_options(wildcards):
+    """The selector's own options from ``selectors.<name>`` (other keys there belong to other rules)."""
+    from statereduce.selectors import get_selector
+
     spec = parse_method(wildcards.method)
-    opts = dict(CFG.get("selectors", {}).get(spec.selector, {}))
-    seed = opts.pop("seed", 0)
-    return {"options": opts, "seed": seed}
+    block = CFG.get("selectors", {}).get(spec.selector, {})
+    opts = {k: v for k, v in block.items() if k in get_selector(spec.selector).options}
+    return {"options": opts, "seed": block.get("seed", 0)}
 
 
 def get_eval(wildcards):

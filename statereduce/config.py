@@ -73,9 +73,8 @@ def model_dims(config: dict, model: str) -> dict | None:
 
     m = config["models"][model]
     if "pretrain" in m:
-        cls = adapter_class(m["family"])
-        h, hv, dk, dv = cls.dims(tiny_config(m["family"], m["pretrain"]["arch"]))
-        return {"num_heads": h, "head_k_dim": dk, "head_v_dim": dv}
+        d = adapter_class(m["family"]).dims(tiny_config(m["family"], m["pretrain"]["arch"]))
+        return {"num_heads": d.num_heads, "head_k_dim": d.head_k_dim, "head_v_dim": d.head_v_dim}
     return m.get("dims")
 
 

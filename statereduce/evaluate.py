@@ -158,7 +158,8 @@ def evaluate_model(
 ) -> dict:
     """Evaluate an already-loaded causal LM on lm-eval tasks (paper Sec. 4 metrics).
 
-    Wraps ``model`` in ``lm_eval.models.huggingface.HFLM`` and calls ``lm_eval.simple_evaluate``
+    Wraps ``model`` in ``lm_eval.models.huggingface.HFLM`` (scoring without building a cache, see
+    :func:`_scoring_hflm_class`) and calls ``lm_eval.simple_evaluate``
     with a ``TaskManager`` that also indexes ``include_path``. If every requested task lives in
     ``include_path`` the built-in task index (about 15k YAML files, ~15 s to scan) is skipped.
 
@@ -194,12 +195,11 @@ def evaluate_model(
     t_index = time.perf_counter() - t0
 
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
 
     if device is not None:
         model.to(device)
     was_training = model.training
-    lm = HFLM(
+    lm = _scoring_hflm_class()(
         pretrained=model,
         tokenizer=tokenizer,
         backend="causal",
@@ -268,6 +268,40 @@ def build_task_manager(tasks: Sequence[str], include_path: Path | str | Sequence
             where = f" (searched lm-eval's tasks and {', '.join(paths)})" if paths else " (searched lm-eval's tasks)"
             raise ValueError(f"unknown lm-eval task {t!r}{where}{hint}")
     return manager
+
+
+def _scoring_hflm_class():
+    """``HFLM`` with one change: scoring forwards pass ``use_cache=False``.
+
+    ``HFLM._model_call`` runs ``model(input_ids)``, so a recurrent model whose config says
+    ``use_cache=True`` (fla's default) also builds and returns its recurrent and conv states for
+    every scoring batch: wasted memory, and on CPU about twice the time. Generation
+    (``_model_generate``) is untouched and keeps its cache. Defined lazily so that importing this
+    module does not import lm-eval (~10 s).
+    """
+    global _ScoringHFLM
+    if _ScoringHFLM is None:
+        from lm_eval.models.huggingface import HFLM
+
+        class ScoringHFLM(HFLM):
+            def _model_call(self, inps, attn_mask=None, labels=None):
+                if attn_mask is not None or labels is not None:  # seq2seq only
+                    return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+                with (
+                    torch.no_grad(),
+                    torch.autocast(
+                        device_type=self.device.type,
+                        dtype=self.mixed_precision_dtype,
+                        enabled=self.mixed_precision_dtype is not None,
+                    ),
+                ):
+                    return self.model(inps, use_cache=False).logits
+
+        _ScoringHFLM = ScoringHFLM
+    return _ScoringHFLM
+
+
+_ScoringHFLM = None
 
 
 def clean_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:

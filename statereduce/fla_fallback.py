@@ -234,23 +234,28 @@ def _chunk_core(
         rhs_k = k_beta
     A = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    X = torch.linalg.solve_triangular(A + eye, torch.cat([v_beta, rhs_k], dim=-1), upper=False, unitriangular=True)
-    u0, w = X[..., :V], X[..., V:]
+    # (I + A)^{-1}; an identity right-hand side is cheaper than solving for [v_beta, rhs_k] (C < K + V columns)
+    T_inv = torch.linalg.solve_triangular(A + eye, eye.expand_as(A), upper=False, unitriangular=True)
+    u0 = T_inv @ v_beta
+    w = T_inv @ rhs_k
     intra = (q @ k.transpose(-1, -2)) * decay
 
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state
+    # unbind (not indexing) along the chunk dim: its backward is one stack instead of N zero-filled scatters
+    u0_c, w_c, intra_c, k_c = u0.unbind(2), w.unbind(2), intra.unbind(2), k.unbind(2)
+    q_c = (q if G is None else q * gamma).unbind(2)
+    if G is not None:
+        g_last = G[..., -1:]  # [B, H, n, 1]
+        k_dec_c = (k * (g_last - G).exp().unsqueeze(-1)).unbind(2)
+        s_dec_c = g_last.exp().unsqueeze(-1).unbind(2)  # [B, H, 1, 1] each
     outs = []
     for i in range(n):
-        u = u0[:, :, i] - w[:, :, i] @ S
-        q_i = q[:, :, i] if G is None else q[:, :, i] * gamma[:, :, i]
-        outs.append(q_i @ S + intra[:, :, i] @ u)
-        k_i = k[:, :, i]
+        u = u0_c[i] - w_c[i] @ S
+        outs.append(q_c[i] @ S + intra_c[i] @ u)
         if G is None:
-            S = S + k_i.transpose(-1, -2) @ u
+            S = S + k_c[i].transpose(-1, -2) @ u
         else:
-            g_last = G[:, :, i, -1:]  # [B, H, 1]
-            k_dec = k_i * (g_last - G[:, :, i]).exp().unsqueeze(-1)
-            S = S * g_last.exp().unsqueeze(-1) + k_dec.transpose(-1, -2) @ u
+            S = S * s_dec_c[i] + k_dec_c[i].transpose(-1, -2) @ u
     o = torch.stack(outs, dim=2).reshape(B, H, n * C, V)[:, :, :T].transpose(1, 2)
     return o, (S if output_final_state else None)
 

@@ -7,8 +7,10 @@ metadata records selector, variant, pct, d_k, d_k', calibration id, seed, option
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,23 @@ from statereduce import __version__
 from statereduce.adapters import get_adapter
 from statereduce.capture import CalibrationFile
 from statereduce.selectors import HeadData, get_selector, n_keep_for, parse_method, select_heads
+
+
+def selector_code_files(name: str) -> list[str]:
+    """Source files a selector's results depend on: its own module plus the statereduce modules it uses
+    (e.g. ``rrqr.py`` for ``drrqr``), excluding the shared registry. The workflow makes these inputs of
+    that selector's jobs only, so editing one selector reruns only its selections."""
+    selector = get_selector(name)
+    module = sys.modules[selector.fn.__module__]
+    files = {selector.source_file}
+    for value in vars(module).values():
+        owner = value if inspect.ismodule(value) else sys.modules.get(getattr(value, "__module__", "") or "")
+        mod_name = getattr(owner, "__name__", "")
+        if mod_name.startswith("statereduce.") and not mod_name.startswith("statereduce.selectors.registry"):
+            src = getattr(owner, "__file__", None)
+            if src and mod_name != "statereduce.selectors":
+                files.add(os.path.abspath(src))
+    return sorted(files)
 
 
 def _head_data_iter(model, needs: set[str], variant: str, activations: Path | None, grads: Path | None):

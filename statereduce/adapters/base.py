@@ -160,11 +160,14 @@ class LinearAttentionAdapter(ABC):
         return new
 
     @classmethod
-    def check_d_k_new(cls, config, d_k_new: int) -> None:
-        """Raise a one-line ValueError unless 1 <= d_k_new <= d_k is an int."""
-        d_k = cls.dims(config).head_k_dim
-        if isinstance(d_k_new, bool) or not isinstance(d_k_new, int) or not 1 <= d_k_new <= d_k:
-            raise ValueError(f"d_k'={d_k_new!r} is invalid for {cls.family}; valid: an integer in [1, d_k={d_k}]")
+    def check_reduction(cls, head_k_dim: int, head_v_dim: int, d_k_new: int) -> None:
+        """Raise a one-line ValueError unless d_k = head_k_dim can shrink to d_k_new with d_v = head_v_dim kept.
+
+        The config-free part of :meth:`config_updates`' checks (usable from head sizes alone); the base checks
+        ``1 <= d_k_new <= d_k``, families add what their config fields impose.
+        """
+        if isinstance(d_k_new, bool) or not isinstance(d_k_new, int) or not 1 <= d_k_new <= head_k_dim:
+            raise ValueError(f"d_k'={d_k_new!r} is invalid for {cls.family}; valid: an integer in [1, d_k={head_k_dim}]")
 
     # ---- structure ----------------------------------------------------------------------------
     @abstractmethod

@@ -57,7 +57,8 @@ class DeltaNetAdapter(LinearAttentionAdapter):
     @classmethod
     def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
         """``expand_k = H * d_k' / hidden_size``, checked to give back exactly ``H * d_k'``."""
-        cls.check_d_k_new(config, d_k_new)
+        d = cls.dims(config)
+        cls.check_reduction(d.head_k_dim, d.head_v_dim, d_k_new)
         key_dim = config.num_heads * d_k_new
         expand_k = key_dim / config.hidden_size
         if int(config.hidden_size * expand_k) != key_dim:

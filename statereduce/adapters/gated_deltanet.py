@@ -62,15 +62,21 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
     @classmethod
     def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
         """``head_dim = d_k'`` and ``expand_v = d_v / d_k'``, checked to give back exactly ``d_v``."""
-        cls.check_d_k_new(config, d_k_new)
-        d_v = cls.dims(config).head_v_dim
-        expand_v = d_v / d_k_new
-        if int(d_k_new * expand_v) != d_v:
+        d = cls.dims(config)
+        cls.check_reduction(d.head_k_dim, d.head_v_dim, d_k_new)
+        return {"head_dim": d_k_new, "expand_v": d.head_v_dim / d_k_new}
+
+    @classmethod
+    def check_reduction(cls, head_k_dim: int, head_v_dim: int, d_k_new: int) -> None:
+        """Also require ``int(d_k' * (d_v / d_k')) == d_v``: fla derives ``head_v_dim = int(head_dim * expand_v)``,
+        and the float quotient truncates for some pairs (e.g. d_v=128, d_k'=49; multiples of 16 are safe)."""
+        super().check_reduction(head_k_dim, head_v_dim, d_k_new)
+        expand_v = head_v_dim / d_k_new
+        if int(d_k_new * expand_v) != head_v_dim:
             raise ValueError(
-                f"Gated DeltaNet cannot express d_k'={d_k_new} with d_v={d_v}: expand_v=d_v/d_k'={expand_v!r} gives "
-                f"int(d_k' * expand_v)={int(d_k_new * expand_v)} != d_v={d_v}; choose another d_k' (multiples of 16 are safe)"
+                f"Gated DeltaNet cannot express d_k'={d_k_new} with d_v={head_v_dim}: expand_v=d_v/d_k'={expand_v!r} "
+                f"gives int(d_k' * expand_v)={int(d_k_new * expand_v)} != d_v={head_v_dim}; choose another d_k'"
             )
-        return {"head_dim": d_k_new, "expand_v": expand_v}
 
     @classmethod
     def mixer_updates(cls, config, d_k_new: int) -> dict[str, Any]:

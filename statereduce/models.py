@@ -1,0 +1,188 @@
+"""Building the embedded tiny models and loading any base model of the workflow.
+
+A base model artifact ``results/{model}/base/`` is either
+
+- an HF checkpoint folder (``config.json`` + safetensors + tokenizer), as written by
+  :func:`statereduce.pretrain.pretrain` for the embedded tiny models or for any local model, or
+- a folder holding only ``source.json`` (:func:`write_hub_source`) for hub models: the hub id, the
+  revision (resolved to a commit sha when the hub was reachable) and the dtype; the weights stay in
+  the Hugging Face cache and are never copied into ``results/``.
+
+Paper: Nazari & Rusch (2026), "On State Reduction in Linear Attention", Sec. 4 (the DeltaNet and
+Gated DeltaNet checkpoints whose key/query channels are pruned).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from statereduce.tokenizer import VOCAB_SIZE
+
+SOURCE_FILE = "source.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Fields set for every tiny model unless the arch dict overrides them (byte-level tokenizer: EOS = BOS = 256).
+TINY_DEFAULTS: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "bos_token_id": 256,
+    "eos_token_id": 256,
+    "fuse_cross_entropy": False,
+}
+
+
+def config_class(family: str) -> type:
+    """The HF config class of a model family, from the adapter registry (``adapter_class(family).config_class``)."""
+    from statereduce.adapters import adapter_class
+
+    return adapter_class(family).config_class
+
+
+def tiny_config(family: str, arch: dict[str, Any]):
+    """An fla config for a tiny model trained from scratch (the embedded default models).
+
+    Args:
+        family: adapter family, e.g. ``"delta_net"`` (fla ``DeltaNetConfig``: ``hidden_size``,
+            ``num_hidden_layers``, ``num_heads``, ``expand_k``, ``expand_v``; d_k = hidden*expand_k/H)
+            or ``"gated_deltanet"`` (fla ``GatedDeltaNetConfig``: ``head_dim`` = d_k, ``expand_v``
+            with d_v = head_dim*expand_v, optional ``num_v_heads``).
+        arch: keyword arguments of the family's config class. Defaults added unless given:
+            ``vocab_size`` 257, ``bos_token_id``/``eos_token_id`` 256 (the byte tokenizer's EOS),
+            ``fuse_cross_entropy`` False; everything else keeps fla's default (``pad_token_id`` stays
+            None on purpose: fla uses it as the embedding's ``padding_idx``, which would freeze EOS).
+
+    Raises:
+        ValueError: unknown family, or a key the config class does not take (typos would otherwise
+            be stored silently by ``PretrainedConfig``).
+    """
+    cls = config_class(family)
+    params = inspect.signature(cls.__init__).parameters
+    valid = sorted(p for p in params if p not in ("self", "kwargs"))
+    bad = sorted(set(arch) - set(valid))
+    if bad:
+        raise ValueError(f"unknown arch key(s) {bad} for family {family!r} ({cls.__name__}); valid: {', '.join(valid)}")
+    return cls(**{**TINY_DEFAULTS, **arch})
+
+
+def _atomic_write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def resolve_revision(hub_id: str, revision: str | None) -> tuple[str | None, bool]:
+    """(commit sha, True) from the hub, or (revision as given, False) when offline / unreachable / local."""
+    if Path(hub_id).expanduser().is_dir():
+        return revision, False
+    try:
+        from huggingface_hub import HfApi, constants
+
+        if constants.HF_HUB_OFFLINE:
+            return revision, False
+        info = HfApi().model_info(hub_id, revision=revision, timeout=15)
+        return info.sha, info.sha is not None
+    except Exception:  # noqa: BLE001 -- any failure (no network, auth, unknown repo) keeps the given revision
+        return revision, False
+
+
+def write_hub_source(
+    out_dir: str | Path, hub_id: str, revision: str | None = None, dtype: str = "bfloat16", tokenizer: str | None = None
+) -> dict[str, Any]:
+    """Write ``out_dir/source.json`` for a hub model (atomically): what :func:`load_model` loads.
+
+    Args:
+        out_dir: the base artifact folder, ``results/{model}/base/``.
+        hub_id: Hugging Face model id (or a local checkpoint folder).
+        revision: branch, tag or commit; resolved to a commit sha through ``HfApi().model_info`` when
+            the hub answers. Offline, the given revision is kept and ``resolved`` is false.
+        dtype: one of float32, bfloat16, float16.
+        tokenizer: a different tokenizer id, when the model repo has none.
+
+    Returns:
+        The record written: ``hub_id``, ``revision``, ``requested_revision``, ``resolved``, ``dtype``,
+        ``tokenizer`` (only when given).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    sha, resolved = resolve_revision(hub_id, revision)
+    record: dict[str, Any] = {
+        "hub_id": hub_id,
+        "revision": sha,
+        "requested_revision": revision,
+        "resolved": resolved,
+        "dtype": dtype,
+    }
+    if tokenizer is not None:
+        record["tokenizer"] = tokenizer
+    _atomic_write_json(Path(out_dir) / SOURCE_FILE, record)
+    return record
+
+
+def _model_class(config):
+    """The causal-LM class to load: an adapter may name one (``causal_lm_class``), else the Auto class."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from statereduce.adapters import adapter_for_config
+
+        cls = getattr(adapter_for_config(config), "causal_lm_class", None)
+    except ValueError:  # no adapter for this model type: plain Auto loading
+        cls = None
+    return cls or AutoModelForCausalLM
+
+
+def load_model(base: str | Path, *, dtype: str | None = None, device: str | torch.device = "cpu"):
+    """Load a base model artifact: ``(model in eval mode, tokenizer)``.
+
+    Args:
+        base: ``results/{model}/base/``: an HF checkpoint folder (``config.json``) or a folder with
+            ``source.json`` (hub model: ``from_pretrained(hub_id, revision=...)``; weights come from
+            the HF cache or the hub).
+        dtype: float32 / bfloat16 / float16; None uses ``source.json``'s dtype, else float32.
+        device: where to put the model. On CPU, :func:`statereduce.fla_fallback.install` is called so
+            fla's Triton-only layers run in PyTorch.
+
+    Always imports ``fla`` (which registers its models with the Auto classes) and, for configs that
+    have it, sets ``fuse_cross_entropy=False`` (fla's fused loss is CUDA-only; the plain loss is exact).
+    """
+    import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
+    from transformers import AutoConfig, AutoTokenizer
+
+    base = Path(base)
+    source_file = base / SOURCE_FILE
+    if source_file.is_file():
+        src = json.loads(source_file.read_text())
+        if "hub_id" not in src:
+            raise ValueError(f"{source_file} has no 'hub_id' (keys: {sorted(src)})")
+        model_id, revision = src["hub_id"], src.get("revision")
+        tok_id = src.get("tokenizer") or model_id
+        dtype = dtype or src.get("dtype", "float32")
+    elif (base / "config.json").is_file():
+        model_id, revision, tok_id = str(base), None, str(base)
+        dtype = dtype or "float32"
+    else:
+        raise ValueError(f"base model {str(base)!r} has neither {SOURCE_FILE} nor config.json")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    device = torch.device(device)
+    if device.type == "cpu":
+        from statereduce import fla_fallback
+
+        fla_fallback.install()
+    config = AutoConfig.from_pretrained(model_id, revision=revision)
+    kwargs: dict[str, Any] = {"revision": revision, "dtype": DTYPES[dtype]}
+    if hasattr(config, "fuse_cross_entropy"):
+        kwargs["fuse_cross_entropy"] = False
+    model = _model_class(config).from_pretrained(model_id, **kwargs)
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tok_id, revision=revision if tok_id == model_id else None)
+    return model, tokenizer

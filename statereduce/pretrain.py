@@ -1,0 +1,283 @@
+"""Pretraining the embedded tiny models from scratch (the offline default of the workflow).
+
+The workflow's default models are stock fla DeltaNet / Gated DeltaNet language models with a
+byte-level tokenizer, trained here on the ``train`` split of a corpus (by default the embedded
+Python-stdlib corpus, :mod:`statereduce.data`) so that every later stage (calibration, selection,
+slicing, recovery fine-tuning, evaluation) has a model that has actually learned something. On CPU the
+fla layers run through :mod:`statereduce.fla_fallback`.
+
+Paper: Nazari & Rusch (2026), "On State Reduction in Linear Attention", Sec. 4 (the pretrained DeltaNet
+and Gated DeltaNet models that are pruned); the tiny models stand in for them offline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from statereduce import __version__
+from statereduce.data import corpus_provenance, load_split, token_stream
+from statereduce.models import tiny_config
+from statereduce.tokenizer import byte_level_tokenizer
+
+# Defaults: a tiny model trains in about 3 minutes on one CPU thread (measured for the hidden-128, 4-layer
+# tiny-dn / tiny-gdn of the default config; see the README).
+DEFAULT_TRAIN: dict[str, Any] = {
+    "steps": 300,
+    "batch_size": 8,
+    "seq_len": 128,
+    "lr": 3e-3,
+    "min_lr_ratio": 0.1,
+    "weight_decay": 0.1,
+    "betas": (0.9, 0.95),
+    "warmup": 30,
+    "grad_clip": 1.0,
+    "seed": 0,
+    "threads": 1,
+    "log_every": 10,
+    "eval_blocks": 16,
+}
+
+
+def lr_at(step: int, cfg: dict[str, Any]) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup over ``warmup`` steps, then cosine
+    decay from ``lr`` to ``lr * min_lr_ratio`` at the last step."""
+    lr, warmup, steps = float(cfg["lr"]), int(cfg["warmup"]), int(cfg["steps"])
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - 1 - warmup)
+    floor = lr * float(cfg["min_lr_ratio"])
+    return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _train_cfg(train_cfg: dict[str, Any]) -> dict[str, Any]:
+    bad = sorted(set(train_cfg) - set(DEFAULT_TRAIN))
+    if bad:
+        raise ValueError(f"unknown train key(s) {bad}; valid: {', '.join(sorted(DEFAULT_TRAIN))}")
+    cfg = {**DEFAULT_TRAIN, **train_cfg}
+    for key in ("steps", "batch_size", "seq_len", "threads", "log_every"):
+        if int(cfg[key]) < 1:
+            raise ValueError(f"train {key} must be >= 1, got {cfg[key]}")
+    if not 0 <= int(cfg["warmup"]) < int(cfg["steps"]):
+        raise ValueError(f"train warmup must be in [0, steps={cfg['steps']}), got {cfg['warmup']}")
+    cfg["betas"] = [float(b) for b in cfg["betas"]]
+    return cfg
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices (projections, embeddings, lm head); none on norms, biases, gates' scalars."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 8) -> float:
+    """Mean next-token cross entropy (nats/token) over ``blocks`` [N, T], each block scored on its own."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, blocks.shape[0], batch_size):
+        x = blocks[i : i + batch_size]
+        logits = model(input_ids=x).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
+        total += float(loss)
+        count += x[:, 1:].numel()
+    model.train(was_training)
+    return total / count
+
+
+def _eval_blocks(tokenizer, corpus_spec: dict, split: str, n: int, seq_len: int, seed: int) -> torch.Tensor | None:
+    """Up to ``n`` non-overlapping blocks of the split, seeded; None when the split has no full block."""
+    stream = token_stream(tokenizer, load_split(corpus_spec, split))
+    n_blocks = stream.numel() // seq_len
+    if n_blocks == 0 or n < 1:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(n_blocks, generator=g)[: min(n, n_blocks)]
+    return stream[: n_blocks * seq_len].view(n_blocks, seq_len)[pick]
+
+
+def pretrain(
+    family: str,
+    arch: dict[str, Any],
+    corpus_spec: dict[str, Any],
+    train_cfg: dict[str, Any],
+    out_dir: str | Path,
+    log_path: str | Path | None = None,
+) -> dict[str, Any]:
+    """Train a tiny stock fla model from scratch and save it as an HF checkpoint folder.
+
+    Training: byte-level tokenizer; the ``train`` split's documents joined with EOS into one token stream;
+    each step reads ``batch_size`` windows of ``seq_len`` tokens at offsets drawn from a generator seeded
+    with ``seed`` (so the batch order is fixed by the seed); loss = the model's next-token cross entropy;
+    AdamW (weight decay on matrices only), linear warmup then cosine decay to ``lr * min_lr_ratio``,
+    gradient-norm clipping. Deterministic on CPU for a given seed and thread count.
+
+    Args:
+        family: ``"delta_net"`` or ``"gated_deltanet"`` (:func:`statereduce.models.tiny_config`).
+        arch: config fields of the family (hidden_size, num_hidden_layers, num_heads, expand_k / head_dim,
+            expand_v, ...).
+        corpus_spec: a corpus spec (:func:`statereduce.data.load_split`); its ``train`` split is used for
+            training, a few ``calib`` / ``heldout`` blocks for the final losses.
+        train_cfg: overrides of :data:`DEFAULT_TRAIN`: steps, batch_size, seq_len, lr, min_lr_ratio,
+            weight_decay, betas, warmup, grad_clip, seed, threads (``torch.set_num_threads``), log_every,
+            eval_blocks.
+        out_dir: the checkpoint folder to create (replaced if it exists); written to a temporary sibling
+            and renamed, so it is never half-written.
+        log_path: optional extra JSONL file receiving the training log lines (the checkpoint always holds
+            ``train_log.jsonl``).
+
+    Returns:
+        The ``pretrain.json`` record: arch, train config, corpus provenance, final train loss (mean of the
+        last logged window), calib/heldout losses in nats per token, wall time, tokens/s, versions.
+    """
+    cfg = _train_cfg(train_cfg)
+    out_dir = Path(out_dir)
+    from statereduce import fla_fallback
+
+    fla_fallback.install()
+    torch.set_num_threads(int(cfg["threads"]))
+    seed = int(cfg["seed"])
+    seed_everything(seed)
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = byte_level_tokenizer()
+    config = tiny_config(family, arch)
+    stream = token_stream(tokenizer, load_split(corpus_spec, "train"))
+    if stream.numel() < int(cfg["seq_len"]) + 1:
+        raise ValueError(f"train split too small: {stream.numel()} tokens for seq_len={cfg['seq_len']}")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        log_paths = [tmp / "train_log.jsonl"] + ([Path(log_path)] if log_path is not None else [])
+        stats = train_loop(model, stream, cfg, log_paths, desc=f"pretrain {family}")
+        model.eval()
+        eval_losses: dict[str, float | None] = {}
+        for split in ("calib", "heldout"):
+            blocks = _eval_blocks(tokenizer, corpus_spec, split, int(cfg["eval_blocks"]), int(cfg["seq_len"]), seed)
+            eval_losses[split] = None if blocks is None else mean_loss(model, blocks)
+        record = {
+            "family": family,
+            "arch": dict(arch),
+            "n_params": sum(p.numel() for p in model.parameters()),
+            "train": cfg,
+            "corpus": corpus_provenance(corpus_spec),
+            **stats,
+            "eval_loss": eval_losses,
+            "eval_blocks": {"n": int(cfg["eval_blocks"]), "seq_len": int(cfg["seq_len"]), "seed": seed},
+            "loss_unit": "nats per token (byte-level tokenizer: nats per byte)",
+            "versions": _versions(),
+        }
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return record
+
+
+def train_loop(
+    model: torch.nn.Module, stream: torch.Tensor, cfg: dict[str, Any], log_paths: list[Path], desc: str = "pretrain"
+) -> dict[str, Any]:
+    """The optimisation loop of :func:`pretrain` (``cfg`` already completed by defaults).
+
+    Each step reads ``batch_size`` windows of ``seq_len`` tokens of ``stream`` at offsets drawn from a
+    generator seeded with ``cfg["seed"]``. Writes a JSONL line every ``log_every`` steps (and at the last
+    step) to each of ``log_paths``: step, mean loss since the previous line, lr, grad norm, tokens/s,
+    elapsed wall and process-CPU seconds.
+
+    Returns:
+        ``final_train_loss`` (mean loss of the last logged window), ``train_tokens``, ``train_seconds``,
+        ``train_cpu_seconds``, ``tokens_per_s``.
+    """
+    batch_size, seq_len, steps = int(cfg["batch_size"]), int(cfg["seq_len"]), int(cfg["steps"])
+    model.train()
+    opt = torch.optim.AdamW(_param_groups(model, float(cfg["weight_decay"])), lr=lr_at(0, cfg), betas=tuple(cfg["betas"]))
+    batch_gen = torch.Generator().manual_seed(int(cfg["seed"]))
+    offsets = torch.arange(seq_len)
+    for p in log_paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    log_files = [open(p, "w") for p in log_paths]
+    recent: list[float] = []
+    final_train_loss = float("nan")
+    t_start = t_window = time.perf_counter()
+    cpu_start = time.process_time()
+    try:
+        bar = tqdm(range(steps), desc=desc, mininterval=5.0, unit="step")
+        for step in bar:
+            starts = torch.randint(0, stream.numel() - seq_len + 1, (batch_size,), generator=batch_gen)
+            x = stream[starts[:, None] + offsets]
+            lr = lr_at(step, cfg)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss = model(input_ids=x, labels=x).loss
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite training loss {float(loss)} at step {step}")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg["grad_clip"]))
+            opt.step()
+            recent.append(loss.item())
+            if (step + 1) % int(cfg["log_every"]) == 0 or step + 1 == steps:
+                now = time.perf_counter()
+                rec = {
+                    "step": step + 1,
+                    "loss": sum(recent) / len(recent),
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "tokens_per_s": len(recent) * batch_size * seq_len / (now - t_window),
+                    "elapsed_s": now - t_start,
+                    "cpu_s": time.process_time() - cpu_start,
+                }
+                for f in log_files:
+                    f.write(json.dumps(rec) + "\n")
+                    f.flush()
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                final_train_loss, recent, t_window = rec["loss"], [], now
+    finally:
+        for f in log_files:
+            f.close()
+    train_s = time.perf_counter() - t_start
+    return {
+        "final_train_loss": final_train_loss,
+        "train_tokens": steps * batch_size * seq_len,
+        "train_seconds": train_s,
+        "train_cpu_seconds": time.process_time() - cpu_start,
+        "tokens_per_s": steps * batch_size * seq_len / train_s,
+    }
+
+
+def _versions() -> dict[str, str]:
+    import fla
+    import transformers
+
+    return {"statereduce": __version__, "torch": torch.__version__, "transformers": transformers.__version__, "fla": fla.__version__}

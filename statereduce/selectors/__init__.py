@@ -1,0 +1,54 @@
+"""Channel selectors (paper Sec. 3.4): which key/query channels each head keeps.
+
+Importing this package registers every selector; each lives in its own module so that the workflow can
+make that file an input of its own jobs only. See :mod:`statereduce.selectors.registry` for the API and
+the method-token syntax ``<selector>[-k|-q][.<calib>]``.
+
+To add a selector: write ``selectors/<name>.py`` with a function decorated by
+``@register_selector("<name>", needs={...})`` and import the module below.
+"""
+
+from __future__ import annotations
+
+from statereduce.selectors import drrqr, grad, l1, rand, swanda  # noqa: F401  (registration)
+from statereduce.selectors.registry import (
+    DEFAULT_CALIB,
+    DEFAULT_VARIANT,
+    NEEDS,
+    VARIANTS,
+    HeadData,
+    HeadSelection,
+    MethodSpec,
+    Selector,
+    format_method,
+    get_selector,
+    method_regex,
+    n_keep_for,
+    parse_method,
+    register_selector,
+    select_heads,
+    selector_names,
+)
+
+#: Unanchored regex of every valid method token, for Snakemake ``wildcard_constraints``.
+METHOD_REGEX = method_regex()
+
+__all__ = [
+    "DEFAULT_CALIB",
+    "DEFAULT_VARIANT",
+    "METHOD_REGEX",
+    "NEEDS",
+    "VARIANTS",
+    "HeadData",
+    "HeadSelection",
+    "MethodSpec",
+    "Selector",
+    "format_method",
+    "get_selector",
+    "method_regex",
+    "n_keep_for",
+    "parse_method",
+    "register_selector",
+    "select_heads",
+    "selector_names",
+]

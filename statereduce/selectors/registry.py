@@ -1,0 +1,389 @@
+"""Selector registry, per-head data containers, method tokens and the per-model driver.
+
+A *selector* maps the statistics of one (layer, head) to the key/query channels to keep (paper
+Sec. 3.4: the same indices apply to K, Q and their conv filters). Each selector lives in its own
+module (``rand.py``, ``l1.py``, ``swanda.py``, ``grad.py``, ``drrqr.py``) and registers itself with
+:func:`register_selector`; the workflow makes that module file an input of that selector's jobs only
+(``Selector.source_file``), so editing one selector recomputes only its own results.
+
+Method tokens name a selection in result paths ``results/{model}/{method}_{pct}/``::
+
+    <selector>[-k|-q][.<calib>]
+
+``-k`` / ``-q`` score from the key / query side only (paper App. C.7, Table 16); no suffix scores
+from both (the default, "kq"). ``.<calib>`` (``[a-z0-9]+``) names a non-default calibration set
+(paper Tables 2 and 7); the default calibration has no suffix, so ``drrqr`` and ``drrqr.default`` are
+not both valid: only the plain token is. Examples: ``drrqr``, ``l1-q``, ``grad-k``,
+``drrqr.shakespeare``, ``grad-q.shakespeare``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: Data a selector may declare it needs (what the workflow must load for its jobs).
+NEEDS = frozenset({"weights", "activations", "xnorm", "grad"})
+#: Scoring variants (paper App. C.7): both sides, keys only, queries only.
+VARIANTS = ("kq", "k", "q")
+DEFAULT_VARIANT = "kq"
+DEFAULT_CALIB = "default"
+_CALIB_RE = re.compile(r"[a-z0-9]+")
+
+
+@dataclass
+class HeadData:
+    """Everything a selector may need for one (layer, head); fields a selector does not need may be None.
+
+    Args:
+        W_q: [d_k, hidden] the head's rows of the query projection.
+        W_k: [d_k, hidden] the head's rows of the key projection.
+        K: [N, d_k] calibration keys as they enter the recurrence (after conv and activation, before
+            the L2 norm).
+        Q: [N, d_k] calibration queries, likewise.
+        xnorm: [hidden] column L2 norms of the projection input X over all calibration tokens (S-Wanda).
+        grad_q: [d_k] per-channel Grad saliency of W_q, ``sum_i |W_q[j,i] dL/dW_q[j,i]|``.
+        grad_k: [d_k] per-channel Grad saliency of W_k.
+    """
+
+    W_q: np.ndarray | None = None
+    W_k: np.ndarray | None = None
+    K: np.ndarray | None = None
+    Q: np.ndarray | None = None
+    xnorm: np.ndarray | None = None
+    grad_q: np.ndarray | None = None
+    grad_k: np.ndarray | None = None
+
+    @property
+    def d_k(self) -> int:
+        """The head's key dimension, read off the first field that is present."""
+        for name, axis in (("W_q", 0), ("W_k", 0), ("K", 1), ("Q", 1), ("grad_q", 0), ("grad_k", 0)):
+            value = getattr(self, name)
+            if value is not None:
+                return int(np.shape(value)[axis])
+        raise ValueError("HeadData has none of W_q, W_k, K, Q, grad_q, grad_k: cannot tell d_k")
+
+
+@dataclass
+class HeadSelection:
+    """The channels kept for one head.
+
+    Args:
+        keep: sorted int64 [d_k'] kept channel indices.
+        scores: float64 [d_k'] the selector's scores of the kept channels, in ``keep`` order, or None.
+    """
+
+    keep: np.ndarray
+    scores: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A parsed method token: selector name, scoring variant ("kq", "k", "q") and calibration id."""
+
+    selector: str
+    variant: str = DEFAULT_VARIANT
+    calib: str = DEFAULT_CALIB
+
+
+SelectorFn = Callable[..., HeadSelection]
+
+
+class Selector:
+    """A registered channel selector (use :func:`get_selector`; do not instantiate directly).
+
+    Attributes:
+        name: registry name (the first part of a method token).
+        needs: subset of {"weights", "activations", "xnorm", "grad"}: what the workflow must load.
+        variants: the scoring variants the selector accepts.
+        source_file: absolute path of the module defining the selector (a workflow input of its jobs).
+        options: names of the keyword options the selector accepts (config ``selectors.<name>``).
+    """
+
+    def __init__(self, name: str, needs: frozenset[str], variants: tuple[str, ...], fn: SelectorFn) -> None:
+        self.name = name
+        self.needs = needs
+        self.variants = variants
+        self.fn = fn
+        self.source_file = os.path.abspath(inspect.getsourcefile(fn) or inspect.getfile(fn))
+        params = inspect.signature(fn).parameters.values()
+        self.options = tuple(
+            p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in ("rng", "variant")
+        )
+        self.__doc__ = fn.__doc__
+
+    def __repr__(self) -> str:
+        return f"Selector({self.name!r}, needs={sorted(self.needs)}, variants={list(self.variants)})"
+
+    def __call__(
+        self, data: HeadData, n_keep: int, *, variant: str = DEFAULT_VARIANT, rng: np.random.Generator, **options: Any
+    ) -> HeadSelection:
+        """Select ``n_keep`` channels of one head.
+
+        Args:
+            data: the head's statistics (see :class:`HeadData`).
+            n_keep: number of channels to keep, ``1 <= n_keep <= d_k``.
+            variant: "kq" (score from both sides), "k" (keys only) or "q" (queries only); paper Table 16.
+            rng: the head's random generator (only ``rand`` draws from it).
+            **options: selector-specific keyword options (see ``Selector.options``).
+
+        Returns:
+            A :class:`HeadSelection` with sorted int64 ``keep``.
+        """
+        if variant not in self.variants:
+            raise ValueError(
+                f"selector {self.name!r} does not support variant {variant!r}; valid: {list(self.variants)}"
+            )
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise ValueError(
+                f"unknown option(s) {unknown} for selector {self.name!r}; valid: {list(self.options) or 'none'}"
+            )
+        d_k = data.d_k
+        if isinstance(n_keep, bool) or not isinstance(n_keep, (int, np.integer)) or not 1 <= n_keep <= d_k:
+            raise ValueError(f"n_keep={n_keep!r} must be an integer in [1, d_k={d_k}]")
+        sel = self.fn(data, int(n_keep), variant=variant, rng=rng, **options)
+        keep = np.asarray(sel.keep, dtype=np.int64)
+        if keep.shape != (n_keep,) or np.any(np.diff(keep) <= 0) or keep[0] < 0 or keep[-1] >= d_k:
+            raise RuntimeError(
+                f"selector {self.name!r} returned invalid keep {keep.tolist()} for d_k={d_k}, n_keep={n_keep}"
+            )
+        scores = None if sel.scores is None else np.asarray(sel.scores, dtype=np.float64)
+        if scores is not None and scores.shape != keep.shape:
+            raise RuntimeError(f"selector {self.name!r} returned scores of shape {scores.shape} for keep {keep.shape}")
+        return HeadSelection(keep=keep, scores=scores)
+
+
+_REGISTRY: dict[str, Selector] = {}
+
+
+def register_selector(
+    name: str, needs: set[str] | frozenset[str], *, variants: tuple[str, ...] = VARIANTS
+) -> Callable[[SelectorFn], SelectorFn]:
+    """Decorator registering ``fn(data, n_keep, *, variant, rng, **options) -> HeadSelection`` under ``name``.
+
+    Args:
+        name: registry name, ``[a-z][a-z0-9]*`` (it appears in method tokens and paths).
+        needs: subset of {"weights", "activations", "xnorm", "grad"}.
+        variants: scoring variants the selector supports (default all of "kq", "k", "q").
+    """
+    if not re.fullmatch(r"[a-z][a-z0-9]*", name):
+        raise ValueError(f"selector name {name!r} must match [a-z][a-z0-9]*")
+    bad = set(needs) - NEEDS
+    if bad:
+        raise ValueError(f"selector {name!r}: unknown needs {sorted(bad)}; valid: {sorted(NEEDS)}")
+    bad_var = [v for v in variants if v not in VARIANTS] + ([] if DEFAULT_VARIANT in variants else [DEFAULT_VARIANT])
+    if bad_var or not variants:
+        raise ValueError(f"selector {name!r}: variants {list(variants)} must be a subset of {list(VARIANTS)} with 'kq'")
+
+    def decorator(fn: SelectorFn) -> SelectorFn:
+        if name in _REGISTRY:
+            raise ValueError(f"selector {name!r} registered twice ({_REGISTRY[name].source_file})")
+        _REGISTRY[name] = Selector(name, frozenset(needs), tuple(variants), fn)
+        return fn
+
+    return decorator
+
+
+def selector_names() -> list[str]:
+    """Registered selector names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def _unknown_selector(name: str, context: str = "") -> ValueError:
+    close = difflib.get_close_matches(name, selector_names(), n=3)
+    hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+    return ValueError(f"unknown selector {name!r}{context}{hint}; valid: {', '.join(selector_names())}")
+
+
+def get_selector(name: str) -> Selector:
+    """The registered selector called ``name``; an unknown name raises a one-line ValueError listing valid ones."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise _unknown_selector(str(name)) from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Method tokens
+
+
+def method_regex() -> str:
+    """Regex (unanchored, for Snakemake ``wildcard_constraints``) matching exactly the valid method tokens."""
+    alts = []
+    for name in sorted(_REGISTRY, key=lambda s: (-len(s), s)):
+        extra = [v for v in _REGISTRY[name].variants if v != DEFAULT_VARIANT]
+        alts.append(re.escape(name) + (f"(?:-(?:{'|'.join(extra)}))?" if extra else ""))
+    calib = rf"(?:\.(?!{DEFAULT_CALIB}(?![a-z0-9]))[a-z0-9]+)?"
+    return f"(?:{'|'.join(alts)}){calib}"
+
+
+def _token_help() -> str:
+    variants = {n: [v for v in s.variants if v != DEFAULT_VARIANT] for n, s in sorted(_REGISTRY.items())}
+    with_kq = [n for n, v in variants.items() if v]
+    return (
+        f"expected <selector>[-k|-q][.<calib>] with selector in {{{', '.join(selector_names())}}}, "
+        f"-k/-q only for {{{', '.join(with_kq)}}}, calib matching [a-z0-9]+ (omit it for the default calibration)"
+    )
+
+
+def parse_method(token: str) -> MethodSpec:
+    """Parse a method token ``<selector>[-k|-q][.<calib>]`` (see module docstring) into a :class:`MethodSpec`."""
+    if not isinstance(token, str) or not token:
+        raise ValueError(f"bad method token {token!r}; {_token_help()}")
+    head, dot, calib = token.partition(".")
+    if dot:
+        if not _CALIB_RE.fullmatch(calib):
+            raise ValueError(f"bad calibration id {calib!r} in method token {token!r}; {_token_help()}")
+        if calib == DEFAULT_CALIB:
+            raise ValueError(f"method token {token!r}: write {head!r} for the default calibration; {_token_help()}")
+    else:
+        calib = DEFAULT_CALIB
+    name, dash, variant = head.partition("-")
+    if name not in _REGISTRY:
+        raise _unknown_selector(name, f" in method token {token!r}")
+    if dash:
+        if variant not in VARIANTS or variant == DEFAULT_VARIANT:
+            raise ValueError(f"bad variant suffix {'-' + variant!r} in method token {token!r}; {_token_help()}")
+        if variant not in _REGISTRY[name].variants:
+            raise ValueError(
+                f"selector {name!r} in method token {token!r} has no variant {variant!r}; {_token_help()}"
+            )
+    else:
+        variant = DEFAULT_VARIANT
+    return MethodSpec(selector=name, variant=variant, calib=calib)
+
+
+def format_method(spec: MethodSpec) -> str:
+    """The canonical method token of a :class:`MethodSpec` (inverse of :func:`parse_method`)."""
+    suffix = "" if spec.variant == DEFAULT_VARIANT else f"-{spec.variant}"
+    calib = "" if spec.calib == DEFAULT_CALIB else f".{spec.calib}"
+    token = f"{spec.selector}{suffix}{calib}"
+    if parse_method(token) != spec:  # validates selector, variant and calib
+        raise ValueError(f"MethodSpec {spec!r} has no canonical token; {_token_help()}")
+    return token
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compression ratio and the per-model driver
+
+
+def n_keep_for(d_k: int, pct: float) -> int:
+    """Channels kept per head when ``pct`` percent of the ``d_k`` key channels are removed.
+
+    ``d_k - round(d_k * pct / 100)`` (Python's round, half to even); ``pct`` is the paper's
+    "compression" (50 keeps half).
+
+    Args:
+        d_k: the head's key dimension (>= 1).
+        pct: percent of channels removed, strictly between 0 and 100.
+    """
+    if isinstance(d_k, bool) or not isinstance(d_k, (int, np.integer)) or d_k < 1:
+        raise ValueError(f"d_k={d_k!r} must be a positive integer")
+    try:
+        p = float(pct)
+    except (TypeError, ValueError):
+        raise ValueError(f"pct={pct!r} must be a number in (0, 100)") from None
+    if isinstance(pct, bool) or not 0.0 < p < 100.0:
+        raise ValueError(f"pct={pct!r} must be in (0, 100) (percent of d_k={d_k} channels removed)")
+    n_keep = int(d_k) - round(int(d_k) * p / 100.0)
+    if n_keep < 1:
+        raise ValueError(f"pct={pct!r} removes every channel of d_k={d_k} (keeps {n_keep}); use a smaller pct")
+    return n_keep
+
+
+def select_heads(
+    selector: str | Selector,
+    heads: Iterable[tuple[int, int, HeadData]],
+    n_keep: int,
+    variant: str = DEFAULT_VARIANT,
+    seed: int = 0,
+    options: Mapping[str, Any] | None = None,
+    *,
+    progress: bool = True,
+) -> list[tuple[int, int, HeadSelection]]:
+    """Run a selector over every (layer, head), deterministically given ``seed``.
+
+    Each head gets its own generator ``np.random.default_rng(SeedSequence([seed, layer, head]))``, so a
+    head's selection does not depend on which other heads are processed or in which order.
+
+    Args:
+        selector: a registered name or a :class:`Selector`.
+        heads: iterable of ``(layer, head, HeadData)`` (a generator is fine: heads are loaded lazily).
+        n_keep: channels kept per head (see :func:`n_keep_for`).
+        variant: scoring variant, "kq", "k" or "q".
+        seed: non-negative integer seed.
+        options: selector-specific keyword options.
+        progress: show a tqdm progress bar (on stderr).
+
+    Returns:
+        ``[(layer, head, HeadSelection), ...]`` in input order.
+    """
+    from tqdm.auto import tqdm
+
+    sel = selector if isinstance(selector, Selector) else get_selector(selector)
+    if variant not in sel.variants:
+        raise ValueError(f"selector {sel.name!r} does not support variant {variant!r}; valid: {list(sel.variants)}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be a non-negative integer")
+    opts = dict(options or {})
+    total = len(heads) if hasattr(heads, "__len__") else None  # type: ignore[arg-type]
+    out: list[tuple[int, int, HeadSelection]] = []
+    for layer, head, data in tqdm(heads, total=total, desc=f"select {sel.name}", unit="head", disable=not progress):
+        rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(layer), int(head)]))
+        try:
+            result = sel(data, n_keep, variant=variant, rng=rng, **opts)
+        except ValueError as err:
+            raise ValueError(f"layer {layer} head {head}: {err}") from err
+        out.append((int(layer), int(head), result))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Helpers shared by the selector modules
+
+
+def top_k(scores: np.ndarray, n_keep: int) -> HeadSelection:
+    """Keep the ``n_keep`` highest scores (ties: lower index first); keep sorted, scores in keep order."""
+    s = np.asarray(scores, dtype=np.float64)
+    if s.ndim != 1:
+        raise ValueError(f"scores must be 1-D, got shape {s.shape}")
+    if not np.isfinite(s).all():
+        bad = np.flatnonzero(~np.isfinite(s))[:5].tolist()
+        raise ValueError(f"non-finite channel scores at channels {bad}")
+    order = np.lexsort((np.arange(s.shape[0]), -s))  # primary: score descending; secondary: index ascending
+    keep = np.sort(order[:n_keep]).astype(np.int64)
+    return HeadSelection(keep=keep, scores=s[keep])
+
+
+def require(data: HeadData, selector: str, variant: str, fields_by_side: Mapping[str, str]) -> dict[str, np.ndarray]:
+    """Fetch the fields a variant needs (``{"k": "W_k", "q": "W_q"}``), as float64; missing ones raise ValueError."""
+    sides = "kq" if variant == "kq" else variant
+    out = {}
+    for side in sides:
+        field = fields_by_side[side]
+        value = getattr(data, field)
+        if value is None:
+            raise ValueError(f"selector {selector!r} (variant {variant!r}) needs HeadData.{field}, which is None")
+        out[side] = np.asarray(value, dtype=np.float64)
+    return out
+
+
+def check_weights(W: Mapping[str, np.ndarray], d_k: int) -> int:
+    """Validate [d_k, hidden] projection rows; returns hidden."""
+    hidden = None
+    for side, w in W.items():
+        if w.ndim != 2 or w.shape[0] != d_k:
+            raise ValueError(f"W_{side} must be [d_k={d_k}, hidden], got shape {w.shape}")
+        if hidden is not None and w.shape[1] != hidden:
+            raise ValueError(f"W_q and W_k disagree on hidden: {hidden} vs {w.shape[1]}")
+        hidden = w.shape[1]
+    assert hidden is not None
+    return hidden

@@ -1,0 +1,327 @@
+"""Slice selected key/query channels out of a linear-attention checkpoint (paper Sec. 3.3-3.4).
+
+Per head h, a selector keeps an index set I_h of d_k' of the d_k key/query channels; the same
+indices apply to the rows of ``q_proj`` and ``k_proj`` and to the channels of the q/k short convs.
+Slicing is a handful of small verbs (``slice_q_proj``, ``slice_k_proj``, ``slice_q_conv``,
+``slice_k_conv``, ``set_mixer_dims``) that change weights and shape metadata together, driven by
+one orchestrator, :func:`prune_model`, which also rewrites ``model.config`` through the adapter and
+returns a :class:`PruneRecord` of every decision. :func:`save_pruned` writes the stock HF checkpoint,
+the tokenizer and ``prune_record.json`` atomically.
+
+Kernel scale (design invariant 2, arch_map §6): the pruned checkpoint uses the stock fla classes, whose
+kernels use ``scale = d_k'**-0.5`` instead of the original ``d_k**-0.5``. The layer output is linear in
+the scale and passes through the per-head output RMSNorm (``o_norm``), so the only effect is through
+that norm's eps: the pruned model equals the original with the dropped q/k channels zeroed (after conv
+and activation) exactly when ``o_norm.eps`` is multiplied by ``d_k/d_k'``. That cannot be stored in the
+stock config (``norm_eps`` is shared with the block norms), so the checkpoint keeps the stock eps and
+differs from zero-masking by that eps effect only; the record says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fla
+import torch
+import transformers
+from torch import nn
+
+from statereduce import __version__
+from statereduce.adapters import LinearAttentionAdapter, get_adapter
+
+RECORD_NAME = "prune_record.json"
+RECORD_FORMAT = 1
+_NUMBER_LIST = re.compile(r"\[\n\s*(-?[\d.e+-]+(?:,\n\s*-?[\d.e+-]+)*)\n\s*\]")
+
+
+# ---- slicing verbs ------------------------------------------------------------------------------
+def head_rows(keep: torch.Tensor, d_k: int) -> torch.Tensor:
+    """Flat row indices ``h*d_k + keep[h, j]`` (head-major) of the kept channels.
+
+    Args:
+        keep: [H, d_k'] long, channel indices per head.
+        d_k: the current head size.
+    Returns:
+        [H * d_k'] long.
+    """
+    offsets = torch.arange(keep.shape[0], device=keep.device, dtype=torch.long)[:, None] * d_k
+    return (offsets + keep).reshape(-1)
+
+
+def _head_size(rows: int, keep: torch.Tensor, what: str) -> int:
+    h = keep.shape[0]
+    if rows % h:
+        raise ValueError(f"{what} has {rows} rows, not a multiple of the {h} heads of keep {tuple(keep.shape)}")
+    d_k = rows // h
+    if keep.numel() and int(keep.max()) >= d_k:
+        raise ValueError(f"{what}: keep index {int(keep.max())} out of range for d_k={d_k}")
+    return d_k
+
+
+def _slice_linear_rows(linear: nn.Linear, keep: torch.Tensor, what: str) -> None:
+    rows = head_rows(keep, _head_size(linear.out_features, keep, what)).to(linear.weight.device)
+    linear.weight = nn.Parameter(linear.weight.data[rows].clone(), requires_grad=linear.weight.requires_grad)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.data[rows].clone(), requires_grad=linear.bias.requires_grad)
+    linear.out_features = rows.numel()
+
+
+def _slice_conv_channels(conv: nn.Conv1d, keep: torch.Tensor, what: str) -> None:
+    if conv.groups != conv.in_channels or conv.in_channels != conv.out_channels:
+        raise ValueError(f"{what} is not depthwise (groups={conv.groups}, in={conv.in_channels}, out={conv.out_channels})")
+    rows = head_rows(keep, _head_size(conv.out_channels, keep, what)).to(conv.weight.device)
+    conv.weight = nn.Parameter(conv.weight.data[rows].clone(), requires_grad=conv.weight.requires_grad)
+    if conv.bias is not None:
+        conv.bias = nn.Parameter(conv.bias.data[rows].clone(), requires_grad=conv.bias.requires_grad)
+    n = rows.numel()
+    conv.in_channels = conv.out_channels = conv.groups = n
+    if hasattr(conv, "hidden_size"):  # fla ShortConvolution
+        conv.hidden_size = n
+
+
+def slice_q_proj(adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor) -> None:
+    """Keep rows ``h*d_k + keep[h]`` of the query projection (weight and ``out_features``)."""
+    _slice_linear_rows(adapter.q_proj(mixer), keep, "q_proj")
+
+
+def slice_k_proj(adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor) -> None:
+    """Keep rows ``h*d_k + keep[h]`` of the key projection (weight and ``out_features``)."""
+    _slice_linear_rows(adapter.k_proj(mixer), keep, "k_proj")
+
+
+def slice_q_conv(adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor) -> None:
+    """Keep the same channels of the query short conv (weight, bias, in/out channels, groups); no-op without one."""
+    conv = adapter.q_conv(mixer)
+    if conv is not None:
+        _slice_conv_channels(conv, keep, "q_conv")
+
+
+def slice_k_conv(adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor) -> None:
+    """Keep the same channels of the key short conv; no-op without one."""
+    conv = adapter.k_conv(mixer)
+    if conv is not None:
+        _slice_conv_channels(conv, keep, "k_conv")
+
+
+def set_mixer_dims(mixer: nn.Module, updates: Mapping[str, Any]) -> None:
+    """Set the mixer's size attributes (``key_dim``, ``head_k_dim``, ...) from ``adapter.mixer_updates``."""
+    for name, value in updates.items():
+        if not hasattr(mixer, name):
+            raise ValueError(f"{type(mixer).__name__} has no attribute {name!r} to update")
+        setattr(mixer, name, value)
+
+
+def slice_mixer(adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor, updates: Mapping[str, Any]) -> None:
+    """All verbs for one mixer: q/k projections, q/k convs, then its size attributes."""
+    slice_q_proj(adapter, mixer, keep)
+    slice_k_proj(adapter, mixer, keep)
+    slice_q_conv(adapter, mixer, keep)
+    slice_k_conv(adapter, mixer, keep)
+    set_mixer_dims(mixer, updates)
+
+
+# ---- the record ---------------------------------------------------------------------------------
+@dataclass
+class PruneRecord:
+    """Every decision of one pruning run, saved as ``prune_record.json`` next to the checkpoint.
+
+    ``keep[layer][h]`` lists the kept channels (sorted) of q/k head h in the ORIGINAL channel numbering;
+    under GVA each list serves ``num_v_heads // num_heads`` value heads. ``kernel_scale`` documents that the
+    stock kernels of the saved checkpoint use ``1/sqrt(d_k')`` (module docstring).
+    """
+
+    source_model: str
+    family: str
+    method: str
+    pct: float
+    d_k: int
+    d_k_new: int
+    num_heads: int
+    num_v_heads: int
+    head_v_dim: int
+    keep: dict[int, list[list[int]]]
+    config_changes: dict[str, list[Any]]  # field -> [old, new]
+    kernel_scale: dict[str, Any]
+    package_version: str = __version__
+    versions: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    format: int = RECORD_FORMAT
+
+    def to_json(self) -> str:
+        """Indented JSON with each list of numbers on one line (one line per head of ``keep``)."""
+        d = asdict(self)
+        d["keep"] = {str(layer): rows for layer, rows in sorted(self.keep.items())}
+        text = json.dumps(d, indent=2, sort_keys=True)
+        # only indentation puts newlines inside a list (JSON strings cannot hold raw newlines)
+        return _NUMBER_LIST.sub(lambda m: "[" + ", ".join(re.split(r",\s*", m.group(1))) + "]", text)
+
+    @classmethod
+    def from_json(cls, text: str) -> PruneRecord:
+        d = json.loads(text)
+        if d.get("format") != RECORD_FORMAT:
+            raise ValueError(f"prune record format {d.get('format')!r} is not supported; valid: {RECORD_FORMAT}")
+        d["keep"] = {int(layer): rows for layer, rows in d["keep"].items()}
+        return cls(**d)
+
+    def keep_tensors(self) -> dict[int, torch.Tensor]:
+        """``keep`` as {layer: LongTensor [H, d_k']}, the form :func:`prune_model` takes."""
+        return {layer: torch.tensor(rows, dtype=torch.long) for layer, rows in self.keep.items()}
+
+
+def load_prune_record(path: str | os.PathLike) -> PruneRecord:
+    """Read a record from a checkpoint directory or a ``prune_record.json`` path."""
+    path = Path(path)
+    return PruneRecord.from_json((path / RECORD_NAME if path.is_dir() else path).read_text())
+
+
+def kernel_scale_note(d_k: int, d_k_new: int) -> dict[str, Any]:
+    """The kernel-scale facts of a d_k -> d_k' pruning (module docstring)."""
+    return {
+        "original": d_k**-0.5,
+        "pruned": d_k_new**-0.5,
+        "o_norm_eps_factor_for_exact_zeroing": d_k / d_k_new,
+        "note": (
+            f"stock kernels of the pruned checkpoint use scale 1/sqrt(d_k'={d_k_new}), not 1/sqrt(d_k={d_k}); "
+            f"the output is linear in the scale and goes through the per-head o_norm, so the checkpoint equals the "
+            f"original with dropped q/k channels zeroed only up to the o_norm eps (exact with eps * {d_k / d_k_new:g})"
+        ),
+    }
+
+
+# ---- the orchestrator ---------------------------------------------------------------------------
+def check_keep(adapter: LinearAttentionAdapter, keep: Mapping[int, Any]) -> tuple[dict[int, torch.Tensor], int]:
+    """Validate a selection against the model; return it as sorted LongTensors and d_k'.
+
+    Args:
+        adapter: the model's adapter.
+        keep: {layer: [H, d_k'] channel indices} covering exactly the model's linear-attention layers;
+            every layer must keep the same d_k' (the stock configs hold one global d_k).
+    Raises:
+        ValueError: one line naming the bad value.
+    """
+    layers = [i for i, _ in adapter.mixer_layers()]
+    try:
+        keep = {int(layer): torch.as_tensor(idx, dtype=torch.long) for layer, idx in keep.items()}
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"keep must map layer index -> [H, d_k'] integer indices: {err}") from None
+    if sorted(keep) != layers:
+        raise ValueError(f"keep covers layers {sorted(keep)}; the model's linear-attention layers are {layers}")
+    h, d_k = adapter.num_heads, adapter.head_k_dim
+    out, d_k_new = {}, None
+    for layer in layers:
+        idx = keep[layer]
+        if idx.ndim != 2 or idx.shape[0] != h or idx.shape[1] == 0:
+            raise ValueError(f"layer {layer}: keep has shape {tuple(idx.shape)}; expected [num_heads={h}, d_k'>0]")
+        if d_k_new is None:
+            d_k_new = idx.shape[1]
+        elif idx.shape[1] != d_k_new:
+            raise ValueError(f"layer {layer}: keeps {idx.shape[1]} channels per head, other layers {d_k_new}; d_k' is global")
+        if int(idx.min()) < 0 or int(idx.max()) >= d_k:
+            raise ValueError(f"layer {layer}: keep indices span [{int(idx.min())}, {int(idx.max())}]; valid: [0, d_k={d_k})")
+        idx = idx.sort(dim=1).values
+        if bool((idx[:, 1:] == idx[:, :-1]).any()):
+            raise ValueError(f"layer {layer}: keep has repeated channel indices within a head")
+        out[layer] = idx
+    if d_k_new is None:
+        raise ValueError("the model has no linear-attention layers to prune")
+    return out, d_k_new
+
+
+def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, Any] | None = None) -> PruneRecord:
+    """Slice the kept key/query channels out of every linear-attention layer, in place (paper Sec. 3.3).
+
+    Validates everything (selection and reduced config) before touching any weight, slices each mixer,
+    then writes the adapter's config fields into ``model.config`` in place (so every module sharing it
+    sees them). Softmax-attention layers of hybrid models are left untouched. The result is a stock model
+    of the same class whose kernel scale is ``1/sqrt(d_k')`` (module docstring).
+
+    Args:
+        model: a loaded causal LM with an adapter.
+        keep: {layer: LongTensor [H, d_k']} kept channel indices per q/k head (the same for q and k); the
+            rows are sorted here, since channel order does not change the model.
+        meta: provenance; ``source_model``, ``method`` and ``pct`` (percent of key channels removed) fill
+            the record's fields, every other JSON-serialisable entry goes to ``record.extra``.
+    Returns:
+        the :class:`PruneRecord`.
+    """
+    meta = dict(meta or {})
+    adapter = get_adapter(model)
+    keep_t, d_k_new = check_keep(adapter, keep)
+    config = model.config
+    h, hv, d_k, d_v = adapter.dims(config)
+    config_updates = adapter.config_updates(config, d_k_new)  # raises before any weight changes
+    mixer_updates = adapter.mixer_updates(config, d_k_new)
+    extra = {k: v for k, v in meta.items() if k not in ("source_model", "method", "pct")}
+    try:
+        json.dumps(extra)
+    except TypeError as err:
+        raise ValueError(f"meta must be JSON-serialisable: {err}") from None
+    if "pct" in meta and (isinstance(meta["pct"], bool) or not isinstance(meta["pct"], (int, float))):
+        raise ValueError(f"meta pct={meta['pct']!r} must be a number (percent of key channels removed)")
+
+    for layer, mixer in adapter.mixer_layers():
+        slice_mixer(adapter, mixer, keep_t[layer], mixer_updates)
+    changes = {name: [getattr(config, name), value] for name, value in config_updates.items()}
+    for name, value in config_updates.items():
+        setattr(config, name, value)
+
+    return PruneRecord(
+        source_model=str(meta.get("source_model") or getattr(config, "name_or_path", "") or "unknown"),
+        family=adapter.family,
+        method=str(meta.get("method", "custom")),
+        pct=meta["pct"] if "pct" in meta else 100.0 * (1 - d_k_new / d_k),
+        d_k=d_k,
+        d_k_new=d_k_new,
+        num_heads=h,
+        num_v_heads=hv,
+        head_v_dim=d_v,
+        keep={layer: idx.tolist() for layer, idx in keep_t.items()},
+        config_changes=changes,
+        kernel_scale=kernel_scale_note(d_k, d_k_new),
+        versions={"torch": torch.__version__, "transformers": transformers.__version__, "fla": fla.__version__},
+        extra=extra,
+    )
+
+
+def save_pruned(model: nn.Module, tokenizer, record: PruneRecord, out_dir: str | os.PathLike) -> Path:
+    """Write the pruned HF checkpoint (safetensors), the tokenizer and ``prune_record.json`` atomically.
+
+    Everything is written into a temporary sibling directory that is renamed into place at the end, so a
+    crash never leaves a directory that looks like a valid checkpoint. An existing ``out_dir`` is replaced.
+
+    Args:
+        model: the pruned model (``prune_model`` output).
+        tokenizer: saved with ``save_pretrained`` when not None.
+        record: the :class:`PruneRecord` of the pruning.
+        out_dir: the checkpoint directory; ``AutoModelForCausalLM.from_pretrained(out_dir)`` reloads it.
+    Returns:
+        ``out_dir`` as a Path.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / RECORD_NAME).write_text(record.to_json() + "\n")
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{tag}"
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out_dir

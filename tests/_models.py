@@ -1,0 +1,79 @@
+"""Tiny random fla models shared by the tests (no downloads, CPU, seconds).
+
+``tiny_model("delta_net")`` / ``tiny_model("gated_deltanet", num_v_heads=4)``: hidden 64, 2 layers,
+2 heads of d_k = 32, vocab 300, ``fuse_cross_entropy=False``; keyword overrides go to the family's
+config class. ``statereduce.fla_fallback.install()`` is called first so the models run on CPU.
+Importing this module sets ``torch.set_num_threads(1)`` for the test process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from statereduce.adapters import adapter_class
+
+VOCAB = 300
+
+# Tiny tensors: intra-op threading only adds synchronisation (20x slower matmuls on a loaded 2-core box).
+torch.set_num_threads(1)
+
+# d_k = 32 in both; DeltaNet d_v = 32, Gated DeltaNet d_v = 64.
+TINY: dict[str, dict[str, Any]] = {
+    "delta_net": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "expand_k": 1.0, "expand_v": 1.0},
+    "gated_deltanet": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32, "expand_v": 2.0},
+}
+COMMON: dict[str, Any] = {"vocab_size": VOCAB, "fuse_cross_entropy": False, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def tiny_config(family: str, **overrides: Any):
+    """The tiny config of ``family`` (``TINY`` + ``COMMON``), with ``overrides`` applied."""
+    if family not in TINY:
+        raise ValueError(f"no tiny config for family {family!r}; valid: {', '.join(sorted(TINY))}")
+    return adapter_class(family).config_class(**{**COMMON, **TINY[family], **overrides})
+
+
+def tiny_model(family: str, seed: int = 0, conv_std: float | None = 0.3, **overrides: Any) -> nn.Module:
+    """A tiny random causal LM of ``family`` in eval mode, float32, ready for CPU.
+
+    Args:
+        family: adapter family name.
+        seed: torch seed for the initialisation.
+        conv_std: if not None, re-draw the short-conv weights with this std (fla's default init of 0.02
+            leaves conv outputs ~1e-3, far from trained models; 0.3 gives activations of order one).
+        **overrides: config fields.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from statereduce import fla_fallback
+
+    fla_fallback.install()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    if conv_std is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "conv1d" in name:
+                    p.normal_(0.0, conv_std)
+    return model.float().eval()
+
+
+def tiny_inputs(batch: int = 2, length: int = 24, seed: int = 1) -> torch.Tensor:
+    """Random token ids [batch, length] in the tiny vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, length), generator=g)
+
+
+def random_keep(model: nn.Module, d_k_new: int, seed: int = 0) -> dict[int, torch.Tensor]:
+    """A random sorted per-head selection {layer: [H, d_k']} for every linear-attention layer."""
+    from statereduce.adapters import get_adapter
+
+    adapter = get_adapter(model)
+    g = torch.Generator().manual_seed(seed)
+    h, d_k = adapter.num_heads, adapter.head_k_dim
+    return {
+        layer: torch.stack([torch.randperm(d_k, generator=g)[:d_k_new].sort().values for _ in range(h)])
+        for layer, _ in adapter.mixer_layers()
+    }

@@ -1,0 +1,295 @@
+"""Evaluation through lm-eval (statereduce.evaluate): local perplexity tasks, metrics, eval.json, summary.
+
+The perplexity checks compare lm-eval's numbers with an independent computation: a plain forward pass
+per rolling window, the window layout written out here (first window conditioned on the prefix token,
+later windows of ``max_length`` predicted tokens each conditioned on the token before them, the last
+window left-extended to ``max_length`` inputs) and words counted as lm-eval's wikitext task does,
+``len(re.split(r"\\s+", doc))``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from statereduce import evaluate as ev
+from statereduce.tokenizer import byte_level_tokenizer
+
+EOS = 256
+DOCS = [
+    "The quick brown fox jumps over the lazy dog.",
+    " = Valkyria Chronicles III = \n\n Senjō no Valkyria 3 : Unrecorded Chronicles is a tactical role @-@ playing game .\n",
+    "[1, 2, 3]",  # a rendered "{{text}}" target would be literal_eval-ed into a list
+    "naïve café — ünïcödé bytes, tabs\tand  double  spaces ",
+    "x",
+]
+
+
+def _wait_for_fla_fallback(timeout_s: float = 1800.0):
+    """The fallback is written by another helper; wait for it (60 s between checks)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            from statereduce import fla_fallback
+
+            return fla_fallback
+        except ImportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(60)
+
+
+@pytest.fixture(scope="module")
+def model():
+    _wait_for_fla_fallback().install()
+    from fla.models import DeltaNetConfig, DeltaNetForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeltaNetConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_heads=2,
+        vocab_size=257,
+        fuse_cross_entropy=False,
+        bos_token_id=EOS,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+    )
+    m = DeltaNetForCausalLM(cfg)
+    with torch.no_grad():  # fla's conv init (std 0.02) leaves the model almost uniform; make it less trivial
+        for name, p in m.named_parameters():
+            if "conv1d" in name or "embeddings" in name:
+                p.normal_(0.0, 0.5)
+    return m.float().eval()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_level_tokenizer()
+
+
+def _window_nll(model, inputs: list[int], targets: list[int]) -> float:
+    """Sum of -log p(targets) from the last len(targets) positions of one plain forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([inputs]), use_cache=False).logits[0].double()
+    logp = torch.log_softmax(logits[-len(targets) :], dim=-1)
+    return -float(logp.gather(1, torch.tensor(targets)[:, None]).sum())
+
+
+def _independent_nll(model, tok, doc: str, max_length: int) -> float:
+    """Rolling-window NLL of one document, written out independently of lm-eval's code."""
+    ids = tok.encode(doc)
+    full = [EOS] + ids  # full[i] is the input that predicts ids[i]
+    n, total = len(ids), 0.0
+    for start in range(0, n, max_length):
+        end = min(start + max_length, n)
+        lo = max(0, end - max_length)  # the last window is left-extended to max_length inputs
+        total += _window_nll(model, full[lo:end], ids[start:end])
+    return total
+
+
+def _words(doc: str) -> int:
+    return len(re.split(r"\s+", doc))
+
+
+@pytest.fixture(scope="module")
+def single_window(model, tok, tmp_path_factory):
+    """One lm-eval run on docs shorter than max_length (one window each), through evaluate_and_write."""
+    out = tmp_path_factory.mktemp("eval") / "pruned" / "eval.json"
+    doc = ev.evaluate_and_write(
+        model,
+        tok,
+        out,
+        eval_cfg={"tasks": [], "batch_size": 1, "max_length": 256, "device": "cpu"},
+        heldout_docs=DOCS,
+        checkpoint="results/tiny/l1_50/pruned",
+        model_id="tiny",
+        extra_provenance={"stage": "pruned"},
+    )
+    return out, doc
+
+
+# ---------------------------------------------------------------------------------------------
+def test_write_perplexity_task_files(tmp_path):
+    name = ev.write_perplexity_task(DOCS, tmp_path / "tasks", "my_ppl")
+    assert name == "my_ppl"
+    cfg = yaml.safe_load((tmp_path / "tasks" / "my_ppl.yaml").read_text())
+    assert cfg["task"] == "my_ppl"
+    assert cfg["dataset_path"] == "json"
+    data = Path(cfg["dataset_kwargs"]["data_files"]["test"])
+    assert data.is_absolute() and data == (tmp_path / "tasks" / "my_ppl.jsonl").resolve()
+    assert cfg["output_type"] == "loglikelihood_rolling" and cfg["test_split"] == "test"
+    assert cfg["doc_to_text"] == ""
+    assert [m["metric"] for m in cfg["metric_list"]] == ["word_perplexity", "byte_perplexity", "bits_per_byte"]
+    assert "version" in cfg["metadata"]
+    rows = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines()]
+    assert [r["text"] for r in rows] == DOCS  # exact round trip, whitespace and non-ASCII included
+    assert not [p for p in (tmp_path / "tasks").iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize(
+    "docs, name, match",
+    [([], "ok", "docs is empty"), (["a", ""], "ok", r"docs\[1\]"), (["a"], "bad name", "invalid task name")],
+    ids=["no-docs", "empty-doc", "bad-name"],
+)
+def test_write_perplexity_task_rejects(tmp_path, docs, name, match):
+    with pytest.raises(ValueError, match=match):
+        ev.write_perplexity_task(docs, tmp_path, name)
+
+
+def test_local_perplexity_matches_independent(model, tok, single_window):
+    _, doc = single_window
+    m = doc["metrics"][ev.HELDOUT_TASK]
+    assert set(m) == {"word_perplexity", "byte_perplexity", "bits_per_byte"}
+    assert all(math.isfinite(v) and v > 0 for v in m.values())
+    assert doc["lm_eval"]["n-samples"][ev.HELDOUT_TASK]["effective"] == len(DOCS)
+    assert all(len(tok.encode(d)) < 256 for d in DOCS)
+
+    nll = sum(_independent_nll(model, tok, d, 256) for d in DOCS)
+    words = sum(_words(d) for d in DOCS)
+    nbytes = sum(len(d.encode("utf-8")) for d in DOCS)
+    assert math.log(m["word_perplexity"]) == pytest.approx(nll / words, rel=1e-5)
+    assert math.log(m["byte_perplexity"]) == pytest.approx(nll / nbytes, rel=1e-5)
+    assert m["bits_per_byte"] == pytest.approx(nll / nbytes / math.log(2), rel=1e-5)
+    # a random model is near uniform over 257 tokens but must not be exactly uniform
+    assert 100 < m["byte_perplexity"] < 1000 and m["byte_perplexity"] != pytest.approx(257.0, rel=1e-3)
+    # raw lm-eval keys are kept in the raw part
+    assert "word_perplexity,none" in doc["lm_eval"]["results"][ev.HELDOUT_TASK]
+
+
+def test_rolling_windows_and_padded_batches_match_independent(model, tok, tmp_path):
+    docs = [DOCS[1], DOCS[3] * 2, DOCS[0]]  # 92, ~120, 44 tokens: 3, 4 and 2 windows of 32, mixed lengths
+    name = ev.write_perplexity_task(docs, tmp_path, "rolling_ppl")
+    res = ev.evaluate_model(model, tok, [name], include_path=tmp_path, batch_size=3, max_length=32, device="cpu")
+    m = res["metrics"][name]
+    nll = sum(_independent_nll(model, tok, d, 32) for d in docs)
+    assert math.log(m["word_perplexity"]) == pytest.approx(nll / sum(_words(d) for d in docs), rel=1e-5)
+    # the window structure matters: one long window gives a different number
+    nll_one_window = sum(_independent_nll(model, tok, d, 1024) for d in docs)
+    assert abs(nll_one_window - nll) > 1e-3 * nll
+    assert res["settings"]["max_length"] == 32 and res["settings"]["batch_size"] == 3
+    json.dumps(res, allow_nan=False)
+
+
+def test_unknown_task_is_a_clear_error(tmp_path):
+    ev.write_perplexity_task(["a b"], tmp_path, "present_ppl")
+    with pytest.raises(ValueError, match=r"unknown lm-eval task 'wikitextt'.*close matches: .*\bwikitext\b"):
+        ev.build_task_manager(["present_ppl", "wikitextt"], tmp_path)
+
+
+def test_task_manager_skips_builtin_index_for_local_tasks(tmp_path):
+    ev.write_perplexity_task(["a b"], tmp_path, "only_local_ppl")
+    tm = ev.build_task_manager(["only_local_ppl"], tmp_path)
+    assert "only_local_ppl" in tm.all_tasks and "wikitext" not in tm.all_tasks
+
+
+def test_eval_json_written_with_state_and_provenance(single_window):
+    out, doc = single_window
+    on_disk = json.loads(out.read_text())
+    assert on_disk == doc
+    # tiny DeltaNet: 2 layers x 2 heads x d_k 32 x d_v 32 x 4 bytes
+    assert doc["state"]["state_bytes_per_sequence"] == 2 * 2 * 32 * 32 * 4
+    assert (doc["state"]["d_k"], doc["state"]["d_v"], doc["state"]["num_heads"], doc["state"]["layers"]) == (
+        32,
+        32,
+        2,
+        2,
+    )
+    p = doc["provenance"]
+    assert p["checkpoint"] == "results/tiny/l1_50/pruned" and p["model_id"] == "tiny" and p["stage"] == "pruned"
+    assert p["tasks"] == [ev.HELDOUT_TASK] and p["settings"]["max_length"] == 256
+    for key in ("statereduce_version", "lm_eval_version", "torch_version", "date"):
+        assert p[key]
+    assert not [f for f in os.listdir(out.parent) if f.endswith(".tmp")]
+
+
+def test_write_json_atomic_keeps_old_file_on_failure(tmp_path, monkeypatch):
+    path = tmp_path / "eval.json"
+    ev.write_json_atomic(path, {"a": 1, "nan": float("nan"), "np": np.float32(0.5)})
+    assert json.loads(path.read_text()) == {"a": 1, "nan": "nan", "np": 0.5}
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ev.os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        ev.write_json_atomic(path, {"a": 2})
+    assert json.loads(path.read_text())["a"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["eval.json"]
+
+
+def test_write_eval_json_requires_state(tmp_path):
+    result = {"metrics": {}, "settings": {"tasks": []}}
+    with pytest.raises(ValueError, match="state"):
+        ev.write_eval_json(tmp_path / "e.json", result, {"checkpoint": "x"})
+    assert not (tmp_path / "e.json").exists()
+
+
+def test_clean_metrics_names():
+    raw = {
+        "lambada_openai": {
+            "alias": "lambada_openai",
+            "perplexity,none": np.float64(3.5),
+            "perplexity_stderr,none": 0.1,
+            "acc,none": 0.5,
+            "acc_stderr,none": "N/A",
+            "sample_len": 5153,
+        },
+        "gsm8k": {"exact_match,strict-match": 0.25, "exact_match,flexible-extract": 0.3},
+    }
+    clean = ev.clean_metrics(raw)
+    assert clean == {
+        "lambada_openai": {"perplexity": 3.5, "perplexity_stderr": 0.1, "acc": 0.5},
+        "gsm8k": {"exact_match/strict-match": 0.25, "exact_match/flexible-extract": 0.3},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+def _fake_eval(ppl: float, state_bytes: int, d_k: int, tasks=("statereduce_heldout",), max_length=256) -> dict:
+    return {
+        "metrics": {t: {"word_perplexity": ppl} for t in tasks},
+        "settings": {"tasks": list(tasks), "max_length": max_length, "limit": None},
+        "state": {"state_bytes_per_sequence": state_bytes, "d_k": d_k, "d_v": 32, "num_heads": 2, "layers": 2},
+        "provenance": {"checkpoint": f"ckpt_{d_k}", "date": "2026-01-01T00:00:00+00:00"},
+    }
+
+
+def test_summarize_synthetic():
+    base, pruned = _fake_eval(20.0, 16384, 32), _fake_eval(25.0, 8192, 16)
+    s = ev.summarize(base, pruned, None, {"model": "tiny", "method": "l1", "pct": 50, "selection": "x.parquet"})
+    assert (s["model"], s["method"], s["pct"]) == ("tiny", "l1", 50)
+    assert s["metrics"]["baseline"]["statereduce_heldout"]["word_perplexity"] == 20.0
+    assert s["metrics"]["pruned"]["statereduce_heldout"]["word_perplexity"] == 25.0
+    assert s["metrics"]["rft"] is None
+    assert s["state"]["bytes_before"] == 16384 and s["state"]["bytes_after"] == 8192 and s["state"]["ratio"] == 0.5
+    assert s["provenance"]["selection"] == "x.parquet"
+    assert s["provenance"]["evals"]["pruned"]["checkpoint"] == "ckpt_16"
+    json.dumps(s, allow_nan=False)
+
+    rft = _fake_eval(21.0, 8192, 16)
+    s2 = ev.summarize(base, pruned, rft, {"model": "tiny", "method": "l1", "pct": 50})
+    assert s2["metrics"]["rft"]["statereduce_heldout"]["word_perplexity"] == 21.0
+
+
+@pytest.mark.parametrize(
+    "pruned, rft, meta, match",
+    [
+        (_fake_eval(25.0, 8192, 16, tasks=("other",)), None, {"model": "m", "method": "l1", "pct": 50}, "differ"),
+        (_fake_eval(25.0, 8192, 16, max_length=64), None, {"model": "m", "method": "l1", "pct": 50}, "differ"),
+        (_fake_eval(25.0, 8192, 16), _fake_eval(21.0, 4096, 8), {"model": "m", "method": "l1", "pct": 50}, "RFT"),
+        (_fake_eval(25.0, 8192, 16), None, {"model": "m", "pct": 50}, "method"),
+    ],
+    ids=["task-mismatch", "window-mismatch", "rft-state-changed", "meta-missing-method"],
+)
+def test_summarize_rejects(pruned, rft, meta, match):
+    with pytest.raises(ValueError, match=match):
+        ev.summarize(_fake_eval(20.0, 16384, 32), pruned, rft, meta)

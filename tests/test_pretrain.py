@@ -1,0 +1,135 @@
+"""Tiny-model configs, model loading (checkpoint folder and source.json) and pretraining."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from statereduce.models import load_model, tiny_config, write_hub_source
+from statereduce.pretrain import DEFAULT_TRAIN, lr_at, pretrain
+
+CORPUS = {"source": "embedded", "max_bytes": 600_000}
+ARCH = {
+    "delta_net": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "expand_k": 1.0, "expand_v": 1.0},
+    "gated_deltanet": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 16, "expand_v": 1.0},
+}
+TRAIN = {"steps": 5, "batch_size": 2, "seq_len": 32, "lr": 1e-3, "warmup": 2, "seed": 7, "log_every": 2, "eval_blocks": 2}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """One tiny checkpoint per family (5 steps)."""
+    root = tmp_path_factory.mktemp("pretrain")
+    out = {}
+    for family, arch in ARCH.items():
+        record = pretrain(family, arch, CORPUS, TRAIN, root / family / "base", log_path=root / f"{family}.jsonl")
+        out[family] = (root / family / "base", record, root / f"{family}.jsonl")
+    return out
+
+
+def test_tiny_config_fields():
+    dn = tiny_config("delta_net", {"hidden_size": 128, "num_hidden_layers": 4, "num_heads": 2, "expand_k": 1.0, "expand_v": 1.0})
+    assert (dn.model_type, dn.vocab_size, dn.eos_token_id, dn.bos_token_id) == ("delta_net", 257, 256, 256)
+    assert dn.fuse_cross_entropy is False and dn.pad_token_id is None
+    assert int(dn.hidden_size * dn.expand_k) // dn.num_heads == 64
+    gdn = tiny_config("gated_deltanet", {"hidden_size": 128, "num_hidden_layers": 4, "num_heads": 2, "head_dim": 64, "expand_v": 1.0})
+    assert gdn.model_type == "gated_deltanet" and gdn.head_dim == 64 and gdn.vocab_size == 257
+    with pytest.raises(ValueError, match=r"unknown arch key\(s\) \['head_dims'\] for family 'gated_deltanet'"):
+        tiny_config("gated_deltanet", {"head_dims": 64})
+    with pytest.raises(ValueError, match="unknown model family 'mamba9'"):
+        tiny_config("mamba9", {})
+
+
+def test_lr_schedule():
+    cfg = {**DEFAULT_TRAIN, "steps": 101, "warmup": 10, "lr": 1e-3, "min_lr_ratio": 0.1}
+    assert lr_at(0, cfg) == pytest.approx(1e-4) and lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(10, cfg) == pytest.approx(1e-3) and lr_at(100, cfg) == pytest.approx(1e-4)
+    assert lr_at(55, cfg) == pytest.approx(0.55e-3)
+    lrs = [lr_at(s, cfg) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_pretrain_record_and_logs(checkpoints):
+    for family, (ckpt, record, log_path) in checkpoints.items():
+        assert {"config.json", "model.safetensors", "pretrain.json", "train_log.jsonl", "tokenizer.json"} <= {
+            p.name for p in ckpt.iterdir()
+        }
+        assert json.loads((ckpt / "pretrain.json").read_text()) == json.loads(json.dumps(record))
+        assert record["family"] == family and record["train"]["steps"] == 5 and record["train_tokens"] == 5 * 2 * 32
+        assert record["corpus"]["source"] == "embedded" and len(record["corpus"]["sha256"]) == 64
+        for v in (record["final_train_loss"], record["eval_loss"]["calib"], record["eval_loss"]["heldout"]):
+            assert math.isfinite(v) and 3.0 < v < 7.0  # about ln(257) = 5.55 after 5 steps
+        lines = [json.loads(x) for x in (ckpt / "train_log.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in lines] == [2, 4, 5]
+        assert lines[-1]["loss"] == record["final_train_loss"]
+        assert {"loss", "lr", "tokens_per_s", "grad_norm"} <= set(lines[0])
+        assert log_path.read_text() == (ckpt / "train_log.jsonl").read_text()
+        assert not [p for p in ckpt.parent.iterdir() if p.name.startswith(".")], "temporary folder left behind"
+
+
+def test_pretrain_deterministic(checkpoints, tmp_path):
+    ckpt, record, _ = checkpoints["gated_deltanet"]
+    again = pretrain("gated_deltanet", ARCH["gated_deltanet"], CORPUS, TRAIN, tmp_path / "again")
+    a, b = load_file(ckpt / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert again["final_train_loss"] == record["final_train_loss"]
+    other = pretrain("gated_deltanet", ARCH["gated_deltanet"], CORPUS, {**TRAIN, "seed": 8}, tmp_path / "other")
+    c = load_file(tmp_path / "other" / "model.safetensors")
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+    assert other["final_train_loss"] != record["final_train_loss"]
+
+
+@pytest.mark.parametrize("family", list(ARCH))
+def test_checkpoint_reloads(checkpoints, family):
+    ckpt, _, _ = checkpoints[family]
+    model, tok = load_model(ckpt)
+    assert not model.training and model.config.model_type == family and model.config.fuse_cross_entropy is False
+    ids = tok("def f(x):\n    return x", add_special_tokens=False)["input_ids"]
+    assert ids == list(b"def f(x):\n    return x") and tok.eos_token_id == 256
+    assert tok.decode(ids) == "def f(x):\n    return x"
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model(input_ids=x, labels=x)
+    assert out.logits.shape == (1, len(ids), 257) and torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+
+
+def test_load_model_from_source_json(checkpoints, tmp_path):
+    ckpt, _, _ = checkpoints["delta_net"]
+    base = tmp_path / "base"
+    rec = write_hub_source(base, str(ckpt), revision=None, dtype="float32")
+    assert rec == {"hub_id": str(ckpt), "revision": None, "requested_revision": None, "resolved": False, "dtype": "float32"}
+    assert json.loads((base / "source.json").read_text()) == rec
+    assert [p.name for p in base.iterdir()] == ["source.json"]
+    m_src, tok_src = load_model(base)
+    m_dir, _ = load_model(ckpt)
+    x = torch.tensor([list(b"import os\n")])
+    with torch.no_grad():
+        assert torch.equal(m_src(input_ids=x).logits, m_dir(input_ids=x).logits)
+    assert tok_src.eos_token_id == 256
+    m_bf16, _ = load_model(base, dtype="bfloat16")
+    assert next(m_bf16.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        write_hub_source(base, str(ckpt), dtype="fp8")
+    with pytest.raises(ValueError, match="neither source.json nor config.json"):
+        load_model(tmp_path / "empty")
+
+
+def test_pretrain_learns(tmp_path):
+    """A few dozen steps at a high learning rate clearly reduce the byte-level loss (fails if training is broken)."""
+    cfg = {**TRAIN, "steps": 40, "batch_size": 4, "seq_len": 64, "lr": 1e-2, "warmup": 4, "log_every": 10}
+    rec = pretrain("delta_net", ARCH["delta_net"], CORPUS, cfg, tmp_path / "learn")
+    lines = [json.loads(x) for x in (tmp_path / "learn" / "train_log.jsonl").read_text().splitlines()]
+    assert lines[0]["loss"] > 4.5 and rec["final_train_loss"] < lines[0]["loss"] - 1.0
+    assert rec["eval_loss"]["heldout"] < 4.5
+
+
+def test_train_cfg_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown train key\(s\) \['step'\]"):
+        pretrain("delta_net", ARCH["delta_net"], CORPUS, {"step": 3}, tmp_path / "x")
+    with pytest.raises(ValueError, match="warmup must be in"):
+        pretrain("delta_net", ARCH["delta_net"], CORPUS, {"steps": 3, "warmup": 3}, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
