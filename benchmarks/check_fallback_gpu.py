@@ -84,9 +84,13 @@ def compare(
     base = make_inputs()
     floating = {n: t for n, t in base.items() if isinstance(t, torch.Tensor) and t.is_floating_point()}
     x_fla = {n: (t.to(dtype) if n in floating and n not in keep_fp32 else t) for n, t in base.items()}
-    x_fla = {n: (t.detach().requires_grad_(n in grad_names) if n in floating else t) for n, t in x_fla.items()}
+    # clones: in-place ops (the conv-update cache) must not leak from one side to the other
+    x_fla = {n: (t.detach().clone().requires_grad_(n in grad_names) if n in floating else t) for n, t in x_fla.items()}
     # ours sees exactly the values fla sees (rounded to dtype), upcast to fp32
-    x_our = {n: (t.detach().float().requires_grad_(n in grad_names) if n in floating else t) for n, t in x_fla.items()}
+    x_our = {
+        n: (t.detach().float().clone().requires_grad_(n in grad_names) if n in floating else t)
+        for n, t in x_fla.items()
+    }
     tag = str(dtype).replace("torch.", "")
     recs: list[Record] = []
 
@@ -136,7 +140,7 @@ def compare(
 # ----------------------------------------------------------------------------------------------------------------
 def delta_inputs(B: int, T: int, H: int, K: int, V: int, h0: bool) -> Callable[[], dict[str, torch.Tensor]]:
     def make() -> dict[str, torch.Tensor]:
-        d = dict(device=DEVICE)
+        d = {"device": DEVICE}
         x = {
             "q": torch.randn(B, T, H, K, **d),
             "k": torch.randn(B, T, H, K, **d),
@@ -156,7 +160,7 @@ def gdn_inputs(
     """Inputs as GatedDeltaNet passes them: raw gate/beta logits with A_log/dt_bias, state_v_first [N,HV,V,K]."""
 
     def make() -> dict[str, torch.Tensor]:
-        d = dict(device=DEVICE)
+        d = {"device": DEVICE}
         x = {
             "q": torch.randn(B, T, H, K, **d),
             "k": torch.randn(B, T, H, K, **d),
@@ -187,38 +191,57 @@ def run_delta(records: list[Record], quick: bool, seed: int) -> None:
             ("delta_rule.fused_recurrent", fused_recurrent_delta_rule, ours.fused_recurrent_delta_rule, min(T, 64)),
         ]:
             grads = ["q", "k", "v", "beta"] + (["initial_state"] if h0 else [])
-            kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+            kw = {"output_final_state": True, "use_qk_l2norm_in_kernel": True}
             for dtype in (torch.bfloat16, torch.float32):
                 records += compare(
-                    f"{name} B{B} T{t} H{H} K{K} V{V} h0={h0}", dtype, delta_inputs(B, t, H, K, V, h0),
-                    lambda fn=fla_fn, **x: fn(**x, **kw), lambda fn=our_fn, **x: fn(**x, **kw), grads,
-                    ["o", "final_state"], seed,
+                    f"{name} B{B} T{t} H{H} K{K} V{V} h0={h0}",
+                    dtype,
+                    delta_inputs(B, t, H, K, V, h0),
+                    lambda fn=fla_fn, kw=kw, **x: fn(**x, **kw),
+                    lambda fn=our_fn, kw=kw, **x: fn(**x, **kw),
+                    grads,
+                    ["o", "final_state"],
+                    seed,
                 )
 
 
 def run_gdn(records: list[Record], quick: bool, seed: int) -> None:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-    shapes = [(2, 200, 2, 4, 64, 128, True)] if quick else [(2, 200, 2, 4, 64, 128, True), (4, 512, 4, 4, 128, 256, False)]
+    shapes = [(2, 200, 2, 4, 64, 128, True)]
+    if not quick:
+        shapes.append((4, 512, 4, 4, 128, 256, False))
     for B, T, H, HV, K, V, h0 in shapes:
         for name, fla_fn, our_fn, t in [
             ("gated_delta_rule.chunk", chunk_gated_delta_rule, ours.chunk_gated_delta_rule, T),
-            ("gated_delta_rule.fused_recurrent", fused_recurrent_gated_delta_rule,
-             ours.fused_recurrent_gated_delta_rule, min(T, 64)),
+            (
+                "gated_delta_rule.fused_recurrent",
+                fused_recurrent_gated_delta_rule,
+                ours.fused_recurrent_gated_delta_rule,
+                min(T, 64),
+            ),
         ]:
             for in_kernel in (True, False):
                 grads = ["q", "k", "v", "g", "beta"] + (["initial_state"] if h0 else [])
                 if in_kernel:
                     grads += ["A_log", "dt_bias"]
-                kw: dict[str, Any] = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True)
+                kw: dict[str, Any] = {
+                    "output_final_state": True,
+                    "use_qk_l2norm_in_kernel": True,
+                    "state_v_first": True,
+                }
                 if in_kernel:
                     kw.update(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
                 for dtype in (torch.bfloat16, torch.float32):
                     records += compare(
-                        f"{name} B{B} T{t} H{H} HV{HV} K{K} V{V} h0={h0} gate_in_kernel={in_kernel}", dtype,
+                        f"{name} B{B} T{t} H{H} HV{HV} K{K} V{V} h0={h0} gate_in_kernel={in_kernel}",
+                        dtype,
                         gdn_inputs(B, t, H, HV, K, V, h0, in_kernel),
-                        lambda fn=fla_fn, **x: fn(**x, **kw), lambda fn=our_fn, **x: fn(**x, **kw), grads,
-                        ["o", "final_state"], seed,
+                        lambda fn=fla_fn, kw=kw, **x: fn(**x, **kw),
+                        lambda fn=our_fn, kw=kw, **x: fn(**x, **kw),
+                        grads,
+                        ["o", "final_state"],
+                        seed,
                     )
 
 
@@ -238,12 +261,17 @@ def run_modules(records: list[Record], seed: int) -> None:
             "initial_state": torch.randn(B, D, W, device=DEVICE),
         }
 
-    kw = dict(activation="silu", output_final_state=True)
+    kw = {"activation": "silu", "output_final_state": True}
     for dtype in (torch.bfloat16, torch.float32):
         records += compare(
-            f"causal_conv1d B{B} T{T} D{D} W{W} h0", dtype, conv_inputs,
-            lambda **x: causal_conv1d(**x, **kw), lambda **x: ours.causal_conv1d(**x, **kw),
-            ["x", "weight", "bias", "initial_state"], ["y", "final_state"], seed,
+            f"causal_conv1d B{B} T{T} D{D} W{W} h0",
+            dtype,
+            conv_inputs,
+            lambda **x: causal_conv1d(**x, **kw),
+            lambda **x: ours.causal_conv1d(**x, **kw),
+            ["x", "weight", "bias", "initial_state"],
+            ["y", "final_state"],
+            seed,
         )
 
         def step_inputs() -> dict[str, torch.Tensor]:
@@ -255,9 +283,14 @@ def run_modules(records: list[Record], seed: int) -> None:
             }
 
         records += compare(
-            f"causal_conv1d_update B{B} D{D} W{W}", dtype, step_inputs,
+            f"causal_conv1d_update B{B} D{D} W{W}",
+            dtype,
+            step_inputs,
             lambda **x: causal_conv1d_update(**x, activation="silu"),
-            lambda **x: ours.causal_conv1d_update(**x, activation="silu"), [], ["y", "cache"], seed,
+            lambda **x: ours.causal_conv1d_update(**x, activation="silu"),
+            [],
+            ["y", "cache"],
+            seed,
         )
 
         def norm_inputs() -> dict[str, torch.Tensor]:
@@ -267,10 +300,16 @@ def run_modules(records: list[Record], seed: int) -> None:
                 "residual": torch.randn(B, T, D, device=DEVICE),
             }
 
-        nkw = dict(bias=None, eps=1e-6, prenorm=True, residual_in_fp32=True)
+        nkw = {"bias": None, "eps": 1e-6, "prenorm": True, "residual_in_fp32": True}
         records += compare(
-            f"rms_norm+residual B{B} T{T} D{D}", dtype, norm_inputs, lambda **x: rms_norm(**x, **nkw),
-            lambda **x: ours.rms_norm(**x, **nkw), ["x", "weight", "residual"], ["y", "residual_out"], seed,
+            f"rms_norm+residual B{B} T{T} D{D}",
+            dtype,
+            norm_inputs,
+            lambda nkw=nkw, **x: rms_norm(**x, **nkw),
+            lambda nkw=nkw, **x: ours.rms_norm(**x, **nkw),
+            ["x", "weight", "residual"],
+            ["y", "residual_out"],
+            seed,
         )
 
         def gnorm_inputs() -> dict[str, torch.Tensor]:
@@ -282,18 +321,28 @@ def run_modules(records: list[Record], seed: int) -> None:
 
         for act in ("swish", "sigmoid"):
             records += compare(
-                f"rms_norm_gated[{act}] B{B} T{T} 4x64", dtype, gnorm_inputs,
-                lambda **x: rms_norm_gated(**x, bias=None, activation=act, eps=1e-5),
-                lambda **x: ours.rms_norm_gated(**x, bias=None, activation=act, eps=1e-5), ["x", "g", "weight"],
-                ["y"], seed,
+                f"rms_norm_gated[{act}] B{B} T{T} 4x64",
+                dtype,
+                gnorm_inputs,
+                lambda act=act, **x: rms_norm_gated(**x, bias=None, activation=act, eps=1e-5),
+                lambda act=act, **x: ours.rms_norm_gated(**x, bias=None, activation=act, eps=1e-5),
+                ["x", "g", "weight"],
+                ["y"],
+                seed,
             )
 
         def glu_inputs() -> dict[str, torch.Tensor]:
             return {"x": torch.randn(B, T, 512, device=DEVICE), "y": torch.randn(B, T, 512, device=DEVICE)}
 
         records += compare(
-            f"swiglu B{B} T{T} 512", dtype, glu_inputs, lambda **x: swiglu(x["x"], x["y"]),
-            lambda **x: ours.swiglu(x["x"], x["y"]), ["x", "y"], ["z"], seed,
+            f"swiglu B{B} T{T} 512",
+            dtype,
+            glu_inputs,
+            lambda **x: swiglu(x["x"], x["y"]),
+            lambda **x: ours.swiglu(x["x"], x["y"]),
+            ["x", "y"],
+            ["z"],
+            seed,
         )
 
         def glu_lin_inputs() -> dict[str, torch.Tensor]:
@@ -302,9 +351,14 @@ def run_modules(records: list[Record], seed: int) -> None:
             return x
 
         records += compare(
-            f"swiglu_linear B{B} T{T} 512->{D}", dtype, glu_lin_inputs,
+            f"swiglu_linear B{B} T{T} 512->{D}",
+            dtype,
+            glu_lin_inputs,
             lambda **x: swiglu_linear(x["x"], x["y"], x["weight"], None),
-            lambda **x: ours.swiglu_linear(x["x"], x["y"], x["weight"], None), ["x", "y", "weight"], ["out"], seed,
+            lambda **x: ours.swiglu_linear(x["x"], x["y"], x["weight"], None),
+            ["x", "y", "weight"],
+            ["out"],
+            seed,
         )
 
 
@@ -313,7 +367,12 @@ def time_ours(records: list[Record], quick: bool) -> None:
     B, T, H, HV, K, V = (8, 512, 4, 4, 128, 256) if quick else (16, 2048, 4, 4, 128, 256)
     x = gdn_inputs(B, T, H, HV, K, V, False, True)()
     x = {n: t.requires_grad_() for n, t in x.items()}
-    kw = dict(use_qk_l2norm_in_kernel=True, state_v_first=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    kw = {
+        "use_qk_l2norm_in_kernel": True,
+        "state_v_first": True,
+        "use_gate_in_kernel": True,
+        "use_beta_sigmoid_in_kernel": True,
+    }
     for _ in range(2):  # warm-up
         ours.chunk_gated_delta_rule(**x, **kw)[0].sum().backward()
     torch.cuda.synchronize()
@@ -323,22 +382,31 @@ def time_ours(records: list[Record], quick: bool) -> None:
     for _ in range(n):
         ours.chunk_gated_delta_rule(**x, **kw)[0].sum().backward()
     torch.cuda.synchronize()
-    records.append({
-        "case": f"timing ours chunk_gated_delta_rule fwd+bwd B{B} T{T} H{H} HV{HV} K{K} V{V}",
-        "dtype": "float32", "quantity": "seconds_per_call", "status": "ok",
-        "value": (time.perf_counter() - t0) / n, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-    })
+    records.append(
+        {
+            "case": f"timing ours chunk_gated_delta_rule fwd+bwd B{B} T{T} H{H} HV{HV} K{K} V{V}",
+            "dtype": "float32",
+            "quantity": "seconds_per_call",
+            "status": "ok",
+            "value": (time.perf_counter() - t0) / n,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
+    )
 
 
 def print_table(records: list[Record]) -> None:
     print(f"{'case':<78} {'dtype':<9} {'quantity':<14} {'status':<8} {'max_abs':>10} {'rel_max':>10} {'rel_l2':>10}")
     for r in records:
         if r["status"] == "ok" and "max_abs" in r:
-            print(f"{r['case']:<78} {r['dtype']:<9} {r['quantity']:<14} {'ok':<8} "
-                  f"{r['max_abs']:>10.2e} {r['rel_max']:>10.2e} {r['rel_l2']:>10.2e}")
+            print(
+                f"{r['case']:<78} {r['dtype']:<9} {r['quantity']:<14} {'ok':<8} "
+                f"{r['max_abs']:>10.2e} {r['rel_max']:>10.2e} {r['rel_l2']:>10.2e}"
+            )
         elif "value" in r:
-            print(f"{r['case']:<78} {r['dtype']:<9} {r['quantity']:<14} {'ok':<8} {r['value']:>10.4f} s "
-                  f"(peak {r['peak_mem_gib']:.2f} GiB)")
+            print(
+                f"{r['case']:<78} {r['dtype']:<9} {r['quantity']:<14} {'ok':<8} {r['value']:>10.4f} s "
+                f"(peak {r['peak_mem_gib']:.2f} GiB)"
+            )
         else:
             print(f"{r['case']:<78} {r['dtype']:<9} {r['quantity']:<14} {r['status']:<8} {r.get('message', '')[:160]}")
 
@@ -365,12 +433,23 @@ def main(argv: list[str] | None = None) -> int:
         try:
             fn()
         except Exception:  # noqa: BLE001 - keep going; the traceback is recorded
-            records.append({"case": name, "dtype": "-", "quantity": "section", "status": "error",
-                            "message": traceback.format_exc()[-2000:]})
+            records.append(
+                {
+                    "case": name,
+                    "dtype": "-",
+                    "quantity": "section",
+                    "status": "error",
+                    "message": traceback.format_exc()[-2000:],
+                }
+            )
     print_table(records)
     meta = {
-        "torch": torch.__version__, "fla": getattr(fla, "__version__", "?"), "triton": triton.__version__,
-        "device": torch.cuda.get_device_name(), "seed": args.seed, "quick": args.quick,
+        "torch": torch.__version__,
+        "fla": getattr(fla, "__version__", "?"),
+        "triton": triton.__version__,
+        "device": torch.cuda.get_device_name(),
+        "seed": args.seed,
+        "quick": args.quick,
     }
     out_dir = os.path.dirname(os.path.abspath(args.out_json))
     os.makedirs(out_dir, exist_ok=True)
@@ -379,8 +458,10 @@ def main(argv: list[str] | None = None) -> int:
         tmp = fh.name
     os.replace(tmp, args.out_json)
     n_err = sum(r["status"] == "error" for r in records)
-    print(f"\n{len(records)} records, {n_err} errors, "
-          f"{sum(r['status'] == 'refused' for r in records)} refused -> {args.out_json}")
+    print(
+        f"\n{len(records)} records, {n_err} errors, "
+        f"{sum(r['status'] == 'refused' for r in records)} refused -> {args.out_json}"
+    )
     return 1 if n_err else 0
 
 

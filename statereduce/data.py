@@ -26,9 +26,11 @@ list of documents (``str``) per split: ``"train"`` (pretraining the embedded tin
     revision=..., streaming=...)``. Keys: ``path`` (required), ``name``, ``data_files``, ``revision``,
     ``cache_dir``, ``streaming`` (default False), ``text_field`` (default ``"text"``), ``splits``
     (our split -> HF split, default ``{"train": "train", "calib": "train", "heldout": "test"}``; HF
-    slicing such as ``"train[:95%]"`` works when not streaming), ``doc_mode`` (``"rows"``, default:
-    one document per row; ``"paragraphs"``/``"wikitext"``: rows are joined into one text first, as in
-    WikiText-2-raw where each row is a line), ``doc_bytes``, ``max_docs``, ``max_bytes``.
+    slicing such as ``"train[:95%]"`` works when not streaming, and row ranges such as
+    ``"train[100000:110000]"`` also when streaming, so that splits of one HF split can be disjoint),
+    ``doc_mode`` (``"rows"``, default: one document per row; ``"paragraphs"``/``"wikitext"``: rows are
+    joined into one text first, as in WikiText-2-raw where each row is a line), ``doc_bytes``,
+    ``max_docs``, ``max_bytes``.
 
 Document order is deterministic for every source; byte caps are hard budgets (documents are taken
 in order while the running total of UTF-8 bytes stays within the budget).
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import platform
 import re
 import sysconfig
@@ -83,7 +86,7 @@ EMBEDDED_PACKAGES = (
 # Directory names never read, wherever they occur.
 _EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3"})
 
-_WIKITEXT_HEADING = re.compile(r"^ = [^=\n](?:.*[^=\n])? = $", flags=re.M)
+_WIKITEXT_HEADING = re.compile(r"^ = [^=\n](?:.*[^=\n])? = $", flags=re.MULTILINE)
 _BLANK_LINES = re.compile(r"\n[ \t]*\n")
 
 
@@ -158,7 +161,7 @@ def split_documents(text: str, doc_mode: str, doc_bytes: int = DEFAULT_DOC_BYTES
     if doc_mode == "wikitext":
         starts = [m.start() for m in _WIKITEXT_HEADING.finditer(text)]
         bounds = [0, *starts, len(text)]
-        docs = [text[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        docs = [text[a:b] for a, b in itertools.pairwise(bounds)]
         return [d for d in docs if d.strip()]
     if doc_mode == "paragraphs":
         if doc_bytes < 1:
@@ -232,14 +235,18 @@ def embedded_corpus(max_bytes: int = DEFAULT_EMBEDDED_MAX_BYTES, packages: Seque
         raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
     files = _embedded_files(str(_stdlib_root()), int(max_bytes), tuple(packages))
     if not files:
-        raise ValueError(f"embedded corpus is empty: no readable *.py files under {_stdlib_root()} within {max_bytes} bytes")
+        raise ValueError(
+            f"embedded corpus is empty: no readable *.py files under {_stdlib_root()} within {max_bytes} bytes"
+        )
     return list(files)
 
 
 def _embedded_split(spec: dict, split: str) -> list[str]:
     _check_keys(spec, ("max_bytes", "fractions", "packages"))
     fr = _fractions(spec)
-    files = embedded_corpus(int(spec.get("max_bytes", DEFAULT_EMBEDDED_MAX_BYTES)), spec.get("packages", EMBEDDED_PACKAGES))
+    files = embedded_corpus(
+        int(spec.get("max_bytes", DEFAULT_EMBEDDED_MAX_BYTES)), spec.get("packages", EMBEDDED_PACKAGES)
+    )
     return [text for rel, text in files if split_of(rel, fr) == split]
 
 
@@ -294,7 +301,9 @@ def _files_docs(paths: Sequence[str], spec: dict) -> list[tuple[str, str]]:
         raise ValueError(f"unknown doc_mode {mode!r}; valid: {', '.join(DOC_MODES)}")
     out = []
     for path in paths:
-        docs = split_documents(_read_text(path, spec.get("encoding", "utf-8")), mode, int(spec.get("doc_bytes", DEFAULT_DOC_BYTES)))
+        docs = split_documents(
+            _read_text(path, spec.get("encoding", "utf-8")), mode, int(spec.get("doc_bytes", DEFAULT_DOC_BYTES))
+        )
         out += [(f"{Path(path).name}:{i}", d) for i, d in enumerate(docs)]
     return out
 
@@ -302,7 +311,9 @@ def _files_docs(paths: Sequence[str], spec: dict) -> list[tuple[str, str]]:
 def _files_split(spec: dict, split: str) -> list[str]:
     _check_keys(spec, _FILES_KEYS)
     if ("paths" in spec) == ("splits" in spec):
-        raise ValueError("corpus source 'files' needs exactly one of 'paths' (split by fractions) or 'splits' (files per split)")
+        raise ValueError(
+            "corpus source 'files' needs exactly one of 'paths' (split by fractions) or 'splits' (files per split)"
+        )
     if "splits" in spec:
         explicit = spec["splits"]
         bad = sorted(set(explicit) - set(SPLITS))
@@ -346,7 +357,9 @@ _HF_KEYS = (
 def _hf_split(spec: dict, split: str) -> list[str]:
     _check_keys(spec, _HF_KEYS)
     if "path" not in spec:
-        raise ValueError("corpus source 'hf' needs 'path' (a dataset id, or a builder such as 'text'/'json' with data_files)")
+        raise ValueError(
+            "corpus source 'hf' needs 'path' (a dataset id, or a builder such as 'text'/'json' with data_files)"
+        )
     mode = spec.get("doc_mode", "rows")
     if mode not in HF_DOC_MODES:
         raise ValueError(f"unknown doc_mode {mode!r} for source 'hf'; valid: {', '.join(HF_DOC_MODES)}")
@@ -355,15 +368,21 @@ def _hf_split(spec: dict, split: str) -> list[str]:
         raise ValueError(f"split {split!r} not mapped in corpus 'splits' (mapped: {', '.join(mapping)})")
     import datasets  # lazy: heavy import, only this source needs it
 
+    streaming = bool(spec.get("streaming", False))
+    hf_split, row_range = _streaming_slice(mapping[split]) if streaming else (mapping[split], None)
     ds = datasets.load_dataset(
         spec["path"],
         spec.get("name"),
         data_files=spec.get("data_files"),
-        split=mapping[split],
+        split=hf_split,
         revision=spec.get("revision"),
         cache_dir=spec.get("cache_dir"),
-        streaming=bool(spec.get("streaming", False)),
+        streaming=streaming,
     )
+    if row_range is not None:
+        start, stop = row_range
+        ds = ds.skip(start) if start else ds
+        ds = ds.take(stop - start) if stop is not None else ds
     field = spec.get("text_field", "text")
     max_docs, max_bytes = spec.get("max_docs"), spec.get("max_bytes")
     rows = _hf_rows(ds, field)
@@ -378,8 +397,30 @@ def _hf_split(spec: dict, split: str) -> list[str]:
             break
         parts.append(r)
         total += n
-    docs = split_documents("".join(parts), "paragraphs" if mode == "paragraphs" else "wikitext", int(spec.get("doc_bytes", DEFAULT_DOC_BYTES)))
+    docs = split_documents(
+        "".join(parts),
+        "paragraphs" if mode == "paragraphs" else "wikitext",
+        int(spec.get("doc_bytes", DEFAULT_DOC_BYTES)),
+    )
     return _cap(docs, max_docs, None)
+
+
+_ROW_SLICE = re.compile(r"^(?P<split>[^\[\]]+)\[(?P<start>\d*):(?P<stop>\d*)\]$")
+
+
+def _streaming_slice(split: str) -> tuple[str, tuple[int, int | None] | None]:
+    """``"train[1000:2000]"`` -> ("train", (1000, 2000)) for streaming datasets, which take no HF slicing;
+    row ranges are applied with ``skip``/``take``. Percent slices cannot stream (the length is unknown)."""
+    if "[" not in split:
+        return split, None
+    m = _ROW_SLICE.match(split.strip())
+    if m is None:
+        raise ValueError(f"split {split!r} cannot be streamed; with streaming use row ranges such as 'train[0:5000]'")
+    start = int(m["start"] or 0)
+    stop = int(m["stop"]) if m["stop"] else None
+    if stop is not None and stop <= start:
+        raise ValueError(f"empty row range in split {split!r}")
+    return m["split"], (start, stop)
 
 
 def _hf_rows(ds, field: str):
@@ -422,13 +463,19 @@ def corpus_provenance(spec: dict) -> dict[str, Any]:
         return embedded_provenance(spec)
     if source == "files":
         _check_keys(spec, _FILES_KEYS)
-        paths = _as_list(spec["paths"]) if "paths" in spec else [p for v in spec["splits"].values() for p in _as_list(v)]
+        paths = (
+            _as_list(spec["paths"]) if "paths" in spec else [p for v in spec["splits"].values() for p in _as_list(v)]
+        )
         return {**spec, "files": [_file_record(p) for p in dict.fromkeys(paths)]}
     if source == "hf":
         _check_keys(spec, _HF_KEYS)
         import datasets
 
-        return {**spec, "splits": dict(spec.get("splits") or DEFAULT_HF_SPLITS), "datasets_version": datasets.__version__}
+        return {
+            **spec,
+            "splits": dict(spec.get("splits") or DEFAULT_HF_SPLITS),
+            "datasets_version": datasets.__version__,
+        }
     raise ValueError(f"unknown corpus source {source!r}; valid: {', '.join(SOURCES)}")
 
 
@@ -490,14 +537,14 @@ def token_blocks(tokenizer, docs: Sequence[str], n_samples: int, seq_len: int, s
 
 
 __all__ = [
-    "SPLITS",
     "SOURCES",
-    "load_split",
+    "SPLITS",
     "corpus_provenance",
     "embedded_corpus",
     "embedded_provenance",
+    "load_split",
     "split_documents",
     "split_of",
-    "token_stream",
     "token_blocks",
+    "token_stream",
 ]

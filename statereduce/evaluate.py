@@ -244,11 +244,15 @@ def evaluate_model(
     }
 
 
-def build_task_manager(tasks: Sequence[str], include_path: Path | str | Sequence[Path | str] | None = None):
+def build_task_manager(
+    tasks: Sequence[str],
+    include_path: Path | str | Sequence[Path | str] | None = None,
+    include_defaults: bool = True,
+):
     """A ``TaskManager`` that knows every task in ``tasks``; a clear ``ValueError`` for unknown names.
 
-    Local tasks only: the built-in index is skipped (fast). Otherwise lm-eval's full index plus
-    ``include_path`` (later paths take precedence).
+    If every task is in ``include_path`` the built-in index is skipped (fast); otherwise lm-eval's
+    full index plus ``include_path`` (later paths take precedence), unless ``include_defaults`` is off.
     """
     from lm_eval.tasks import TaskManager
 
@@ -256,17 +260,19 @@ def build_task_manager(tasks: Sequence[str], include_path: Path | str | Sequence
     for p in paths:
         if not Path(p).is_dir():
             raise ValueError(f"include_path {p!r} is not a folder")
+    manager = None
     if paths:
-        local = TaskManager(include_path=paths, include_defaults=False)
-        if all(_known(local, t) for t in tasks):
-            return local
-    manager = TaskManager(include_path=paths or None)
+        manager = TaskManager(include_path=paths, include_defaults=False)
+        if all(_known(manager, t) for t in tasks):
+            return manager
+    if include_defaults:
+        manager = TaskManager(include_path=paths or None)
     for t in tasks:
-        if not _known(manager, t):
-            close = difflib.get_close_matches(t, manager.all_tasks, n=5, cutoff=0.6)
+        if manager is None or not _known(manager, t):
+            close = difflib.get_close_matches(t, manager.all_tasks, n=5, cutoff=0.6) if manager else []
             hint = f"; close matches: {', '.join(close)}" if close else ""
-            where = f" (searched lm-eval's tasks and {', '.join(paths)})" if paths else " (searched lm-eval's tasks)"
-            raise ValueError(f"unknown lm-eval task {t!r}{where}{hint}")
+            where = ["lm-eval's tasks"] * include_defaults + paths
+            raise ValueError(f"unknown lm-eval task {t!r} (searched {', '.join(where) or 'nothing'}){hint}")
     return manager
 
 

@@ -4,7 +4,8 @@ fla's kernels are Triton and only run on a GPU. :func:`install` rebinds the fla 
 ``fla.layers.delta_net.DeltaNet`` / ``fla.layers.gated_deltanet.GatedDeltaNet`` layers and the
 ``fla.models.delta_net`` / ``fla.models.gated_deltanet`` models call in their forward and backward passes, in
 every ``fla.*`` module namespace that looked them up, so that the stock classes and checkpoints run unchanged on
-CPU tensors (training, no-cache scoring and cached step-by-step decoding). Each replacement dispatches on the
+CPU tensors (training, no-cache scoring, cached step-by-step decoding, and padded batches with an
+``attention_mask``, which fla turns into packed ``cu_seqlens`` calls). Each replacement dispatches on the
 device of its first tensor argument: CPU tensors (or any device type passed to ``install(torch_device_types=...)``)
 go to the PyTorch implementation below, everything else to the original fla function, which is kept.
 
@@ -28,6 +29,7 @@ Patched module-level functions (each also rebound wherever the same function obj
   :func:`layer_norm_gated` (``FusedRMSNormGated``: ``o_norm`` when ``use_gate=True``)
 - ``fla.modules.activations.ops.swiglu`` / ``swiglu_linear`` -> :func:`swiglu` / :func:`swiglu_linear`
   (``GatedMLP`` with and without ``fuse_swiglu``)
+- ``fla.modules.activations.ops.elu_p1`` -> :func:`elu_p1` (DeltaNet with ``qk_activation='elu'``)
 - ``fla.modules.norm.l2norm.l2norm`` (alias ``l2_norm``) -> :func:`l2norm` (``L2Norm``)
 
 Patched methods:
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -62,27 +65,28 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "install",
-    "uninstall",
-    "is_installed",
     "PATCHED_FUNCTIONS",
     "PATCHED_METHODS",
-    "l2norm",
-    "chunk_delta_rule",
-    "fused_recurrent_delta_rule",
-    "chunk_gated_delta_rule",
-    "fused_recurrent_gated_delta_rule",
     "causal_conv1d",
     "causal_conv1d_update",
-    "rms_norm",
+    "chunk_delta_rule",
+    "chunk_gated_delta_rule",
+    "cross_entropy_loss",
+    "elu_p1",
+    "fused_cross_entropy_forward",
+    "fused_recurrent_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+    "install",
+    "is_installed",
+    "l2norm",
     "layer_norm",
-    "rms_norm_gated",
     "layer_norm_gated",
+    "rms_norm",
+    "rms_norm_gated",
+    "short_conv_step",
     "swiglu",
     "swiglu_linear",
-    "cross_entropy_loss",
-    "short_conv_step",
-    "fused_cross_entropy_forward",
+    "uninstall",
 ]
 
 L2NORM_EPS = 1e-6
@@ -153,7 +157,7 @@ def _varlen(
         return core(*per_token, initial_state=initial_state, output_final_state=output_final_state, **kw)
     bounds = [int(b) for b in cu_seqlens.tolist()]
     outs, states = [], []
-    for i, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for i, (bos, eos) in enumerate(itertools.pairwise(bounds)):
         sl = tuple(None if t is None else t[:, bos:eos] for t in per_token)
         h0 = None if initial_state is None else initial_state[i : i + 1]
         o, ht = core(*sl, initial_state=h0, output_final_state=output_final_state, **kw)
@@ -201,6 +205,9 @@ def _chunk_core(
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
+    if T == 0:
+        S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state
+        return v.new_zeros(B, 0, H, V), (S if output_final_state else None)
     C = chunk_size
     pad = (-T) % C
     # [B, H, T, D]
@@ -348,8 +355,9 @@ def _state_v_first(state_v_first: bool, kwargs: dict[str, Any]) -> bool:
 
 def _no_cp(cp_context: Any) -> None:
     if cp_context is not None:
-        raise ValueError(f"cp_context={cp_context!r} (context parallelism) is not supported by the torch fallback; "
-                         "valid: None.")
+        raise ValueError(
+            f"cp_context={cp_context!r} (context parallelism) is not supported by the torch fallback; valid: None."
+        )
 
 
 def _beta_in(beta: torch.Tensor, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> torch.Tensor:
@@ -394,8 +402,13 @@ def chunk_delta_rule(
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     qf, kf, vf = _prepare(q, k, v, use_qk_l2norm_in_kernel)
     o, ht = _varlen(
-        _chunk_core, cu_seqlens, (qf, kf, vf, beta.float(), None), _state_in(initial_state, False),
-        output_final_state, scale=scale, chunk_size=chunk_size,
+        _chunk_core,
+        cu_seqlens,
+        (qf, kf, vf, beta.float(), None),
+        _state_in(initial_state, False),
+        output_final_state,
+        scale=scale,
+        chunk_size=chunk_size,
     )
     return o.to(v.dtype), ht
 
@@ -424,8 +437,12 @@ def fused_recurrent_delta_rule(
         beta = torch.ones_like(q[..., 0])
     qf, kf, vf = _prepare(q, k, v, use_qk_l2norm_in_kernel)
     o, ht = _varlen(
-        _recurrent_core, cu_seqlens, (qf, kf, vf, beta.float(), None, None, None), _state_in(initial_state, False),
-        output_final_state, scale=scale,
+        _recurrent_core,
+        cu_seqlens,
+        (qf, kf, vf, beta.float(), None, None, None),
+        _state_in(initial_state, False),
+        output_final_state,
+        scale=scale,
     )
     return o.to(v.dtype), ht
 
@@ -482,8 +499,13 @@ def chunk_gated_delta_rule(
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     qf, kf, vf = _prepare(q, k, v, use_qk_l2norm_in_kernel)
     o, ht = _varlen(
-        _chunk_core, cu_seqlens, (qf, kf, vf, betaf, gf), _state_in(initial_state, state_v_first),
-        output_final_state, scale=scale, chunk_size=chunk_size,
+        _chunk_core,
+        cu_seqlens,
+        (qf, kf, vf, betaf, gf),
+        _state_in(initial_state, state_v_first),
+        output_final_state,
+        scale=scale,
+        chunk_size=chunk_size,
     )
     return o.to(v.dtype), _state_out(ht, state_v_first)
 
@@ -534,8 +556,12 @@ def fused_recurrent_gated_delta_rule(
     gkf = None if gk is None else gk.float()
     gvf = None if gv is None else gv.float()
     o, ht = _varlen(
-        _recurrent_core, cu_seqlens, (qf, kf, vf, betaf, gf, gkf, gvf), _state_in(initial_state, state_v_first),
-        output_final_state, scale=scale,
+        _recurrent_core,
+        cu_seqlens,
+        (qf, kf, vf, betaf, gf, gkf, gvf),
+        _state_in(initial_state, state_v_first),
+        output_final_state,
+        scale=scale,
     )
     return o.to(v.dtype), _state_out(ht, state_v_first)
 
@@ -561,7 +587,7 @@ def _conv_core(
     activation: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Depthwise causal conv of ``x [B, T, D]`` with weight ``[D, W]`` and cache ``[B, D, W]`` (last W inputs)."""
-    B, T, D = x.shape
+    B, _, D = x.shape
     W = weight.shape[-1]
     xt = x.transpose(1, 2)  # [B, D, T]
     hist = initial_state if initial_state is not None else x.new_zeros(B, D, W)
@@ -617,7 +643,7 @@ def causal_conv1d(
             raise ValueError(f"The batch size is expected to be 1 rather than {x.shape[0]} when using `cu_seqlens`.")
         bounds = [int(b) for b in cu_seqlens.tolist()]
         ys, finals = [], []
-        for i, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for i, (bos, eos) in enumerate(itertools.pairwise(bounds)):
             h0 = None if initial_state is None else initial_state[i : i + 1]
             r = None if residual is None else residual[:, bos:eos]
             y_i, f_i = _conv_core(x[:, bos:eos], weight, bias, r, h0, bool(output_final_state), activation)
@@ -795,11 +821,14 @@ def swiglu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (F.silu(x.float()) * y.float()).to(x.dtype)
 
 
-def swiglu_linear(
-    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
+def swiglu_linear(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Torch version of ``fla.modules.activations.swiglu_linear``: ``linear(silu(x) * y, weight, bias)``."""
     return F.linear(swiglu(x, y).to(weight.dtype), weight, bias)
+
+
+def elu_p1(x: torch.Tensor) -> torch.Tensor:
+    """Torch version of ``fla.modules.activations.elu_p1``: ``elu(x) + 1`` (float32 math, x's dtype)."""
+    return (F.elu(x.float()) + 1.0).to(x.dtype)
 
 
 def cross_entropy_loss(
@@ -837,7 +866,12 @@ def fused_cross_entropy_forward(self: Any, input: torch.Tensor, target: torch.Te
     if self.process_group is not None:
         raise ValueError("process_group is not supported by the torch fallback; valid: None.")
     loss, z_loss = cross_entropy_loss(
-        input, target, self.label_smoothing, self.logit_scale, self.lse_square_scale, self.logit_softcapping,
+        input,
+        target,
+        self.label_smoothing,
+        self.logit_scale,
+        self.lse_square_scale,
+        self.logit_softcapping,
         self.ignore_index,
     )
     if self.reduction != "none":
@@ -867,6 +901,7 @@ PATCHED_FUNCTIONS: dict[tuple[str, str], Callable[..., Any]] = {
     ("fla.modules.norm.fused_norm_gate", "layer_norm_gated"): layer_norm_gated,
     ("fla.modules.activations.ops", "swiglu"): swiglu,
     ("fla.modules.activations.ops", "swiglu_linear"): swiglu_linear,
+    ("fla.modules.activations.ops", "elu_p1"): elu_p1,
     ("fla.modules.norm.l2norm", "l2norm"): l2norm,
 }
 

@@ -12,6 +12,7 @@ and Gated DeltaNet models that are pruned); the tiny models stand in for them of
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,7 +38,7 @@ DEFAULT_TRAIN: dict[str, Any] = {
     "batch_size": 8,
     "seq_len": 128,
     "lr": 3e-3,
-    "min_lr_ratio": 0.1,
+    "min_lr": None,
     "weight_decay": 0.1,
     "betas": (0.9, 0.95),
     "warmup": 30,
@@ -51,12 +52,12 @@ DEFAULT_TRAIN: dict[str, Any] = {
 
 def lr_at(step: int, cfg: dict[str, Any]) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup over ``warmup`` steps, then cosine
-    decay from ``lr`` to ``lr * min_lr_ratio`` at the last step."""
+    decay from ``lr`` to ``min_lr`` (default ``lr / 10``) at the last step."""
     lr, warmup, steps = float(cfg["lr"]), int(cfg["warmup"]), int(cfg["steps"])
     if step < warmup:
         return lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - 1 - warmup)
-    floor = lr * float(cfg["min_lr_ratio"])
+    floor = lr / 10 if cfg.get("min_lr") is None else float(cfg["min_lr"])
     return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
@@ -99,7 +100,9 @@ def mean_loss(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 8)
     for i in range(0, blocks.shape[0], batch_size):
         x = blocks[i : i + batch_size]
         logits = model(input_ids=x).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"
+        )
         total += float(loss)
         count += x[:, 1:].numel()
     model.train(was_training)
@@ -130,7 +133,7 @@ def pretrain(
     Training: byte-level tokenizer; the ``train`` split's documents joined with EOS into one token stream;
     each step reads ``batch_size`` windows of ``seq_len`` tokens at offsets drawn from a generator seeded
     with ``seed`` (so the batch order is fixed by the seed); loss = the model's next-token cross entropy;
-    AdamW (weight decay on matrices only), linear warmup then cosine decay to ``lr * min_lr_ratio``,
+    AdamW (weight decay on matrices only), linear warmup then cosine decay to ``min_lr`` (default lr/10),
     gradient-norm clipping. Deterministic on CPU for a given seed and thread count.
 
     Args:
@@ -139,7 +142,7 @@ def pretrain(
             expand_v, ...).
         corpus_spec: a corpus spec (:func:`statereduce.data.load_split`); its ``train`` split is used for
             training, a few ``calib`` / ``heldout`` blocks for the final losses.
-        train_cfg: overrides of :data:`DEFAULT_TRAIN`: steps, batch_size, seq_len, lr, min_lr_ratio,
+        train_cfg: overrides of :data:`DEFAULT_TRAIN`: steps, batch_size, seq_len, lr, min_lr,
             weight_decay, betas, warmup, grad_clip, seed, threads (``torch.set_num_threads``), log_every,
             eval_blocks.
         out_dir: the checkpoint folder to create (replaced if it exists); written to a temporary sibling
@@ -221,17 +224,19 @@ def train_loop(
     """
     batch_size, seq_len, steps = int(cfg["batch_size"]), int(cfg["seq_len"]), int(cfg["steps"])
     model.train()
-    opt = torch.optim.AdamW(_param_groups(model, float(cfg["weight_decay"])), lr=lr_at(0, cfg), betas=tuple(cfg["betas"]))
+    opt = torch.optim.AdamW(
+        _param_groups(model, float(cfg["weight_decay"])), lr=lr_at(0, cfg), betas=tuple(cfg["betas"])
+    )
     batch_gen = torch.Generator().manual_seed(int(cfg["seed"]))
     offsets = torch.arange(seq_len)
     for p in log_paths:
         p.parent.mkdir(parents=True, exist_ok=True)
-    log_files = [open(p, "w") for p in log_paths]
-    recent: list[float] = []
-    final_train_loss = float("nan")
-    t_start = t_window = time.perf_counter()
-    cpu_start = time.process_time()
-    try:
+    with contextlib.ExitStack() as stack:
+        log_files = [stack.enter_context(open(p, "w")) for p in log_paths]
+        recent: list[float] = []
+        final_train_loss = float("nan")
+        t_start = t_window = time.perf_counter()
+        cpu_start = time.process_time()
         bar = tqdm(range(steps), desc=desc, mininterval=5.0, unit="step")
         for step in bar:
             starts = torch.randint(0, stream.numel() - seq_len + 1, (batch_size,), generator=batch_gen)
@@ -263,9 +268,6 @@ def train_loop(
                     f.flush()
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 final_train_loss, recent, t_window = rec["loss"], [], now
-    finally:
-        for f in log_files:
-            f.close()
     train_s = time.perf_counter() - t_start
     return {
         "final_train_loss": final_train_loss,
@@ -280,4 +282,9 @@ def _versions() -> dict[str, str]:
     import fla
     import transformers
 
-    return {"statereduce": __version__, "torch": torch.__version__, "transformers": transformers.__version__, "fla": fla.__version__}
+    return {
+        "statereduce": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "fla": fla.__version__,
+    }

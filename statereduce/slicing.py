@@ -76,7 +76,9 @@ def _slice_linear_rows(linear: nn.Linear, keep: torch.Tensor, what: str) -> None
 
 def _slice_conv_channels(conv: nn.Conv1d, keep: torch.Tensor, what: str) -> None:
     if conv.groups != conv.in_channels or conv.in_channels != conv.out_channels:
-        raise ValueError(f"{what} is not depthwise (groups={conv.groups}, in={conv.in_channels}, out={conv.out_channels})")
+        raise ValueError(
+            f"{what} is not depthwise (groups={conv.groups}, in={conv.in_channels}, out={conv.out_channels})"
+        )
     rows = head_rows(keep, _head_size(conv.out_channels, keep, what)).to(conv.weight.device)
     conv.weight = nn.Parameter(conv.weight.data[rows].clone(), requires_grad=conv.weight.requires_grad)
     if conv.bias is not None:
@@ -119,7 +121,9 @@ def set_mixer_dims(mixer: nn.Module, updates: Mapping[str, Any]) -> None:
         setattr(mixer, name, value)
 
 
-def slice_mixer(adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor, updates: Mapping[str, Any]) -> None:
+def slice_mixer(
+    adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor, updates: Mapping[str, Any]
+) -> None:
     """All verbs for one mixer: q/k projections, q/k convs, then its size attributes."""
     slice_q_proj(adapter, mixer, keep)
     slice_k_proj(adapter, mixer, keep)
@@ -223,9 +227,12 @@ def check_keep(adapter: LinearAttentionAdapter, keep: Mapping[int, Any]) -> tupl
         if d_k_new is None:
             d_k_new = idx.shape[1]
         elif idx.shape[1] != d_k_new:
-            raise ValueError(f"layer {layer}: keeps {idx.shape[1]} channels per head, other layers {d_k_new}; d_k' is global")
+            raise ValueError(
+                f"layer {layer}: keeps {idx.shape[1]} channels per head, other layers {d_k_new}; d_k' is global"
+            )
         if int(idx.min()) < 0 or int(idx.max()) >= d_k:
-            raise ValueError(f"layer {layer}: keep indices span [{int(idx.min())}, {int(idx.max())}]; valid: [0, d_k={d_k})")
+            lo, hi = int(idx.min()), int(idx.max())
+            raise ValueError(f"layer {layer}: keep indices span [{lo}, {hi}]; valid: [0, d_k={d_k})")
         idx = idx.sort(dim=1).values
         if bool((idx[:, 1:] == idx[:, :-1]).any()):
             raise ValueError(f"layer {layer}: keep has repeated channel indices within a head")
@@ -247,10 +254,15 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
         model: a loaded causal LM with an adapter.
         keep: {layer: LongTensor [H, d_k']} kept channel indices per q/k head (the same for q and k); the
             rows are sorted here, since channel order does not change the model.
-        meta: provenance; ``source_model``, ``method`` and ``pct`` (percent of key channels removed) fill
-            the record's fields, every other JSON-serialisable entry goes to ``record.extra``.
+        meta: provenance. ``source_model`` (alias ``source``), ``method`` and ``pct`` (percent of key channels
+            removed) fill the record's fields; ``family``, ``d_k``, ``d_k_new``, ``num_heads``, ``num_v_heads``
+            and ``head_v_dim``, when present (e.g. a selection file's metadata), must agree with the model and
+            ``keep``; every other JSON-serialisable entry goes to ``record.extra``.
     Returns:
         the :class:`PruneRecord`.
+    Raises:
+        ValueError: one line, before any weight changes, for a bad selection, meta, or a d_k' the family's
+            config cannot express.
     """
     meta = dict(meta or {})
     adapter = get_adapter(model)
@@ -259,13 +271,19 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
     h, hv, d_k, d_v = adapter.dims(config)
     config_updates = adapter.config_updates(config, d_k_new)  # raises before any weight changes
     mixer_updates = adapter.mixer_updates(config, d_k_new)
-    extra = {k: v for k, v in meta.items() if k not in ("source_model", "method", "pct")}
+    facts = {"family": adapter.family, "d_k": d_k, "d_k_new": d_k_new, "num_heads": h, "num_v_heads": hv}
+    facts["head_v_dim"] = d_v
+    for name, value in facts.items():
+        if name in meta and meta[name] != value:
+            raise ValueError(f"meta {name}={meta[name]!r} disagrees with the model/selection: {name}={value!r}")
+    if "pct" in meta and (isinstance(meta["pct"], bool) or not isinstance(meta["pct"], (int, float))):
+        raise ValueError(f"meta pct={meta['pct']!r} must be a number (percent of key channels removed)")
+    extra = {k: v for k, v in meta.items() if k not in {"source_model", "source", "method", "pct", *facts}}
     try:
         json.dumps(extra)
     except TypeError as err:
         raise ValueError(f"meta must be JSON-serialisable: {err}") from None
-    if "pct" in meta and (isinstance(meta["pct"], bool) or not isinstance(meta["pct"], (int, float))):
-        raise ValueError(f"meta pct={meta['pct']!r} must be a number (percent of key channels removed)")
+    source = meta.get("source_model") or meta.get("source") or getattr(config, "name_or_path", "") or "unknown"
 
     for layer, mixer in adapter.mixer_layers():
         slice_mixer(adapter, mixer, keep_t[layer], mixer_updates)
@@ -274,7 +292,7 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
         setattr(config, name, value)
 
     return PruneRecord(
-        source_model=str(meta.get("source_model") or getattr(config, "name_or_path", "") or "unknown"),
+        source_model=str(source),
         family=adapter.family,
         method=str(meta.get("method", "custom")),
         pct=meta["pct"] if "pct" in meta else 100.0 * (1 - d_k_new / d_k),

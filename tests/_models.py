@@ -3,7 +3,6 @@
 ``tiny_model("delta_net")`` / ``tiny_model("gated_deltanet", num_v_heads=4)``: hidden 64, 2 layers,
 2 heads of d_k = 32, vocab 300, ``fuse_cross_entropy=False``; keyword overrides go to the family's
 config class. ``statereduce.fla_fallback.install()`` is called first so the models run on CPU.
-Importing this module sets ``torch.set_num_threads(1)`` for the test process.
 """
 
 from __future__ import annotations
@@ -16,9 +15,6 @@ from torch import nn
 from statereduce.adapters import adapter_class
 
 VOCAB = 300
-
-# Tiny tensors: intra-op threading only adds synchronisation (20x slower matmuls on a loaded 2-core box).
-torch.set_num_threads(1)
 
 # d_k = 32 in both; DeltaNet d_v = 32, Gated DeltaNet d_v = 64.
 TINY: dict[str, dict[str, Any]] = {

@@ -12,6 +12,7 @@ import math
 import fla.layers.attn
 import fla.layers.delta_net
 import fla.layers.gated_deltanet
+import numpy as np
 import pytest
 import torch
 
@@ -108,6 +109,11 @@ class AdapterContract:
         assert config.to_dict() == before  # the input config is untouched
         assert tuple(self.adapter_cls.dims(self.adapter_cls.reduced_config(config, d_k))) == (h, hv, d_k, d_v)
 
+    def test_reduced_config_accepts_numpy_ints(self, config):
+        new = self.adapter_cls.reduced_config(config, np.int64(16))
+        assert self.adapter_cls.dims(new).head_k_dim == 16
+        json.loads(new.to_json_string())  # plain Python numbers in the config
+
     @pytest.mark.parametrize("bad", [0, -1, 33, 16.0, True, "16"], ids=lambda b: f"d_k'={b!r}")
     def test_reduced_config_rejects_out_of_range(self, config, bad):
         with pytest.raises(ValueError, match=r"d_k'=.*valid: an integer in \[1, d_k=32\]") as exc:
@@ -178,7 +184,8 @@ class AdapterContract:
         """Only the adapter's own mixers report; an untracked model running inside the context is silent."""
         other = tiny_model(self.family, seed=3, **self.overrides)
         seen = []
-        with torch.no_grad(), get_adapter(model).capture(on_qk=lambda i, q, k: seen.append(i), on_x=lambda i, x: seen.append(-1)):
+        capture = get_adapter(model).capture(on_qk=lambda i, q, k: seen.append(i), on_x=lambda i, x: seen.append(-1))
+        with torch.no_grad(), capture:
             other(tiny_inputs(length=6), use_cache=False)
             assert seen == []
             model(tiny_inputs(length=6), use_cache=False)
@@ -195,7 +202,8 @@ class TestDeltaNet(AdapterContract):
     def test_reduced_config_rejects_unrepresentable_expand_k(self):
         # hidden 49, one head of d_k 49: expand_k = 1/49 and int(49 * (1/49)) == 0 != 1
         config = tiny_config("delta_net", hidden_size=49, num_heads=1, expand_k=1.0, expand_v=1.0)
-        with pytest.raises(ValueError, match=r"d_k'=1: expand_k=0\.02040816326530612 .*hidden_size=49 \* expand_k\)=0 != num_heads \* d_k' = 1"):
+        msg = r"d_k'=1: expand_k=0\.02040816326530612 .*hidden_size=49 \* expand_k\)=0 != num_heads \* d_k' = 1"
+        with pytest.raises(ValueError, match=msg):
             DeltaNetAdapter.reduced_config(config, 1)
 
     def test_expand_k_written(self, config):

@@ -40,7 +40,7 @@ def _mutate(cfg: dict, case: str) -> dict:
     elif case == "pct_leaves_no_channel":
         cfg["targets"]["pcts"] = [99.5]  # d_k = 64: removes round(63.68) = 64 channels
     elif case == "gdn_value_dim_not_integral":
-        cfg["targets"]["pcts"] = [62.5]  # d_k 64 -> 24 kept; d_v = 64 is no multiple of 24
+        cfg["targets"]["pcts"] = [23.4375]  # d_k 64 -> 49 kept; int(49 * (64 / 49)) == 63 != d_v
     elif case == "unknown_key":
         cfg["models"]["tiny-dn"]["calibration"]["n_sampels"] = 8
     elif case == "unknown_top_key":
@@ -55,9 +55,9 @@ CASES = {
     "unknown_model": r"unknown model 'tiny-xl'; valid: .*tiny-dn",
     "unknown_family": r"unknown family 'mamba3'; valid: delta_net, gated_deltanet",
     "unknown_selector": r"'wanda2'.*(drrqr|valid)",
-    "pct_out_of_range": r"100.*(less than 100|outside \(0, 100\))",
+    "pct_out_of_range": r"targets\.pcts\.1: 100 is (greater than or equal to the maximum of 100|not less than 100)",
     "pct_leaves_no_channel": r"99\.5.*64",
-    "gdn_value_dim_not_integral": r"tiny-gdn.*62\.5.*(24|64)",
+    "gdn_value_dim_not_integral": r"tiny-gdn.*23\.4375.*49",
     "unknown_key": r"n_sampels",
     "unknown_top_key": r"selecters",
 }
@@ -78,9 +78,9 @@ def test_bad_config_in_process(base_config, case):
 
 def test_bad_pct_in_requested_target_fails_at_dag_build(tmp_path):
     """A target path outside the config's pcts is checked too (input functions), before any job."""
-    out = _snakemake_dry(tmp_path, None, ["results/tiny-gdn/drrqr_62.5/eval.json"])
+    out = _snakemake_dry(tmp_path, None, ["results/tiny-gdn/drrqr_23.4375/eval.json"])
     assert out.returncode != 0
-    assert re.search(r"62\.5", out.stderr + out.stdout)
+    assert re.search(r"tiny-gdn.*23\.4375.*49", out.stderr + out.stdout)
 
 
 def _snakemake_dry(tmp_path: Path, cfg: dict | None, targets: list[str] = ()) -> subprocess.CompletedProcess:

@@ -37,7 +37,11 @@ def test_embedded_splits_disjoint_deterministic_and_complete():
     assert sorted(t for d in splits.values() for t in d) == sorted(t for _, t in files)
     by_text = {t: rel for rel, t in files}
     rels = {s: {by_text[t] for t in d} for s, d in splits.items()}
-    assert not (rels["train"] & rels["calib"]) and not (rels["train"] & rels["heldout"]) and not (rels["calib"] & rels["heldout"])
+    assert (
+        not (rels["train"] & rels["calib"])
+        and not (rels["train"] & rels["heldout"])
+        and not (rels["calib"] & rels["heldout"])
+    )
     assert splits == {s: data.load_split(dict(SMALL_EMBEDDED), s) for s in data.SPLITS}
     # the split is a pure function of the relative path
     fr = data._fractions(SMALL_EMBEDDED)
@@ -55,7 +59,9 @@ def test_embedded_provenance_matches_corpus():
     assert prov["total_bytes"] > SMALL_EMBEDDED["max_bytes"] // 2
     assert prov["sha256"] == hashlib.sha256("".join(texts).encode()).hexdigest()
     assert sum(v["n_docs"] for v in prov["splits"].values()) == len(files)
-    assert prov["splits"]["heldout"]["bytes"] == sum(len(t.encode()) for t in data.load_split(SMALL_EMBEDDED, "heldout"))
+    assert prov["splits"]["heldout"]["bytes"] == sum(
+        len(t.encode()) for t in data.load_split(SMALL_EMBEDDED, "heldout")
+    )
     rels = [r for r, _ in files]
     assert prov["first_file"] == rels[0] and all(r.endswith(".py") for r in rels)
     assert not any(part in ("test", "idlelib", "site-packages") for r in rels for part in r.split("/"))
@@ -88,7 +94,10 @@ def test_fractions_and_source_errors():
 # ---- files ------------------------------------------------------------------------------------------
 def test_split_documents_modes():
     text = " = A = \n \n body a \n = = Sub = = \n more a \n = B = \n body b \n"
-    assert data.split_documents(text, "wikitext") == [" = A = \n \n body a \n = = Sub = = \n more a \n", " = B = \n body b \n"]
+    assert data.split_documents(text, "wikitext") == [
+        " = A = \n \n body a \n = = Sub = = \n more a \n",
+        " = B = \n body b \n",
+    ]
     paras = "\n\n".join(f"p{i} " + "x" * 10 for i in range(10))
     docs = data.split_documents(paras, "paragraphs", doc_bytes=30)
     assert "\n\n".join(docs) == paras and all(len(d) >= 30 for d in docs[:-1]) and len(docs) == 4
@@ -150,6 +159,16 @@ def test_hf_source_with_local_text_dataset(tmp_path):
     assert data.load_split(sliced, "train") + data.load_split(sliced, "calib") == train_lines
     streamed = data.load_split({**spec, "streaming": True, "max_docs": 10}, "heldout")
     assert streamed == test_lines[:10]
+    rows = {
+        **spec,
+        "streaming": True,
+        "splits": {"train": "train[:150]", "calib": "train[150:180]", "heldout": "test[40:]"},
+    }
+    assert data.load_split(rows, "train") == train_lines[:150]
+    assert data.load_split(rows, "calib") == train_lines[150:180]
+    assert data.load_split(rows, "heldout") == test_lines[40:]
+    with pytest.raises(ValueError, match="cannot be streamed"):
+        data.load_split({**rows, "splits": {"train": "train[:50%]"}}, "train")
     joined = data.load_split({**spec, "doc_mode": "paragraphs"}, "heldout")
     assert joined == ["\n".join(test_lines) + "\n"]
     with pytest.raises(ValueError, match="text_field 'body' not in dataset columns"):
@@ -176,6 +195,8 @@ def test_token_blocks_deterministic_and_errors(tok):
     assert len(set(idx)) == 8
     assert int(a.max()) <= 256 and int(a.min()) >= 0
     n_blocks = stream.numel() // 64
-    with pytest.raises(ValueError, match=rf"{stream.numel()} tokens give {n_blocks} blocks of seq_len=64, but n_samples={n_blocks + 1}"):
+    with pytest.raises(
+        ValueError, match=rf"{stream.numel()} tokens give {n_blocks} blocks of seq_len=64, but n_samples={n_blocks + 1}"
+    ):
         data.token_blocks(tok, docs, n_samples=n_blocks + 1, seq_len=64, seed=0)
     assert data.token_blocks(tok, docs, n_samples=n_blocks, seq_len=64, seed=0).shape == (n_blocks, 64)

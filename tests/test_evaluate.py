@@ -173,14 +173,22 @@ def test_rolling_windows_and_padded_batches_match_independent(model, tok, tmp_pa
     m = res["metrics"][name]
     nll = sum(_independent_nll(model, tok, d, 32) for d in docs)
     assert math.log(m["word_perplexity"]) == pytest.approx(nll / sum(_words(d) for d in docs), rel=1e-5)
-    # the window structure matters: one long window gives a different number
+    # the window layout is visible at this tolerance: one long window per doc gives another number
     nll_one_window = sum(_independent_nll(model, tok, d, 1024) for d in docs)
-    assert abs(nll_one_window - nll) > 1e-3 * nll
+    assert abs(nll_one_window - nll) > 20 * 1e-5 * nll
     assert res["settings"]["max_length"] == 32 and res["settings"]["batch_size"] == 3
     json.dumps(res, allow_nan=False)
 
 
 def test_unknown_task_is_a_clear_error(tmp_path):
+    ev.write_perplexity_task(["a b"], tmp_path, "present_ppl")
+    with pytest.raises(ValueError, match=r"unknown lm-eval task 'presnt_ppl' \(searched .*\); close matches: present_ppl"):
+        ev.build_task_manager(["present_ppl", "presnt_ppl"], tmp_path, include_defaults=False)
+
+
+@pytest.mark.slow
+def test_unknown_task_is_a_clear_error_with_lm_eval_index(tmp_path):
+    """Scans lm-eval's ~15k task YAMLs (15-70 s on 2 cores)."""
     ev.write_perplexity_task(["a b"], tmp_path, "present_ppl")
     with pytest.raises(ValueError, match=r"unknown lm-eval task 'wikitextt'.*close matches: .*\bwikitext\b"):
         ev.build_task_manager(["present_ppl", "wikitextt"], tmp_path)

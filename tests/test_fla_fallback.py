@@ -18,15 +18,15 @@ from statereduce import fla_fallback as ff
 
 ff.install()
 
-import fla.layers.delta_net as fla_delta_net  # noqa: E402
-import fla.layers.gated_deltanet as fla_gdn  # noqa: E402
-from fla.models import (  # noqa: E402
+import fla.layers.delta_net as fla_delta_net
+import fla.layers.gated_deltanet as fla_gdn
+from fla.models import (
     DeltaNetConfig,
     DeltaNetForCausalLM,
     GatedDeltaNetConfig,
     GatedDeltaNetForCausalLM,
 )
-from fla.modules import (  # noqa: E402
+from fla.modules import (
     FusedCrossEntropyLoss,
     FusedRMSNormGated,
     GatedMLP,
@@ -75,7 +75,7 @@ def gdn_gate(a, A_log, dt_bias):
 
 def make_inputs(B, T, H, HV, K, V, gated, h0, seed=0, headwise_beta=False):
     gen = torch.Generator().manual_seed(seed)
-    d = dict(dtype=torch.float64, generator=gen)
+    d = {"dtype": torch.float64, "generator": gen}
     x = {
         "q": torch.randn(B, T, H, K, **d),
         "k": torch.randn(B, T, H, K, **d),
@@ -104,7 +104,7 @@ def assert_close(a, b, what, tol=2e-4):
 
 
 def run_ours(fn, x, gated, l2, scale, chunk_size, kv_first):
-    kw = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=l2)
+    kw = {"scale": scale, "output_final_state": True, "use_qk_l2norm_in_kernel": l2}
     h0 = x.get("h0")
     if h0 is not None:
         kw["initial_state"] = h0 if kv_first else h0.transpose(-1, -2)
@@ -156,7 +156,13 @@ def test_delta_rule_matches_reference(shape, mode, gated):
 def test_headwise_beta_recurrent_matches_reference():
     x = make_inputs(2, 11, 2, 2, 8, 4, gated=True, h0=True, headwise_beta=True)
     o, ht = ff.fused_recurrent_gated_delta_rule(
-        x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=x["h0"], output_final_state=True,
+        x["q"],
+        x["k"],
+        x["v"],
+        g=x["g"],
+        beta=x["beta"],
+        initial_state=x["h0"],
+        output_final_state=True,
         state_v_first=True,
     )
     o_ref, ht_ref = ref_gated_delta(x["q"], x["k"], x["v"], x["beta"], x["g"], None, x["h0"])
@@ -186,9 +192,21 @@ def test_in_kernel_gate_and_beta_sigmoid():
         )
         for fn, extra in ((ff.chunk_gated_delta_rule, {"chunk_size": 8}), (ff.fused_recurrent_gated_delta_rule, {})):
             o, ht = fn(
-                q=x["q"], k=x["k"], v=x["v"], g=a, beta=b_logit, initial_state=x["h0"], output_final_state=True,
-                use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg,
-                state_v_first=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, **extra,
+                q=x["q"],
+                k=x["k"],
+                v=x["v"],
+                g=a,
+                beta=b_logit,
+                initial_state=x["h0"],
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True,
+                allow_neg_eigval=neg,
+                state_v_first=True,
+                use_gate_in_kernel=True,
+                A_log=A_log,
+                dt_bias=dt_bias,
+                **extra,
             )
             assert_close(o, o_ref, f"{fn.__name__} output neg={neg}")
             assert_close(ht, ht_ref, f"{fn.__name__} state neg={neg}")
@@ -203,7 +221,7 @@ def test_state_layout_and_dtype():
     v = torch.randn(B, T, HV, V, dtype=torch.bfloat16)
     g, beta = F.logsigmoid(torch.randn(B, T, HV)).bfloat16(), torch.rand(B, T, HV).bfloat16()
     o1, s1 = ff.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, state_v_first=True)
-    o2, s2 = ff.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, state_v_first=False)
+    _, s2 = ff.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, state_v_first=False)
     assert o1.dtype == torch.bfloat16 and s1.dtype == torch.float32
     assert s1.shape == (B, HV, V, K) and s2.shape == (B, HV, K, V)
     torch.testing.assert_close(s1, s2.transpose(-1, -2))
@@ -220,15 +238,15 @@ def test_chunk_matches_fused_recurrent_and_splits(gated):
     beta = torch.rand(B, T, H)
     g = F.logsigmoid(torch.randn(B, T, H) + 1)
     if gated:
-        chunk = lambda *a, **kw: ff.chunk_gated_delta_rule(a[0], a[1], a[2], g[:, kw.pop("sl")], a[3], **kw)  # noqa
-        rec = lambda *a, **kw: ff.fused_recurrent_gated_delta_rule(  # noqa: E731
+        chunk = lambda *a, **kw: ff.chunk_gated_delta_rule(a[0], a[1], a[2], g[:, kw.pop("sl")], a[3], **kw)
+        rec = lambda *a, **kw: ff.fused_recurrent_gated_delta_rule(
             a[0], a[1], a[2], g=g[:, kw.pop("sl")], beta=a[3], **kw
         )
     else:
-        chunk = lambda *a, **kw: (kw.pop("sl"), ff.chunk_delta_rule(*a, **kw))[1]  # noqa: E731
-        rec = lambda *a, **kw: (kw.pop("sl"), ff.fused_recurrent_delta_rule(*a, **kw))[1]  # noqa: E731
+        chunk = lambda *a, **kw: (kw.pop("sl"), ff.chunk_delta_rule(*a, **kw))[1]
+        rec = lambda *a, **kw: (kw.pop("sl"), ff.fused_recurrent_delta_rule(*a, **kw))[1]
     full = slice(0, T)
-    kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
+    kw = {"use_qk_l2norm_in_kernel": True, "output_final_state": True}
     o_c, s_c = chunk(q, k, v, beta, sl=full, **kw)
     o_r, s_r = rec(q, k, v, beta, sl=full, **kw)
     torch.testing.assert_close(o_c, o_r, atol=1e-5, rtol=1e-4)
@@ -245,7 +263,8 @@ def test_chunk_matches_fused_recurrent_and_splits(gated):
         cu = torch.tensor([0, lens[0], sum(lens)])
         o_p, s_p = ff.chunk_delta_rule(*packed, cu_seqlens=cu, **kw)
         for i, n in enumerate(lens):
-            o_i, s_i = ff.chunk_delta_rule(q[i : i + 1, :n], k[i : i + 1, :n], v[i : i + 1, :n], beta[i : i + 1, :n], **kw)
+            row = [x[i : i + 1, :n] for x in (q, k, v, beta)]
+            o_i, s_i = ff.chunk_delta_rule(*row, **kw)
             torch.testing.assert_close(o_p[:, cu[i] : cu[i + 1]], o_i)
             torch.testing.assert_close(s_p[i : i + 1], s_i)
 
@@ -298,8 +317,9 @@ def test_short_convolution_module_step_matches_full():
     x = torch.randn(B, T, D)
     with torch.no_grad():
         y_full, _ = conv(x)
-        torch.testing.assert_close(y_full.double(), conv_reference(x, conv.weight[:, 0], None, "silu"), atol=1e-5,
-                                   rtol=1e-5)
+        torch.testing.assert_close(
+            y_full.double(), conv_reference(x, conv.weight[:, 0], None, "silu"), atol=1e-5, rtol=1e-5
+        )
         y_pre, cache = conv(x[:, :4], output_final_state=True)
         outs = [y_pre]
         for t in range(4, T):
@@ -321,7 +341,7 @@ def test_rms_norm_module_and_prenorm():
     with torch.no_grad():
         norm.weight.copy_(torch.randn(D))
     x, res = torch.randn(3, 5, D), torch.randn(3, 5, D)
-    expected = lambda h: h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm.weight  # noqa: E731
+    expected = lambda h: h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm.weight
     torch.testing.assert_close(norm(x), expected(x))
     y, h = norm(x, residual=res, prenorm=True)
     torch.testing.assert_close(h, x + res)
@@ -355,9 +375,14 @@ def test_gated_mlp(fuse_swiglu):
     assert mlp.gate_proj.weight.grad is not None and mlp.down_proj.weight.grad is not None
 
 
-def test_l2norm():
+def test_l2norm_and_elu_p1():
     x = torch.randn(4, 7)
     torch.testing.assert_close(ff.l2norm(x), x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6))
+    from fla.modules import L2Norm
+    from fla.modules.activations import elu_p1
+
+    torch.testing.assert_close(L2Norm()(x), ff.l2norm(x))
+    torch.testing.assert_close(elu_p1(x), torch.where(x > 0, x + 1, torch.exp(x)))
 
 
 def test_fused_cross_entropy_on_cpu():
@@ -425,11 +450,20 @@ def tiny_models():
         hidden_size=32, num_heads=2, num_hidden_layers=1, vocab_size=64, fuse_cross_entropy=False, use_gate=True
     )
     gdn = GatedDeltaNetConfig(
-        hidden_size=32, num_heads=2, head_dim=16, num_v_heads=4, expand_v=1.0, num_hidden_layers=2, vocab_size=64,
+        hidden_size=32,
+        num_heads=2,
+        head_dim=16,
+        num_v_heads=4,
+        expand_v=1.0,
+        num_hidden_layers=2,
+        vocab_size=64,
         fuse_cross_entropy=False,
     )
-    return [("deltanet", DeltaNetForCausalLM, dn), ("deltanet-gate", DeltaNetForCausalLM, dn_gate),
-            ("gdn-gva", GatedDeltaNetForCausalLM, gdn)]
+    return [
+        ("deltanet", DeltaNetForCausalLM, dn),
+        ("deltanet-gate", DeltaNetForCausalLM, dn_gate),
+        ("gdn-gva", GatedDeltaNetForCausalLM, gdn),
+    ]
 
 
 MODELS = tiny_models()
@@ -482,3 +516,16 @@ def test_model_cached_decoding_matches_full_forward(name, cls, cfg, prefill):
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=1e-4)
     # the grad-enabled (training-mode kernels, GDN fused qkv conv) forward agrees as well
     torch.testing.assert_close(model(input_ids=ids).logits.detach(), full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name,cls,cfg", MODELS[::2], ids=[m[0] for m in MODELS[::2]])
+def test_model_attention_mask_varlen(name, cls, cfg):
+    """A left-padded batch goes through fla's packed (cu_seqlens) path; each row equals its unpadded forward."""
+    model = _build(cls, cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 72))
+    mask = torch.ones(2, 72, dtype=torch.long)
+    mask[1, :25] = 0
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(out[0], model(input_ids=ids[:1]).logits[0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(out[1, 25:], model(input_ids=ids[1:, 25:]).logits[0], atol=1e-5, rtol=1e-4)

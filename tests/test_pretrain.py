@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -17,7 +18,16 @@ ARCH = {
     "delta_net": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "expand_k": 1.0, "expand_v": 1.0},
     "gated_deltanet": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 16, "expand_v": 1.0},
 }
-TRAIN = {"steps": 5, "batch_size": 2, "seq_len": 32, "lr": 1e-3, "warmup": 2, "seed": 7, "log_every": 2, "eval_blocks": 2}
+TRAIN = {
+    "steps": 5,
+    "batch_size": 2,
+    "seq_len": 32,
+    "lr": 1e-3,
+    "warmup": 2,
+    "seed": 7,
+    "log_every": 2,
+    "eval_blocks": 2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +42,15 @@ def checkpoints(tmp_path_factory):
 
 
 def test_tiny_config_fields():
-    dn = tiny_config("delta_net", {"hidden_size": 128, "num_hidden_layers": 4, "num_heads": 2, "expand_k": 1.0, "expand_v": 1.0})
+    dn = tiny_config(
+        "delta_net", {"hidden_size": 128, "num_hidden_layers": 4, "num_heads": 2, "expand_k": 1.0, "expand_v": 1.0}
+    )
     assert (dn.model_type, dn.vocab_size, dn.eos_token_id, dn.bos_token_id) == ("delta_net", 257, 256, 256)
     assert dn.fuse_cross_entropy is False and dn.pad_token_id is None
     assert int(dn.hidden_size * dn.expand_k) // dn.num_heads == 64
-    gdn = tiny_config("gated_deltanet", {"hidden_size": 128, "num_hidden_layers": 4, "num_heads": 2, "head_dim": 64, "expand_v": 1.0})
+    gdn = tiny_config(
+        "gated_deltanet", {"hidden_size": 128, "num_hidden_layers": 4, "num_heads": 2, "head_dim": 64, "expand_v": 1.0}
+    )
     assert gdn.model_type == "gated_deltanet" and gdn.head_dim == 64 and gdn.vocab_size == 257
     with pytest.raises(ValueError, match=r"unknown arch key\(s\) \['head_dims'\] for family 'gated_deltanet'"):
         tiny_config("gated_deltanet", {"head_dims": 64})
@@ -45,12 +59,12 @@ def test_tiny_config_fields():
 
 
 def test_lr_schedule():
-    cfg = {**DEFAULT_TRAIN, "steps": 101, "warmup": 10, "lr": 1e-3, "min_lr_ratio": 0.1}
+    cfg = {**DEFAULT_TRAIN, "steps": 101, "warmup": 10, "lr": 1e-3, "min_lr": 1e-4}
     assert lr_at(0, cfg) == pytest.approx(1e-4) and lr_at(9, cfg) == pytest.approx(1e-3)
     assert lr_at(10, cfg) == pytest.approx(1e-3) and lr_at(100, cfg) == pytest.approx(1e-4)
     assert lr_at(55, cfg) == pytest.approx(0.55e-3)
     lrs = [lr_at(s, cfg) for s in range(10, 101)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
 
 
 def test_pretrain_record_and_logs(checkpoints):
@@ -101,7 +115,13 @@ def test_load_model_from_source_json(checkpoints, tmp_path):
     ckpt, _, _ = checkpoints["delta_net"]
     base = tmp_path / "base"
     rec = write_hub_source(base, str(ckpt), revision=None, dtype="float32")
-    assert rec == {"hub_id": str(ckpt), "revision": None, "requested_revision": None, "resolved": False, "dtype": "float32"}
+    assert rec == {
+        "hub_id": str(ckpt),
+        "revision": None,
+        "requested_revision": None,
+        "resolved": False,
+        "dtype": "float32",
+    }
     assert json.loads((base / "source.json").read_text()) == rec
     assert [p.name for p in base.iterdir()] == ["source.json"]
     m_src, tok_src = load_model(base)

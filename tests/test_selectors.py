@@ -249,6 +249,8 @@ def test_select_heads_deterministic_and_well_formed(name):
             assert s.scores.dtype == np.float64 and s.scores.shape == (6,)
             np.testing.assert_array_equal(s.scores, by_head[(layer, head)].scores)
     assert (a[0][2].scores is None) == (name == "rand")
+    c = select_heads(name, iter(heads), 6, seed=7, progress=False, workers=2)  # thread pool, lazy input
+    assert [(layer, head, s.keep.tolist()) for layer, head, s in c] == [(x, y, s.keep.tolist()) for x, y, s in a]
 
 
 def test_rand_depends_on_seed_layer_and_head():
@@ -268,6 +270,10 @@ def test_select_heads_errors_name_the_head(capsys):
         select_heads("l1", heads, 4, seed=-1, progress=False)
     with pytest.raises(ValueError, match="variant 'q'"):
         select_heads("rand", heads, 4, variant="q", progress=False)
+    with pytest.raises(ValueError, match="layer 0 head 1: W_k must be"):
+        select_heads("l1", heads, 4, progress=False, workers=2)
+    with pytest.raises(ValueError, match="workers=0"):
+        select_heads("l1", heads, 4, progress=False, workers=0)
 
 
 # -- method tokens ---------------------------------------------------------------------------------------

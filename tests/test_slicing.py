@@ -59,6 +59,7 @@ def zero_dropped(model, keep: dict[int, torch.Tensor]) -> None:
 
 _RELOAD_SCRIPT = """
 import sys, torch
+torch.set_num_threads(1)
 from statereduce import fla_fallback
 fla_fallback.install()
 from transformers import AutoModelForCausalLM
@@ -190,6 +191,9 @@ class SlicingContract:
         assert all(torch.equal(record.keep_tensors()[layer], keep[layer]) for layer in keep)
         assert (record.family, record.method, record.pct, record.source_model) == (self.family, "rand", 50, "tiny-test")
         assert (record.d_k, record.d_k_new, record.extra) == (D_K, 8, {"calibration": "none"})
+        agreeing = {**META, "d_k": D_K, "d_k_new": 8, "num_heads": 2, "family": self.family, "source": "x"}
+        other = prune_model(self.model(), keep, {k: v for k, v in agreeing.items() if k != "source_model"})
+        assert (other.source_model, other.extra) == ("x", {"calibration": "none"})
         assert record.kernel_scale["pruned"] == 8**-0.5 and record.kernel_scale["original"] == D_K**-0.5
         assert record.kernel_scale["o_norm_eps_factor_for_exact_zeroing"] == 4.0
         head_line = json.dumps(keep[0][0].tolist())
@@ -205,10 +209,13 @@ class SlicingContract:
             "out of range": ({0: good[0], 1: good[1] + 16}, r"span \[\d+, \d+\]; valid: \[0, d_k=32\)"),
             "repeated": ({0: good[0], 1: torch.zeros(2, 16, dtype=torch.long)}, "repeated"),
             "d_k' differs": ({0: good[0], 1: good[1][:, :8]}, "keeps 8 channels per head, other layers 16"),
-            "meta": (good, "pct='50' must be a number"),
+            "meta pct": (good, "pct='50' must be a number"),
+            "meta d_k_new": (good, r"meta d_k_new=8 disagrees with the model/selection: d_k_new=16"),
+            "meta json": (good, "JSON-serialisable"),
         }
+        bad_meta = {"meta pct": {"pct": "50"}, "meta d_k_new": {"d_k_new": 8}, "meta json": {"when": object()}}
         for name, (keep, msg) in bad_cases.items():
-            meta = {"pct": "50"} if name == "meta" else META
+            meta = bad_meta.get(name, META)
             with pytest.raises(ValueError, match=msg):
                 prune_model(model, keep, meta)
         assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())

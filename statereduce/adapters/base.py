@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import numbers
 import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -166,8 +167,10 @@ class LinearAttentionAdapter(ABC):
         The config-free part of :meth:`config_updates`' checks (usable from head sizes alone); the base checks
         ``1 <= d_k_new <= d_k``, families add what their config fields impose.
         """
-        if isinstance(d_k_new, bool) or not isinstance(d_k_new, int) or not 1 <= d_k_new <= head_k_dim:
-            raise ValueError(f"d_k'={d_k_new!r} is invalid for {cls.family}; valid: an integer in [1, d_k={head_k_dim}]")
+        if isinstance(d_k_new, bool) or not isinstance(d_k_new, numbers.Integral) or not 1 <= d_k_new <= head_k_dim:
+            raise ValueError(
+                f"d_k'={d_k_new!r} is invalid for {cls.family}; valid: an integer in [1, d_k={head_k_dim}]"
+            )
 
     # ---- structure ----------------------------------------------------------------------------
     @abstractmethod

@@ -59,6 +59,7 @@ class DeltaNetAdapter(LinearAttentionAdapter):
         """``expand_k = H * d_k' / hidden_size``, checked to give back exactly ``H * d_k'``."""
         d = cls.dims(config)
         cls.check_reduction(d.head_k_dim, d.head_v_dim, d_k_new)
+        d_k_new = int(d_k_new)
         key_dim = config.num_heads * d_k_new
         expand_k = key_dim / config.hidden_size
         if int(config.hidden_size * expand_k) != key_dim:
@@ -72,7 +73,7 @@ class DeltaNetAdapter(LinearAttentionAdapter):
     @classmethod
     def mixer_updates(cls, config, d_k_new: int) -> dict[str, Any]:
         expand_k = cls.config_updates(config, d_k_new)["expand_k"]
-        return {"expand_k": expand_k, "key_dim": config.num_heads * d_k_new, "head_k_dim": d_k_new}
+        return {"expand_k": expand_k, "key_dim": config.num_heads * int(d_k_new), "head_k_dim": int(d_k_new)}
 
     @classmethod
     def config_state_shape(cls, config) -> StateShape:
@@ -81,7 +82,8 @@ class DeltaNetAdapter(LinearAttentionAdapter):
         return StateShape(num_heads=h, d_k=d_k, d_v=d_v, conv_channels=conv_channels, conv_width=config.conv_size)
 
     def mixer_layers(self) -> list[tuple[int, nn.Module]]:
-        return [(i, block.attn) for i, block in enumerate(decoder_layers(self.model)) if isinstance(block.attn, DeltaNet)]
+        blocks = decoder_layers(self.model)
+        return [(i, block.attn) for i, block in enumerate(blocks) if isinstance(block.attn, DeltaNet)]
 
     def q_proj(self, mixer: nn.Module) -> nn.Linear:
         return mixer.q_proj

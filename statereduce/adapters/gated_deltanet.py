@@ -53,7 +53,8 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
     def dims(cls, config) -> Dims:
         h = config.num_heads
         hv = config.num_v_heads if config.num_v_heads is not None else h
-        return Dims(num_heads=h, num_v_heads=hv, head_k_dim=config.head_dim, head_v_dim=int(config.head_dim * config.expand_v))
+        d_v = int(config.head_dim * config.expand_v)  # as fla's layer derives it
+        return Dims(num_heads=h, num_v_heads=hv, head_k_dim=config.head_dim, head_v_dim=d_v)
 
     @classmethod
     def mixer_layer_indices(cls, config) -> list[int]:
@@ -64,7 +65,7 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
         """``head_dim = d_k'`` and ``expand_v = d_v / d_k'``, checked to give back exactly ``d_v``."""
         d = cls.dims(config)
         cls.check_reduction(d.head_k_dim, d.head_v_dim, d_k_new)
-        return {"head_dim": d_k_new, "expand_v": d.head_v_dim / d_k_new}
+        return {"head_dim": int(d_k_new), "expand_v": d.head_v_dim / int(d_k_new)}
 
     @classmethod
     def check_reduction(cls, head_k_dim: int, head_v_dim: int, d_k_new: int) -> None:
@@ -81,7 +82,7 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
     @classmethod
     def mixer_updates(cls, config, d_k_new: int) -> dict[str, Any]:
         fields = cls.config_updates(config, d_k_new)
-        return {**fields, "head_k_dim": d_k_new, "key_dim": config.num_heads * d_k_new}
+        return {**fields, "head_k_dim": fields["head_dim"], "key_dim": config.num_heads * fields["head_dim"]}
 
     @classmethod
     def config_state_shape(cls, config) -> StateShape:

@@ -19,11 +19,14 @@ not both valid: only the plain token is. Examples: ``drrqr``, ``l1-q``, ``grad-k
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import os
 import re
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -308,20 +311,26 @@ def select_heads(
     options: Mapping[str, Any] | None = None,
     *,
     progress: bool = True,
+    workers: int = 1,
 ) -> list[tuple[int, int, HeadSelection]]:
     """Run a selector over every (layer, head), deterministically given ``seed``.
 
     Each head gets its own generator ``np.random.default_rng(SeedSequence([seed, layer, head]))``, so a
-    head's selection does not depend on which other heads are processed or in which order.
+    head's selection does not depend on which other heads are processed, in which order, or by how many
+    workers.
 
     Args:
         selector: a registered name or a :class:`Selector`.
-        heads: iterable of ``(layer, head, HeadData)`` (a generator is fine: heads are loaded lazily).
+        heads: iterable of ``(layer, head, HeadData)`` (a generator is fine: heads are pulled lazily, at
+            most ``2 * workers`` ahead of the results).
         n_keep: channels kept per head (see :func:`n_keep_for`).
         variant: scoring variant, "kq", "k" or "q".
         seed: non-negative integer seed.
         options: selector-specific keyword options.
         progress: show a tqdm progress bar (on stderr).
+        workers: heads processed concurrently by a thread pool (NumPy/LAPACK release the GIL); with more
+            than one worker BLAS is limited to one thread each (threadpoolctl), which uses the cores better
+            than multithreaded BLAS on the small per-head matrices (give the rule's ``threads``).
 
     Returns:
         ``[(layer, head, HeadSelection), ...]`` in input order.
@@ -333,16 +342,44 @@ def select_heads(
         raise ValueError(f"selector {sel.name!r} does not support variant {variant!r}; valid: {list(sel.variants)}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed={seed!r} must be a non-negative integer")
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
+        raise ValueError(f"workers={workers!r} must be a positive integer")
     opts = dict(options or {})
-    total = len(heads) if hasattr(heads, "__len__") else None  # type: ignore[arg-type]
-    out: list[tuple[int, int, HeadSelection]] = []
-    for layer, head, data in tqdm(heads, total=total, desc=f"select {sel.name}", unit="head", disable=not progress):
+
+    def one(item: tuple[int, int, HeadData]) -> tuple[int, int, HeadSelection]:
+        layer, head, data = item
         rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(layer), int(head)]))
         try:
             result = sel(data, n_keep, variant=variant, rng=rng, **opts)
         except ValueError as err:
             raise ValueError(f"layer {layer} head {head}: {err}") from err
-        out.append((int(layer), int(head), result))
+        return int(layer), int(head), result
+
+    total = len(heads) if hasattr(heads, "__len__") else None  # type: ignore[arg-type]
+    out: list[tuple[int, int, HeadSelection]] = []
+    with tqdm(total=total, desc=f"select {sel.name}", unit="head", disable=not progress) as bar:
+        if workers == 1:
+            for item in heads:
+                out.append(one(item))
+                bar.update()
+            return out
+        with contextlib.ExitStack() as stack:
+            try:
+                from threadpoolctl import threadpool_limits
+
+                stack.enter_context(threadpool_limits(limits=1, user_api="blas"))
+            except ImportError:  # pragma: no cover - threadpoolctl ships with scipy's usual stacks
+                pass
+            pool = stack.enter_context(ThreadPoolExecutor(max_workers=int(workers)))
+            pending: deque[Future] = deque()
+            for item in heads:
+                pending.append(pool.submit(one, item))
+                if len(pending) >= 2 * workers:
+                    out.append(pending.popleft().result())
+                    bar.update()
+            while pending:
+                out.append(pending.popleft().result())
+                bar.update()
     return out
 
 
