@@ -107,7 +107,9 @@ def write_perplexity_task(docs: Sequence[str], task_dir: Path, name: str = HELDO
         The task name, to put in the ``tasks`` list of :func:`evaluate_model`.
     """
     if not isinstance(name, str) or not _TASK_NAME.match(name):
-        raise ValueError(f"invalid task name {name!r}; use letters, digits, '_', '.', '-' (not starting with '.' or '-')")
+        raise ValueError(
+            f"invalid task name {name!r}; use letters, digits, '_', '.', '-' (not starting with '.' or '-')"
+        )
     docs = list(docs)
     if not docs:
         raise ValueError("docs is empty; a perplexity task needs at least one document")
@@ -152,7 +154,7 @@ def evaluate_model(
     batch_size: int | str = 1,
     max_length: int | None = None,
     device: str | torch.device | None = None,
-    limit: int | float | None = None,
+    limit: float | None = None,
     bootstrap_iters: int = 100_000,
     num_fewshot: int | None = None,
 ) -> dict:
@@ -418,7 +420,11 @@ def write_eval_json(path: str | Path, result: Mapping[str, Any], extra: Mapping[
         raise ValueError(f"extra lacks 'state' (keys: {sorted(extra)}); pass {{'state': state_record(model), ...}}")
     rest = {k: v for k, v in extra.items() if k not in ("state", "checkpoint", "model_id")}
     doc = eval_record(
-        result, extra["state"], checkpoint=extra.get("checkpoint"), model_id=extra.get("model_id"), extra_provenance=rest
+        result,
+        extra["state"],
+        checkpoint=extra.get("checkpoint"),
+        model_id=extra.get("model_id"),
+        extra_provenance=rest,
     )
     write_json_atomic(path, doc)
     return doc

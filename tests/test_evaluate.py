@@ -182,7 +182,9 @@ def test_rolling_windows_and_padded_batches_match_independent(model, tok, tmp_pa
 
 def test_unknown_task_is_a_clear_error(tmp_path):
     ev.write_perplexity_task(["a b"], tmp_path, "present_ppl")
-    with pytest.raises(ValueError, match=r"unknown lm-eval task 'presnt_ppl' \(searched .*\); close matches: present_ppl"):
+    with pytest.raises(
+        ValueError, match=r"unknown lm-eval task 'presnt_ppl' \(searched .*\); close matches: present_ppl"
+    ):
         ev.build_task_manager(["present_ppl", "presnt_ppl"], tmp_path, include_defaults=False)
 
 

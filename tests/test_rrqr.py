@@ -231,6 +231,8 @@ def test_rank_deficient(reduction):
     # the k - rank filler channels are numerically dependent: tiny omega
     assert np.sort(res.omega)[: 8 - 5].max() < 1e-6 * s_M[0]
     assert np.array_equal(res.R, np.triu(res.R)) and sorted(res.perm.tolist()) == list(range(n))
+    Mp = M[:, res.perm]
+    np.testing.assert_allclose(res.R.T @ res.R, Mp.T @ Mp, rtol=0, atol=1e-9 * s_M[0] ** 2)
     # the first rank(M) pivots satisfy the strong-RRQR condition against all other columns
     rep = strong_rrqr_report(M, res.perm, 5)
     assert rep["rho"].max() <= DEFAULT_F * (1 + 1e-9)

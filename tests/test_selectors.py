@@ -122,6 +122,10 @@ def test_all_ties_keep_lowest_indices():
     data = HeadData(W_q=np.ones((6, 3)), W_k=np.ones((6, 3)), xnorm=np.ones(3), grad_q=np.ones(6), grad_k=np.ones(6))
     for name in ("l1", "swanda", "grad"):
         assert call(name, data, 3).keep.tolist() == [0, 1, 2]
+    # many ties in a long vector (where an unstable sort would reorder them): lower index wins
+    g = np.tile([1.0, 2.0], 64)
+    sel = call("grad", HeadData(grad_q=g, grad_k=np.zeros(128)), 20)
+    assert sel.keep.tolist() == list(range(1, 40, 2))
 
 
 # -- planted structure ---------------------------------------------------------------------------------
