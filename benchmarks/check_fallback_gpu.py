@@ -411,6 +411,15 @@ def print_table(records: list[Record]) -> None:
             print(f"{r['case']:<78} {r['dtype']:<9} {r['quantity']:<14} {r['status']:<8} {r.get('message', '')[:160]}")
 
 
+def _write(path: str, meta: Record, records: list[Record]) -> None:
+    out_dir = os.path.dirname(os.path.abspath(path))
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=out_dir, delete=False, suffix=".tmp") as fh:
+        json.dump({"meta": meta, "records": records}, fh, indent=1)
+        tmp = fh.name
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_json", help="where to write the JSON records")
@@ -429,7 +438,17 @@ def main(argv: list[str] | None = None) -> int:
         ("modules", lambda: run_modules(records, args.seed)),
         ("timing", lambda: time_ours(records, args.quick)),
     ]
+    meta = {
+        "torch": torch.__version__,
+        "fla": getattr(fla, "__version__", "?"),
+        "triton": triton.__version__,
+        "device": torch.cuda.get_device_name(),
+        "seed": args.seed,
+        "quick": args.quick,
+    }
     for name, fn in sections:
+        t0 = time.perf_counter()
+        print(f"== {name} ...", flush=True)
         try:
             fn()
         except Exception:  # noqa: BLE001 - keep going; the traceback is recorded
@@ -442,21 +461,9 @@ def main(argv: list[str] | None = None) -> int:
                     "message": traceback.format_exc()[-2000:],
                 }
             )
+        print(f"   {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        _write(args.out_json, meta, records)  # partial results survive a time limit
     print_table(records)
-    meta = {
-        "torch": torch.__version__,
-        "fla": getattr(fla, "__version__", "?"),
-        "triton": triton.__version__,
-        "device": torch.cuda.get_device_name(),
-        "seed": args.seed,
-        "quick": args.quick,
-    }
-    out_dir = os.path.dirname(os.path.abspath(args.out_json))
-    os.makedirs(out_dir, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=out_dir, delete=False, suffix=".tmp") as fh:
-        json.dump({"meta": meta, "records": records}, fh, indent=1)
-        tmp = fh.name
-    os.replace(tmp, args.out_json)
     n_err = sum(r["status"] == "error" for r in records)
     print(
         f"\n{len(records)} records, {n_err} errors, "

@@ -31,17 +31,20 @@ from statereduce.data import corpus_provenance, load_split, token_stream
 from statereduce.models import tiny_config
 from statereduce.tokenizer import byte_level_tokenizer
 
-# Defaults: a tiny model trains in about 3 minutes on one CPU thread (measured for the hidden-128, 4-layer
-# tiny-dn / tiny-gdn of the default config; see the README).
+# Defaults, tuned for the embedded tiny models (hidden 128, 4 layers, 2 heads, d_k = d_v = 64, ~1.1M parameters)
+# on the embedded corpus: 700 steps x 4 x 128 = 358k tokens take ~150 s (DeltaNet) / ~165 s (Gated DeltaNet) on
+# one CPU thread and reach held-out losses of ~1.95 / ~1.64 nats per byte (uniform: ln 257 = 5.55). Measured
+# against batch 8 / 16 with fewer steps, seq_len 256, and lr 2e-3 / 6e-3 at the same token budget: more, smaller
+# steps won; lr 6e-3 hurt DeltaNet.
 DEFAULT_TRAIN: dict[str, Any] = {
-    "steps": 300,
-    "batch_size": 8,
+    "steps": 700,
+    "batch_size": 4,
     "seq_len": 128,
     "lr": 3e-3,
     "min_lr": None,
     "weight_decay": 0.1,
     "betas": (0.9, 0.95),
-    "warmup": 30,
+    "warmup": 50,
     "grad_clip": 1.0,
     "seed": 0,
     "threads": 1,

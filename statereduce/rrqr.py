@@ -48,6 +48,7 @@ on the numerical rank ``r < k`` and the remaining ``k - r`` slots are filled in 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,7 +107,7 @@ class StrongRRQRResult:
 
 
 def strong_rrqr(
-    M: np.ndarray,
+    M: np.ndarray | Sequence[np.ndarray],
     k: int,
     f: float = DEFAULT_F,
     *,
@@ -117,8 +118,8 @@ def strong_rrqr(
     """Strong RRQR column selection (Gu & Eisenstat 1996, Algorithm 4; paper App. B.2, Algorithm 2).
 
     Args:
-        M: [m, n] real matrix (for DRRQR: ``[K_cal; Q_cal]``, 2N x d_k). Any float dtype; computation is
-            float64.
+        M: [m, n] real matrix (for DRRQR: ``[K_cal; Q_cal]``, 2N x d_k), or a list/tuple of row blocks of it
+            (``[K_cal, Q_cal]``, stacked without a copy). Any float dtype; computation is float64.
         k: number of columns to select, ``1 <= k <= n``.
         f: swap tolerance, ``> 1``; at termination every ``rho_ij <= f``.
         reduction: ``"auto"`` (``"gram"`` for float32 and narrower inputs, ``"qr"`` otherwise), ``"gram"`` or
@@ -132,12 +133,16 @@ def strong_rrqr(
     Returns:
         A :class:`StrongRRQRResult`.
     """
-    M = np.asarray(M)
-    if M.ndim != 2 or M.shape[0] == 0 or M.shape[1] == 0:
-        raise ValueError(f"strong_rrqr needs a non-empty 2-D matrix, got shape {M.shape}")
-    if not (np.issubdtype(M.dtype, np.floating) or np.issubdtype(M.dtype, np.integer)):
-        raise ValueError(f"strong_rrqr needs a real matrix, got dtype {M.dtype}")
-    m, n = M.shape
+    blocks = [np.asarray(b) for b in M] if isinstance(M, (list, tuple)) else [np.asarray(M)]
+    shapes = [b.shape for b in blocks]
+    if not blocks or any(len(sh) != 2 for sh in shapes) or len({sh[1] for sh in shapes}) != 1:
+        raise ValueError(f"strong_rrqr needs a 2-D matrix (or row blocks with equal columns), got shapes {shapes}")
+    m, n = sum(sh[0] for sh in shapes), shapes[0][1]
+    if m == 0 or n == 0:
+        raise ValueError(f"strong_rrqr needs a non-empty matrix, got shape ({m}, {n})")
+    dtype = np.result_type(*blocks)
+    if not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)):
+        raise ValueError(f"strong_rrqr needs a real matrix, got dtype {dtype}")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
         raise ValueError(f"k={k!r} must be an integer in [1, n={n}]")
     k = int(k)
@@ -146,7 +151,7 @@ def strong_rrqr(
         raise ValueError(f"f={f} must be a finite number > 1 (Gu & Eisenstat's swap tolerance)")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}; valid: {', '.join(REDUCTIONS)}")
-    eps_data = float(np.finfo(M.dtype).eps) if np.issubdtype(M.dtype, np.floating) else _EPS64
+    eps_data = float(np.finfo(dtype).eps) if np.issubdtype(dtype, np.floating) else _EPS64
     if reduction == "auto":
         reduction = "gram" if eps_data >= float(np.finfo(np.float32).eps) else "qr"
     if rtol is None:
@@ -160,9 +165,9 @@ def strong_rrqr(
         max_swaps = 1000 + 100 * n
 
     if reduction == "gram":
-        R, perm, rank = _reduce_gram(M, rtol)
+        R, perm, rank = _reduce_gram(blocks, rtol)
     else:
-        R, perm, rank = _reduce_qr(M, rtol)
+        R, perm, rank = _reduce_qr(blocks[0] if len(blocks) == 1 else np.concatenate(blocks), rtol)
 
     k_eff = min(k, rank)
     n_swaps = 0
@@ -191,11 +196,23 @@ def strong_rrqr(
     )
 
 
-def _reduce_gram(M: np.ndarray, rtol: float) -> tuple[np.ndarray, np.ndarray, int]:
+def _gram(blocks: list[np.ndarray]) -> np.ndarray:
+    """``M^T M`` in float64 for M given as row blocks, cast in chunks of about 1 MiB (they stay in cache)."""
+    n = blocks[0].shape[1]
+    step = max(256, (1 << 20) // (8 * n))
+    G = None
+    for B in blocks:
+        for i in range(0, B.shape[0], step):
+            X = B[i : i + step].astype(np.float64, copy=False)
+            P = X.T @ X  # numpy uses syrk for a.T @ a
+            G = P if G is None else G + P
+    return G
+
+
+def _reduce_gram(blocks: list[np.ndarray], rtol: float) -> tuple[np.ndarray, np.ndarray, int]:
     """R factor (n x n, QRCP column order) via float64 Gram + LAPACK pivoted Cholesky (dpstrf)."""
-    n = M.shape[1]
-    X = M.astype(np.float64, copy=False)
-    G = X.T @ X
+    n = blocks[0].shape[1]
+    G = _gram([B for B in blocks if B.shape[0]])
     d = np.diagonal(G)
     if not np.isfinite(d).all():
         raise ValueError("strong_rrqr: M contains NaN or Inf")

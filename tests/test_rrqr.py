@@ -278,9 +278,25 @@ def test_argument_errors(kwargs, match):
         strong_rrqr(np.ones((4, 6)), **kwargs)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_row_blocks_equal_stacked_matrix(dtype):
+    rng = np.random.default_rng(10)
+    K = (rng.standard_normal((3000, 48)) * np.exp(rng.standard_normal(48))).astype(dtype)  # > one cast chunk
+    Q = (rng.standard_normal((700, 48)) @ rng.standard_normal((48, 48))).astype(dtype)
+    whole = strong_rrqr(np.vstack([K, Q]), 20)
+    split = strong_rrqr([K, Q], 20)
+    assert split.reduction == whole.reduction and split.selected.tolist() == whole.selected.tolist()
+    np.testing.assert_allclose(split.R, whole.R, rtol=1e-9, atol=1e-9 * abs(whole.R[0, 0]))
+    assert_strong(np.vstack([K, Q]), split, DEFAULT_F)
+
+
 def test_input_errors():
     with pytest.raises(ValueError, match="2-D"):
         strong_rrqr(np.ones(5), 1)
+    with pytest.raises(ValueError, match="equal columns"):
+        strong_rrqr([np.ones((4, 3)), np.ones((4, 2))], 1)
+    with pytest.raises(ValueError, match="non-empty"):
+        strong_rrqr(np.ones((0, 3)), 1)
     M = np.ones((8, 4))
     M[3, 2] = np.nan
     for reduction in ("gram", "qr"):

@@ -51,7 +51,6 @@ def drrqr(
         if arr.ndim != 2 or arr.shape[1] != d_k or arr.shape[0] == 0:
             raise ValueError(f"{fields[side]} must be [N, d_k={d_k}] with N >= 1, got shape {arr.shape}")
         mats.append(arr)
-    M = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
-    res = strong_rrqr(M, n_keep, f, reduction=reduction, rtol=rtol)
+    res = strong_rrqr(mats, n_keep, f, reduction=reduction, rtol=rtol)  # row blocks: M = [K; Q] without a copy
     order = np.argsort(res.selected, kind="stable")
     return HeadSelection(keep=res.selected[order].astype(np.int64), scores=res.omega[order])
