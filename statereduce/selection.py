@@ -80,6 +80,7 @@ def run_selection(
     grads: str | Path | None = None,
     seed: int = 0,
     options: dict | None = None,
+    workers: int = 1,
 ) -> tuple[list[tuple[int, int, object]], dict]:
     """Select channels for every (layer, head) of ``model``.
 
@@ -91,6 +92,7 @@ def run_selection(
         grads: ``grad_scores.h5`` (needed by ``grad``).
         seed: selection seed (``rand``; tie-breaking elsewhere is deterministic).
         options: selector options from the config (e.g. DRRQR's ``f``).
+        workers: heads selected in parallel (threads, single-threaded BLAS each).
 
     Returns:
         (rows, meta): rows of (layer, head, HeadSelection) and the file metadata.
@@ -112,7 +114,7 @@ def run_selection(
         Path(activations) if activations and needs & {"activations", "xnorm"} else None,
         Path(grads) if grads and "grad" in needs else None,
     )
-    rows = select_heads(selector, heads, n_keep, spec.variant, seed, options or {})
+    rows = select_heads(selector, heads, n_keep, spec.variant, seed, options or {}, workers=workers)
     meta = {
         "method": method,
         "selector": spec.selector,

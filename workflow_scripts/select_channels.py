@@ -13,7 +13,7 @@ model, _ = load_model(Path(snakemake.input.base).parent, dtype="float32", device
 rows, meta = run_selection(
     model, snakemake.wildcards.method, float(snakemake.wildcards.pct),
     activations=snakemake.input.get("activations"), grads=snakemake.input.get("grads"),
-    seed=snakemake.params.selector["seed"], options=snakemake.params.selector["options"],
+    seed=snakemake.params.selector["seed"], options=snakemake.params.selector["options"], workers=snakemake.threads,
 )
 meta["model"] = snakemake.params.info["model"]
 write_selection(snakemake.output[0], rows, meta)
