@@ -41,3 +41,21 @@ rule grad_scores:
         "../envs/fla.yaml"
     script:
         "../workflow_scripts/grad_scores.py"
+
+
+rule qk_weights:
+    """The head rows of every layer's q/k projections, so selections never load the model."""
+    input:
+        base=get_base,
+    output:
+        "results/{model}/weights/qk.h5",
+    params:
+        info=model_info,
+    log:
+        "logs/qk_weights/{model}.log",
+    benchmark:
+        "benchmarks/qk_weights/{model}.tsv"
+    conda:
+        "../envs/fla.yaml"
+    script:
+        "../workflow_scripts/qk_weights.py"

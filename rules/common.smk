@@ -115,7 +115,7 @@ def get_select_inputs(wildcards):
     from statereduce.selectors import get_selector
 
     needs = set(get_selector(spec.selector).needs)
-    inputs = {"base": base_marker(wildcards.model), "code": selector_code_files(spec.selector)}
+    inputs = {"weights": f"results/{wildcards.model}/weights/qk.h5", "code": selector_code_files(spec.selector)}
     if needs & {"activations", "xnorm"}:
         inputs["activations"] = f"results/{wildcards.model}/calib/{spec.calib}/activations.h5"
     if "grad" in needs:

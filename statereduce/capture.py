@@ -18,23 +18,24 @@ Layout::
 ``grad_scores.h5``: per layer ``grad_q``/``grad_k`` float64 [H, d_k] with
 s_j = sum_i |W[j, i] * dL/dW[j, i]| for the full model's mean LM loss over the calibration blocks
 (paper Sec. 3.4, "Grad").
+
+``weights/qk.h5``: per layer the head rows of the q/k projections, so that selection jobs read
+weights without loading the model (:mod:`statereduce.h5files`).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import os
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from statereduce import __version__
 from statereduce.adapters import get_adapter
+from statereduce.h5files import atomic_h5, layer_group, write_attrs
 
 
 class BottomKReservoir:
@@ -90,11 +91,6 @@ class _LayerStats:
     pending_x: list[np.ndarray] = field(default_factory=list)
 
 
-def _atomic_h5(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
 def capture_activations(
     model: torch.nn.Module,
     blocks: torch.Tensor,
@@ -142,40 +138,24 @@ def capture_activations(
             model(input_ids=batch, use_cache=False)
             n_tokens += batch.numel()
 
-    tmp = _atomic_h5(out_path)
-    try:
-        with h5py.File(tmp, "w") as f:
-            for i in layers:
-                st = stats[i]
-                if st.shape is None or st.xsq is None:
-                    raise RuntimeError(f"layer {i}: capture callbacks never fired; the adapter's capture is broken")
-                rows = st.reservoir.result()  # [R, 2, H, d]
-                g = f.create_group(f"layer_{i:03d}")
-                g.create_dataset("K", data=np.ascontiguousarray(rows[:, 0].transpose(1, 0, 2)), dtype="float32")
-                g.create_dataset("Q", data=np.ascontiguousarray(rows[:, 1].transpose(1, 0, 2)), dtype="float32")
-                g.create_dataset("xnorm", data=np.sqrt(st.xsq))
-                g.attrs["layer"] = i
-            meta = {
-                "n_samples": int(blocks.shape[0]),
-                "seq_len": int(blocks.shape[1]),
-                "seed": seed,
-                "rows_per_head": rows_per_head,
-                "n_tokens": n_tokens,
-                "num_heads": adapter.num_heads,
-                "head_k_dim": adapter.head_k_dim,
-                "hidden_size": int(model.config.hidden_size),
-                "layers": np.asarray(layers, dtype=np.int64),
-                "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-                "package_version": __version__,
-                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            }
-            meta.update({k: v for k, v in (attrs or {}).items() if v is not None})
-            for k, v in meta.items():
-                f.attrs[k] = v
-        os.replace(tmp, out_path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_h5(out_path) as f:
+        for i in layers:
+            st = stats[i]
+            if st.shape is None or st.xsq is None:
+                raise RuntimeError(f"layer {i}: capture callbacks never fired; the adapter's capture is broken")
+            rows = st.reservoir.result()  # [R, 2, H, d]
+            g = f.create_group(layer_group(i))
+            g.create_dataset("K", data=np.ascontiguousarray(rows[:, 0].transpose(1, 0, 2)), dtype="float32")
+            g.create_dataset("Q", data=np.ascontiguousarray(rows[:, 1].transpose(1, 0, 2)), dtype="float32")
+            g.create_dataset("xnorm", data=np.sqrt(st.xsq))
+            g.attrs["layer"] = i
+        write_attrs(f, _meta(model, adapter, layers) | {
+            "n_samples": int(blocks.shape[0]),
+            "seq_len": int(blocks.shape[1]),
+            "seed": seed,
+            "rows_per_head": rows_per_head,
+            "n_tokens": n_tokens,
+        } | dict(attrs or {}))
     return out_path
 
 
@@ -218,53 +198,48 @@ def grad_scores(
         )
         (loss * batch.shape[0] / n_total).backward()
     h, d = adapter.num_heads, adapter.head_k_dim
-    tmp = _atomic_h5(out_path)
-    try:
-        with h5py.File(tmp, "w") as f:
-            for i, (wq, wk) in weights.items():
-                g = f.create_group(f"layer_{i:03d}")
-                for name, w in (("grad_q", wq), ("grad_k", wk)):
-                    if w.grad is None:
-                        raise RuntimeError(f"layer {i}: no gradient reached {name[-1]}_proj")
-                    s = (w.detach().double() * w.grad.double()).abs().sum(dim=1).reshape(h, d)
-                    g.create_dataset(name, data=s.cpu().numpy())
-                g.attrs["layer"] = i
-            meta = {
-                "n_samples": int(n_total),
-                "seq_len": int(blocks.shape[1]),
-                "num_heads": h,
-                "head_k_dim": d,
-                "layers": np.asarray(list(weights), dtype=np.int64),
-                "package_version": __version__,
-                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            }
-            meta.update({k: v for k, v in (attrs or {}).items() if v is not None})
-            for k, v in meta.items():
-                f.attrs[k] = v
-        os.replace(tmp, out_path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_h5(out_path) as f:
+        for i, (wq, wk) in weights.items():
+            g = f.create_group(layer_group(i))
+            for name, w in (("grad_q", wq), ("grad_k", wk)):
+                if w.grad is None:
+                    raise RuntimeError(f"layer {i}: no gradient reached {name[-1]}_proj")
+                s = (w.detach().double() * w.grad.double()).abs().sum(dim=1).reshape(h, d)
+                g.create_dataset(name, data=s.cpu().numpy())
+            g.attrs["layer"] = i
+        write_attrs(f, _meta(model, adapter, list(weights)) | {"n_samples": int(n_total), "seq_len": int(blocks.shape[1])}
+                    | dict(attrs or {}))
     for p in model.parameters():
         p.grad = None
     return out_path
 
 
-@dataclass
-class CalibrationFile:
-    """Read access to ``activations.h5`` / ``grad_scores.h5``."""
+def export_qk_weights(model: torch.nn.Module, out_path: str | Path, *, attrs: dict | None = None) -> Path:
+    """Write the head rows of every layer's q/k projections to ``qk.h5`` (float32 [H, d_k, hidden])."""
+    adapter = get_adapter(model)
+    h, d = adapter.num_heads, adapter.head_k_dim
+    layers = []
+    with atomic_h5(out_path) as f:
+        for i, mixer in adapter.mixer_layers():
+            wq, wk = adapter.qk_weights(mixer)
+            g = f.create_group(layer_group(i))
+            g.create_dataset("W_q", data=wq.detach().float().cpu().numpy().reshape(h, d, -1))
+            g.create_dataset("W_k", data=wk.detach().float().cpu().numpy().reshape(h, d, -1))
+            g.attrs["layer"] = i
+            layers.append(i)
+        write_attrs(f, _meta(model, adapter, layers) | dict(attrs or {}))
+    return Path(out_path)
 
-    path: Path
 
-    def attrs(self) -> dict:
-        with h5py.File(self.path, "r") as f:
-            return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in f.attrs.items()}
-
-    def layers(self) -> list[int]:
-        with h5py.File(self.path, "r") as f:
-            return sorted(int(f[name].attrs["layer"]) for name in f)
-
-    def read(self, layer: int, names: Iterable[str]) -> dict[str, np.ndarray]:
-        with h5py.File(self.path, "r") as f:
-            g = f[f"layer_{layer:03d}"]
-            return {n: g[n][()] for n in names}
+def _meta(model: torch.nn.Module, adapter, layers: list[int]) -> dict:
+    """Attributes every per-layer HDF5 artifact carries."""
+    return {
+        "family": adapter.family,
+        "num_heads": adapter.num_heads,
+        "head_k_dim": adapter.head_k_dim,
+        "hidden_size": int(model.config.hidden_size),
+        "layers": np.asarray(layers, dtype=np.int64),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "package_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }

@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 
 
-def start(log_path: str | Path | None, threads: int = 1) -> logging.Logger:
+def start(log_path: str | Path | None, threads: int = 1, torch_threads: bool = True) -> logging.Logger:
     """Send stdout, stderr (progress bars included) and ``logging`` to ``log_path``; pin torch threads.
 
     Args:
         log_path: the rule's log file (``snakemake.log[0]``); None keeps the console.
         threads: CPU threads for torch (the rule's ``threads``).
+        torch_threads: False for jobs that never import torch (keeps their start-up fast).
     """
     if log_path is not None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -24,9 +25,10 @@ def start(log_path: str | Path | None, threads: int = 1) -> logging.Logger:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
+    if torch_threads:
+        import torch
 
-    torch.set_num_threads(max(1, int(threads)))
+        torch.set_num_threads(max(1, int(threads)))
     return logging.getLogger("statereduce")
 
 

@@ -1,4 +1,7 @@
-"""Per-head channel selections: run a selector over a model and store the result as Parquet.
+"""Per-head channel selections: run a selector over a model's artifacts and store the result as Parquet.
+
+Selection reads only HDF5 artifacts (q/k weights, calibration activations, gradient scores), never
+the model, so it needs neither torch nor fla.
 
 ``results/{model}/select/{method}_{pct}.parquet`` holds one row per (layer, head) with the kept
 channel indices (sorted) and, where the selector has scores, their scores. The file's key/value
@@ -16,11 +19,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from statereduce import __version__
-from statereduce.adapters import get_adapter
-from statereduce.capture import CalibrationFile
+from statereduce.h5files import H5Artifact
 from statereduce.selectors import HeadData, get_selector, n_keep_for, parse_method, select_heads
 
 
@@ -41,24 +42,20 @@ def selector_code_files(name: str) -> list[str]:
     return sorted(files)
 
 
-def _head_data_iter(model, needs: set[str], variant: str, activations: Path | None, grads: Path | None):
+def _head_data_iter(weights: Path, needs: set[str], activations: Path | None, grads: Path | None):
     """Yield (layer, head, HeadData) with only the fields the selector needs."""
-    adapter = get_adapter(model)
-    h, d = adapter.num_heads, adapter.head_k_dim
-    acts = CalibrationFile(activations) if activations is not None else None
-    grad = CalibrationFile(grads) if grads is not None else None
-    for layer, mixer in adapter.mixer_layers():
-        wq = wk = None
-        if "weights" in needs:
-            wq_t, wk_t = adapter.qk_weights(mixer)
-            wq = wq_t.detach().float().cpu().numpy().reshape(h, d, -1)
-            wk = wk_t.detach().float().cpu().numpy().reshape(h, d, -1)
+    w = H5Artifact(weights)
+    h = int(w.attrs()["num_heads"])
+    acts = H5Artifact(activations) if activations is not None else None
+    grad = H5Artifact(grads) if grads is not None else None
+    for layer in w.layers():
+        wts = w.read(layer, ["W_q", "W_k"]) if "weights" in needs else {}
         a = acts.read(layer, [n for n in ("K", "Q", "xnorm") if _wanted(n, needs)]) if acts else {}
         g = grad.read(layer, ["grad_q", "grad_k"]) if grad and "grad" in needs else {}
         for head in range(h):
             yield layer, head, HeadData(
-                W_q=None if wq is None else wq[head],
-                W_k=None if wk is None else wk[head],
+                W_q=wts["W_q"][head] if wts else None,
+                W_k=wts["W_k"][head] if wts else None,
                 K=a["K"][head] if "K" in a else None,
                 Q=a["Q"][head] if "Q" in a else None,
                 xnorm=a.get("xnorm"),
@@ -72,7 +69,7 @@ def _wanted(name: str, needs: set[str]) -> bool:
 
 
 def run_selection(
-    model: torch.nn.Module,
+    weights: str | Path,
     method: str,
     pct: float,
     *,
@@ -82,10 +79,10 @@ def run_selection(
     options: dict | None = None,
     workers: int = 1,
 ) -> tuple[list[tuple[int, int, object]], dict]:
-    """Select channels for every (layer, head) of ``model``.
+    """Select channels for every (layer, head) of a model.
 
     Args:
-        model: the base model (weights are read from it for weight-based selectors).
+        weights: the model's ``qk.h5`` (head rows of the q/k projections; also gives H, d_k, layers).
         method: method token, e.g. ``drrqr``, ``l1-q``, ``grad.shakespeare`` (see ``parse_method``).
         pct: percent of key channels removed.
         activations: ``activations.h5`` (needed by activation/xnorm-based selectors).
@@ -99,8 +96,8 @@ def run_selection(
     """
     spec = parse_method(method)
     selector = get_selector(spec.selector)
-    adapter = get_adapter(model)
-    d_k = adapter.head_k_dim
+    wattrs = H5Artifact(weights).attrs()
+    d_k = int(wattrs["head_k_dim"])
     n_keep = n_keep_for(d_k, pct)
     needs = set(selector.needs)
     if needs & {"activations", "xnorm"} and activations is None:
@@ -108,9 +105,8 @@ def run_selection(
     if "grad" in needs and grads is None:
         raise ValueError(f"selector {spec.selector!r} needs gradient scores (grad_scores.h5)")
     heads = _head_data_iter(
-        model,
+        Path(weights),
         needs,
-        spec.variant,
         Path(activations) if activations and needs & {"activations", "xnorm"} else None,
         Path(grads) if grads and "grad" in needs else None,
     )
@@ -123,7 +119,7 @@ def run_selection(
         "pct": pct,
         "d_k": d_k,
         "d_k_new": n_keep,
-        "num_heads": adapter.num_heads,
+        "num_heads": int(wattrs["num_heads"]),
         "seed": seed,
         "options": options or {},
         "package_version": __version__,
@@ -157,15 +153,12 @@ def write_selection(path: str | Path, rows, meta: dict) -> Path:
     return path
 
 
-def read_selection(path: str | Path) -> tuple[dict[int, torch.Tensor], dict]:
-    """Read a selection file: ({layer: LongTensor [H, d_k']}, metadata)."""
+def read_selection(path: str | Path) -> tuple[dict[int, list[list[int]]], dict]:
+    """Read a selection file: ({layer: [kept indices of head 0, head 1, ...]}, metadata)."""
     table = pq.read_table(path)
     meta = json.loads(table.schema.metadata[b"statereduce"])
     df = table.to_pydict()
     by_layer: dict[int, dict[int, list[int]]] = {}
     for layer, head, keep in zip(df["layer"], df["head"], df["keep"]):
         by_layer.setdefault(layer, {})[head] = keep
-    keep = {
-        layer: torch.tensor([heads[h] for h in sorted(heads)], dtype=torch.long) for layer, heads in by_layer.items()
-    }
-    return keep, meta
+    return {layer: [heads[h] for h in sorted(heads)] for layer, heads in by_layer.items()}, meta

@@ -5,7 +5,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
 from statereduce.runtime import start  # noqa: E402
 
-log = start(snakemake.log[0])
+log = start(snakemake.log[0], torch_threads=False)
 from statereduce.models import write_hub_source  # noqa: E402
 
 src = snakemake.params.source

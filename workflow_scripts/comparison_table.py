@@ -5,7 +5,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
 from statereduce.runtime import read_json, start  # noqa: E402
 
-log = start(snakemake.log[0])
+log = start(snakemake.log[0], torch_threads=False)
 from statereduce.tables import write_comparison  # noqa: E402
 
 summaries = [read_json(p) for p in snakemake.input.summaries]

@@ -1,17 +1,15 @@
-"""rule select_channels: results/{model}/select/{method}_{pct}.parquet."""
+"""rule select_channels: results/{model}/select/{method}_{pct}.parquet (reads HDF5 artifacts only)."""
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
 from statereduce.runtime import start  # noqa: E402
 
-log = start(snakemake.log[0], snakemake.threads)
-from statereduce.models import load_model  # noqa: E402
+log = start(snakemake.log[0], snakemake.threads, torch_threads=False)
 from statereduce.selection import run_selection, write_selection  # noqa: E402
 
-model, _ = load_model(Path(snakemake.input.base).parent, dtype="float32", device="cpu")  # weights only
 rows, meta = run_selection(
-    model, snakemake.wildcards.method, float(snakemake.wildcards.pct),
+    snakemake.input.weights, snakemake.wildcards.method, float(snakemake.wildcards.pct),
     activations=snakemake.input.get("activations"), grads=snakemake.input.get("grads"),
     seed=snakemake.params.selector["seed"], options=snakemake.params.selector["options"], workers=snakemake.threads,
 )

@@ -5,7 +5,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
 from statereduce.runtime import read_json, start, write_json  # noqa: E402
 
-log = start(snakemake.log[0])
+log = start(snakemake.log[0], torch_threads=False)
 from statereduce.evaluate import summarize  # noqa: E402
 
 record = read_json(snakemake.input.record)

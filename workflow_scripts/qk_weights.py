@@ -1,0 +1,14 @@
+"""rule qk_weights: results/{model}/weights/qk.h5 (head rows of the q/k projections)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+from statereduce.runtime import start  # noqa: E402
+
+log = start(snakemake.log[0], snakemake.threads)
+from statereduce.capture import export_qk_weights  # noqa: E402
+from statereduce.models import load_model  # noqa: E402
+
+model, _ = load_model(Path(snakemake.input.base).parent, dtype="float32", device="cpu")
+export_qk_weights(model, snakemake.output[0], attrs={"model": snakemake.params.info["model"]})
+log.info("wrote %s", snakemake.output[0])
