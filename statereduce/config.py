@@ -110,12 +110,23 @@ def check_method(config: dict, method: str) -> None:
         )
 
 
+def canonical(obj):
+    """``obj`` with every mapping's keys sorted, recursively: reordering keys in config.yaml must not
+    change any rule's params (Snakemake reruns a job whose params' representation changed)."""
+    if isinstance(obj, dict):
+        return {k: canonical(obj[k]) for k in sorted(obj)}
+    if isinstance(obj, list):
+        return [canonical(v) for v in obj]
+    return obj
+
+
 def validate_config(config: dict, schema: dict | None = None) -> dict:
-    """Validate ``config`` fully; return a copy with defaults filled. Raises ConfigError (one line)."""
+    """Validate ``config`` fully; return a canonical copy (sorted keys) with defaults filled.
+    Raises ConfigError (one line)."""
     from statereduce.adapters import adapter_families
 
     check_schema(config, schema)
-    cfg = copy.deepcopy(config)
+    cfg = canonical(copy.deepcopy(config))
     families = adapter_families()
     corpora = cfg["corpora"]
     for name, m in cfg["models"].items():

@@ -25,18 +25,14 @@ the same numbers as 1, and fla never takes its varlen path (which an attention m
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import difflib
 import hashlib
 import importlib.metadata
 import json
 import logging
-import math
 import numbers
-import os
 import re
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -46,6 +42,7 @@ import torch
 from torch import nn
 
 import statereduce
+from statereduce.runtime import jsonable, write_json, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +117,7 @@ def write_perplexity_task(docs: Sequence[str], task_dir: Path, name: str = HELDO
     task_dir.mkdir(parents=True, exist_ok=True)
     data_path = task_dir / f"{name}.jsonl"
     payload = "".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs)
-    _write_text_atomic(data_path, payload)
+    write_text_atomic(data_path, payload)
     import yaml
 
     config = {
@@ -138,7 +135,7 @@ def write_perplexity_task(docs: Sequence[str], task_dir: Path, name: str = HELDO
             "sha256": hashlib.sha256(payload.encode("utf-8")).hexdigest(),
         },
     }
-    _write_text_atomic(task_dir / f"{name}.yaml", yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
+    write_text_atomic(task_dir / f"{name}.yaml", yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
     return name
 
 
@@ -240,8 +237,8 @@ def evaluate_model(
     }
     return {
         "metrics": clean_metrics(out["results"]),
-        "lm_eval": _jsonable(_raw_lm_eval(out)),
-        "settings": _jsonable(settings),
+        "lm_eval": jsonable(_raw_lm_eval(out)),
+        "settings": jsonable(settings),
         "timing": {"task_index_s": round(t_index, 3), "evaluate_s": round(t_eval, 3)},
     }
 
@@ -326,7 +323,7 @@ def clean_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[st
             if "," not in key or isinstance(value, bool) or not isinstance(value, numbers.Real):
                 continue
             metric, filt = key.split(",", 1)
-            row[metric if filt == "none" else f"{metric}/{filt}"] = _jsonable(float(value))
+            row[metric if filt == "none" else f"{metric}/{filt}"] = jsonable(float(value))
         clean[task] = row
     return clean
 
@@ -404,7 +401,7 @@ def eval_record(
         "date": _now(),
     }
     provenance.update(extra_provenance or {})
-    return _jsonable({**result, "state": dict(state), "provenance": provenance})
+    return jsonable({**result, "state": dict(state), "provenance": provenance})
 
 
 def write_eval_json(path: str | Path, result: Mapping[str, Any], extra: Mapping[str, Any]) -> dict:
@@ -426,7 +423,7 @@ def write_eval_json(path: str | Path, result: Mapping[str, Any], extra: Mapping[
         model_id=extra.get("model_id"),
         extra_provenance=rest,
     )
-    write_json_atomic(path, doc)
+    write_json(path, doc)
     return doc
 
 
@@ -536,7 +533,7 @@ def summarize(
         "statereduce_version": statereduce.__version__,
         "date": _now(),
     }
-    return _jsonable(
+    return jsonable(
         {
             "model": meta["model"],
             "method": meta["method"],
@@ -585,46 +582,6 @@ def versions() -> dict[str, str | None]:
         except importlib.metadata.PackageNotFoundError:
             out[key] = None
     return out
-
-
-def write_json_atomic(path: str | Path, doc: Any) -> None:
-    """Write ``doc`` as strict JSON (non-finite floats as strings) via a temp file and ``os.replace``."""
-    text = json.dumps(_jsonable(doc), indent=2, sort_keys=False, allow_nan=False) + "\n"
-    _write_text_atomic(Path(path), text)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def _jsonable(obj: Any) -> Any:
-    """A JSON-serialisable copy: numpy/torch scalars to Python, dtypes/paths/callables to str,
-    non-finite floats to the strings ``"nan"``, ``"inf"``, ``"-inf"``."""
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [_jsonable(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, str, int)):
-        return obj
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else str(obj)
-    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 0) == 0:
-        return _jsonable(obj.item())
-    if callable(obj):
-        return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
-    return str(obj)
 
 
 def _as_list(x) -> list:

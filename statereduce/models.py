@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from statereduce.runtime import write_json
 from statereduce.tokenizer import VOCAB_SIZE
 
 SOURCE_FILE = "source.json"
@@ -68,17 +68,6 @@ def tiny_config(family: str, arch: dict[str, Any]):
     return cls(**{**TINY_DEFAULTS, **arch})
 
 
-def _atomic_write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(obj, indent=2) + "\n")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def resolve_revision(hub_id: str, revision: str | None) -> tuple[str | None, bool]:
     """(commit sha, True) from the hub, or (revision as given, False) when offline / unreachable / local."""
     if Path(hub_id).expanduser().is_dir():
@@ -123,7 +112,7 @@ def write_hub_source(
     }
     if tokenizer is not None:
         record["tokenizer"] = tokenizer
-    _atomic_write_json(Path(out_dir) / SOURCE_FILE, record)
+    write_json(Path(out_dir) / SOURCE_FILE, record)
     return record
 
 

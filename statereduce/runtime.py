@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import sys
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 
 def start(log_path: str | Path | None, threads: int = 1, torch_threads: bool = True) -> logging.Logger:
@@ -32,20 +37,27 @@ def start(log_path: str | Path | None, threads: int = 1, torch_threads: bool = T
     return logging.getLogger("statereduce")
 
 
-def write_json(path: str | Path, obj) -> Path:
-    """Write JSON atomically: a temporary file in the same folder, then rename."""
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to a temporary file next to ``path``, fsync it, and rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, default=_default)
-            f.write("\n")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     return path
+
+
+def write_json(path: str | Path, doc: Any) -> Path:
+    """Write ``doc`` as strict JSON (non-finite floats as strings), atomically."""
+    return write_text_atomic(path, json.dumps(jsonable(doc), indent=2, allow_nan=False) + "\n")
 
 
 def read_json(path: str | Path):
@@ -53,13 +65,21 @@ def read_json(path: str | Path):
         return json.load(f)
 
 
-def _default(o):
-    import numpy as np
-
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+def jsonable(obj: Any) -> Any:
+    """A JSON-serialisable copy: numpy/torch scalars to Python, dtypes/paths/callables to str,
+    non-finite floats to the strings ``"nan"``, ``"inf"``, ``"-inf"``."""
+    if isinstance(obj, Mapping):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, str, int)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else str(obj)
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 0) == 0:
+        return jsonable(obj.item())
+    if hasattr(obj, "tolist") and callable(obj.tolist):
+        return jsonable(obj.tolist())
+    if callable(obj):
+        return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
+    return str(obj)

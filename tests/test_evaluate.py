@@ -223,16 +223,18 @@ def test_eval_json_written_with_state_and_provenance(single_window):
 
 
 def test_write_json_atomic_keeps_old_file_on_failure(tmp_path, monkeypatch):
+    from statereduce import runtime
+
     path = tmp_path / "eval.json"
-    ev.write_json_atomic(path, {"a": 1, "nan": float("nan"), "np": np.float32(0.5)})
+    runtime.write_json(path, {"a": 1, "nan": float("nan"), "np": np.float32(0.5)})
     assert json.loads(path.read_text()) == {"a": 1, "nan": "nan", "np": 0.5}
 
     def boom(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ev.os, "replace", boom)
+    monkeypatch.setattr(runtime.os, "replace", boom)
     with pytest.raises(OSError, match="disk full"):
-        ev.write_json_atomic(path, {"a": 2})
+        runtime.write_json(path, {"a": 2})
     assert json.loads(path.read_text())["a"] == 1
     assert sorted(os.listdir(tmp_path)) == ["eval.json"]
 

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-COPY = ["Snakefile", "rules", "workflow_scripts", "statereduce", "schemas"]
+COPY = ["Snakefile", "rules", "workflow_scripts", "statereduce", "schemas", "envs"]
 
 
 def _snakemake(workdir: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
