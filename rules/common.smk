@@ -18,7 +18,6 @@ except srconfig.ConfigError as e:
 
 MODELS = CFG["models"]
 TARGETS = CFG["targets"]
-PKG = Path(workflow.basedir) / "statereduce"
 
 
 wildcard_constraints:
@@ -40,14 +39,18 @@ def checked(fn):
     return wrapper
 
 
+def target_summaries():
+    """The summary of every targeted (model, method, pct)."""
+    return [
+        f"results/{model}/{method}_{srconfig.format_pct(pct)}/eval.json"
+        for model in TARGETS["models"]
+        for method in TARGETS["methods"]
+        for pct in TARGETS["pcts"]
+    ]
+
+
 def get_final_output():
-    out = ["results/tables/comparison.md"]
-    for model in TARGETS["models"]:
-        out.append(f"results/{model}/baseline/eval.json")
-        for method in TARGETS["methods"]:
-            for pct in TARGETS["pcts"]:
-                out.append(f"results/{model}/{method}_{srconfig.format_pct(pct)}/eval.json")
-    return out
+    return ["results/tables/comparison.md", *get_baselines(None), *target_summaries()]
 
 
 def base_marker(model):
@@ -60,12 +63,9 @@ def get_base(wildcards):
     return base_marker(wildcards.model)
 
 
-def model_resources(model):
-    return {"gpu": 1 if MODELS[model]["device"] == "cuda" else 0}
-
-
 def gpu_of(wildcards):
-    return model_resources(wildcards.model)["gpu"]
+    """GPU rules ask for one GPU for models configured with ``device: cuda``."""
+    return 1 if MODELS[wildcards.model]["device"] == "cuda" else 0
 
 
 def get_calibration(wildcards):
@@ -146,7 +146,7 @@ def model_info(wildcards):
 
 
 def get_summaries(wildcards):
-    return [p for p in get_final_output() if p.count("/") == 3 and p.endswith("eval.json") and "/baseline/" not in p]
+    return target_summaries()
 
 
 def get_baselines(wildcards):
