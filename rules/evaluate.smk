@@ -19,27 +19,6 @@ rule eval_baseline:
         "../workflow_scripts/eval_baseline.py"
 
 
-rule eval_pruned:
-    """lm-eval on the pruned checkpoint (before recovery fine-tuning)."""
-    input:
-        record="results/{model}/{method}_{pct}/pruned/prune_record.json",
-    output:
-        "results/{model}/{method}_{pct}/pruned/eval.json",
-    params:
-        info=model_info,
-        eval=get_eval,
-    resources:
-        gpu=gpu_of,
-    log:
-        "logs/eval_pruned/{model}/{method}_{pct}.log",
-    benchmark:
-        "benchmarks/eval_pruned/{model}/{method}_{pct}.tsv"
-    conda:
-        "../envs/lm_eval.yaml"
-    script:
-        "../workflow_scripts/eval_pruned.py"
-
-
 rule summarize:
     """The summary the user asks for: baseline vs pruned metrics, state bytes, provenance."""
     input:

@@ -1,18 +1,24 @@
 rule prune:
-    """Slice the kept channels out of the checkpoint; save an HF checkpoint + prune_record.json."""
+    """Slice the kept channels out of the checkpoint (HF checkpoint + prune_record.json), then evaluate the
+    pruned model with lm-eval in the same process (pruned/eval.json): loading fla and lm-eval costs more
+    than either step, and the pruned model in memory equals the reloaded checkpoint bit for bit."""
     input:
         base=get_base,
         selection="results/{model}/select/{method}_{pct}.parquet",
     output:
         record="results/{model}/{method}_{pct}/pruned/prune_record.json",
         config="results/{model}/{method}_{pct}/pruned/config.json",
+        eval="results/{model}/{method}_{pct}/pruned/eval.json",
     params:
         info=model_info,
+        eval=get_eval,
+    resources:
+        gpu=gpu_of,
     log:
         "logs/prune/{model}/{method}_{pct}.log",
     benchmark:
         "benchmarks/prune/{model}/{method}_{pct}.tsv"
     conda:
-        "../envs/fla.yaml"
+        "../envs/lm_eval.yaml"
     script:
         "../workflow_scripts/prune.py"

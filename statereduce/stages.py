@@ -32,10 +32,17 @@ def evaluate_checkpoint(checkpoint: str | Path, settings: dict[str, Any], info: 
         out_path: the ``eval.json`` to write.
         extra: further provenance (e.g. the prune record's method and pct).
     """
-    from statereduce.evaluate import evaluate_and_write
     from statereduce.models import load_model
 
     model, tokenizer = load_model(checkpoint, dtype=info["dtype"], device=info["device"])
+    return evaluate_loaded(model, tokenizer, checkpoint, settings, info, out_path, extra)
+
+
+def evaluate_loaded(model, tokenizer, checkpoint: str | Path, settings: dict[str, Any], info: dict[str, Any],
+                    out_path: str | Path, extra: dict[str, Any] | None = None) -> dict:
+    """Run the lm-eval tasks of ``settings`` on an already loaded model and write ``eval.json``."""
+    from statereduce.evaluate import evaluate_and_write
+
     tasks = list(settings["tasks"])
     docs = None
     if HELDOUT in tasks:
