@@ -26,7 +26,7 @@ weights without loading the model (:mod:`statereduce.h5files`).
 from __future__ import annotations
 
 import datetime as _dt
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -88,7 +88,6 @@ class _LayerStats:
     reservoir: BottomKReservoir
     xsq: np.ndarray | None = None  # running sum of squares of X columns (float64)
     shape: tuple[int, int] | None = None  # (H, d_k)
-    pending_x: list[np.ndarray] = field(default_factory=list)
 
 
 def capture_activations(
