@@ -13,6 +13,7 @@ include: "rules/pretrain.smk"
 include: "rules/capture.smk"
 include: "rules/select.smk"
 include: "rules/slice.smk"
+include: "rules/finetune.smk"
 include: "rules/evaluate.smk"
 
 

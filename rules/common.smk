@@ -145,6 +145,41 @@ def model_info(wildcards):
     return {"model": wildcards.model, "family": m["family"], "dtype": m["dtype"], "device": m["device"]}
 
 
+def get_rft(wildcards):
+    """The model's RFT plan (config.model_rft): activate, corpus, gpus, settings."""
+    return srconfig.model_rft(CFG, wildcards.model)
+
+
+def rft_active(model):
+    return bool(srconfig.model_rft(CFG, model)["activate"])
+
+
+def get_rft_corpus(wildcards):
+    return get_corpus_spec(get_rft(wildcards)["corpus"])
+
+
+def get_rft_gpus(wildcards):
+    """The rft job's GPUs: ``rft.gpus`` for models on CUDA, none on CPU."""
+    return int(get_rft(wildcards)["gpus"]) if MODELS[wildcards.model]["device"] == "cuda" else 0
+
+
+def get_rft_inputs(wildcards):
+    if not rft_active(wildcards.model):
+        raise WorkflowError(f"RFT is off for model {wildcards.model!r} (rft.activate: false); it has no rft/ artifact")
+    stage = f"results/{wildcards.model}/{wildcards.method}_{wildcards.pct}"
+    return {"base": get_base(wildcards), "pruned": f"{stage}/pruned/config.json",
+            "record": f"{stage}/pruned/prune_record.json"}
+
+
+def get_summary_inputs(wildcards):
+    stage = f"results/{wildcards.model}/{wildcards.method}_{wildcards.pct}"
+    inputs = {"baseline": f"results/{wildcards.model}/baseline/eval.json", "pruned": f"{stage}/pruned/eval.json",
+              "record": f"{stage}/pruned/prune_record.json"}
+    if rft_active(wildcards.model):
+        inputs["rft"] = f"{stage}/rft/eval.json"
+    return inputs
+
+
 def get_summaries(wildcards):
     return target_summaries()
 

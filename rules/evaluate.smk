@@ -20,11 +20,9 @@ rule eval_baseline:
 
 
 rule summarize:
-    """The summary the user asks for: baseline vs pruned metrics, state bytes, provenance."""
+    """The summary the user asks for: baseline, pruned and post-RFT metrics side by side, state bytes, provenance."""
     input:
-        baseline="results/{model}/baseline/eval.json",
-        pruned="results/{model}/{method}_{pct}/pruned/eval.json",
-        record="results/{model}/{method}_{pct}/pruned/prune_record.json",
+        unpack(get_summary_inputs),
     output:
         "results/{model}/{method}_{pct}/eval.json",
     log:
@@ -36,7 +34,7 @@ rule summarize:
 
 
 rule comparison_table:
-    """Held-out perplexity of every targeted (model, method, pct) beside its baseline."""
+    """Every targeted (model, method, pct) before and after RFT beside its baseline (paper Tables 20/21 layout)."""
     input:
         summaries=get_summaries,
         baselines=get_baselines,

@@ -66,14 +66,66 @@ def model_eval(config: dict, model: str) -> dict:
     return ev
 
 
+RFT_WORKFLOW_KEYS = ("activate", "corpus", "gpus")  # rft keys the workflow reads; the rest go to finetune
+
+
+def _merge_rft(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        out[key] = {**out.get(key, {}), **value} if isinstance(value, dict) else value
+    return out
+
+
+def model_rft(config: dict, model: str) -> dict:
+    """The RFT plan of ``model``: top-level ``rft`` updated by ``models.<model>.rft``.
+
+    Returns:
+        ``{"activate": bool, "corpus": corpus name, "gpus": int, "settings": finetune overrides}``; the
+        corpus defaults to the model's calibration corpus.
+    """
+    merged = _merge_rft(config.get("rft", {}), config["models"][model].get("rft", {}))
+    plan = {"activate": merged.pop("activate", True), "corpus": merged.pop("corpus", None), "gpus": merged.pop("gpus", 1)}
+    if plan["corpus"] is None:
+        plan["corpus"] = config["models"][model].get("calibration", {}).get("corpus")
+    plan["settings"] = merged
+    return canonical(plan)
+
+
+def check_rft(config: dict, model: str) -> dict:
+    """Validate the RFT plan of ``model`` (settings through :func:`statereduce.finetune.rft_settings`)."""
+    from statereduce.finetune import rft_settings
+
+    plan = model_rft(config, model)
+    if not plan["activate"]:
+        return plan
+    if plan["corpus"] is None:
+        raise ConfigError(f"model {model!r} has no RFT corpus: set models.{model}.rft.corpus (or a calibration corpus)")
+    if plan["corpus"] not in config["corpora"]:
+        raise ConfigError(
+            f"models.{model}.rft.corpus: unknown corpus {plan['corpus']!r}; valid: {', '.join(sorted(config['corpora']))}"
+        )
+    try:
+        rft_settings(plan["settings"])
+    except ValueError as e:
+        raise ConfigError(f"models.{model}.rft (with the top-level rft block): {e}") from None
+    return plan
+
+
 def model_dims(config: dict, model: str) -> dict | None:
-    """(num_heads, head_k_dim, head_v_dim) of a model known from config alone, or None."""
+    """(num_heads, head_k_dim, head_v_dim) of a model known from config alone, or None.
+
+    For a ``pretrain`` model the sizes come from its ``arch`` block through the adapter's ``arch_dims``
+    (fla's config defaults for omitted keys), without importing fla. Raises ConfigError (one line) for
+    an arch key the family's config class does not take.
+    """
     from statereduce.adapters import adapter_class
-    from statereduce.models import tiny_config
 
     m = config["models"][model]
     if "pretrain" in m:
-        d = adapter_class(m["family"]).dims(tiny_config(m["family"], m["pretrain"]["arch"]))
+        try:
+            d = adapter_class(m["family"]).arch_dims(m["pretrain"]["arch"])
+        except ValueError as e:
+            raise ConfigError(f"models.{model}.pretrain.arch: {e}") from None
         return {"num_heads": d.num_heads, "head_k_dim": d.head_k_dim, "head_v_dim": d.head_v_dim}
     return m.get("dims")
 
@@ -123,7 +175,7 @@ def canonical(obj):
 def validate_config(config: dict, schema: dict | None = None) -> dict:
     """Validate ``config`` fully; return a canonical copy (sorted keys) with defaults filled.
     Raises ConfigError (one line)."""
-    from statereduce.adapters import adapter_families
+    from statereduce.adapters import adapter_class, adapter_families
 
     check_schema(config, schema)
     cfg = canonical(copy.deepcopy(config))
@@ -132,12 +184,19 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
     for name, m in cfg["models"].items():
         if m["family"] not in families:
             raise ConfigError(f"model {name!r}: unknown family {m['family']!r}; valid: {', '.join(families)}")
+        if "pretrain" in m:
+            try:
+                adapter_class(m["family"]).check_arch(m["pretrain"]["arch"])
+            except ValueError as e:
+                raise ConfigError(f"models.{name}.pretrain.arch: {e}") from None
         m.setdefault("dtype", "float32")
         m.setdefault("device", "cpu")
         for where, cname in (("calibration", m.get("calibration", {}).get("corpus")), ("eval", m.get("eval", {}).get("corpus")),
                              ("pretrain", m.get("pretrain", {}).get("corpus"))):
             if cname is not None and cname not in corpora:
                 raise ConfigError(f"models.{name}.{where}.corpus: unknown corpus {cname!r}; valid: {', '.join(sorted(corpora))}")
+    for name in cfg["models"]:
+        check_rft(cfg, name)
     for cname, cal in cfg.get("calibrations", {}).items():
         if "corpus" in cal and cal["corpus"] not in corpora:
             raise ConfigError(f"calibrations.{cname}.corpus: unknown corpus {cal['corpus']!r}; valid: {', '.join(sorted(corpora))}")

@@ -53,3 +53,36 @@ def evaluate_loaded(model, tokenizer, checkpoint: str | Path, settings: dict[str
     return evaluate_and_write(model, tokenizer, out_path, eval_cfg=cfg, heldout_docs=docs,
                               task_dir=Path(out_path).parent / ".lm_eval_tasks", checkpoint=str(checkpoint),
                               model_id=info["model"], extra_provenance=extra)
+
+
+def recover(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, plan: dict[str, Any],
+            corpus_spec: dict, eval_settings: dict[str, Any], info: dict[str, Any], eval_out: str | Path, *,
+            resume_dir: str | Path | None = None, log_jsonl: str | Path | None = None,
+            extra: dict[str, Any] | None = None) -> dict:
+    """The ``rft`` stage: fine-tune the pruned checkpoint (:mod:`statereduce.finetune`), save it, evaluate it.
+
+    The held-out documents of the ``heldout`` evaluation task are excluded from the training data. With
+    ``plan["gpus"] > 1`` training runs under ``accelerate launch`` (one process per GPU) and the saved
+    checkpoint is then loaded for evaluation; otherwise everything runs in this process and the merged model
+    is evaluated in memory.
+
+    Returns:
+        The ``eval.json`` document of the RFT checkpoint.
+    """
+    from statereduce import finetune
+
+    exclude = load_split(eval_settings["corpus_spec"], "heldout") if HELDOUT in eval_settings["tasks"] else []
+    out: dict[str, Any] = {}
+
+    def evaluate(model, tokenizer, saved: Path) -> None:
+        out["doc"] = evaluate_loaded(model.to(info["device"]), tokenizer, saved, eval_settings, info, eval_out, extra)
+
+    if int(plan.get("gpus", 1)) > 1:
+        finetune.launch(int(plan["gpus"]), pruned_dir, base_dir, out_dir, plan["settings"], corpus_spec,
+                        exclude_docs=exclude, dtype=info["dtype"], device=info["device"], resume_dir=resume_dir,
+                        log_path=log_jsonl)
+        return evaluate_checkpoint(out_dir, eval_settings, info, eval_out, extra)
+    finetune.run_rft(pruned_dir, base_dir, out_dir, plan["settings"], corpus_spec, exclude_docs=exclude,
+                     dtype=info["dtype"], device=info["device"], resume_dir=resume_dir, log_path=log_jsonl,
+                     on_saved=evaluate)
+    return out["doc"]

@@ -1,4 +1,9 @@
-"""Comparison tables from result files (Markdown and CSV). A missing cell is shown as missing."""
+"""Comparison tables from result files (Markdown and CSV). A missing cell is shown as missing.
+
+The Markdown follows the paper's Table 20 (pruned models before and after recovery fine-tuning, RFT, side by
+side, with the unpruned baseline in both column groups) and Table 21 (every compression ratio, pre- and
+post-RFT). The CSV is long: one row per (model, method, pct, stage) with every metric.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,10 @@ PRIMARY = ("heldout", "bits_per_byte")  # (task, metric) shown first when presen
 # in bits per byte (word perplexity of source code is dominated by rare long "words"); WikiText-2 word
 # perplexity is the paper's headline number for hub models. The CSV keeps every metric.
 TABLE_METRICS = ("heldout/bits_per_byte", "heldout/word_perplexity", "wikitext/word_perplexity")
+# Metric names (the part after "task/") ending in one of these are lower-is-better; "acc*" higher-is-better.
+LOWER_IS_BETTER = ("perplexity", "bits_per_byte", "loss")
+STAGES = ("pruned", "rft")  # summary stages, in table order: pre-RFT, post-RFT
+MISSING = "–"  # shown for a value that was never computed; nothing is invented
 
 
 def _metric_columns(metrics: dict) -> list[tuple[str, str]]:
@@ -19,11 +28,18 @@ def _metric_columns(metrics: dict) -> list[tuple[str, str]]:
 
 
 def comparison_frame(summaries: list[dict], baselines: dict[str, dict]) -> pd.DataFrame:
-    """One row per (model, method, pct) plus one baseline row per model.
+    """Long frame: one row per (model, method, pct, stage) plus one baseline row per model.
 
     Args:
-        summaries: the summary documents (``results/{model}/{method}_{pct}/eval.json``).
-        baselines: model -> baseline eval document (``results/{model}/baseline/eval.json``).
+        summaries: the summary documents (``results/{model}/{method}_{pct}/eval.json``); each gives a
+            ``"pruned"`` row and, when its ``metrics.rft`` slot is not null, an ``"rft"`` row.
+        baselines: model -> baseline eval document (``results/{model}/baseline/eval.json``); its row has
+            method ``"baseline"``, pct 0 and stage ``"unpruned"``.
+
+    Returns:
+        Columns ``model, method, pct, stage``, one column ``task/metric`` per metric seen (NaN where a row
+        lacks it) and ``state_bytes``; sorted by model, pct, stage, method. Raises ``ValueError`` if two
+        documents give the same (model, method, pct, stage).
     """
     rows = []
     for model, doc in baselines.items():
@@ -33,7 +49,7 @@ def comparison_frame(summaries: list[dict], baselines: dict[str, dict]) -> pd.Da
         row["state_bytes"] = doc.get("state", {}).get("state_bytes_per_sequence")
         rows.append(row)
     for s in summaries:
-        for stage in ("pruned", "rft"):
+        for stage in STAGES:
             metrics = (s.get("metrics") or {}).get(stage)
             if metrics is None:
                 continue
@@ -45,6 +61,13 @@ def comparison_frame(summaries: list[dict], baselines: dict[str, dict]) -> pd.Da
     df = pd.DataFrame(rows)
     if df.empty:
         return df
+    keys = ["model", "method", "pct", "stage"]
+    dup = df[df.duplicated(keys, keep=False)]
+    if not dup.empty:
+        raise ValueError(
+            f"several result documents for {dup[keys].drop_duplicates().values.tolist()}; "
+            "expected one per (model, method, pct, stage)"
+        )
     return df.sort_values(["model", "pct", "stage", "method"], kind="stable").reset_index(drop=True)
 
 
@@ -52,26 +75,104 @@ def _flat(metrics: dict) -> dict[tuple[str, str], float]:
     return {(t, m): v for t, ms in metrics.items() for m, v in ms.items()}
 
 
+def _direction(metric: str) -> str:
+    """``"lower is better"``, ``"higher is better"`` or ``""`` (unknown) for a ``task/metric`` name."""
+    name = metric.rsplit("/", 1)[-1]
+    if name.endswith(LOWER_IS_BETTER):
+        return "lower is better"
+    if name.startswith("acc"):
+        return "higher is better"
+    return ""
+
+
+def _lookup(df: pd.DataFrame, metric: str) -> dict[tuple, float]:
+    """(model, method, pct, stage) -> value of ``metric``, only where it was computed."""
+    sub = df.dropna(subset=[metric])
+    return {(r.model, r.method, float(r.pct), r.stage): v for r, v in zip(sub.itertuples(), sub[metric])}
+
+
+def _layout(df: pd.DataFrame, metric: str) -> tuple[list[str], dict[str, list[str]], list[float]]:
+    """Models with any value of ``metric``, their pruning methods (every method with a summary, sorted) and
+    the pruned pcts of those models (sorted). Every (model, method) appears in every pct block, so a result
+    that was never computed shows as missing instead of silently dropping its row."""
+    models = sorted(df.loc[df[metric].notna(), "model"].unique())
+    pruned = df[df["model"].isin(models) & (df["stage"] != "unpruned")]
+    methods = {m: sorted(pruned.loc[pruned["model"] == m, "method"].unique()) for m in models}
+    pcts = sorted({float(p) for p in pruned["pct"]})
+    return models, methods, pcts
+
+
+def stage_markdown(df: pd.DataFrame, metric: str, pct: float) -> str:
+    """Table 20-style block for one compression ratio: pre- and post-RFT side by side.
+
+    Args:
+        df: the frame of :func:`comparison_frame`.
+        metric: a ``task/metric`` column of ``df``.
+        pct: percent of key channels removed.
+
+    Returns:
+        ``| model | method | pre-RFT | post-RFT | Δ (post − pre) |`` rows; per model the baseline first
+        (its value in both columns, Δ missing: it is not fine-tuned), then every method of that model.
+        A value never computed (RFT not run, pct not run for that method) is ``–``, and so is its Δ.
+    """
+    values = _lookup(df, metric)
+    models, methods, _ = _layout(df, metric)
+    lines = ["| model | method | pre-RFT | post-RFT | Δ (post − pre) |", "| --- | --- | --- | --- | --- |"]
+    for model in models:
+        base = values.get((model, "baseline", 0.0, "unpruned"))
+        lines.append(f"| {model} | baseline | {_fmt(base)} | {_fmt(base)} | {MISSING} |")
+        for method in methods[model]:
+            pre, post = (values.get((model, method, float(pct), s)) for s in STAGES)
+            delta = post - pre if pre is not None and post is not None else None
+            lines.append(f"| {model} | {method} | {_fmt(pre)} | {_fmt(post)} | {_fmt_delta(delta)} |")
+    return "\n".join(lines) + "\n"
+
+
+def ratios_markdown(df: pd.DataFrame, metric: str, model: str) -> str:
+    """Table 21-style block for one model: rows (RFT, method), columns every pct; baseline in a lead line.
+
+    Args:
+        df: the frame of :func:`comparison_frame`.
+        metric: a ``task/metric`` column of ``df``.
+        model: a model of ``df``.
+
+    Returns:
+        The lead line and a table with pre-RFT rows, then post-RFT rows; ``–`` where never computed.
+    """
+    values = _lookup(df, metric)
+    _, methods, pcts = _layout(df[df["model"] == model], metric)
+    base = values.get((model, "baseline", 0.0, "unpruned"))
+    lines = [f"baseline (0% removed): {_fmt(base)}\n"]
+    lines.append("| RFT | method | " + " | ".join(f"{_pct(p)}% removed" for p in pcts) + " |")
+    lines.append("|" + " --- |" * (len(pcts) + 2))
+    for stage, label in zip(STAGES, ("pre", "post")):
+        for method in methods.get(model, []):
+            cells = [_fmt(values.get((model, method, p, stage))) for p in pcts]
+            lines.append(f"| {label} | {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def comparison_markdown(df: pd.DataFrame, metric: str = "/".join(PRIMARY)) -> str:
-    """Pivot: rows (model, method), columns pct, cells ``metric`` (pre-RFT), baseline as pct 0."""
-    if df.empty or metric not in df.columns:
-        return f"_no results with metric `{metric}`_\n"
-    pre = df[df["stage"].isin(["unpruned", "pruned"])]
-    piv = pre.pivot_table(index=["model", "method"], columns="pct", values=metric, aggfunc="first", dropna=False)
-    lines = []
-    for model in piv.index.get_level_values(0).unique():
-        sub = piv.loc[model]
-        pcts = [c for c in sub.columns if c != 0]
-        base = sub.loc["baseline", 0] if ("baseline" in sub.index and 0 in sub.columns) else None
-        lines.append(f"### {model}\n")
-        lines.append(f"{metric} (lower is better); baseline (0% removed): {_fmt(base)}\n")
-        header = "| method | " + " | ".join(f"{_pct(p)}% removed" for p in pcts) + " |"
-        lines += [header, "|" + " --- |" * (len(pcts) + 1)]
-        for method in [m for m in sub.index if m != "baseline"]:
-            cells = [_fmt(sub.loc[method, p]) for p in pcts]
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
-        lines.append("")
-    return "\n".join(lines)
+    """One metric's section: a pre/post-RFT block per pct (all models), then an all-ratios block per model.
+
+    Args:
+        df: the frame of :func:`comparison_frame`.
+        metric: a ``task/metric`` column of ``df``.
+
+    Returns:
+        Markdown starting with a ``## metric`` heading; a one-line note if no row has ``metric``.
+    """
+    direction = _direction(metric)
+    head = f"## {metric}" + (f" ({direction})" if direction else "") + "\n\n"
+    if df.empty or metric not in df.columns or df[metric].isna().all():
+        return head + f"_no results with metric `{metric}`_\n"
+    models, _, pcts = _layout(df, metric)
+    parts = [head]
+    for pct in pcts:
+        parts.append(f"### {_pct(pct)}% of key channels removed\n\n{stage_markdown(df, metric, pct)}\n")
+    for model in models:
+        parts.append(f"### {model}, every ratio\n\n{ratios_markdown(df, metric, model)}\n")
+    return "".join(parts)
 
 
 def _pct(p) -> str:
@@ -79,20 +180,44 @@ def _pct(p) -> str:
 
 
 def _fmt(v) -> str:
-    if v is None or (isinstance(v, float) and v != v):
-        return "–"  # missing, never invented
+    if v is None or pd.isna(v):
+        return MISSING  # missing, never invented
     return f"{v:.3f}" if abs(v) < 1000 else f"{v:.1f}"
 
 
-def write_comparison(summaries: list[dict], baselines: dict[str, dict], md_path: str | Path, csv_path: str | Path) -> pd.DataFrame:
-    """Write ``comparison.md`` (one pivot per metric in ``TABLE_METRICS`` present) and ``comparison.csv``."""
+def _fmt_delta(v) -> str:
+    """As :func:`_fmt`, with an explicit ``+`` on a positive difference."""
+    text = _fmt(v)
+    return f"+{text}" if v is not None and v > 0 else text
+
+
+HEADER = (
+    "# Pruned models against their baseline, before and after recovery fine-tuning (RFT)\n\n"
+    "Pre-RFT: the pruned model; post-RFT: after recovery fine-tuning; Δ = post-RFT − pre-RFT. "
+    "The baseline (unpruned, not fine-tuned) shows its value in both columns. "
+    f"{MISSING} = not computed (e.g. RFT not run).\n\n"
+)
+
+
+def write_comparison(
+    summaries: list[dict], baselines: dict[str, dict], md_path: str | Path, csv_path: str | Path
+) -> pd.DataFrame:
+    """Write ``comparison.md`` (a section per metric of ``TABLE_METRICS`` present) and ``comparison.csv``.
+
+    Args:
+        summaries: the summary documents, as for :func:`comparison_frame`.
+        baselines: model -> baseline eval document.
+        md_path: where the Markdown goes.
+        csv_path: where the long CSV (every metric, one row per model, method, pct, stage) goes.
+
+    Returns:
+        The frame of :func:`comparison_frame`.
+    """
     import os
 
     df = comparison_frame(summaries, baselines)
-    sections = [comparison_markdown(df, m) for m in TABLE_METRICS if m in df.columns] or [comparison_markdown(df)]
-    md = "# Pruned models against their baseline (pre-RFT)\n\n" + "\n".join(
-        f"## {m}\n\n{text}" for m, text in zip([m for m in TABLE_METRICS if m in df.columns] or ["-"], sections)
-    )
+    present = [m for m in TABLE_METRICS if m in df.columns and df[m].notna().any()]
+    md = HEADER + "\n".join(comparison_markdown(df, m).rstrip("\n") + "\n" for m in present or ["/".join(PRIMARY)])
     for path, text in ((Path(md_path), md), (Path(csv_path), df.to_csv(index=False))):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")

@@ -67,6 +67,11 @@ class AdapterContract:
             assert mixer.v_proj.out_features == hv * d_v
             assert mixer.o_norm.weight.shape == (d_v,)
 
+    def test_arch_dims_match_config(self, config):
+        """``arch_dims`` (config validation, no fla) gives the dims of the built config."""
+        arch = {k: getattr(config, k) for k in self.adapter_cls.config_defaults if hasattr(config, k)}
+        assert self.adapter_cls.arch_dims(arch) == self.adapter_cls.dims(config) == self.expected_dims
+
     def test_mixer_layers(self, model, config):
         adapter = get_adapter(model)
         layers = adapter.mixer_layers()

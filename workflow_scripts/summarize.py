@@ -1,4 +1,4 @@
-"""rule summarize: results/{model}/{method}_{pct}/eval.json from the baseline and pruned evaluations."""
+"""rule summarize: results/{model}/{method}_{pct}/eval.json from the baseline, pruned and RFT evaluations."""
 import sys
 from pathlib import Path
 
@@ -11,6 +11,7 @@ from statereduce.evaluate import summarize  # noqa: E402
 record = read_json(snakemake.input.record)
 meta = {"model": snakemake.wildcards.model, "method": snakemake.wildcards.method,
         "pct": float(snakemake.wildcards.pct), "prune_record": record}
-summary = summarize(read_json(snakemake.input.baseline), read_json(snakemake.input.pruned), None, meta)
+rft = read_json(snakemake.input.rft) if "rft" in snakemake.input.keys() else None
+summary = summarize(read_json(snakemake.input.baseline), read_json(snakemake.input.pruned), rft, meta)
 write_json(snakemake.output[0], summary)
 log.info("wrote %s", snakemake.output[0])

@@ -9,6 +9,9 @@ functions of :mod:`statereduce.slicing`, driven by the modules and sizes an adap
 Everything that depends only on the config is a classmethod (``dims``, ``reduced_config``,
 ``mixer_layer_indices``, ``config_state_shape``), so the workflow can validate a run before any
 weights are loaded; the instance properties and methods are conveniences over ``model.config``.
+``arch_dims``/``check_arch`` go one step further and need no config object at all: they work from an
+``arch`` dict and ``config_defaults``, so validating a config never imports fla (which costs ~15 s);
+adapter modules import fla only inside the methods that use it.
 
 To add a family: write ``adapters/<family>.py`` with a subclass of :class:`LinearAttentionAdapter`
 decorated with ``@register_adapter``, import it in ``adapters/__init__.py``, and add a subclass of
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib
 import numbers
 import types
 from abc import ABC, abstractmethod
@@ -75,6 +79,23 @@ QKCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 XCallback = Callable[[int, torch.Tensor], None]
 
 
+class LazyImport:
+    """A class attribute that is ``module:name``, imported on first access (keeps fla out of config validation).
+
+    ``config_class = LazyImport("fla.models:DeltaNetConfig")`` reads ``cls.config_class`` as the class itself.
+    """
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+RFT_SCOPES = ("all", "recurrent")  # what recovery fine-tuning may train (LinearAttentionAdapter.rft_roots)
+
+
 @dataclass(frozen=True)
 class StateShape:
     """Recurrent and conv state of one linear-attention layer, per sequence."""
@@ -108,7 +129,10 @@ class LinearAttentionAdapter(ABC):
 
     family: ClassVar[str]  # config name of the family, e.g. "delta_net"
     model_types: ClassVar[tuple[str, ...]]  # HF config.model_type values handled
-    config_class: ClassVar[type]  # the HF config class of the family
+    config_class: ClassVar[type]  # the HF config class of the family (a LazyImport: fla loads on access)
+    # every keyword argument of ``config_class.__init__`` with fla's default, copied so that config
+    # validation needs no fla import; tests/test_config.py pins it against the real signature
+    config_defaults: ClassVar[dict[str, Any]]
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -123,6 +147,31 @@ class LinearAttentionAdapter(ABC):
     @abstractmethod
     def dims(cls, config) -> Dims:
         """(H, HV, d_k, d_v) of the linear-attention layers described by ``config``."""
+
+    @classmethod
+    def check_arch(cls, arch: dict[str, Any]) -> None:
+        """Raise a one-line ValueError if ``arch`` has a key that ``config_class`` does not take.
+
+        Args:
+            arch: keyword arguments for ``config_class`` (a ``pretrain.arch`` block of the workflow config).
+        """
+        bad = sorted(set(arch) - set(cls.config_defaults))
+        if bad:
+            raise ValueError(
+                f"unknown arch key(s) {bad} for family {cls.family!r}; valid: {', '.join(sorted(cls.config_defaults))}"
+            )
+
+    @classmethod
+    def arch_dims(cls, arch: dict[str, Any]) -> Dims:
+        """:meth:`dims` of ``config_class(**arch)``, computed without building it (no fla import).
+
+        Args:
+            arch: keyword arguments for ``config_class``; omitted ones take ``config_defaults``.
+        Raises:
+            ValueError: an unknown key (:meth:`check_arch`).
+        """
+        cls.check_arch(arch)
+        return cls.dims(types.SimpleNamespace(**{**cls.config_defaults, **arch}))
 
     @classmethod
     @abstractmethod
@@ -232,6 +281,31 @@ class LinearAttentionAdapter(ABC):
         """Recurrent state bytes per sequence over all linear-attention layers (fp32 state by default)."""
         s = self.state_shape()
         return self.num_mixer_layers() * s.recurrent_elems * dtype_bytes
+
+    # ---- recovery fine-tuning -----------------------------------------------------------------
+    #: The RFT scope of the family when the config says ``scope: auto``. Hybrids (Qwen3.5) set "recurrent":
+    #: only their linear-attention components train, their softmax layers and MLPs stay frozen (paper Table 4).
+    rft_default_scope: ClassVar[str] = "all"
+
+    def rft_roots(self, scope: str) -> list[tuple[str, nn.Module]]:
+        """The (qualified name, module) subtrees whose modules recovery fine-tuning may train.
+
+        ``"all"``: every decoder block and the decoder's final norm (the paper's RFT of DeltaNet / Gated
+        DeltaNet). ``"recurrent"``: only the linear-attention mixers (:meth:`mixer_layers`). Embeddings and
+        the LM head are never included. :mod:`statereduce.finetune` puts LoRA on the ``nn.Linear`` modules of
+        these subtrees and trains their convolutions and norms fully.
+        """
+        if scope not in RFT_SCOPES:
+            raise ValueError(f"unknown RFT scope {scope!r}; valid: {', '.join(RFT_SCOPES)}")
+        names = {id(m): n for n, m in self.model.named_modules()}
+        if scope == "recurrent":
+            roots = [mixer for _, mixer in self.mixer_layers()]
+        else:
+            roots = list(decoder_layers(self.model))
+            decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
+            if isinstance(getattr(decoder, "norm", None), nn.Module):
+                roots.append(decoder.norm)
+        return [(names[id(m)], m) for m in roots]
 
     # ---- capture ------------------------------------------------------------------------------
     @abstractmethod

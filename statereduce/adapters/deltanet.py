@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
-import fla.layers.delta_net as fla_delta_net
-from fla.layers.delta_net import DeltaNet
-from fla.models import DeltaNetConfig
-from fla.models.configuration_utils import get_attention_spec
 from torch import nn
 
 from statereduce.adapters.base import (
     Dims,
+    LazyImport,
     LinearAttentionAdapter,
     QKCallback,
     StateShape,
@@ -42,7 +39,19 @@ class DeltaNetAdapter(LinearAttentionAdapter):
 
     family = "delta_net"
     model_types = ("delta_net",)
-    config_class = DeltaNetConfig
+    config_class = LazyImport("fla.models:DeltaNetConfig")
+    # fla 0.6 DeltaNetConfig.__init__ keywords and defaults (pinned by tests/test_config.py)
+    # fmt: off
+    config_defaults: ClassVar[dict[str, Any]] = {
+        "attn_mode": "chunk", "hidden_size": 2048, "expand_k": 1.0, "expand_v": 1.0, "use_gate": False,
+        "use_short_conv": True, "allow_neg_eigval": False, "conv_size": 4, "use_beta": True, "use_output_norm": True,
+        "num_heads": 16, "qk_norm": "l2", "qk_activation": "silu", "max_position_embeddings": 2048, "hidden_ratio": 4,
+        "intermediate_size": None, "hidden_act": "swish", "num_hidden_layers": 24, "norm_eps": 1e-06, "attn": None,
+        "use_cache": True, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+        "initializer_range": 0.02, "fuse_norm": True, "fuse_swiglu": True, "fuse_cross_entropy": True,
+        "fuse_linear_cross_entropy": False, "use_l2warp": False, "vocab_size": 32000, "attnres_block_size": None,
+    }
+    # fmt: on
 
     @classmethod
     def dims(cls, config) -> Dims:
@@ -52,6 +61,8 @@ class DeltaNetAdapter(LinearAttentionAdapter):
 
     @classmethod
     def mixer_layer_indices(cls, config) -> list[int]:
+        from fla.models.configuration_utils import get_attention_spec
+
         return [i for i in range(config.num_hidden_layers) if get_attention_spec(config.attn, layer_idx=i) is None]
 
     @classmethod
@@ -82,6 +93,8 @@ class DeltaNetAdapter(LinearAttentionAdapter):
         return StateShape(num_heads=h, d_k=d_k, d_v=d_v, conv_channels=conv_channels, conv_width=config.conv_size)
 
     def mixer_layers(self) -> list[tuple[int, nn.Module]]:
+        from fla.layers.delta_net import DeltaNet
+
         blocks = decoder_layers(self.model)
         return [(i, block.attn) for i, block in enumerate(blocks) if isinstance(block.attn, DeltaNet)]
 
@@ -99,5 +112,7 @@ class DeltaNetAdapter(LinearAttentionAdapter):
 
     @contextlib.contextmanager
     def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
+        import fla.layers.delta_net as fla_delta_net
+
         with capture_kernel_calls(self.mixer_layers(), fla_delta_net, KERNELS, self.q_proj, on_qk, on_x):
             yield

@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
-import fla.layers.gated_deltanet as fla_gated_deltanet
-from fla.layers.gated_deltanet import GatedDeltaNet
-from fla.models import GatedDeltaNetConfig
-from fla.models.configuration_utils import get_attention_spec
 from torch import nn
 
 from statereduce.adapters.base import (
     Dims,
+    LazyImport,
     LinearAttentionAdapter,
     QKCallback,
     StateShape,
@@ -47,7 +44,19 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
 
     family = "gated_deltanet"
     model_types = ("gated_deltanet",)
-    config_class = GatedDeltaNetConfig
+    config_class = LazyImport("fla.models:GatedDeltaNetConfig")
+    # fla 0.6 GatedDeltaNetConfig.__init__ keywords and defaults (pinned by tests/test_config.py)
+    # fmt: off
+    config_defaults: ClassVar[dict[str, Any]] = {
+        "attn_mode": "chunk", "hidden_size": 2048, "expand_v": 2.0, "use_gate": True, "use_short_conv": True,
+        "allow_neg_eigval": False, "conv_size": 4, "head_dim": 256, "num_heads": 6, "num_v_heads": None,
+        "max_position_embeddings": 2048, "hidden_ratio": 4, "intermediate_size": None, "hidden_act": "swish",
+        "num_hidden_layers": 21, "norm_eps": 1e-06, "attn": None, "use_cache": True, "pad_token_id": None,
+        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "initializer_range": 0.02,
+        "fuse_norm": True, "fuse_swiglu": True, "fuse_cross_entropy": True, "fuse_linear_cross_entropy": False,
+        "use_l2warp": False, "vocab_size": 32000, "attnres_block_size": None, "output_gate_activation": "swish",
+    }
+    # fmt: on
 
     @classmethod
     def dims(cls, config) -> Dims:
@@ -58,6 +67,8 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
 
     @classmethod
     def mixer_layer_indices(cls, config) -> list[int]:
+        from fla.models.configuration_utils import get_attention_spec
+
         return [i for i in range(config.num_hidden_layers) if get_attention_spec(config.attn, layer_idx=i) is None]
 
     @classmethod
@@ -91,6 +102,8 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
         return StateShape(num_heads=hv, d_k=d_k, d_v=d_v, conv_channels=conv_channels, conv_width=config.conv_size)
 
     def mixer_layers(self) -> list[tuple[int, nn.Module]]:
+        from fla.layers.gated_deltanet import GatedDeltaNet
+
         blocks = decoder_layers(self.model)
         return [(i, block.attn) for i, block in enumerate(blocks) if isinstance(block.attn, GatedDeltaNet)]
 
@@ -108,5 +121,7 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
 
     @contextlib.contextmanager
     def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
+        import fla.layers.gated_deltanet as fla_gated_deltanet
+
         with capture_kernel_calls(self.mixer_layers(), fla_gated_deltanet, KERNELS, self.q_proj, on_qk, on_x):
             yield

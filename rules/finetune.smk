@@ -1,0 +1,27 @@
+rule rft:
+    """Recovery fine-tuning of a pruned checkpoint (LoRA + distillation from the unpruned model, paper App. A),
+    LoRA merged into a plain HF checkpoint, then evaluated with lm-eval in the same process (rft/eval.json).
+    A killed job resumes from results/{model}/{method}_{pct}/.rft_resume/ when rerun with the same inputs."""
+    input:
+        unpack(get_rft_inputs),
+    output:
+        config="results/{model}/{method}_{pct}/rft/config.json",
+        record="results/{model}/{method}_{pct}/rft/rft_record.json",
+        train_log="results/{model}/{method}_{pct}/rft/train_log.jsonl",
+        eval="results/{model}/{method}_{pct}/rft/eval.json",
+    params:
+        info=model_info,
+        rft=get_rft,
+        corpus=get_rft_corpus,
+        eval=get_eval,
+        resume="results/{model}/{method}_{pct}/.rft_resume",
+    resources:
+        gpu=get_rft_gpus,
+    log:
+        "logs/rft/{model}/{method}_{pct}.log",
+    benchmark:
+        "benchmarks/rft/{model}/{method}_{pct}.tsv"
+    conda:
+        "../envs/lm_eval.yaml"
+    script:
+        "../workflow_scripts/rft.py"

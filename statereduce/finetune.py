@@ -1,0 +1,702 @@
+"""Recovery fine-tuning (RFT) of a pruned checkpoint: LoRA plus distillation from the unpruned model.
+
+Paper: Nazari & Rusch (2026), Sec. 5 and App. A. After the key/query channels are sliced out, the pruned
+model (the *student*) is fine-tuned with LoRA (rank 32, alpha 64) on the projections of its decoder blocks;
+the depthwise short convolutions and the norms train fully (peft ``modules_to_save``: LoRA on a depthwise
+conv could not be merged); embeddings, LM head and everything else stay frozen. The loss distils the
+unpruned model (the *teacher*): KL divergence between temperature-softened next-token distributions,
+times T^2 (Hinton et al., 2015), optionally plus the language-modelling cross entropy. The paper trains on
+32k sequences of 2048 tokens, effective batch 16, AdamW, LR 1e-4 -> 1e-5 cosine with 5% warm-up, bf16.
+Afterwards LoRA is merged, and the result is a plain HF checkpoint of the pruned shapes.
+
+Which subtrees may train is the adapter's decision (:meth:`LinearAttentionAdapter.rft_roots`): all decoder
+blocks for DeltaNet / Gated DeltaNet, only the recurrent mixers for hybrids such as Qwen3.5.
+
+Data: ``n_samples`` non-overlapping blocks of ``seq_len`` tokens of a corpus's ``train`` split (the same
+corpus sources as calibration), drawn with a seeded generator; documents equal to a held-out evaluation
+document are dropped first, so RFT never sees evaluation text. Sample i of the run is fixed by the seed,
+which makes the run deterministic on CPU and lets a killed run resume exactly: every ``save_every``
+optimizer steps the trainable tensors, the optimizer state and the log are saved atomically to a resume
+folder, and a rerun with the same inputs and settings continues from there.
+
+Training runs through ``accelerate``: a single process by default; under ``accelerate launch`` with
+several GPUs each process trains on its share of every batch (DDP), and only the main process writes.
+Run it on its own with ``python -m statereduce.finetune --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from statereduce.pretrain import lr_at, seed_everything
+from statereduce.runtime import jsonable, read_json, write_json
+
+RECORD_FILE = "rft_record.json"
+LOG_FILE = "train_log.jsonl"
+RESUME_FILE = "resume.pt"
+PRECISIONS = ("auto", "bf16", "fp32")
+
+# Paper defaults (App. A). The embedded tiny models override sizes and LR in config.yaml.
+DEFAULT_RFT: dict[str, Any] = {
+    "lora": {"rank": 32, "alpha": 64, "dropout": 0.0},
+    "distill": {"temperature": 2.0, "kl_weight": 1.0, "lm_weight": 0.0},
+    "scope": "auto",  # auto (the adapter's default) | all | recurrent
+    "n_samples": 32000,
+    "seq_len": 2048,
+    "batch_size": 16,  # effective batch (sequences per optimizer step, over all processes)
+    "micro_batch_size": 1,  # sequences per forward pass; batch_size / (micro_batch_size * processes) accumulate
+    "lr": 1e-4,
+    "min_lr": 1e-5,
+    "warmup_frac": 0.05,
+    "weight_decay": 0.0,
+    "betas": [0.9, 0.999],
+    "grad_clip": 1.0,
+    "precision": "auto",  # auto: bf16 autocast on CUDA, fp32 on CPU
+    "seed": 0,
+    "log_every": 10,
+    "save_every": 100,  # optimizer steps between resume checkpoints
+}
+_NESTED = ("lora", "distill")
+
+
+class _Stop(Exception):
+    """Raised by a ``stop_after`` test hook to simulate a killed run."""
+
+
+def rft_settings(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """:data:`DEFAULT_RFT` updated by ``overrides`` (``lora`` / ``distill`` merged key by key), checked.
+
+    Raises:
+        ValueError: one line naming the bad key or value and what is valid.
+    """
+    overrides = dict(overrides or {})
+    bad = sorted(set(overrides) - set(DEFAULT_RFT))
+    if bad:
+        raise ValueError(f"unknown rft key(s) {bad}; valid: {', '.join(sorted(DEFAULT_RFT))}")
+    cfg = copy.deepcopy(DEFAULT_RFT)
+    for key, value in overrides.items():
+        if key in _NESTED:
+            bad = sorted(set(value) - set(DEFAULT_RFT[key]))
+            if bad:
+                raise ValueError(f"unknown rft.{key} key(s) {bad}; valid: {', '.join(sorted(DEFAULT_RFT[key]))}")
+            cfg[key].update(value)
+        else:
+            cfg[key] = value
+    for key in ("n_samples", "seq_len", "batch_size", "micro_batch_size", "log_every", "save_every"):
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1:
+            raise ValueError(f"rft {key} must be an integer >= 1, got {cfg[key]!r}")
+    if cfg["batch_size"] % cfg["micro_batch_size"]:
+        raise ValueError(
+            f"rft batch_size={cfg['batch_size']} is not a multiple of micro_batch_size={cfg['micro_batch_size']}"
+        )
+    if cfg["n_samples"] < cfg["batch_size"]:
+        raise ValueError(f"rft n_samples={cfg['n_samples']} is smaller than one batch (batch_size={cfg['batch_size']})")
+    if not 0 <= float(cfg["warmup_frac"]) < 1:
+        raise ValueError(f"rft warmup_frac must be in [0, 1), got {cfg['warmup_frac']!r}")
+    if cfg["precision"] not in PRECISIONS:
+        raise ValueError(f"unknown rft precision {cfg['precision']!r}; valid: {', '.join(PRECISIONS)}")
+    lora, distill = cfg["lora"], cfg["distill"]
+    if int(lora["rank"]) < 1 or float(lora["alpha"]) <= 0 or not 0 <= float(lora["dropout"]) < 1:
+        raise ValueError(f"rft lora needs rank >= 1, alpha > 0, dropout in [0, 1); got {lora}")
+    if float(distill["temperature"]) <= 0:
+        raise ValueError(f"rft distill temperature must be > 0, got {distill['temperature']!r}")
+    if (
+        float(distill["kl_weight"]) < 0
+        or float(distill["lm_weight"]) < 0
+        or not (float(distill["kl_weight"]) or float(distill["lm_weight"]))
+    ):
+        raise ValueError(f"rft distill weights must be >= 0 and not both 0; got {distill}")
+    if float(cfg["lr"]) <= 0 or float(cfg["min_lr"]) < 0:
+        raise ValueError(f"rft lr must be > 0 and min_lr >= 0; got lr={cfg['lr']!r}, min_lr={cfg['min_lr']!r}")
+    cfg["betas"] = [float(b) for b in cfg["betas"]]
+    return cfg
+
+
+def n_steps(cfg: dict[str, Any]) -> int:
+    """Optimizer steps of a run: ``n_samples // batch_size`` (one pass over the samples)."""
+    return cfg["n_samples"] // cfg["batch_size"]
+
+
+def _schedule(cfg: dict[str, Any]) -> dict[str, Any]:
+    steps = n_steps(cfg)
+    warmup = min(round(cfg["warmup_frac"] * steps), steps - 1)
+    return {"lr": cfg["lr"], "min_lr": cfg["min_lr"], "warmup": warmup, "steps": steps}
+
+
+# ---- data -------------------------------------------------------------------------------------------
+def _doc_hash(doc: str) -> str:
+    return hashlib.sha256(doc.encode("utf-8")).hexdigest()
+
+
+def training_blocks(
+    tokenizer, docs: Sequence[str], n_samples: int, seq_len: int, seed: int, exclude: Sequence[str] = ()
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The RFT samples: ``n_samples`` distinct ``seq_len``-token blocks of ``docs``, in a seeded order.
+
+    Documents whose text equals one of ``exclude`` (the held-out evaluation documents) are dropped. The
+    rest are visited in a seeded random order and tokenized only until they hold twice the tokens the
+    samples need (a large split is not tokenized whole); the blocks are then cut and drawn from those
+    documents as for calibration (:func:`statereduce.data.token_blocks`).
+
+    Returns:
+        (LongTensor ``[n_samples, seq_len]``, info: documents available, used and dropped, tokens).
+    """
+    from statereduce.data import token_blocks
+
+    banned = {_doc_hash(d) for d in exclude}
+    kept = [d for d in docs if d and _doc_hash(d) not in banned]
+    g = torch.Generator().manual_seed(int(seed))
+    order = torch.randperm(len(kept), generator=g).tolist()
+    need, have, used = 2 * n_samples * seq_len, 0, []
+    for i in range(0, len(order), 64):
+        chunk = [kept[j] for j in order[i : i + 64]]
+        lengths = [len(x) + 1 for x in tokenizer(chunk, add_special_tokens=False)["input_ids"]]
+        for doc, n in zip(chunk, lengths):
+            if have >= need:
+                break
+            used.append(doc)
+            have += n
+        if have >= need:
+            break
+    blocks = token_blocks(tokenizer, used, n_samples, seq_len, seed)
+    info = {
+        "documents": len(kept),
+        "documents_used": len(used),
+        "documents_dropped_as_heldout": sum(1 for d in docs if d and _doc_hash(d) in banned),
+        "tokens_read": have,
+        "tokens": blocks.numel(),
+    }
+    return blocks, info
+
+
+# ---- model ------------------------------------------------------------------------------------------
+def rft_modules(model: nn.Module, scope: str = "auto") -> tuple[list[str], list[str], str]:
+    """Which modules RFT touches: (LoRA targets, fully trained modules, resolved scope).
+
+    LoRA goes on every ``nn.Linear`` inside the adapter's RFT subtrees
+    (:meth:`~statereduce.adapters.base.LinearAttentionAdapter.rft_roots`); every ``nn.Conv1d`` and every
+    norm (a module whose class name ends in ``Norm`` or ``NormGated``) there trains fully. Names are full
+    module names of ``model``.
+    """
+    from statereduce.adapters import get_adapter
+
+    adapter = get_adapter(model)
+    scope = adapter.rft_default_scope if scope == "auto" else scope
+    lora, full = [], []
+    for root_name, root in adapter.rft_roots(scope):
+        for name, module in root.named_modules():
+            full_name = f"{root_name}.{name}" if name else root_name
+            if isinstance(module, nn.Linear):
+                lora.append(full_name)
+            elif isinstance(module, nn.Conv1d) or type(module).__name__.endswith(("Norm", "NormGated")):
+                full.append(full_name)
+    # a norm/conv inside another fully trained module is covered by it
+    full = [n for n in full if not any(n.startswith(p + ".") for p in full)]
+    if not lora:
+        raise ValueError(f"no nn.Linear found for LoRA in the RFT scope {scope!r} of {type(model).__name__}")
+    return lora, full, scope
+
+
+def attach_lora(model: nn.Module, cfg: dict[str, Any]):
+    """Wrap ``model`` in a peft LoRA model per ``cfg`` (:func:`rft_settings`); only RFT parameters train.
+
+    Returns:
+        (peft model, ``{"lora_targets", "trained_fully", "scope"}``).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    lora_targets, full, scope = rft_modules(model, cfg["scope"])
+    for p in model.parameters():
+        p.requires_grad_(False)
+    lcfg = LoraConfig(
+        r=int(cfg["lora"]["rank"]),
+        lora_alpha=float(cfg["lora"]["alpha"]),
+        lora_dropout=float(cfg["lora"]["dropout"]),
+        target_modules=lora_targets,
+        modules_to_save=full,
+        bias="none",
+    )
+    peft_model = get_peft_model(model, lcfg)
+    return peft_model, {"lora_targets": lora_targets, "trained_fully": full, "scope": scope}
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable tensors of ``model`` by name (what a resume checkpoint stores)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def merge(peft_model) -> nn.Module:
+    """Merge LoRA into the base weights and put the fully trained copies back: a plain HF model."""
+    model = peft_model.merge_and_unload()
+    model.train(False)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+# ---- loss -------------------------------------------------------------------------------------------
+def distill_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float = 2.0,
+    kl_weight: float = 1.0,
+    lm_weight: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RFT loss on one micro-batch: ``kl_weight * T^2 * KL(p_teacher^T || p_student^T) + lm_weight * CE``.
+
+    KL is summed over the vocabulary and averaged over positions; CE is the next-token cross entropy of
+    the student. Both in float32. Returns (loss, kl, ce); ``kl`` is exactly 0 when the logits agree.
+    """
+    t = float(temperature)
+    s = student_logits.float() / t
+    q = teacher_logits.float() / t
+    vocab = s.shape[-1]
+    kl = F.kl_div(
+        F.log_softmax(s, dim=-1).reshape(-1, vocab),
+        F.log_softmax(q, dim=-1).reshape(-1, vocab),
+        log_target=True,
+        reduction="batchmean",
+    )
+    ce = F.cross_entropy(student_logits[:, :-1].float().reshape(-1, vocab), input_ids[:, 1:].reshape(-1))
+    loss = float(kl_weight) * t * t * kl + float(lm_weight) * ce
+    return loss, kl.detach(), ce.detach()
+
+
+# ---- training ---------------------------------------------------------------------------------------
+def _save_resume(path: Path, state: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def train(
+    student,
+    teacher: nn.Module,
+    blocks: torch.Tensor,
+    cfg: dict[str, Any],
+    *,
+    resume_dir: str | Path | None = None,
+    log_path: str | Path | None = None,
+    accelerator=None,
+    stop_after: int | None = None,
+    desc: str = "rft",
+) -> dict[str, Any]:
+    """Optimise the trainable parameters of ``student`` (a peft model) to match ``teacher`` on ``blocks``.
+
+    Optimizer step ``s`` uses samples ``s*batch_size .. (s+1)*batch_size`` of ``blocks``; process ``r`` of
+    ``W`` takes every W-th of them, in micro-batches of ``micro_batch_size``, and gradients accumulate over
+    its micro-batches (each micro-batch loss weighted by its share of the batch). AdamW on the trainable
+    parameters; LR: linear warm-up over ``warmup_frac`` of the steps, then cosine to ``min_lr``
+    (:func:`statereduce.pretrain.lr_at`); gradient-norm clipping.
+
+    Args:
+        student: peft-wrapped pruned model (:func:`attach_lora`).
+        teacher: the unpruned model (frozen; run without gradients).
+        blocks: LongTensor ``[n_samples, seq_len]`` (:func:`training_blocks`).
+        cfg: :func:`rft_settings` output.
+        resume_dir: folder for ``resume.pt``; when it holds one, training continues from it.
+        log_path: the JSONL log (rewritten from the resume state's lines, then appended).
+        accelerator: an ``accelerate.Accelerator``; a default single-process one when None.
+        stop_after: test hook: raise after this many optimizer steps (after any checkpoint at that step).
+
+    Returns:
+        Training statistics: steps, tokens, seconds, tokens/s, final loss/KL/CE, resumed_from.
+    """
+    from accelerate import Accelerator
+
+    acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+    world, rank = acc.num_processes, acc.process_index
+    bs, mbs = cfg["batch_size"], cfg["micro_batch_size"]
+    if bs % (mbs * world):
+        raise ValueError(f"rft batch_size={bs} is not divisible by micro_batch_size={mbs} x processes={world}")
+    steps, sched = n_steps(cfg), _schedule(cfg)
+    if blocks.shape[0] < steps * bs:
+        raise ValueError(f"{blocks.shape[0]} samples for {steps} steps of batch {bs}")
+    device = acc.device
+    autocast = _autocast(cfg["precision"], device)
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        params, lr=lr_at(0, sched), betas=tuple(cfg["betas"]), weight_decay=float(cfg["weight_decay"])
+    )
+    student, opt = acc.prepare(student, opt)
+    teacher.to(device).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+
+    resume_file = Path(resume_dir) / RESUME_FILE if resume_dir is not None else None
+    log_lines: list[dict] = []
+    start_step = 0
+    if resume_file is not None and resume_file.is_file():
+        state = torch.load(resume_file, map_location="cpu", weights_only=False)
+        named = dict(acc.unwrap_model(student).named_parameters())
+        with torch.no_grad():
+            for name, value in state["trainable"].items():
+                named[name].copy_(value)
+        opt.load_state_dict(state["optimizer"])
+        start_step, log_lines = int(state["step"]), list(state["log"])
+    resumed_from = start_step
+
+    dist = cfg["distill"]
+    student.train()
+    window: list[tuple[float, float, float]] = []
+    t_start = t_window = time.perf_counter()
+    local = list(range(rank, bs, world))  # this process's positions within each batch
+    micro = [local[i : i + mbs] for i in range(0, len(local), mbs)]
+    with contextlib.ExitStack() as stack:
+        log_file = None
+        if log_path is not None and acc.is_main_process:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+            log_file = stack.enter_context(open(log_path, "w"))
+            log_file.writelines(json.dumps(rec) + "\n" for rec in log_lines)
+            log_file.flush()
+        bar = tqdm(
+            range(start_step, steps),
+            desc=desc,
+            initial=start_step,
+            total=steps,
+            mininterval=5.0,
+            unit="step",
+            disable=not acc.is_main_process,
+        )
+        for step in bar:
+            lr = lr_at(step, sched)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            totals = torch.zeros(3, device=device)
+            for j, idx in enumerate(micro):
+                x = blocks[[step * bs + i for i in idx]].to(device)
+                sync = contextlib.nullcontext() if j == len(micro) - 1 else acc.no_sync(student)
+                with sync:
+                    with torch.no_grad(), autocast:
+                        t_logits = teacher(input_ids=x).logits
+                    with autocast:
+                        s_logits = student(input_ids=x).logits
+                    loss, kl, ce = distill_loss(
+                        s_logits, t_logits, x, dist["temperature"], dist["kl_weight"], dist["lm_weight"]
+                    )
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"non-finite RFT loss {float(loss)} at step {step}")
+                    share = len(idx) / len(local)
+                    acc.backward(loss * share)
+                totals += torch.stack([loss.detach(), kl, ce]) * share
+            grad_norm = acc.clip_grad_norm_(params, float(cfg["grad_clip"]))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            totals = acc.reduce(totals, reduction="mean")
+            window.append(tuple(float(v) for v in totals))
+            done = step + 1
+            if done % cfg["log_every"] == 0 or done == steps:
+                now = time.perf_counter()
+                n = len(window)
+                rec = {
+                    "step": done,
+                    "loss": sum(w[0] for w in window) / n,
+                    "kl": sum(w[1] for w in window) / n,
+                    "ce": sum(w[2] for w in window) / n,
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "tokens_per_s": n * bs * blocks.shape[1] / (now - t_window),
+                    "elapsed_s": now - t_start,
+                }
+                log_lines.append(rec)
+                if log_file is not None:
+                    log_file.write(json.dumps(rec) + "\n")
+                    log_file.flush()
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['kl']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                window, t_window = [], now
+            if resume_file is not None and (done % cfg["save_every"] == 0 and done < steps):
+                if acc.is_main_process:
+                    resume_file.parent.mkdir(parents=True, exist_ok=True)
+                    _save_resume(
+                        resume_file,
+                        {
+                            "step": done,
+                            "trainable": trainable_state(acc.unwrap_model(student)),
+                            "optimizer": opt.state_dict(),
+                            "log": log_lines,
+                        },
+                    )
+                acc.wait_for_everyone()
+            if stop_after is not None and done >= stop_after:
+                raise _Stop(f"stopped after step {done} (test hook)")
+    seconds = time.perf_counter() - t_start
+    trained = steps - start_step
+    last = log_lines[-1] if log_lines else {}
+    return {
+        "steps": steps,
+        "resumed_from_step": resumed_from,
+        "train_tokens": steps * bs * blocks.shape[1],
+        "train_seconds": seconds,
+        "tokens_per_s": trained * bs * blocks.shape[1] / seconds if seconds > 0 else None,
+        "final_loss": last.get("loss"),
+        "final_kl": last.get("kl"),
+        "final_ce": last.get("ce"),
+        "processes": world,
+        "device": str(device),
+    }
+
+
+def _autocast(precision: str, device: torch.device):
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# ---- the stage --------------------------------------------------------------------------------------
+def fingerprint(pruned_dir: str | Path, base_dir: str | Path, cfg: dict[str, Any], data: dict[str, Any]) -> str:
+    """What a resume checkpoint belongs to: the pruned and base artifacts' records and the settings."""
+    h = hashlib.sha256()
+    for path in (Path(pruned_dir) / "config.json", Path(pruned_dir) / "prune_record.json"):
+        h.update(path.read_bytes() if path.is_file() else b"-")
+    for name in ("pretrain.json", "source.json", "config.json"):
+        path = Path(base_dir) / name
+        h.update(path.read_bytes() if path.is_file() else b"-")
+    h.update(json.dumps(jsonable({"cfg": cfg, "data": data}), sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def run_rft(
+    pruned_dir: str | Path,
+    base_dir: str | Path,
+    out_dir: str | Path,
+    cfg: dict[str, Any],
+    corpus_spec: dict[str, Any],
+    *,
+    exclude_docs: Sequence[str] = (),
+    dtype: str = "float32",
+    device: str = "cpu",
+    resume_dir: str | Path | None = None,
+    log_path: str | Path | None = None,
+    stop_after: int | None = None,
+    on_saved: Callable[[nn.Module, Any, Path], None] | None = None,
+) -> dict[str, Any]:
+    """Fine-tune the pruned checkpoint, merge LoRA and save ``out_dir`` (an HF checkpoint), atomically.
+
+    ``out_dir`` gets the merged model in ``dtype``, the tokenizer, ``prune_record.json`` (the pruned
+    checkpoint's decision record with an ``rft`` section: settings, data, statistics), ``rft_record.json``
+    (the same ``rft`` section) and ``train_log.jsonl``. Written to a temporary sibling and renamed.
+
+    Args:
+        pruned_dir: the pruned checkpoint (``results/{model}/{method}_{pct}/pruned``).
+        base_dir: the unpruned model's base artifact (teacher).
+        out_dir: the RFT checkpoint folder to create.
+        cfg: :func:`rft_settings` output.
+        corpus_spec: corpus of the training samples (its ``train`` split).
+        exclude_docs: held-out evaluation documents, never trained on.
+        dtype: dtype of the saved checkpoint (training keeps float32 weights; bf16 autocast on CUDA).
+        device: ``cpu`` or ``cuda``.
+        resume_dir: where resume checkpoints live (outside ``out_dir``; removed after success).
+        log_path: an extra copy of the JSONL training log (e.g. under ``logs/``).
+        stop_after: test hook (:func:`train`).
+        on_saved: called as ``on_saved(merged_model, tokenizer, out_dir)`` by the main process after
+            saving (the workflow evaluates the model in memory there).
+
+    Returns:
+        The ``rft`` record.
+    """
+    from accelerate import Accelerator
+
+    from statereduce.data import corpus_provenance, load_split
+    from statereduce.models import load_model
+
+    cfg = rft_settings(cfg)
+    out_dir = Path(out_dir)
+    cpu = torch.device(device).type == "cpu"
+    acc = Accelerator(cpu=cpu)
+    seed_everything(int(cfg["seed"]))
+    teacher, tokenizer = load_model(base_dir, dtype="float32" if cpu else "bfloat16", device=device)
+    student, _ = load_model(pruned_dir, dtype="float32", device=device)
+    corpus_spec = dict(corpus_spec)
+    if corpus_spec.get("source") == "hf" and corpus_spec.get("max_bytes") is None:
+        # read a bounded prefix of a large hub split: 8 bytes per token is generous for BPE tokenizers on text
+        corpus_spec["max_bytes"] = 8 * cfg["n_samples"] * cfg["seq_len"]
+    blocks, data_info = training_blocks(
+        tokenizer, load_split(corpus_spec, "train"), cfg["n_samples"], cfg["seq_len"], cfg["seed"], exclude_docs
+    )
+    data = {"corpus": corpus_provenance(corpus_spec), "split": "train", **data_info}
+    key = fingerprint(pruned_dir, base_dir, cfg, data)
+    resume = None
+    if resume_dir is not None:
+        resume = Path(resume_dir) / key
+        if Path(resume_dir).is_dir():  # checkpoints of other inputs/settings are stale
+            for other in Path(resume_dir).iterdir():
+                if other.name != key and acc.is_main_process:
+                    shutil.rmtree(other, ignore_errors=True)
+    seed_everything(int(cfg["seed"]))  # LoRA's initialisation
+    peft_model, modules = attach_lora(student, cfg)
+    n_trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    try:
+        stats = train(
+            peft_model,
+            teacher,
+            blocks,
+            cfg,
+            resume_dir=resume,
+            log_path=tmp / LOG_FILE if acc.is_main_process else None,
+            accelerator=acc,
+            stop_after=stop_after,
+        )
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the resume checkpoint, not this folder, carries the progress
+        raise
+    del teacher
+    record = {
+        "settings": cfg,
+        "schedule": _schedule(cfg),
+        "modules": modules,
+        "n_trainable": n_trainable,
+        "data": data,
+        "teacher": str(base_dir),
+        "student": str(pruned_dir),
+        "saved_dtype": dtype,
+        "fingerprint": key,
+        **stats,
+    }
+    if not acc.is_main_process:
+        acc.wait_for_everyone()
+        return record
+    from statereduce.models import DTYPES
+
+    model = merge(acc.unwrap_model(peft_model)).to(DTYPES[dtype])
+    try:
+        prune_record = read_json(Path(pruned_dir) / "prune_record.json")
+        prune_record["rft"] = record
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        write_json(tmp / "prune_record.json", prune_record)
+        write_json(tmp / RECORD_FILE, record)
+        if log_path is not None:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(tmp / LOG_FILE, log_path)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if resume is not None:
+        shutil.rmtree(resume, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            Path(resume_dir).rmdir()  # only when no other run's checkpoint is left
+    acc.wait_for_everyone()
+    if on_saved is not None:
+        on_saved(model, tokenizer, out_dir)
+    return record
+
+
+def launch(
+    gpus: int,
+    pruned_dir: str | Path,
+    base_dir: str | Path,
+    out_dir: str | Path,
+    settings: dict[str, Any],
+    corpus_spec: dict[str, Any],
+    *,
+    exclude_docs: Sequence[str] = (),
+    dtype: str = "float32",
+    device: str = "cuda",
+    resume_dir: str | Path | None = None,
+    log_path: str | Path | None = None,
+) -> None:
+    """Run :func:`run_rft` on ``gpus`` GPUs: ``accelerate launch --multi_gpu`` of this module's :func:`main`.
+
+    The job description goes through a JSON file next to ``out_dir``; the package that imported this module
+    is put first on the children's ``PYTHONPATH``. Raises ``subprocess.CalledProcessError`` on failure.
+    """
+    import subprocess
+    import sys
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    job = out_dir.with_name(f".{out_dir.name}.job-{os.getpid()}.json")
+    write_json(
+        job,
+        {
+            "settings": settings,
+            "corpus_spec": corpus_spec,
+            "exclude_docs": list(exclude_docs),
+            "dtype": dtype,
+            "device": device,
+        },
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        str(int(gpus)),
+        *(["--multi_gpu"] if device == "cuda" else ["--cpu"]),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "statereduce.finetune",
+        "--pruned",
+        str(pruned_dir),
+        "--base",
+        str(base_dir),
+        "--out",
+        str(out_dir),
+        "--job",
+        str(job),
+    ]
+    cmd += ["--resume-dir", str(resume_dir)] if resume_dir is not None else []
+    cmd += ["--log", str(log_path)] if log_path is not None else []
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    try:
+        subprocess.run(cmd, check=True, env=env)
+    finally:
+        job.unlink(missing_ok=True)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m statereduce.finetune``: one RFT run (also under ``accelerate launch`` for several GPUs)."""
+    p = argparse.ArgumentParser(prog="python -m statereduce.finetune", description=main.__doc__)
+    p.add_argument("--pruned", required=True, help="pruned checkpoint folder (student)")
+    p.add_argument("--base", required=True, help="base artifact of the unpruned model (teacher)")
+    p.add_argument("--out", required=True, help="RFT checkpoint folder to write")
+    p.add_argument(
+        "--job", required=True, help="JSON file: {settings: rft overrides, corpus_spec, exclude_docs?, dtype?, device?}"
+    )
+    p.add_argument("--resume-dir", default=None, help="folder for resume checkpoints")
+    p.add_argument("--log", default=None, help="extra copy of the JSONL training log")
+    args = p.parse_args(argv)
+    job = read_json(args.job)
+    run_rft(
+        args.pruned,
+        args.base,
+        args.out,
+        job.get("settings") or {},
+        job["corpus_spec"],
+        exclude_docs=job.get("exclude_docs") or (),
+        dtype=job.get("dtype", "float32"),
+        device=job.get("device", "cpu"),
+        resume_dir=args.resume_dir,
+        log_path=args.log,
+    )
+
+
+if __name__ == "__main__":
+    main()
