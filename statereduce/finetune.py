@@ -220,7 +220,10 @@ def attach_lora(model: nn.Module, cfg: dict[str, Any]):
     """
     from peft import LoraConfig, get_peft_model
 
+    from statereduce.adapters import get_adapter
+
     lora_targets, full, scope = rft_modules(model, cfg["scope"])
+    model._statereduce_refuse = get_adapter(model).unfuse_for_lora()  # merge() restores the fused kernels
     for p in model.parameters():
         p.requires_grad_(False)
     lcfg = LoraConfig(
@@ -243,6 +246,9 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def merge(peft_model) -> nn.Module:
     """Merge LoRA into the base weights and put the fully trained copies back: a plain HF model."""
     model = peft_model.merge_and_unload()
+    refuse = model.__dict__.pop("_statereduce_refuse", None)
+    if refuse is not None:
+        refuse()
     model.train(False)
     for p in model.parameters():
         p.requires_grad_(False)

@@ -4,7 +4,8 @@ A copy of the workflow (Snakefile, rules, scripts, package, schema) runs the tin
 ``tests/workflow/`` to the end; then dry runs show that
 - nothing reruns when nothing changed,
 - editing the DRRQR selector's code schedules only DRRQR selections and their dependents,
-- a Grad-only setting touches only Grad jobs.
+- a Grad-only setting touches only Grad jobs,
+- an RFT setting reruns only RFT and what reads it; switching RFT off drops it from the summaries.
 """
 
 from __future__ import annotations
@@ -58,6 +59,18 @@ def finished_run(tmp_path_factory) -> Path:
     return work
 
 
+def test_summaries_carry_pre_and_post_rft_metrics(finished_run):
+    for method in ("rand", "grad", "drrqr"):
+        summary = yaml.safe_load((finished_run / "results" / "wf-dn" / f"{method}_50" / "eval.json").read_text())
+        pruned, rft = summary["metrics"]["pruned"]["heldout"], summary["metrics"]["rft"]["heldout"]
+        assert pruned["bits_per_byte"] > 0 and rft["bits_per_byte"] > 0 and rft != pruned
+    stage = finished_run / "results" / "wf-dn" / "drrqr_50"
+    assert (stage / "rft" / "model.safetensors").exists() and not (stage / ".rft_resume").exists()
+    assert len((stage / "rft" / "train_log.jsonl").read_text().splitlines()) == 2
+    table = (finished_run / "results" / "tables" / "comparison.md").read_text()
+    assert "post-RFT" in table
+
+
 def test_nothing_reruns_when_nothing_changed(finished_run):
     assert planned_outputs(finished_run) == {}
 
@@ -71,7 +84,7 @@ def test_editing_drrqr_code_reruns_only_drrqr(finished_run):
     finally:
         code.write_text(original)
         _snakemake(finished_run, "--touch", "--cores", "1")  # restore a clean state for the next test
-    assert set(jobs) == {"select_channels", "prune", "summarize", "comparison_table"}, jobs
+    assert set(jobs) == {"select_channels", "prune", "rft", "summarize", "comparison_table"}, jobs
     per_method = [p for r, ps in jobs.items() if r != "comparison_table" for p in ps]
     assert per_method and all("drrqr_50" in p for p in per_method), per_method
     assert not any(r in jobs for r in ("pretrain", "calibrate", "grad_scores", "eval_baseline"))
@@ -91,3 +104,21 @@ def test_grad_setting_touches_only_grad_jobs(finished_run):
     per_method = [p for r, ps in jobs.items() if r not in ("comparison_table", "grad_scores") for p in ps]
     assert per_method and all("/grad_50" in p or "grad_50." in p for p in per_method), per_method
     assert not any(r in jobs for r in ("pretrain", "calibrate", "eval_baseline"))
+
+
+def test_rft_setting_reruns_only_rft(finished_run):
+    cfg_path = finished_run / "config.yaml"
+    original = cfg_path.read_text()
+    cfg = yaml.safe_load(original)
+    cfg["models"]["wf-dn"]["rft"]["lr"] = 2.0e-3
+    try:
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        jobs = planned_outputs(finished_run)
+        cfg["models"]["wf-dn"]["rft"]["activate"] = False
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        jobs_off = planned_outputs(finished_run)
+    finally:
+        cfg_path.write_text(original)
+    assert set(jobs) == {"rft", "summarize", "comparison_table"}, jobs
+    assert len(jobs["rft"]) == 3 * 4  # three methods, four declared outputs each
+    assert set(jobs_off) == {"summarize", "comparison_table"}, jobs_off

@@ -307,6 +307,23 @@ class LinearAttentionAdapter(ABC):
                 roots.append(decoder.norm)
         return [(names[id(m)], m) for m in roots]
 
+    def unfuse_for_lora(self) -> Callable[[], None]:
+        """Make every LoRA target go through its own ``forward`` during RFT; return a function that undoes it.
+
+        fla's ``GatedMLP`` with ``fuse_swiglu`` (the default) hands ``down_proj.weight`` straight to a fused
+        SwiGLU-linear kernel, so a LoRA wrapper on ``down_proj`` would never run (and its merge would add
+        an update that training never saw). Unfused, the MLP computes the same ``down_proj(swiglu(g, u))``.
+        """
+        touched = [m for m in self.model.modules() if getattr(m, "fuse_swiglu", False) and hasattr(m, "down_proj")]
+        for m in touched:
+            m.fuse_swiglu = False
+
+        def undo() -> None:
+            for m in touched:
+                m.fuse_swiglu = True
+
+        return undo
+
     # ---- capture ------------------------------------------------------------------------------
     @abstractmethod
     @contextlib.contextmanager

@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+"""Recovery fine-tuning on a CUDA GPU with fla's Triton kernels (no snakemake, no lm-eval needed).
+
+Builds a random fla DeltaNet (the teacher), prunes 50% of its key channels at random (the student), runs
+:func:`statereduce.finetune.run_rft` on the GPU (bf16 autocast, fp32 master weights, saved in bf16), and
+checks what the CPU tests cannot: the distillation KL falls, the merged checkpoint reloads with
+``from_pretrained`` in a fresh process with the same logits on the GPU, and the run's throughput. With
+``--gpus N`` (N > 1) it also runs the same job through :func:`statereduce.finetune.launch` (accelerate,
+DDP) and compares the two logs.
+
+Usage::
+
+    python benchmarks/check_rft_gpu.py OUT.json [--gpus 2] [--steps 40]
+
+Paper: Nazari & Rusch (2026), App. A (RFT). Gated DeltaNet is not run here: fla 0.6.0 refuses its chunk
+backward on Hopper with Triton < 3.7.1 (docs/gpu_fallback_check.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from statereduce import finetune
+
+ARCH = {"hidden_size": 512, "num_hidden_layers": 4, "num_heads": 4, "expand_k": 0.5, "expand_v": 1.0}  # d_k 64
+
+
+def _write(out: Path, doc: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--expand-k", type=float, default=ARCH["expand_k"], help="d_k = 512 * expand_k / 4 heads")
+    p.add_argument("--keep", type=int, default=32, help="d_k' kept per head")
+    args = p.parse_args()
+    ARCH["expand_k"] = args.expand_k
+    import fla
+    from transformers import AutoModelForCausalLM
+
+    from statereduce.models import tiny_config
+    from statereduce.slicing import prune_model, save_pruned
+    from statereduce.tokenizer import byte_level_tokenizer
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _models import random_keep
+
+    doc: dict = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "fla": fla.__version__,
+        "arch": ARCH,
+        "runs": {},
+    }
+    work = Path(tempfile.mkdtemp(prefix="rft_gpu_"))
+    torch.manual_seed(0)
+    tok = byte_level_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny_config("delta_net", ARCH)).float()
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if "conv1d" in name:
+                prm.normal_(0.0, 0.3)
+    model.save_pretrained(work / "base")
+    tok.save_pretrained(work / "base")
+    record = prune_model(
+        model, random_keep(model, args.keep, seed=1), {"source": "random", "method": "rand", "pct": 50}
+    )
+    save_pruned(model, tok, record, work / "pruned")
+    corpus = {"source": "embedded"}
+    cfg = {
+        "n_samples": 16 * args.steps,
+        "seq_len": 512,
+        "batch_size": 16,
+        "micro_batch_size": 4,
+        "lr": 1e-3,
+        "min_lr": 1e-4,
+        "log_every": 5,
+        "save_every": 10,
+    }
+    doc["settings"] = cfg
+    kept: dict = {}
+    t0 = time.perf_counter()
+    rec = finetune.run_rft(
+        work / "pruned",
+        work / "base",
+        work / "rft1",
+        cfg,
+        corpus,
+        dtype="bfloat16",
+        device="cuda",
+        resume_dir=work / "resume1",
+        on_saved=lambda m, t, o: kept.update(model=m),
+    )
+    doc["runs"]["single"] = {
+        "wall_s": time.perf_counter() - t0,
+        **{
+            k: rec[k]
+            for k in ("steps", "train_seconds", "tokens_per_s", "final_loss", "final_kl", "processes", "device")
+        },
+        "log": [json.loads(x) for x in (work / "rft1" / "train_log.jsonl").read_text().splitlines()],
+    }
+    _write(args.out, doc)
+    x = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        expected = kept["model"].cuda()(input_ids=x).logits.float().cpu()
+    torch.save(x.cpu(), work / "x.pt")
+    code = (
+        "import sys, torch, fla; from transformers import AutoModelForCausalLM; "
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], fuse_cross_entropy=False).cuda().eval(); "
+        "x = torch.load(sys.argv[2]).cuda(); torch.save(m(input_ids=x).logits.float().cpu(), sys.argv[3])"
+    )
+    subprocess.run([sys.executable, "-c", code, str(work / "rft1"), str(work / "x.pt"), str(work / "y.pt")], check=True)
+    got = torch.load(work / "y.pt")
+    doc["reload"] = {
+        "max_abs_diff": float((got - expected).abs().max()),
+        "equal": bool(torch.equal(got, expected)),
+        "saved_dtype": json.loads((work / "rft1" / "config.json").read_text()).get("torch_dtype")
+        or json.loads((work / "rft1" / "config.json").read_text()).get("dtype"),
+    }
+    _write(args.out, doc)
+    if args.gpus > 1:
+        t0 = time.perf_counter()
+        finetune.launch(
+            args.gpus,
+            work / "pruned",
+            work / "base",
+            work / "rftN",
+            cfg,
+            corpus,
+            dtype="bfloat16",
+            device="cuda",
+            resume_dir=work / "resumeN",
+        )
+        recN = json.loads((work / "rftN" / "rft_record.json").read_text())
+        doc["runs"][f"ddp{args.gpus}"] = {
+            "wall_s": time.perf_counter() - t0,
+            **{
+                k: recN[k]
+                for k in ("steps", "train_seconds", "tokens_per_s", "final_loss", "final_kl", "processes", "device")
+            },
+            "log": [json.loads(x) for x in (work / "rftN" / "train_log.jsonl").read_text().splitlines()],
+        }
+        _write(args.out, doc)
+    print(json.dumps({k: v for k, v in doc.items() if k != "runs"}, indent=1))
+    for name, run in doc["runs"].items():
+        print(name, {k: v for k, v in run.items() if k != "log"})
+        print("  kl:", [round(r["kl"], 5) for r in run["log"]])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""Recovery fine-tuning (statereduce.finetune): LoRA + distillation, merge, resume, reload.
+
+The fixtures pretrain one tiny model per family for a few dozen steps on the embedded corpus (so that
+pruning does measurable damage), prune 75% of its key channels at random and save both checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _models import random_keep, tiny_inputs, tiny_model
+from safetensors.torch import load_file
+
+from statereduce import finetune as ft
+from statereduce.data import load_split
+from statereduce.models import load_model
+from statereduce.pretrain import _eval_blocks, mean_loss, pretrain
+from statereduce.slicing import prune_model, save_pruned
+from statereduce.tokenizer import byte_level_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = {"source": "embedded", "max_bytes": 600_000}
+ARCH = {
+    "delta_net": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "expand_k": 1.0, "expand_v": 1.0},
+    "gated_deltanet": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32, "expand_v": 1.0},
+}
+PRETRAIN = {"steps": 150, "batch_size": 4, "seq_len": 64, "lr": 1e-2, "warmup": 5, "seed": 0, "eval_blocks": 0}
+RFT = {
+    "n_samples": 32,
+    "seq_len": 64,
+    "batch_size": 4,
+    "micro_batch_size": 2,
+    "lr": 3e-3,
+    "min_lr": 3e-4,
+    "log_every": 2,
+    "save_every": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """{family: (base dir, pruned dir)}: a briefly pretrained tiny model and its copy with 28 of its 32 key
+    channels per head removed at random (87.5%, so that the damage is clear)."""
+    root = tmp_path_factory.mktemp("rft")
+    out = {}
+    for family, arch in ARCH.items():
+        base = root / family / "base"
+        pretrain(family, arch, CORPUS, PRETRAIN, base)
+        model, tok = load_model(base)
+        record = prune_model(model, random_keep(model, 4, seed=3), {"source": str(base), "method": "rand", "pct": 87.5})
+        out[family] = (base, save_pruned(model, tok, record, root / family / "pruned"))
+    return out
+
+
+def _run(pair, out, **kw):
+    base, pruned = pair
+    kw.setdefault("resume_dir", out.parent / f".{out.name}_resume")
+    return ft.run_rft(pruned, base, out, {**RFT, **kw.pop("cfg", {})}, CORPUS, **kw)
+
+
+# ---- settings and loss -----------------------------------------------------------------------------
+def test_settings_defaults_are_the_papers():
+    cfg = ft.rft_settings()
+    assert cfg["lora"] == {"rank": 32, "alpha": 64, "dropout": 0.0}
+    assert cfg["distill"] == {"temperature": 2.0, "kl_weight": 1.0, "lm_weight": 0.0}
+    assert (cfg["n_samples"], cfg["seq_len"], cfg["batch_size"]) == (32000, 2048, 16)
+    assert (cfg["lr"], cfg["min_lr"], cfg["warmup_frac"]) == (1e-4, 1e-5, 0.05)
+    assert ft.n_steps(cfg) == 2000 and ft._schedule(cfg)["warmup"] == 100
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"lr_max": 1}, r"unknown rft key\(s\) \['lr_max'\]; valid: "),
+        ({"lora": {"r": 8}}, r"unknown rft.lora key\(s\) \['r'\]"),
+        ({"batch_size": 6, "micro_batch_size": 4}, "batch_size=6 is not a multiple of micro_batch_size=4"),
+        ({"n_samples": 8, "batch_size": 16}, "n_samples=8 is smaller than one batch"),
+        ({"precision": "fp16"}, "unknown rft precision 'fp16'; valid: auto, bf16, fp32"),
+        ({"distill": {"kl_weight": 0.0, "lm_weight": 0.0}}, "not both 0"),
+        ({"seq_len": 0}, "seq_len must be an integer >= 1, got 0"),
+    ],
+    ids=["unknown-key", "unknown-lora-key", "accumulation", "too-few-samples", "precision", "no-loss", "seq_len"],
+)
+def test_settings_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ft.rft_settings(overrides)
+
+
+def test_distill_loss_matches_hand_computation():
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(2, 5, 7, generator=g), torch.randn(2, 5, 7, generator=g)
+    ids = torch.randint(0, 7, (2, 5), generator=g)
+    loss, kl, ce = ft.distill_loss(s, t, ids, temperature=2.0, kl_weight=1.0, lm_weight=0.5)
+    # float64 reference: mean over positions of sum_v p_t (log p_t - log p_s), softened by T = 2
+    ps = np.exp(s.double().numpy() / 2) / np.exp(s.double().numpy() / 2).sum(-1, keepdims=True)
+    pt = np.exp(t.double().numpy() / 2) / np.exp(t.double().numpy() / 2).sum(-1, keepdims=True)
+    ref_kl = (pt * (np.log(pt) - np.log(ps))).sum(-1).mean()
+    lsm = s.double().numpy()[:, :-1] - np.log(np.exp(s.double().numpy()[:, :-1]).sum(-1, keepdims=True))
+    ref_ce = -np.take_along_axis(lsm, ids.numpy()[:, 1:, None], -1).mean()
+    assert float(kl) == pytest.approx(ref_kl, rel=1e-5)
+    assert float(ce) == pytest.approx(ref_ce, rel=1e-5)
+    assert float(loss) == pytest.approx(4 * ref_kl + 0.5 * ref_ce, rel=1e-5)
+
+
+def test_distill_loss_is_zero_when_student_is_teacher():
+    model = tiny_model("delta_net")
+    x = tiny_inputs(2, 16)
+    with torch.no_grad():
+        a, b = model(input_ids=x).logits, model(input_ids=x).logits
+    loss, kl, _ = ft.distill_loss(a, b, x)
+    assert float(kl) == 0.0 and float(loss) == 0.0
+
+
+# ---- which modules train ---------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
+def test_rft_modules(family):
+    model = tiny_model(family)
+    lora, full, scope = ft.rft_modules(model)
+    assert scope == "all"
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert set(lora) == linears - {"lm_head"}  # every projection of every block, never the LM head
+    assert any(n.endswith("attn.q_proj") for n in lora) and any(n.endswith("mlp.down_proj") for n in lora)
+    convs = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Conv1d)}
+    assert convs and convs <= set(full)
+    assert (
+        "model.norm" in full and any(n.endswith("attn_norm") for n in full) and any(n.endswith("o_norm") for n in full)
+    )
+    assert not any("embed" in n for n in lora + full)
+    rec_lora, rec_full, _ = ft.rft_modules(model, "recurrent")
+    assert rec_lora and all(".attn." in n for n in rec_lora + rec_full)
+    assert not any("mlp" in n or n.endswith("attn_norm") for n in rec_lora + rec_full)
+    with pytest.raises(ValueError, match="unknown RFT scope 'mixers'; valid: all, recurrent"):
+        ft.rft_modules(model, "mixers")
+
+
+@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
+def test_merge_equals_unmerged_peft_model(family):
+    model = tiny_model(family)
+    cfg = ft.rft_settings({"lora": {"rank": 4, "alpha": 8}})
+    torch.manual_seed(0)
+    peft_model, _ = ft.attach_lora(model, cfg)
+    with torch.no_grad():  # LoRA B starts at zero: give every trainable tensor a non-trivial value
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    x = tiny_inputs(2, 24)
+    with torch.no_grad():
+        unmerged = peft_model(input_ids=x).logits
+        merged_model = ft.merge(peft_model)
+        merged = merged_model(input_ids=x).logits
+    assert type(merged_model).__name__.endswith("ForCausalLM")
+    assert not any("lora" in n or "modules_to_save" in n for n, _ in merged_model.named_parameters())
+    torch.testing.assert_close(merged, unmerged, rtol=1e-5, atol=1e-5)
+
+
+# ---- training on real (briefly pretrained) checkpoints --------------------------------------------
+@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
+def test_only_intended_parameters_change(pairs, family, tmp_path):
+    _, pruned = pairs[family]
+    before = load_file(str(pruned / "model.safetensors"))
+    out = tmp_path / "rft"
+    record = _run(pairs[family], out)
+    after = load_file(str(out / "model.safetensors"))
+    assert set(after) == set(before) and all(after[k].shape == before[k].shape for k in before)
+    lora, full = set(record["modules"]["lora_targets"]), set(record["modules"]["trained_fully"])
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    for k in before:
+        module = k.rsplit(".", 1)[0]
+        if module in lora or any(module == f or module.startswith(f + ".") for f in full):
+            continue
+        assert k not in changed, f"{k} is outside the RFT scope but changed"
+    frozen = [k for k in before if "embed" in k or k.startswith("lm_head") or k.endswith(("A_log", "dt_bias"))]
+    assert frozen and not set(frozen) & changed
+    assert any(k.endswith("q_proj.weight") for k in changed) and any("conv1d" in k for k in changed)
+    assert any(k.endswith("norm.weight") for k in changed)
+
+
+@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
+def test_short_rft_lowers_heldout_loss(pairs, family, tmp_path):
+    base, pruned = pairs[family]
+    tok = byte_level_tokenizer()
+    blocks = _eval_blocks(tok, CORPUS, "heldout", 16, 64, seed=1)
+    pre = mean_loss(load_model(pruned)[0], blocks)
+    teacher = mean_loss(load_model(base)[0], blocks)
+    kept = {}
+    record = _run(pairs[family], tmp_path / "rft", on_saved=lambda m, t, o: kept.update(model=m))
+    post = mean_loss(kept["model"], blocks)
+    assert pre > teacher + 0.05, ("the fixture's pruning should hurt", pre, teacher)
+    assert post < pre - 0.3 * (pre - teacher), (pre, post, teacher)  # RFT recovers a good part of the damage
+    log = [json.loads(x) for x in (tmp_path / "rft" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2, 4, 6, 8] and log[-1]["kl"] < log[0]["kl"]
+    assert {"step", "loss", "kl", "ce", "lr", "tokens_per_s"} <= set(log[0])
+    assert record["steps"] == 8 and record["data"]["split"] == "train"
+
+
+def test_rft_checkpoint_reloads_in_fresh_process(pairs, tmp_path):
+    out = tmp_path / "rft"
+    kept = {}
+    _run(pairs["gated_deltanet"], out, on_saved=lambda m, t, o: kept.update(model=m))
+    x = tiny_inputs(2, 40, seed=5) % 256
+    with torch.no_grad():
+        expected = kept["model"](input_ids=x).logits
+    torch.save(x, tmp_path / "x.pt")
+    code = (
+        "import sys, torch; torch.set_num_threads(1); sys.path.insert(0, sys.argv[1]); import fla; from statereduce import fla_fallback; "
+        "fla_fallback.install(); from transformers import AutoModelForCausalLM; "
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[2], fuse_cross_entropy=False).eval(); "
+        "x = torch.load(sys.argv[3]); torch.set_grad_enabled(False); torch.save(m(input_ids=x).logits, sys.argv[4])"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(ROOT), str(out), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")],
+        check=True,
+        timeout=300,
+    )
+    got = torch.load(tmp_path / "y.pt")
+    assert torch.equal(got, expected), float((got - expected).abs().max())
+    record = json.loads((out / "prune_record.json").read_text())
+    assert record["rft"]["settings"]["lora"]["rank"] == 32 and record["method"] == "rand"
+    assert json.loads((out / "config.json").read_text())["expand_v"] == 8.0  # pruned shapes: d_v 32 / d_k' 4
+
+
+def test_resume_after_interrupt_equals_uninterrupted_run(pairs, tmp_path):
+    whole = tmp_path / "whole"
+    _run(pairs["delta_net"], whole)
+    out = tmp_path / "resumed"
+    with pytest.raises(ft._Stop):
+        _run(pairs["delta_net"], out, stop_after=5)  # checkpoints at steps 2 and 4; step 5 is lost
+    resume = tmp_path / ".resumed_resume"
+    assert not out.exists() and len(list(resume.glob("*/resume.pt"))) == 1
+    record = _run(pairs["delta_net"], out)
+    assert record["resumed_from_step"] == 4 and not resume.exists()
+    a, b = load_file(str(whole / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # deterministic on CPU, and resumed exactly
+    la = (whole / "train_log.jsonl").read_text().splitlines()
+    lb = (out / "train_log.jsonl").read_text().splitlines()
+    assert [json.loads(x)["loss"] for x in la] == [json.loads(x)["loss"] for x in lb]
+
+
+def test_killed_process_resumes_and_finishes(pairs, tmp_path):
+    """SIGKILL a ``python -m statereduce.finetune`` run after its first checkpoint; the rerun finishes from it."""
+    base, pruned = pairs["delta_net"]
+    job = tmp_path / "job.json"
+    cfg = {**RFT, "n_samples": 400, "save_every": 1, "log_every": 1}  # 100 steps: far more than the wait
+    job.write_text(json.dumps({"settings": cfg, "corpus_spec": CORPUS}))
+    out, resume = tmp_path / "rft", tmp_path / "resume"
+    args = [
+        "--pruned",
+        str(pruned),
+        "--base",
+        str(base),
+        "--out",
+        str(out),
+        "--job",
+        str(job),
+        "--resume-dir",
+        str(resume),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "statereduce.finetune", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 240
+        while not list(resume.glob("*/resume.pt")) and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not out.exists()
+    saved = torch.load(next(resume.glob("*/resume.pt")), weights_only=False)["step"]
+    assert 1 <= saved < 100
+    ft.main(args)
+    record = json.loads((out / "rft_record.json").read_text())
+    assert record["steps"] == 100 and record["resumed_from_step"] == saved
+    assert len((out / "train_log.jsonl").read_text().splitlines()) == 100
+
+
+def test_training_blocks_skip_heldout_documents():
+    tok = byte_level_tokenizer()
+    docs = [f"doc {i} " + chr(65 + i) * 200 for i in range(10)]
+    heldout = docs[3:5]
+    blocks, info = ft.training_blocks(tok, docs, n_samples=6, seq_len=50, seed=0, exclude=heldout)
+    text = bytes(b for b in blocks.flatten().tolist() if b < 256).decode()
+    assert "D" not in text and "E" not in text  # the held-out documents' letters never appear
+    assert info["documents_dropped_as_heldout"] == 2 and info["documents"] == 8
+    again, _ = ft.training_blocks(tok, docs, n_samples=6, seq_len=50, seed=0, exclude=heldout)
+    assert torch.equal(blocks, again)
+
+
+def test_embedded_train_split_never_holds_heldout_text():
+    train, heldout = load_split(CORPUS, "train"), load_split(CORPUS, "heldout")
+    assert train and heldout and not {ft._doc_hash(d) for d in train} & {ft._doc_hash(d) for d in heldout}
+
+
+def test_resume_checkpoint_of_other_settings_is_discarded(pairs, tmp_path):
+    resume = tmp_path / "resume"
+    (resume / "0123456789abcdef").mkdir(parents=True)
+    torch.save({"step": 3}, resume / "0123456789abcdef" / "resume.pt")
+    record = _run(pairs["delta_net"], tmp_path / "rft", resume_dir=resume)
+    assert record["resumed_from_step"] == 0 and not resume.exists()
+    assert math.isfinite(record["final_loss"])
