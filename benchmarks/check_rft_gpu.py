@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--expand-k", type=float, default=ARCH["expand_k"], help="d_k = 512 * expand_k / 4 heads")
     p.add_argument("--keep", type=int, default=32, help="d_k' kept per head")
+    p.add_argument("--family", default="delta_net", choices=["delta_net", "gated_deltanet"])
+    p.add_argument("--kernels", default="fla", choices=["fla", "torch"], help="rft setting `kernels`")
     args = p.parse_args()
     ARCH["expand_k"] = args.expand_k
     import fla
@@ -70,15 +72,28 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rft_gpu_"))
     torch.manual_seed(0)
     tok = byte_level_tokenizer()
-    model = AutoModelForCausalLM.from_config(tiny_config("delta_net", ARCH)).float()
+    arch = dict(ARCH)
+    if args.family == "gated_deltanet":  # same d_k: head_dim = 512 * expand_k / 4, d_v = 128
+        arch = {
+            "hidden_size": 512,
+            "num_hidden_layers": 4,
+            "num_heads": 4,
+            "head_dim": int(128 * args.expand_k),
+            "expand_v": 128 / int(128 * args.expand_k),
+        }
+    doc["arch"], doc["family"], doc["kernels"] = arch, args.family, args.kernels
+    model = AutoModelForCausalLM.from_config(tiny_config(args.family, arch)).float()
     with torch.no_grad():
         for name, prm in model.named_parameters():
             if "conv1d" in name:
                 prm.normal_(0.0, 0.3)
     model.save_pretrained(work / "base")
     tok.save_pretrained(work / "base")
+    from statereduce.adapters import get_adapter
+
+    pct = 100 * (1 - args.keep / get_adapter(model).head_k_dim)
     record = prune_model(
-        model, random_keep(model, args.keep, seed=1), {"source": "random", "method": "rand", "pct": 50}
+        model, random_keep(model, args.keep, seed=1), {"source": "random", "method": "rand", "pct": pct}
     )
     save_pruned(model, tok, record, work / "pruned")
     corpus = {"source": "embedded"}
@@ -91,6 +106,7 @@ def main() -> None:
         "min_lr": 1e-4,
         "log_every": 5,
         "save_every": 10,
+        "kernels": args.kernels,
     }
     doc["settings"] = cfg
     kept: dict = {}

@@ -19,7 +19,7 @@ which makes the run deterministic on CPU and lets a killed run resume exactly: e
 optimizer steps the trainable tensors, the optimizer state and the log are saved atomically to a resume
 folder, and a rerun with the same inputs and settings continues from there.
 
-Training runs through ``accelerate``: a single process by default; under ``accelerate launch`` with
+Training runs through ``accelerate``: a single process by default; under ``torchrun`` with
 several GPUs each process trains on its share of every batch (DDP), and only the main process writes.
 Run it on its own with ``python -m statereduce.finetune --help``.
 """
@@ -50,6 +50,7 @@ RECORD_FILE = "rft_record.json"
 LOG_FILE = "train_log.jsonl"
 RESUME_FILE = "resume.pt"
 PRECISIONS = ("auto", "bf16", "fp32")
+KERNELS = ("fla", "torch")
 
 # Paper defaults (App. A). The embedded tiny models override sizes and LR in config.yaml.
 DEFAULT_RFT: dict[str, Any] = {
@@ -67,6 +68,7 @@ DEFAULT_RFT: dict[str, Any] = {
     "betas": [0.9, 0.999],
     "grad_clip": 1.0,
     "precision": "auto",  # auto: bf16 autocast on CUDA, fp32 on CPU
+    "kernels": "fla",  # torch: statereduce.fla_fallback on CUDA too (where fla's backward is refused or faults)
     "seed": 0,
     "log_every": 10,
     "save_every": 100,  # optimizer steps between resume checkpoints
@@ -108,6 +110,8 @@ def rft_settings(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         raise ValueError(f"rft n_samples={cfg['n_samples']} is smaller than one batch (batch_size={cfg['batch_size']})")
     if not 0 <= float(cfg["warmup_frac"]) < 1:
         raise ValueError(f"rft warmup_frac must be in [0, 1), got {cfg['warmup_frac']!r}")
+    if cfg["kernels"] not in KERNELS:
+        raise ValueError(f"unknown rft kernels {cfg['kernels']!r}; valid: {', '.join(KERNELS)}")
     if cfg["precision"] not in PRECISIONS:
         raise ValueError(f"unknown rft precision {cfg['precision']!r}; valid: {', '.join(PRECISIONS)}")
     lora, distill = cfg["lora"], cfg["distill"]
@@ -528,6 +532,10 @@ def run_rft(
     seed_everything(int(cfg["seed"]))
     teacher, tokenizer = load_model(base_dir, dtype="float32" if cpu else "bfloat16", device=device)
     student, _ = load_model(pruned_dir, dtype="float32", device=device)
+    if cfg["kernels"] == "torch":  # after load_model, which routes only CPU tensors to the fallback
+        from statereduce import fla_fallback
+
+        fla_fallback.install(torch_device_types=("cpu", "cuda"))
     corpus_spec = dict(corpus_spec)
     if corpus_spec.get("source") == "hf" and corpus_spec.get("max_bytes") is None:
         # read a bounded prefix of a large hub split: 8 bytes per token is generous for BPE tokenizers on text
@@ -621,7 +629,9 @@ def launch(
     resume_dir: str | Path | None = None,
     log_path: str | Path | None = None,
 ) -> None:
-    """Run :func:`run_rft` on ``gpus`` GPUs: ``accelerate launch --multi_gpu`` of this module's :func:`main`.
+    """Run :func:`run_rft` in ``gpus`` processes, one per GPU: ``torchrun --standalone`` of this module's
+    :func:`main`; in each process ``accelerate.Accelerator`` joins the process group and wraps the student in DDP
+    (NCCL on CUDA; with ``device="cpu"``, gloo, which the tests use).
 
     The job description goes through a JSON file next to ``out_dir``; the package that imported this module
     is put first on the children's ``PYTHONPATH``. Raises ``subprocess.CalledProcessError`` on failure.
@@ -643,29 +653,10 @@ def launch(
         },
     )
     cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--num_processes",
-        str(int(gpus)),
-        *(["--multi_gpu"] if device == "cuda" else ["--cpu"]),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "-m",
-        "statereduce.finetune",
-        "--pruned",
-        str(pruned_dir),
-        "--base",
-        str(base_dir),
-        "--out",
-        str(out_dir),
-        "--job",
-        str(job),
-    ]
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(int(gpus)),
+        "-m", "statereduce.finetune", "--pruned", str(pruned_dir), "--base", str(base_dir), "--out", str(out_dir),
+        "--job", str(job),
+    ]  # fmt: skip
     cmd += ["--resume-dir", str(resume_dir)] if resume_dir is not None else []
     cmd += ["--log", str(log_path)] if log_path is not None else []
     env = dict(os.environ)
@@ -678,7 +669,7 @@ def launch(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m statereduce.finetune``: one RFT run (also under ``accelerate launch`` for several GPUs)."""
+    """``python -m statereduce.finetune``: one RFT run (also under ``torchrun``, one process per GPU)."""
     p = argparse.ArgumentParser(prog="python -m statereduce.finetune", description=main.__doc__)
     p.add_argument("--pruned", required=True, help="pruned checkpoint folder (student)")
     p.add_argument("--base", required=True, help="base artifact of the unpruned model (teacher)")

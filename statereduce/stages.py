@@ -62,7 +62,7 @@ def recover(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, p
     """The ``rft`` stage: fine-tune the pruned checkpoint (:mod:`statereduce.finetune`), save it, evaluate it.
 
     The held-out documents of the ``heldout`` evaluation task are excluded from the training data. With
-    ``plan["gpus"] > 1`` training runs under ``accelerate launch`` (one process per GPU) and the saved
+    ``plan["gpus"] > 1`` training runs under ``torchrun`` (one process per GPU, DDP through accelerate) and the saved
     checkpoint is then loaded for evaluation; otherwise everything runs in this process and the merged model
     is evaluated in memory.
 

@@ -314,3 +314,22 @@ def test_resume_checkpoint_of_other_settings_is_discarded(pairs, tmp_path):
     record = _run(pairs["delta_net"], tmp_path / "rft", resume_dir=resume)
     assert record["resumed_from_step"] == 0 and not resume.exists()
     assert math.isfinite(record["final_loss"])
+
+
+@pytest.mark.slow
+def test_two_process_ddp_matches_one_process(pairs, tmp_path):
+    """``launch(2, ...)`` (torchrun, DDP through accelerate, gloo on CPU) trains like the single process: each
+    process takes half of every batch and DDP averages the gradients."""
+    base, pruned = pairs["delta_net"]
+    one = tmp_path / "one"
+    _run(pairs["delta_net"], one)
+    two = tmp_path / "two"
+    ft.launch(2, pruned, base, two, RFT, CORPUS, device="cpu", resume_dir=tmp_path / "resume2")
+    record = json.loads((two / "rft_record.json").read_text())
+    assert record["processes"] == 2 and record["steps"] == 8
+    la = [json.loads(x)["loss"] for x in (one / "train_log.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (two / "train_log.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(lb, la, rtol=1e-4)
+    a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
