@@ -44,7 +44,7 @@ from torch import nn
 from tqdm import tqdm
 
 from statereduce.pretrain import lr_at, seed_everything
-from statereduce.runtime import jsonable, read_json, write_json
+from statereduce.runtime import atomic_dir, jsonable, read_json, write_json
 
 RECORD_FILE = "rft_record.json"
 LOG_FILE = "train_log.jsonl"
@@ -555,41 +555,39 @@ def run_rft(
     seed_everything(int(cfg["seed"]))  # LoRA's initialisation
     peft_model, modules = attach_lora(student, cfg)
     n_trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    try:
+    from statereduce.models import DTYPES
+
+    with contextlib.ExitStack() as stack:
+        # the main process builds out_dir in a temporary sibling, swapped in only when everything succeeded;
+        # after a failure the resume checkpoint, not this folder, carries the progress
+        tmp = stack.enter_context(atomic_dir(out_dir)) if acc.is_main_process else None
         stats = train(
             peft_model,
             teacher,
             blocks,
             cfg,
             resume_dir=resume,
-            log_path=tmp / LOG_FILE if acc.is_main_process else None,
+            log_path=tmp / LOG_FILE if tmp is not None else None,
             accelerator=acc,
             stop_after=stop_after,
         )
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # the resume checkpoint, not this folder, carries the progress
-        raise
-    del teacher
-    record = {
-        "settings": cfg,
-        "schedule": _schedule(cfg),
-        "modules": modules,
-        "n_trainable": n_trainable,
-        "data": data,
-        "teacher": str(base_dir),
-        "student": str(pruned_dir),
-        "saved_dtype": dtype,
-        "fingerprint": key,
-        **stats,
-    }
-    if not acc.is_main_process:
-        acc.wait_for_everyone()
-        return record
-    from statereduce.models import DTYPES
-
-    model = merge(acc.unwrap_model(peft_model)).to(DTYPES[dtype])
-    try:
+        del teacher
+        record = {
+            "settings": cfg,
+            "schedule": _schedule(cfg),
+            "modules": modules,
+            "n_trainable": n_trainable,
+            "data": data,
+            "teacher": str(base_dir),
+            "student": str(pruned_dir),
+            "saved_dtype": dtype,
+            "fingerprint": key,
+            **stats,
+        }
+        if tmp is None:
+            acc.wait_for_everyone()
+            return record
+        model = merge(acc.unwrap_model(peft_model)).to(DTYPES[dtype])
         prune_record = read_json(Path(pruned_dir) / "prune_record.json")
         prune_record["rft"] = record
         model.save_pretrained(tmp, safe_serialization=True)
@@ -599,12 +597,6 @@ def run_rft(
         if log_path is not None:
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(tmp / LOG_FILE, log_path)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if resume is not None:
         shutil.rmtree(resume, ignore_errors=True)
         with contextlib.suppress(OSError):

@@ -15,9 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from tqdm import tqdm
 from statereduce import __version__
 from statereduce.data import corpus_provenance, load_split, token_stream
 from statereduce.models import tiny_config
+from statereduce.runtime import atomic_dir
 from statereduce.tokenizer import byte_level_tokenizer
 
 # Defaults, tuned for the embedded tiny models (hidden 128, 4 layers, 2 heads, d_k = d_v = 64, ~1.1M parameters)
@@ -174,12 +173,7 @@ def pretrain(
         raise ValueError(f"train split too small: {stream.numel()} tokens for seq_len={cfg['seq_len']}")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    with atomic_dir(out_dir) as tmp:
         log_paths = [tmp / "train_log.jsonl"] + ([Path(log_path)] if log_path is not None else [])
         stats = train_loop(model, stream, cfg, log_paths, desc=f"pretrain {family}")
         model.eval()
@@ -202,12 +196,6 @@ def pretrain(
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return record
 
 

@@ -7,9 +7,11 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import tempfile
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,33 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
+    """Build a folder artifact in a temporary sibling and swap it into place only when the block succeeds.
+
+    Yields the temporary folder (created empty). On success an existing ``out_dir`` is renamed aside, the new
+    folder renamed into place and the old one removed; on any exception the temporary folder is removed and
+    ``out_dir`` is left as it was. A crash therefore never leaves a half-written folder under ``out_dir``.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{tag}"
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
 
 
 def write_json(path: str | Path, doc: Any) -> Path:

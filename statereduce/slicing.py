@@ -22,8 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +34,7 @@ from torch import nn
 
 from statereduce import __version__
 from statereduce.adapters import LinearAttentionAdapter, get_adapter
+from statereduce.runtime import atomic_dir
 
 RECORD_NAME = "prune_record.json"
 RECORD_FORMAT = 1
@@ -324,22 +323,9 @@ def save_pruned(model: nn.Module, tokenizer, record: PruneRecord, out_dir: str |
         ``out_dir`` as a Path.
     """
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
-    try:
+    with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / RECORD_NAME).write_text(record.to_json() + "\n")
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{tag}"
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out_dir

@@ -331,6 +331,40 @@ class LinearAttentionAdapter(ABC):
         """Within the context, every forward pass calls ``on_qk(layer, q, k)`` with q, k [B,T,H,d_k]
         as they enter the kernel, and ``on_x(layer, x)`` with the q/k projection input [B,T,hidden]."""
 
+    # ---- recurrent state ----------------------------------------------------------------------
+    def recurrent_states(self, cache) -> dict[int, torch.Tensor]:
+        """The recurrent state of every linear-attention layer held by an fla cache, each [B, HV, d_v, d_k].
+
+        This is the paper's memory matrix S (Sec. 2.1, d_v x d_k): the readout is ``S @ q`` and the rows of S
+        lie in the span of the keys. The generic implementation reads ``cache[mixer.layer_idx]["recurrent_state"]``
+        in the layout of fla's delta-rule kernels called without ``state_v_first``, [B, HV, d_k, d_v], and returns
+        its transpose; a family whose layer calls its kernel with ``state_v_first=True`` overrides this. The
+        tensors are views of the cache: clone them if they must outlive the next forward.
+
+        Args:
+            cache: the fla ``Cache`` of a forward with ``use_cache=True`` (``out.past_key_values``).
+        Returns:
+            {layer index: S [B, HV, d_v, d_k]} for every layer of :meth:`mixer_layers`.
+        Raises:
+            ValueError: a layer's state is missing or not [B, HV, d_k, d_v] for the live config.
+        """
+        d = self.dims(self.config)
+        states = {}
+        for layer, mixer in self.mixer_layers():
+            try:
+                state = cache[getattr(mixer, "layer_idx", layer)]["recurrent_state"]
+            except (KeyError, IndexError, TypeError):  # layer not in the cache, or its entry still empty
+                state = None
+            expected = (d.num_v_heads, d.head_k_dim, d.head_v_dim)
+            if not isinstance(state, torch.Tensor) or state.dim() != 4 or state.shape[1:] != expected:
+                got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
+                raise ValueError(
+                    f"layer {layer}: cached recurrent state is {got}; expected [B, HV={d.num_v_heads}, "
+                    f"d_k={d.head_k_dim}, d_v={d.head_v_dim}] ({self.family})"
+                )
+            states[layer] = state.transpose(-1, -2)
+        return states
+
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The list of decoder blocks of a causal LM, a bare decoder, or a PEFT wrapper of either."""

@@ -1,0 +1,479 @@
+"""Rank analysis of the recurrent state and of the selected key/query subspace (paper Sec. 2.2, App. C.1-C.5).
+
+* Metrics: stable rank ``er(S) = ||S||_F^2 / ||S||_2^2`` and rank utilization ``u(S) = er(S) / min(d_v, d_k)``
+  of a state S [d_v, d_k] (paper Eq. 3 and Sec. 2.2.1; d is the smaller side, the largest rank S can have).
+* States come from the model's own forward pass (fla's kernels, or :mod:`statereduce.fla_fallback` on CPU):
+  the input is fed in segments of ``stride`` tokens with the HF cache carried over, and after each segment
+  every linear-attention layer's recurrent state is read from the cache (:meth:`LinearAttentionAdapter.
+  recurrent_states`). States whose last token lies before position ``skip`` are not scored.
+* Summaries: per-head utilization statistics and the Pearson correlation with the baseline (Table 5), the
+  conditioning of the selected columns of the calibration matrix [Q; K] (Table 6), the overlap between two
+  selections against its random expectation (App. C.2), and the singular values of one head (Figure 5).
+
+:func:`rank_report` bundles these into the JSON document written as ``results/{model}/.../rank.json``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from statereduce import __version__
+from statereduce.adapters import get_adapter
+from statereduce.runtime import jsonable
+
+HeadKey = tuple[int, int]  # (layer index, head index)
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+def _as_matrices(S: torch.Tensor | np.ndarray) -> torch.Tensor:
+    S = torch.as_tensor(S)
+    if S.dim() < 2:
+        raise ValueError(f"expected a batch of matrices [..., d_v, d_k], got shape {tuple(S.shape)}")
+    if S.shape[-1] == 0 or S.shape[-2] == 0:
+        raise ValueError(f"matrices must have d_v >= 1 and d_k >= 1, got shape {tuple(S.shape)}")
+    return S.detach().to(torch.float64)
+
+
+def singular_values(S: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """Singular values of a batch of matrices, float64 [..., min(d_v, d_k)] in descending order.
+
+    A matrix with a non-finite entry gets all-NaN singular values (instead of LAPACK's error).
+    """
+    S = _as_matrices(S)
+    finite = torch.isfinite(S).all(dim=-1).all(dim=-1)
+    sv = torch.linalg.svdvals(torch.where(finite[..., None, None], S, torch.zeros((), dtype=S.dtype, device=S.device)))
+    return torch.where(finite[..., None], sv, torch.full_like(sv, math.nan))
+
+
+def _er_from(S: torch.Tensor, sv: torch.Tensor) -> torch.Tensor:
+    fro2 = torch.linalg.matrix_norm(torch.nan_to_num(S), ord="fro") ** 2
+    fro2 = torch.where(torch.isnan(sv[..., 0]), torch.full_like(fro2, math.nan), fro2)
+    return fro2 / sv[..., 0] ** 2  # 0 / 0 = NaN for a zero matrix
+
+
+def stable_rank(S: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """Stable rank ``er(S) = ||S||_F^2 / ||S||_2^2`` of each matrix (paper Sec. 2.2), float64 [...].
+
+    1 <= er(S) <= rank(S). Computed in float64. A zero matrix (no spectral norm to divide by) or a matrix with
+    a non-finite entry gives NaN, never an error.
+
+    Args:
+        S: a matrix or a batch of matrices [..., d_v, d_k] (torch or numpy, any float dtype).
+    """
+    S = _as_matrices(S)
+    return _er_from(S, singular_values(S))
+
+
+def utilization(S: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """Rank utilization ``u(S) = er(S) / min(d_v, d_k)`` of each matrix (paper Sec. 2.2.1), float64 [...], in
+    (0, 1]; NaN where :func:`stable_rank` is NaN."""
+    S = _as_matrices(S)
+    return stable_rank(S) / min(S.shape[-2], S.shape[-1])
+
+
+# ---- states from the forward pass -------------------------------------------------------------
+def _output_cache(out):
+    """The cache of a model output (``cache`` in transformers >= 5, ``past_key_values`` before)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _check_segments(input_ids: torch.Tensor, stride: int, skip: int) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a LongTensor [B, T] with T >= 1, got {shape}")
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"stride={stride!r} is invalid; valid: an integer >= 1")
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise ValueError(f"skip={skip!r} is invalid; valid: an integer >= 0")
+
+
+def iter_states(
+    model: nn.Module, input_ids: torch.Tensor, stride: int = 64, skip: int = 0
+) -> Iterator[tuple[int, dict[int, torch.Tensor]]]:
+    """Run the model over ``input_ids`` in segments of ``stride`` tokens and yield the recurrent states.
+
+    Segments end at multiples of ``stride`` (and at T). Segment i is ``model(ids[:, s:e], past_key_values=cache,
+    use_cache=True)`` with the cache of segment i-1, so the states are those of one causal pass over the whole
+    input, computed by the model's own kernels. The segments whose states are not yielded (last token before
+    ``skip``) are merged into one forward.
+
+    Args:
+        model: a causal LM of a registered family, in eval mode.
+        input_ids: [B, T] token ids (no padding).
+        stride: tokens per segment; states are read every ``stride`` tokens.
+        skip: states whose last token position (0-based) is below ``skip`` are not yielded.
+    Yields:
+        (pos, {layer: S [B, HV, d_v, d_k]}): pos is the 0-based position of the last token the states include
+        (they have absorbed tokens 0..pos); the tensors are views of the live cache, valid until the next step.
+    """
+    _check_segments(input_ids, stride, skip)
+    if model.training:
+        raise ValueError("model is in training mode; call model.eval() first (dropout would perturb the states)")
+    adapter = get_adapter(model)
+    device = next(model.parameters()).device
+    ids = input_ids.to(device)
+    length = ids.shape[1]
+    bounds = list(range(stride, length, stride)) + [length]
+    # the states at boundaries b with b - 1 < skip are never read: run up to the last of them in one call
+    first = max((b for b in bounds if b - 1 < skip), default=None)
+    if first is not None:
+        bounds = [first] + [b for b in bounds if b > first]
+    cache, start = None, 0
+    with torch.no_grad():
+        for end in bounds:
+            out = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = _output_cache(out)
+            if end - 1 >= skip:
+                yield end - 1, adapter.recurrent_states(cache)
+            start = end
+
+
+@dataclass
+class RankSamples:
+    """Stable rank / utilization of every (layer, head) state over (sequence, position) samples.
+
+    Args:
+        positions: int64 [P] 0-based position of the last token of each sample's state.
+        er: {(layer, head): float64 [B, P]} stable rank per sequence and position (NaN for a zero state).
+        u: {(layer, head): float64 [B, P]} rank utilization, ``er / min(d_v, d_k)``.
+        d_k, d_v: state sizes; num_heads: state heads per layer (value heads HV under GVA).
+        spectrum_head: the (layer, head) whose singular values were kept, or None.
+        spectrum: float64 [B, P, min(d_v, d_k)] singular values of ``spectrum_head``'s states, or None.
+    """
+
+    positions: np.ndarray
+    er: dict[HeadKey, np.ndarray]
+    u: dict[HeadKey, np.ndarray]
+    d_k: int
+    d_v: int
+    num_heads: int
+    spectrum_head: HeadKey | None = None
+    spectrum: np.ndarray | None = None
+
+    def head_means(self, which: str = "u") -> dict[HeadKey, float]:
+        """Per-head mean of ``"u"`` or ``"er"`` over all (sequence, position) samples (NaN samples ignored)."""
+        return {key: _finite_mean(v) for key, v in self._metric(which).items()}
+
+    def head_stds(self, which: str = "u") -> dict[HeadKey, float]:
+        """Per-head standard deviation (ddof 0) of ``"u"`` or ``"er"`` over the finite samples."""
+        return {key: _finite_std(v) for key, v in self._metric(which).items()}
+
+    def _metric(self, which: str) -> dict[HeadKey, np.ndarray]:
+        if which not in ("u", "er"):
+            raise ValueError(f"unknown metric {which!r}; valid: u, er")
+        return self.u if which == "u" else self.er
+
+
+def collect_rank_samples(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    skip: int = 128,
+    stride: int = 64,
+    spectrum_head: HeadKey | None = None,
+) -> RankSamples:
+    """Stable rank and utilization of every recurrent-state head, read from the model's forward pass.
+
+    Args:
+        model: a causal LM of a registered family (baseline or pruned), in eval mode.
+        input_ids: [B, T] evaluation token ids.
+        skip: states whose last token position is below ``skip`` are not scored (design: first 128 tokens).
+        stride: read the states every ``stride`` tokens (see :func:`iter_states`).
+        spectrum_head: (layer, head) whose singular values are also returned (Figure 5), or None.
+    Raises:
+        ValueError: bad arguments, ``spectrum_head`` not a state head, or no position reaches ``skip``.
+    """
+    adapter = get_adapter(model)
+    dims = adapter.dims(adapter.config)
+    layers = [layer for layer, _ in adapter.mixer_layers()]
+    if spectrum_head is not None:
+        layer, head = spectrum_head
+        if layer not in layers or not 0 <= head < dims.num_v_heads:
+            raise ValueError(
+                f"spectrum_head={spectrum_head!r} is not a state head; valid: layer in {layers}, "
+                f"head in [0, {dims.num_v_heads})"
+            )
+    positions, er, spectra = [], {layer: [] for layer in layers}, []
+    for pos, states in iter_states(model, input_ids, stride=stride, skip=skip):
+        positions.append(pos)
+        for layer, S in states.items():
+            S = S.to(torch.float64)
+            sv = singular_values(S)  # [B, HV, min(d_v, d_k)]
+            er[layer].append(_er_from(S, sv).cpu().numpy())  # [B, HV]
+            if spectrum_head is not None and layer == spectrum_head[0]:
+                spectra.append(sv[:, spectrum_head[1]].cpu().numpy())
+    if not positions:
+        raise ValueError(f"no state to score: skip={skip} >= sequence length T={input_ids.shape[1]}")
+    d = min(dims.head_k_dim, dims.head_v_dim)
+    er_heads = {}
+    for layer in layers:
+        stacked = np.stack(er[layer], axis=1)  # [B, P, HV]
+        for head in range(dims.num_v_heads):
+            er_heads[(layer, head)] = np.ascontiguousarray(stacked[:, :, head])
+    return RankSamples(
+        positions=np.asarray(positions, dtype=np.int64),
+        er=er_heads,
+        u={key: v / d for key, v in er_heads.items()},
+        d_k=dims.head_k_dim,
+        d_v=dims.head_v_dim,
+        num_heads=dims.num_v_heads,
+        spectrum_head=spectrum_head,
+        spectrum=np.stack(spectra, axis=1) if spectrum_head is not None else None,
+    )
+
+
+# ---- summaries --------------------------------------------------------------------------------
+def _finite(values) -> np.ndarray:
+    v = np.asarray(values, dtype=np.float64).ravel()
+    return v[np.isfinite(v)]
+
+
+def _finite_mean(values) -> float:
+    v = _finite(values)
+    return float(v.mean()) if v.size else math.nan
+
+
+def _finite_std(values) -> float:
+    v = _finite(values)
+    return float(v.std()) if v.size else math.nan
+
+
+def utilization_table(per_head_u: Mapping[HeadKey, float]) -> dict[str, float | int]:
+    """Mean, std (ddof 0), min and max over heads of the per-head mean utilization (paper Table 5).
+
+    Args:
+        per_head_u: {(layer, head): mean u of that head} (e.g. :meth:`RankSamples.head_means`).
+    Returns:
+        {"mean", "std", "min", "max", "n_heads", "n_nan"}: statistics over the heads with a finite value
+        (NaN if there is none); ``n_nan`` counts the heads left out.
+    """
+    values = np.asarray(list(per_head_u.values()), dtype=np.float64)
+    v = values[np.isfinite(values)]
+    stats = (float(v.mean()), float(v.std()), float(v.min()), float(v.max())) if v.size else (math.nan,) * 4
+    return {
+        **dict(zip(("mean", "std", "min", "max"), stats)),
+        "n_heads": int(v.size),
+        "n_nan": int(values.size - v.size),
+    }
+
+
+def pearson(baseline: Mapping[HeadKey, float], method: Mapping[HeadKey, float]) -> float:
+    """Pearson correlation of two per-head statistics over their common (layer, head) keys (Table 5's rho).
+
+    Keys where either value is not finite are left out. Returns NaN with fewer than two common keys or
+    when either side is constant over them.
+    """
+    keys = [k for k in baseline if k in method and math.isfinite(baseline[k]) and math.isfinite(method[k])]
+    if len(keys) < 2:
+        return math.nan
+    a = np.array([baseline[k] for k in keys], dtype=np.float64)
+    b = np.array([method[k] for k in keys], dtype=np.float64)
+    a, b = a - a.mean(), b - b.mean()
+    denom = math.sqrt(float(a @ a) * float(b @ b))
+    return float(a @ b) / denom if denom > 0 else math.nan
+
+
+KeepSpec = Sequence[Sequence[int]] | np.ndarray  # per-head kept channel indices of one layer, [H][d_k']
+
+
+def _as_layers(x, name: str) -> dict[int, object]:
+    """A per-layer mapping as is; a single layer's value as {0: value}."""
+    if isinstance(x, Mapping):
+        return dict(x)
+    if x is None:
+        raise ValueError(f"{name} is None; expected an array or a {{layer: array}} mapping")
+    return {0: x}
+
+
+def _head_keep(keep: KeepSpec | None, num_heads: int, d_k: int, where: str) -> list[np.ndarray]:
+    if keep is None:
+        return [np.arange(d_k)] * num_heads
+    if len(keep) != num_heads:
+        raise ValueError(f"{where}: keep has {len(keep)} heads, the activations have H={num_heads}")
+    out = []
+    for head, idx in enumerate(keep):
+        idx = np.asarray(idx, dtype=np.int64).ravel()
+        if idx.size == 0 or idx.min() < 0 or idx.max() >= d_k or np.unique(idx).size != idx.size:
+            raise ValueError(
+                f"{where} head {head}: keep={idx.tolist()} is invalid; valid: distinct indices in [0, d_k={d_k})"
+            )
+        out.append(idx)
+    return out
+
+
+def selected_conditioning(K, Q, keep=None) -> dict:
+    """Conditioning of the selected columns of the calibration matrix M = [Q; K] per head (paper Table 6).
+
+    For each head, M_h = [Q_h; K_h] (rows: calibration samples, 2N; columns: channels) restricted to the kept
+    columns, [2N, d_k']; sigma_max and sigma_min are its largest and d_k'-th singular values (sigma_min is 0
+    when 2N < d_k'), kappa = sigma_max / sigma_min (inf for sigma_min = 0, NaN for a zero matrix). The
+    medians are over all heads of all layers given; Table 6's kappa is the median of per-head ratios.
+
+    Args:
+        K, Q: calibration keys / queries as stored in ``activations.h5``, [H, N, d_k] for one layer, or
+            {layer: [H, N, d_k]} for several.
+        keep: the selection: per-head kept indices [H][d_k'] (one layer) or {layer: [H][d_k']} (as
+            :func:`statereduce.selection.read_selection` returns); None keeps every channel (the baseline).
+    Returns:
+        {"per_head": {(layer, head): {"sigma_min", "sigma_max", "kappa"}}, "median": {"sigma_min",
+        "sigma_max", "kappa"}, "n_heads"}; a single layer is reported as layer 0.
+    """
+    K_layers, Q_layers = _as_layers(K, "K"), _as_layers(Q, "Q")
+    keep_layers = {layer: None for layer in K_layers} if keep is None else _as_layers(keep, "keep")
+    if set(K_layers) != set(Q_layers) or set(K_layers) != set(keep_layers):
+        raise ValueError(
+            f"K, Q and keep cover different layers: {sorted(K_layers)}, {sorted(Q_layers)}, {sorted(keep_layers)}"
+        )
+    per_head: dict[HeadKey, dict[str, float]] = {}
+    for layer in sorted(K_layers):
+        k, q = np.asarray(K_layers[layer]), np.asarray(Q_layers[layer])
+        if k.ndim != 3 or k.shape != q.shape:
+            raise ValueError(f"layer {layer}: K {k.shape} and Q {q.shape} must both be [H, N, d_k]")
+        for head, idx in enumerate(_head_keep(keep_layers[layer], k.shape[0], k.shape[2], f"layer {layer}")):
+            m = np.concatenate([q[head], k[head]], axis=0)[:, idx].astype(np.float64)
+            if np.isfinite(m).all():
+                s = np.linalg.svd(m, compute_uv=False)
+                s_max, s_min = float(s[0]), (float(s[-1]) if s.size >= idx.size else 0.0)
+            else:
+                s_max = s_min = math.nan
+            with np.errstate(divide="ignore", invalid="ignore"):
+                kappa = float(np.float64(s_max) / np.float64(s_min))
+            per_head[(layer, head)] = {"sigma_min": s_min, "sigma_max": s_max, "kappa": kappa}
+    median = {
+        name: float(np.nanmedian([v[name] for v in per_head.values()])) if per_head else math.nan
+        for name in ("sigma_min", "sigma_max", "kappa")
+    }
+    return {"per_head": per_head, "median": median, "n_heads": len(per_head)}
+
+
+def keep_overlap(keep_a, keep_b, d_k: int) -> dict:
+    """Per-head overlap of two selections against the random expectation (paper App. C.2).
+
+    For each head, ``shared = |A ∩ B|`` and ``fraction = shared / d_k'``. Two independent uniformly random
+    d_k'-subsets of d_k channels share d_k'^2 / d_k channels in expectation (hypergeometric mean), a fraction
+    d_k' / d_k.
+
+    Args:
+        keep_a, keep_b: per-head kept indices [H][d_k'] of one layer, or {layer: [H][d_k']} (as
+            :func:`statereduce.selection.read_selection` returns); both must cover the same heads with the same d_k'.
+        d_k: channels per head before pruning.
+    Returns:
+        {"per_head": {(layer, head): {"shared", "fraction"}}, "median_shared", "median_fraction",
+        "random_shared", "random_fraction", "d_k", "d_k_new", "n_heads"}; a single layer is reported as layer 0.
+    """
+    if isinstance(d_k, bool) or not isinstance(d_k, (int, np.integer)) or d_k < 1:
+        raise ValueError(f"d_k={d_k!r} is invalid; valid: a positive integer")
+    a_layers, b_layers = _as_layers(keep_a, "keep_a"), _as_layers(keep_b, "keep_b")
+    if set(a_layers) != set(b_layers):
+        raise ValueError(f"keep_a and keep_b cover different layers: {sorted(a_layers)} vs {sorted(b_layers)}")
+    per_head: dict[HeadKey, dict[str, float]] = {}
+    sizes = set()
+    for layer in sorted(a_layers):
+        heads = len(a_layers[layer])
+        a = _head_keep(a_layers[layer], heads, d_k, f"keep_a layer {layer}")
+        b = _head_keep(b_layers[layer], heads, d_k, f"keep_b layer {layer}")
+        for head, (ia, ib) in enumerate(zip(a, b)):
+            if ia.size != ib.size:
+                raise ValueError(f"layer {layer} head {head}: keep_a keeps {ia.size} channels, keep_b {ib.size}")
+            sizes.add(int(ia.size))
+            shared = int(np.intersect1d(ia, ib).size)
+            per_head[(layer, head)] = {"shared": shared, "fraction": shared / ia.size}
+    if len(sizes) > 1:
+        raise ValueError(f"selections keep different numbers of channels across heads: {sorted(sizes)}")
+    d_k_new = sizes.pop() if sizes else 0
+    return {
+        "per_head": per_head,
+        "median_shared": float(np.median([v["shared"] for v in per_head.values()])) if per_head else math.nan,
+        "median_fraction": float(np.median([v["fraction"] for v in per_head.values()])) if per_head else math.nan,
+        "random_shared": d_k_new**2 / d_k,
+        "random_fraction": d_k_new / d_k,
+        "d_k": int(d_k),
+        "d_k_new": d_k_new,
+        "n_heads": len(per_head),
+    }
+
+
+# ---- report -----------------------------------------------------------------------------------
+def per_head_utilization(report: Mapping) -> dict[HeadKey, float]:
+    """{(layer, head): mean u} from a :func:`rank_report` document (also after a JSON round trip)."""
+    return {(int(r["layer"]), int(r["head"])): float(r["u_mean"]) for r in report["per_head"]}
+
+
+def _spectrum_summary(spectrum: np.ndarray) -> dict[str, list[float]]:
+    flat = spectrum.reshape(-1, spectrum.shape[-1])
+    flat = flat[np.isfinite(flat).all(axis=1)]
+    if not flat.size:
+        return {"mean": [], "q10": [], "median": [], "q90": [], "n_samples": 0}
+    q10, q50, q90 = np.quantile(flat, [0.1, 0.5, 0.9], axis=0)
+    return {"mean": flat.mean(0), "q10": q10, "median": q50, "q90": q90, "n_samples": int(flat.shape[0])}
+
+
+def rank_report(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    skip: int = 128,
+    stride: int = 64,
+    *,
+    spectrum_head: HeadKey | None = None,
+    baseline: Mapping | None = None,
+) -> dict:
+    """The ``rank.json`` document of one model: per-head rank utilization of its recurrent states (paper App. C.1).
+
+    Args:
+        model: a causal LM of a registered family (baseline or pruned), in eval mode.
+        input_ids: [B, T] evaluation token ids.
+        skip, stride: see :func:`collect_rank_samples`.
+        spectrum_head: (layer, head) whose singular values are summarised per index (Figure 5), or None.
+        baseline: the baseline model's report; when given, adds ``pearson_u`` over the common heads (Table 5).
+    Returns:
+        A JSON-serialisable dict (non-finite floats as strings, see :func:`statereduce.runtime.jsonable`):
+        ``settings``, ``model`` (state sizes), ``per_head`` (one record per (layer, head) with er/u mean and
+        std), ``summary`` ({"u", "er"}: :func:`utilization_table` of the per-head means), optionally
+        ``pearson_u`` and ``spectrum``.
+    """
+    samples = collect_rank_samples(model, input_ids, skip=skip, stride=stride, spectrum_head=spectrum_head)
+    u_mean, u_std = samples.head_means("u"), samples.head_stds("u")
+    er_mean, er_std = samples.head_means("er"), samples.head_stds("er")
+    adapter = get_adapter(model)
+    doc = {
+        "settings": {
+            "skip": skip,
+            "stride": stride,
+            "n_sequences": int(input_ids.shape[0]),
+            "seq_len": int(input_ids.shape[1]),
+            "positions": samples.positions,
+            "n_samples_per_head": int(input_ids.shape[0]) * len(samples.positions),
+        },
+        "model": {
+            "family": adapter.family,
+            "num_heads": samples.num_heads,
+            "d_k": samples.d_k,
+            "d_v": samples.d_v,
+            "layers": sorted({layer for layer, _ in samples.u}),
+        },
+        "per_head": [
+            {
+                "layer": key[0],
+                "head": key[1],
+                "u_mean": u_mean[key],
+                "u_std": u_std[key],
+                "er_mean": er_mean[key],
+                "er_std": er_std[key],
+            }
+            for key in sorted(samples.u)
+        ],
+        "summary": {"u": utilization_table(u_mean), "er": utilization_table(er_mean)},
+        "package_version": __version__,
+    }
+    if baseline is not None:
+        doc["pearson_u"] = pearson(per_head_utilization(baseline), u_mean)
+    if samples.spectrum is not None:
+        layer, head = samples.spectrum_head
+        doc["spectrum"] = {"layer": layer, "head": head, **_spectrum_summary(samples.spectrum)}
+    return jsonable(doc)
