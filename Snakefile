@@ -15,9 +15,16 @@ include: "rules/select.smk"
 include: "rules/slice.smk"
 include: "rules/finetune.smk"
 include: "rules/evaluate.smk"
+include: "rules/analysis.smk"
 
 
 rule all:
     input:
         get_final_output(),
     default_target: True
+
+
+rule all_paper:
+    """The default target plus the rank analysis and its tables (paper Tables 5 and 6, App. C.2)."""
+    input:
+        get_paper_output(),

@@ -180,6 +180,43 @@ def get_summary_inputs(wildcards):
     return inputs
 
 
+def get_rank(wildcards):
+    """Rank-analysis settings of the model (config.model_rank) with the corpus spec resolved."""
+    settings = srconfig.model_rank(CFG, wildcards.model)
+    return {**settings, "corpus_spec": get_corpus_spec(settings["corpus"])}
+
+
+def get_rank_inputs(wildcards):
+    spec = parse_method(wildcards.method)
+    stage = f"results/{wildcards.model}/{wildcards.method}_{wildcards.pct}"
+    return {"pruned": f"{stage}/pruned/config.json", "baseline": f"results/{wildcards.model}/baseline/rank.json",
+            "selection": f"results/{wildcards.model}/select/{wildcards.method}_{wildcards.pct}.parquet",
+            "activations": f"results/{wildcards.model}/calib/{spec.calib}/activations.h5"}
+
+
+def _targets():
+    return [(m, method, srconfig.format_pct(pct)) for m in TARGETS["models"] for method in TARGETS["methods"]
+            for pct in TARGETS["pcts"]]
+
+
+def get_target_ranks(wildcards):
+    return [f"results/{m}/{method}_{pct}/rank.json" for m, method, pct in _targets()]
+
+
+def get_target_selections(wildcards):
+    return [f"results/{m}/select/{method}_{pct}.parquet" for m, method, pct in _targets()]
+
+
+def get_baseline_ranks(wildcards):
+    return [f"results/{m}/baseline/rank.json" for m in TARGETS["models"]]
+
+
+def get_paper_output():
+    """``all_paper``: the default outputs plus the rank analysis and its tables (paper Tables 5, 6, App. C.2)."""
+    return [*get_final_output(), "results/tables/rank_utilization.md", "results/tables/conditioning.md",
+            "results/tables/overlap.md"]
+
+
 def get_summaries(wildcards):
     return target_summaries()
 

@@ -111,6 +111,29 @@ def check_rft(config: dict, model: str) -> dict:
     return plan
 
 
+RANK_DEFAULTS = {"n_samples": 4, "seq_len": 512, "skip": 128, "stride": 64, "seed": 0, "spectrum_head": [0, 0]}
+
+
+def model_rank(config: dict, model: str) -> dict:
+    """Rank-analysis settings of ``model``: defaults, top-level ``rank``, then ``models.<model>.rank``.
+
+    The corpus (whose ``heldout`` split is analysed) defaults to the model's eval corpus, else its pretraining
+    corpus, else its calibration corpus.
+    """
+    m = config["models"][model]
+    out = {**RANK_DEFAULTS, **config.get("rank", {}), **m.get("rank", {})}
+    if out.get("corpus") is None:
+        out["corpus"] = (m.get("eval", {}).get("corpus") or m.get("pretrain", {}).get("corpus")
+                         or m.get("calibration", {}).get("corpus"))
+    if out["corpus"] is None:
+        raise ConfigError(f"model {model!r} has no corpus for the rank analysis: set models.{model}.rank.corpus")
+    if out["corpus"] not in config["corpora"]:
+        raise ConfigError(f"models.{model}.rank.corpus: unknown corpus {out['corpus']!r}; valid: {', '.join(sorted(config['corpora']))}")
+    if out["skip"] >= out["seq_len"]:
+        raise ConfigError(f"rank.skip={out['skip']} must be smaller than rank.seq_len={out['seq_len']} (model {model!r})")
+    return canonical(out)
+
+
 def model_dims(config: dict, model: str) -> dict | None:
     """(num_heads, head_k_dim, head_v_dim) of a model known from config alone, or None.
 
@@ -197,6 +220,8 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
                 raise ConfigError(f"models.{name}.{where}.corpus: unknown corpus {cname!r}; valid: {', '.join(sorted(corpora))}")
     for name in cfg["models"]:
         check_rft(cfg, name)
+        if "pretrain" in cfg["models"][name] or cfg["models"][name].get("eval", {}).get("corpus"):
+            model_rank(cfg, name)
     for cname, cal in cfg.get("calibrations", {}).items():
         if "corpus" in cal and cal["corpus"] not in corpora:
             raise ConfigError(f"calibrations.{cname}.corpus: unknown corpus {cal['corpus']!r}; valid: {', '.join(sorted(corpora))}")

@@ -86,3 +86,44 @@ def recover(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, p
                      dtype=info["dtype"], device=info["device"], resume_dir=resume_dir, log_path=log_jsonl,
                      on_saved=evaluate)
     return out["doc"]
+
+
+def rank_analysis(checkpoint: str | Path, settings: dict[str, Any], info: dict[str, Any], out_path: str | Path, *,
+                  baseline: str | Path | None = None, selection: str | Path | None = None,
+                  activations: str | Path | None = None, extra: dict[str, Any] | None = None) -> dict:
+    """The ``rank.json`` of one checkpoint (paper Sec. 2.2, App. C.1, C.5; Tables 5 and 6).
+
+    Rank utilization of the recurrent state of every head over ``n_samples`` held-out blocks of ``seq_len``
+    tokens (:func:`statereduce.rank.rank_report`: states from the model's own forward pass, positions before
+    ``skip`` left out, one sample every ``stride`` tokens), the singular values of ``spectrum_head``, the
+    Pearson correlation of per-head utilization with the baseline's ``rank.json`` when given, and the
+    conditioning of the selected [Q; K] calibration columns when ``activations`` is given (every channel for
+    the baseline, the ``selection``'s for a pruned model).
+    """
+    from statereduce import rank
+    from statereduce.data import token_blocks
+    from statereduce.h5files import H5Artifact
+    from statereduce.models import load_model
+    from statereduce.runtime import jsonable, read_json, write_json
+    from statereduce.selection import read_selection
+
+    model, tokenizer = load_model(checkpoint, dtype=info["dtype"], device=info["device"])
+    docs = load_split(settings["corpus_spec"], "heldout")
+    ids = token_blocks(tokenizer, docs, int(settings["n_samples"]), int(settings["seq_len"]), int(settings["seed"]))
+    head = settings.get("spectrum_head")
+    doc = rank.rank_report(model, ids.to(info["device"]), skip=int(settings["skip"]), stride=int(settings["stride"]),
+                           spectrum_head=tuple(head) if head is not None else None,
+                           baseline=read_json(baseline) if baseline is not None else None)
+    if activations is not None:
+        acts = H5Artifact(Path(activations))
+        layers = acts.layers()
+        data = {layer: acts.read(layer, ["K", "Q"]) for layer in layers}
+        keep = read_selection(selection)[0] if selection is not None else None
+        cond = rank.selected_conditioning({lay: d["K"] for lay, d in data.items()},
+                                          {lay: d["Q"] for lay, d in data.items()}, keep)
+        cond["per_head"] = [{"layer": lay, "head": h, **v} for (lay, h), v in sorted(cond["per_head"].items())]
+        doc["conditioning"] = {**cond, "activations": str(activations), "selection": str(selection)}
+    doc["provenance"] = {"checkpoint": str(checkpoint), "model": info["model"], "corpus": settings["corpus_spec"],
+                         "split": "heldout", **(extra or {})}
+    write_json(out_path, jsonable(doc))
+    return doc

@@ -224,3 +224,141 @@ def write_comparison(
         tmp.write_text(text)
         os.replace(tmp, path)
     return df
+
+
+# ---- rank analysis (paper Tables 5 and 6, App. C.2) ----------------------------------------------------------
+def _num(v) -> float:
+    """A number from a rank.json value (non-finite floats are stored as strings there)."""
+    if v is None:
+        return float("nan")
+    return float(v)
+
+
+def rank_frames(
+    ranks: dict[tuple[str, str, float], dict], baselines: dict[str, dict]
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Table 5 (per-head rank utilization) and Table 6 (conditioning of the selected [Q; K] columns) as frames.
+
+    Args:
+        ranks: (model, method, pct) -> ``rank.json`` of the pruned model.
+        baselines: model -> the baseline's ``rank.json``.
+
+    Returns:
+        (utilization: one row per (model, method, pct) with d_k, mean, std, min, max of the per-head mean
+        utilization and rho = Pearson correlation with the baseline's per-head utilization; conditioning: one row
+        per (model, method, pct) with the per-head medians of sigma_min, sigma_max and kappa). Baseline rows have
+        method ``baseline`` and pct 0; a value a document lacks is NaN, shown as missing.
+    """
+    util, cond = [], []
+    items = [((m, "baseline", 0.0), doc) for m, doc in baselines.items()] + list(ranks.items())
+    for (model, method, pct), doc in items:
+        u = (doc.get("summary") or {}).get("u") or {}
+        rho = 1.0 if method == "baseline" else _num(doc.get("pearson_u"))
+        key = {"model": model, "method": method, "pct": pct, "d_k": (doc.get("model") or {}).get("d_k")}
+        util.append({**key, **{s: _num(u.get(s)) for s in ("mean", "std", "min", "max")}, "rho": rho})
+        med = (doc.get("conditioning") or {}).get("median") or {}
+        cond.append({**key, **{s: _num(med.get(s)) for s in ("sigma_min", "sigma_max", "kappa")}})
+    order = ["model", "pct", "method"]
+    return (
+        pd.DataFrame(util).sort_values(order, kind="stable").reset_index(drop=True),
+        pd.DataFrame(cond).sort_values(order, kind="stable").reset_index(drop=True),
+    )
+
+
+def overlap_frame(selections: dict[tuple[str, str, float], dict], d_k: dict[str, int]) -> pd.DataFrame:
+    """Median per-head overlap of kept channels between every two methods of a (model, pct) (paper App. C.2).
+
+    Args:
+        selections: (model, method, pct) -> {layer: [H][d_k']} kept indices (:func:`statereduce.selection.read_selection`).
+        d_k: model -> head size before pruning.
+
+    Returns:
+        One row per (model, pct, method_a, method_b): d_k', median shared channels, median fraction and the
+        random-selection expectation d_k'^2 / d_k.
+    """
+    from statereduce.rank import keep_overlap
+
+    rows = []
+    groups: dict[tuple[str, float], dict[str, dict]] = {}
+    for (model, method, pct), keep in selections.items():
+        groups.setdefault((model, pct), {})[method] = keep
+    for (model, pct), by_method in sorted(groups.items()):
+        names = sorted(by_method)
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                ov = keep_overlap(by_method[a], by_method[b], d_k[model])
+                rows.append(
+                    {
+                        "model": model,
+                        "pct": pct,
+                        "method_a": a,
+                        "method_b": b,
+                        **{k: ov[k] for k in ("d_k_new", "median_shared", "median_fraction", "random_shared")},
+                    }
+                )
+    return pd.DataFrame(rows)
+
+
+def _md_table(df: pd.DataFrame, cols: list[str]) -> list[str]:
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for _, r in df.iterrows():
+        cells = [
+            str(r[c])
+            if isinstance(r[c], str)
+            else (_pct(r[c]) if c in ("pct", "d_k", "d_k_new") and not pd.isna(r[c]) else _fmt(r[c]))
+            for c in cols
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_rank_tables(
+    ranks: dict[tuple[str, str, float], dict],
+    baselines: dict[str, dict],
+    selections: dict[tuple[str, str, float], dict],
+    out_dir: str | Path,
+) -> dict[str, pd.DataFrame]:
+    """Write ``rank_utilization``, ``conditioning`` and ``overlap`` (``.md`` and ``.csv``) into ``out_dir``."""
+    from statereduce.runtime import write_text_atomic
+
+    util, cond = rank_frames(ranks, baselines)
+    d_k = {m: int(doc["model"]["d_k"]) for m, doc in baselines.items()}
+    over = overlap_frame(selections, d_k)
+    texts = {
+        "rank_utilization": (
+            (
+                "# Per-head rank utilization of the recurrent state (paper Table 5; pre-RFT)\n\n"
+                "u = er(S) / min(d_v, d_k), er(S) = ||S||_F^2 / ||S||_2^2, averaged per head over held-out positions; "
+                "mean/std/min/max over all (layer, head); rho = Pearson correlation of the per-head means with the "
+                "baseline's.\n\n"
+            ),
+            util,
+            ["model", "method", "pct", "d_k", "mean", "std", "min", "max", "rho"],
+        ),
+        "conditioning": (
+            (
+                "# Selected key/query subspace (paper Table 6)\n\n"
+                "Per-head medians over the kept columns of the calibration matrix [Q; K]; kappa is the median of "
+                "the per-head ratios.\n\n"
+            ),
+            cond,
+            ["model", "method", "pct", "d_k", "sigma_min", "sigma_max", "kappa"],
+        ),
+        "overlap": (
+            (
+                "# Kept-channel overlap between selectors (paper App. C.2)\n\n"
+                "Median over heads of the channels two methods both keep; random: the expectation d_k'^2 / d_k for "
+                "independent uniform selections.\n\n"
+            ),
+            over,
+            ["model", "pct", "method_a", "method_b", "d_k_new", "median_shared", "median_fraction", "random_shared"],
+        ),
+    }
+    out_dir = Path(out_dir)
+    frames = {}
+    for name, (head, df, cols) in texts.items():
+        body = "\n".join(_md_table(df, cols)) if not df.empty else f"_no {name} results_"
+        write_text_atomic(out_dir / f"{name}.md", head + body + "\n")
+        write_text_atomic(out_dir / f"{name}.csv", df.to_csv(index=False))
+        frames[name] = df
+    return frames

@@ -160,3 +160,41 @@ def test_without_rft_all_post_cells_missing(tmp_path):
 def test_duplicate_documents_rejected():
     with pytest.raises(ValueError, match="several result documents"):
         comparison_frame([_summary("m", "l1", 50, 2.0), _summary("m", "l1", 50.0, 2.1)], {})
+
+
+def _rank_doc(model, method, pct, d_k, u, rho=None, cond=None):
+    doc = {
+        "model": {"d_k": d_k},
+        "summary": {"u": dict(zip(("mean", "std", "min", "max"), u))},
+        "provenance": {"model": model, "method": method, "pct": pct},
+    }
+    if rho is not None:
+        doc["pearson_u"] = rho
+    if cond is not None:
+        doc["conditioning"] = {"median": dict(zip(("sigma_min", "sigma_max", "kappa"), cond))}
+    return doc
+
+
+def test_rank_tables_from_synthetic_documents(tmp_path):
+    from statereduce.tables import write_rank_tables
+
+    baselines = {"m": _rank_doc("m", "baseline", 0, 8, (0.1, 0.02, 0.05, 0.2), cond=(0.1, 10.0, 100.0))}
+    ranks = {
+        ("m", "drrqr", 75.0): _rank_doc("m", "drrqr", 75, 2, (0.3, 0.05, 0.2, 0.4), rho=0.9, cond=(1.0, 9.0, 9.0)),
+        ("m", "rand", 75.0): _rank_doc("m", "rand", 75, 2, (0.2, 0.05, 0.1, 0.3), rho="nan"),  # no conditioning
+    }
+    keep = {
+        ("m", "drrqr", 75.0): {0: [[0, 1], [2, 3]]},
+        ("m", "rand", 75.0): {0: [[0, 5], [6, 7]]},
+    }
+    frames = write_rank_tables(ranks, baselines, keep, tmp_path)
+    util = (tmp_path / "rank_utilization.md").read_text().splitlines()
+    assert "| m | baseline | 0 | 8 | 0.100 | 0.020 | 0.050 | 0.200 | 1.000 |" in util
+    assert "| m | drrqr | 75 | 2 | 0.300 | 0.050 | 0.200 | 0.400 | 0.900 |" in util
+    assert "| m | rand | 75 | 2 | 0.200 | 0.050 | 0.100 | 0.300 | – |" in util  # NaN rho: missing, not invented
+    cond = (tmp_path / "conditioning.md").read_text().splitlines()
+    assert "| m | rand | 75 | 2 | – | – | – |" in cond and "| m | drrqr | 75 | 2 | 1.000 | 9.000 | 9.000 |" in cond
+    over = frames["overlap"].iloc[0]
+    assert (over["method_a"], over["method_b"], over["median_shared"]) == ("drrqr", "rand", 0.5)  # heads share 1, 0
+    assert over["random_shared"] == 2 * 2 / 8
+    assert (tmp_path / "overlap.csv").read_text().startswith("model,pct,method_a,method_b")

@@ -51,7 +51,9 @@ def finished_run(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("wf")
     for name in COPY:
         src = ROOT / name
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, work / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if src.is_dir() else {}))
+        (shutil.copytree if src.is_dir() else shutil.copy2)(
+            src, work / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if src.is_dir() else {})
+        )
     shutil.copy2(ROOT / "tests" / "workflow" / "config.yaml", work / "config.yaml")
     run = _snakemake(work, "--cores", "2")
     assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
@@ -122,3 +124,22 @@ def test_rft_setting_reruns_only_rft(finished_run):
     assert set(jobs) == {"rft", "summarize", "comparison_table"}, jobs
     assert len(jobs["rft"]) == 3 * 4  # three methods, four declared outputs each
     assert set(jobs_off) == {"summarize", "comparison_table"}, jobs_off
+
+
+def test_all_paper_adds_rank_analysis_and_tables(finished_run):
+    """``all_paper`` = the default outputs plus rank.json per checkpoint and the Table 5/6/overlap tables."""
+    run = _snakemake(finished_run, "--cores", "2", "all_paper")
+    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
+    results = finished_run / "results"
+    base = yaml.safe_load((results / "wf-dn" / "baseline" / "rank.json").read_text())
+    assert base["model"]["d_k"] == 32 and 0 < base["summary"]["u"]["mean"] <= 1
+    assert base["conditioning"]["n_heads"] == 4 and base["spectrum"]["layer"] == 1
+    for method in ("rand", "grad", "drrqr"):
+        doc = yaml.safe_load((results / "wf-dn" / f"{method}_50" / "rank.json").read_text())
+        assert doc["model"]["d_k"] == 16 and -1 <= float(doc["pearson_u"]) <= 1
+        cond = doc["conditioning"]["median"]
+        assert 0 < cond["sigma_min"] <= cond["sigma_max"]
+    table = (results / "tables" / "rank_utilization.md").read_text()
+    assert "| wf-dn | baseline | 0 | 32 |" in table and "| wf-dn | drrqr | 50 | 16 |" in table
+    assert "| wf-dn | 50 | drrqr | grad | 16 |" in (results / "tables" / "overlap.md").read_text()
+    assert planned_outputs(finished_run) == {}  # the default target is still complete
