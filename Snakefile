@@ -8,6 +8,9 @@ min_version("9.0")
 configfile: "config.yaml"
 
 
+report: "report/workflow.rst"
+
+
 include: "rules/common.smk"
 include: "rules/pretrain.smk"
 include: "rules/capture.smk"
@@ -25,6 +28,7 @@ rule all:
 
 
 rule all_paper:
-    """The default target plus the rank analysis and its tables (paper Tables 5 and 6, App. C.2)."""
+    """The default target plus the rank analysis, its tables and figures (paper Tables 5, 6, App. C.2, Figs. 2, 3, 5),
+    all captioned in `snakemake --report report.html all_paper`."""
     input:
         get_paper_output(),

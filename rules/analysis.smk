@@ -50,12 +50,97 @@ rule rank_tables:
         baselines=get_baseline_ranks,
         selections=get_target_selections,
     output:
-        utilization="results/tables/rank_utilization.md",
-        conditioning="results/tables/conditioning.md",
-        overlap="results/tables/overlap.md",
+        utilization=report(
+            "results/tables/rank_utilization.md",
+            caption="../report/rank_utilization.rst",
+            category="Tables",
+            labels={"table": "rank utilization (Table 5)", "format": "Markdown"},
+        ),
+        conditioning=report(
+            "results/tables/conditioning.md",
+            caption="../report/conditioning.rst",
+            category="Tables",
+            labels={"table": "[Q; K] conditioning (Table 6)", "format": "Markdown"},
+        ),
+        overlap=report(
+            "results/tables/overlap.md",
+            caption="../report/overlap.rst",
+            category="Tables",
+            labels={"table": "kept-channel overlap (App. C.2)", "format": "Markdown"},
+        ),
     log:
         "logs/rank_tables/rank_tables.log",
     conda:
         "../envs/lm_eval.yaml"
     script:
         "../workflow_scripts/rank_tables.py"
+
+
+rule figures:
+    """Per-head rank utilization histograms (paper Fig. 3) and one head's singular-value spectrum (Figs. 2, 5) of
+    the baseline and every targeted method of a model at one ratio (pre-RFT), from their rank.json."""
+    input:
+        unpack(get_figure_inputs),
+    output:
+        utilization=report(
+            "results/figures/{model}_utilization_{pct}.png",
+            caption="../report/utilization.rst",
+            category="Figures",
+            subcategory="{model}",
+            labels={"figure": "rank utilization per head (Fig. 3)", "pct": "{pct}% removed"},
+        ),
+        spectrum=report(
+            "results/figures/{model}_spectrum_{pct}.png",
+            caption="../report/spectrum.rst",
+            category="Figures",
+            subcategory="{model}",
+            labels={"figure": "state spectrum of one head (Figs. 2, 5)", "pct": "{pct}% removed"},
+        ),
+    log:
+        "logs/figures/{model}_{pct}.log",
+    benchmark:
+        "benchmarks/figures/{model}_{pct}.tsv"
+    conda:
+        "../envs/lm_eval.yaml"
+    script:
+        "../workflow_scripts/figures.py"
+
+
+rule tables_html:
+    """HTML pages of the Markdown tables: the Snakemake report shows HTML inline (Markdown only as a download)."""
+    input:
+        comparison="results/tables/comparison.md",
+        utilization="results/tables/rank_utilization.md",
+        conditioning="results/tables/conditioning.md",
+        overlap="results/tables/overlap.md",
+    output:
+        comparison=report(
+            "results/tables/comparison.html",
+            caption="../report/comparison.rst",
+            category="Tables",
+            labels={"table": "pruned vs. baseline (Tables 20, 21)", "format": "HTML"},
+        ),
+        utilization=report(
+            "results/tables/rank_utilization.html",
+            caption="../report/rank_utilization.rst",
+            category="Tables",
+            labels={"table": "rank utilization (Table 5)", "format": "HTML"},
+        ),
+        conditioning=report(
+            "results/tables/conditioning.html",
+            caption="../report/conditioning.rst",
+            category="Tables",
+            labels={"table": "[Q; K] conditioning (Table 6)", "format": "HTML"},
+        ),
+        overlap=report(
+            "results/tables/overlap.html",
+            caption="../report/overlap.rst",
+            category="Tables",
+            labels={"table": "kept-channel overlap (App. C.2)", "format": "HTML"},
+        ),
+    log:
+        "logs/tables_html/tables_html.log",
+    conda:
+        "../envs/lm_eval.yaml"
+    script:
+        "../workflow_scripts/tables_html.py"

@@ -211,10 +211,24 @@ def get_baseline_ranks(wildcards):
     return [f"results/{m}/baseline/rank.json" for m in TARGETS["models"]]
 
 
+def get_figure_inputs(wildcards):
+    """Rule figures: the baseline's rank.json and that of every targeted method of the model at ``pct``."""
+    return {"baseline": f"results/{wildcards.model}/baseline/rank.json",
+            "ranks": [f"results/{wildcards.model}/{method}_{wildcards.pct}/rank.json" for method in TARGETS["methods"]]}
+
+
+def figure_outputs():
+    """The rank-analysis figures of every targeted (model, pct): utilization histograms and one head's spectrum."""
+    return [f"results/figures/{m}_{kind}_{srconfig.format_pct(pct)}.png" for m in TARGETS["models"]
+            for pct in TARGETS["pcts"] for kind in ("utilization", "spectrum")]
+
+
 def get_paper_output():
-    """``all_paper``: the default outputs plus the rank analysis and its tables (paper Tables 5, 6, App. C.2)."""
-    return [*get_final_output(), "results/tables/rank_utilization.md", "results/tables/conditioning.md",
-            "results/tables/overlap.md"]
+    """``all_paper``: the default outputs plus the rank analysis, its tables (paper Tables 5, 6, App. C.2) and
+    figures (Figs. 2, 3, 5), and HTML pages of the tables for the Snakemake report."""
+    tables = ["results/tables/rank_utilization.md", "results/tables/conditioning.md", "results/tables/overlap.md"]
+    pages = [f"results/tables/{name}.html" for name in ("comparison", "rank_utilization", "conditioning", "overlap")]
+    return [*get_final_output(), *tables, *figure_outputs(), *pages]
 
 
 def get_summaries(wildcards):

@@ -39,7 +39,12 @@ rule comparison_table:
         summaries=get_summaries,
         baselines=get_baselines,
     output:
-        md="results/tables/comparison.md",
+        md=report(
+            "results/tables/comparison.md",
+            caption="../report/comparison.rst",
+            category="Tables",
+            labels={"table": "pruned vs. baseline (Tables 20, 21)", "format": "Markdown"},
+        ),
         csv="results/tables/comparison.csv",
     log:
         "logs/comparison_table/comparison.log",

@@ -39,12 +39,19 @@ def start(log_path: str | Path | None, threads: int = 1, torch_threads: bool = T
     return logging.getLogger("statereduce")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write ``text`` to a temporary file next to ``path``, fsync it, and rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; results are shared like any other written file
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()

@@ -143,3 +143,33 @@ def test_all_paper_adds_rank_analysis_and_tables(finished_run):
     assert "| wf-dn | baseline | 0 | 32 |" in table and "| wf-dn | drrqr | 50 | 16 |" in table
     assert "| wf-dn | 50 | drrqr | grad | 16 |" in (results / "tables" / "overlap.md").read_text()
     assert planned_outputs(finished_run) == {}  # the default target is still complete
+
+
+def test_report_has_tables_and_figures(finished_run, tmp_path):
+    """``--report`` after ``all_paper``: one self-contained HTML with the captioned tables and rank figures."""
+    if not (finished_run / "report").exists():  # the captions and the workflow description of the Snakefile
+        shutil.copytree(ROOT / "report", finished_run / "report")
+    run = _snakemake(finished_run, "--cores", "2", "all_paper")  # cheap when the test above already built it
+    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
+    figures = finished_run / "results" / "figures"
+    assert {p.name for p in figures.glob("*.png")} == {"wf-dn_utilization_50.png", "wf-dn_spectrum_50.png"}
+    page = (finished_run / "results" / "tables" / "rank_utilization.html").read_text()
+    assert page.count("<tr>") == 5  # header, baseline, three methods
+    report = tmp_path / "report.html"
+    run = _snakemake(finished_run, "--report", str(report), "all_paper")
+    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
+    assert report.stat().st_size > 100_000
+    html = report.read_text()
+    for words in (
+        "Targets of this run: models wf-dn",  # report/workflow.rst, rendered with the config
+        "Pruned models against their unpruned baseline",  # report/comparison.rst
+        "Rank utilization of the recurrent state",  # report/rank_utilization.rst
+        "Conditioning of the selected key/query subspace",  # report/conditioning.rst
+        "Kept-channel overlap between selectors",  # report/overlap.rst
+        "Rank utilization per head</strong> of wf-dn at 50%",  # report/utilization.rst with the wildcards
+        "Singular-value spectrum of one head",  # report/spectrum.rst
+        "results/figures/wf-dn_spectrum_50.png",
+        "results/tables/overlap.html",
+    ):
+        assert words in html, words
+    assert "data:image/png" in html and "data:text/html" in html  # embedded, not linked
