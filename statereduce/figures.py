@@ -14,12 +14,9 @@ backend state) and are written atomically: a temporary file next to the target, 
 
 from __future__ import annotations
 
-import contextlib
 import html
 import math
-import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -27,6 +24,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FormatStrFormatter, LogLocator, MaxNLocator, NullFormatter
+
+from statereduce.runtime import atomic_file
 
 DPI = 150
 BASELINE_COLOR = "0.25"
@@ -110,21 +109,8 @@ def _colors(labels) -> dict[str, str]:
 def _save(fig: Figure, out_png: str | Path) -> Path:
     """Write ``fig`` as a PNG at :data:`DPI` to a temporary file next to ``out_png`` and rename it into place."""
     out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format="png", dpi=DPI)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0o022)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the PNG the usual permissions
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with atomic_file(out, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=DPI)
     return out
 
 

@@ -45,23 +45,34 @@ def _umask() -> int:
     return mask
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to a temporary file next to ``path``, fsync it, and rename it into place."""
+@contextlib.contextmanager
+def atomic_file(path: str | Path, mode: str = "w") -> Iterator:
+    """Open a temporary file next to ``path`` (``mode`` "w" text UTF-8 or "wb"); when the block succeeds, fsync
+    it, give it the usual permissions (umask applied; ``mkstemp`` makes 0600) and rename it to ``path``. On any
+    exception the temporary file is removed and ``path`` is left as it was."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"mode {mode!r} is invalid; valid: 'w', 'wb'")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; results are shared like any other written file
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as fh:
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to a temporary file next to ``path``, fsync it, and rename it into place."""
+    with atomic_file(path, "w") as fh:
+        fh.write(text)
+    return Path(path)
 
 
 @contextlib.contextmanager

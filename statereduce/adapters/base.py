@@ -332,13 +332,17 @@ class LinearAttentionAdapter(ABC):
         as they enter the kernel, and ``on_x(layer, x)`` with the q/k projection input [B,T,hidden]."""
 
     # ---- recurrent state ----------------------------------------------------------------------
+    #: True when fla caches this family's state as [B, HV, d_v, d_k] (kernels called with ``state_v_first``).
+    cache_state_v_first: ClassVar[bool] = False
+
     def recurrent_states(self, cache) -> dict[int, torch.Tensor]:
         """The recurrent state of every linear-attention layer held by an fla cache, each [B, HV, d_v, d_k].
 
         This is the paper's memory matrix S (Sec. 2.1, d_v x d_k): the readout is ``S @ q`` and the rows of S
         lie in the span of the keys. The generic implementation reads ``cache[mixer.layer_idx]["recurrent_state"]``
         in the layout of fla's delta-rule kernels called without ``state_v_first``, [B, HV, d_k, d_v], and returns
-        its transpose; a family whose layer calls its kernel with ``state_v_first=True`` overrides this. The
+        its transpose; a family whose layer calls its kernel with ``state_v_first=True`` (the cache then holds
+        [B, HV, d_v, d_k]) sets :attr:`cache_state_v_first` and gets it as is. The
         tensors are views of the cache: clone them if they must outlive the next forward.
 
         Args:
@@ -346,7 +350,7 @@ class LinearAttentionAdapter(ABC):
         Returns:
             {layer index: S [B, HV, d_v, d_k]} for every layer of :meth:`mixer_layers`.
         Raises:
-            ValueError: a layer's state is missing or not [B, HV, d_k, d_v] for the live config.
+            ValueError: a layer's state is missing or not of the cache layout for the live config.
         """
         d = self.dims(self.config)
         states = {}
@@ -355,14 +359,18 @@ class LinearAttentionAdapter(ABC):
                 state = cache[getattr(mixer, "layer_idx", layer)]["recurrent_state"]
             except (KeyError, IndexError, TypeError):  # layer not in the cache, or its entry still empty
                 state = None
-            expected = (d.num_v_heads, d.head_k_dim, d.head_v_dim)
+            v_first = self.cache_state_v_first
+            expected = (d.num_v_heads, *((d.head_v_dim, d.head_k_dim) if v_first else (d.head_k_dim, d.head_v_dim)))
             if not isinstance(state, torch.Tensor) or state.dim() != 4 or state.shape[1:] != expected:
                 got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
-                raise ValueError(
-                    f"layer {layer}: cached recurrent state is {got}; expected [B, HV={d.num_v_heads}, "
-                    f"d_k={d.head_k_dim}, d_v={d.head_v_dim}] ({self.family})"
+                dims = (
+                    f"d_v={d.head_v_dim}, d_k={d.head_k_dim}" if v_first else f"d_k={d.head_k_dim}, d_v={d.head_v_dim}"
                 )
-            states[layer] = state.transpose(-1, -2)
+                raise ValueError(
+                    f"layer {layer}: cached recurrent state is {got}; expected [B, HV={d.num_v_heads}, {dims}] "
+                    f"({self.family})"
+                )
+            states[layer] = state if v_first else state.transpose(-1, -2)
         return states
 
 

@@ -21,7 +21,6 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 
 from statereduce.adapters.base import (
@@ -44,6 +43,7 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
     """fla Gated DeltaNet: ``head_dim`` carries d_k, ``expand_v`` keeps d_v (paper Sec. 3, App. A)."""
 
     family = "gated_deltanet"
+    cache_state_v_first = True  # fla's GatedDeltaNet calls its kernels with state_v_first=True
     model_types = ("gated_deltanet",)
     config_class = LazyImport("fla.models:GatedDeltaNetConfig")
     # fla 0.6 GatedDeltaNetConfig.__init__ keywords and defaults (pinned by tests/test_config.py)
@@ -126,23 +126,3 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
 
         with capture_kernel_calls(self.mixer_layers(), fla_gated_deltanet, KERNELS, self.q_proj, on_qk, on_x):
             yield
-
-    def recurrent_states(self, cache) -> dict[int, torch.Tensor]:
-        """As the base method, but fla's ``GatedDeltaNet`` calls its kernels with ``state_v_first=True``: the
-        cache already holds S as [B, HV, d_v, d_k] (checked), so it is returned as is."""
-        d = self.dims(self.config)
-        states = {}
-        for layer, mixer in self.mixer_layers():
-            try:
-                state = cache[mixer.layer_idx]["recurrent_state"]
-            except (KeyError, IndexError, TypeError):  # layer not in the cache, or its entry still empty
-                state = None
-            expected = (d.num_v_heads, d.head_v_dim, d.head_k_dim)
-            if not isinstance(state, torch.Tensor) or state.dim() != 4 or state.shape[1:] != expected:
-                got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
-                raise ValueError(
-                    f"layer {layer}: cached recurrent state is {got}; expected [B, HV={d.num_v_heads}, "
-                    f"d_v={d.head_v_dim}, d_k={d.head_k_dim}] (gated_deltanet, state_v_first)"
-                )
-            states[layer] = state
-        return states
