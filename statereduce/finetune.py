@@ -530,8 +530,9 @@ def run_rft(
     cpu = torch.device(device).type == "cpu"
     acc = Accelerator(cpu=cpu)
     seed_everything(int(cfg["seed"]))
-    teacher, tokenizer = load_model(base_dir, dtype="float32" if cpu else "bfloat16", device=device)
-    student, _ = load_model(pruned_dir, dtype="float32", device=device)
+    here = "cpu" if cpu else acc.device  # under torchrun: this process's own GPU (cuda:LOCAL_RANK)
+    teacher, tokenizer = load_model(base_dir, dtype="float32" if cpu else "bfloat16", device=here)
+    student, _ = load_model(pruned_dir, dtype="float32", device=here)
     if cfg["kernels"] == "torch":  # after load_model, which routes only CPU tensors to the fallback
         from statereduce import fla_fallback
 
