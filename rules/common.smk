@@ -39,14 +39,15 @@ def checked(fn):
     return wrapper
 
 
+def _targets():
+    """(model, method, pct as in paths) of every targeted combination."""
+    return [(m, method, srconfig.format_pct(pct)) for m in TARGETS["models"] for method in TARGETS["methods"]
+            for pct in TARGETS["pcts"]]
+
+
 def target_summaries():
     """The summary of every targeted (model, method, pct)."""
-    return [
-        f"results/{model}/{method}_{srconfig.format_pct(pct)}/eval.json"
-        for model in TARGETS["models"]
-        for method in TARGETS["methods"]
-        for pct in TARGETS["pcts"]
-    ]
+    return [f"results/{m}/{method}_{pct}/eval.json" for m, method, pct in _targets()]
 
 
 def get_final_output():
@@ -192,11 +193,6 @@ def get_rank_inputs(wildcards):
     return {"pruned": f"{stage}/pruned/config.json", "baseline": f"results/{wildcards.model}/baseline/rank.json",
             "selection": f"results/{wildcards.model}/select/{wildcards.method}_{wildcards.pct}.parquet",
             "activations": f"results/{wildcards.model}/calib/{spec.calib}/activations.h5"}
-
-
-def _targets():
-    return [(m, method, srconfig.format_pct(pct)) for m in TARGETS["models"] for method in TARGETS["methods"]
-            for pct in TARGETS["pcts"]]
 
 
 def get_target_ranks(wildcards):

@@ -44,7 +44,7 @@ from torch import nn
 from tqdm import tqdm
 
 from statereduce.pretrain import lr_at, seed_everything
-from statereduce.runtime import atomic_dir, jsonable, read_json, write_json
+from statereduce.runtime import atomic_dir, atomic_file, jsonable, read_json, write_json
 
 RECORD_FILE = "rft_record.json"
 LOG_FILE = "train_log.jsonl"
@@ -290,9 +290,8 @@ def distill_loss(
 
 # ---- training ---------------------------------------------------------------------------------------
 def _save_resume(path: Path, state: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path, "wb") as fh:
+        torch.save(state, fh)
 
 
 def train(

@@ -15,6 +15,7 @@ for rank_path, sel_path in zip(snakemake.input.ranks, snakemake.input.selections
     key = (doc["provenance"]["model"], doc["provenance"]["method"], float(doc["provenance"]["pct"]))
     ranks[key] = doc
     selections[key] = read_selection(sel_path)[0]
-baselines = {read_json(p)["provenance"]["model"]: read_json(p) for p in snakemake.input.baselines}
+baseline_docs = [read_json(p) for p in snakemake.input.baselines]
+baselines = {doc["provenance"]["model"]: doc for doc in baseline_docs}
 frames = write_rank_tables(ranks, baselines, selections, Path(snakemake.output.utilization).parent)
 log.info("wrote %s", {k: len(v) for k, v in frames.items()})
