@@ -19,6 +19,7 @@ include: "rules/slice.smk"
 include: "rules/finetune.smk"
 include: "rules/evaluate.smk"
 include: "rules/analysis.smk"
+include: "rules/speed.smk"
 
 
 rule all:

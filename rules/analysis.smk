@@ -106,6 +106,49 @@ rule figures:
         "../workflow_scripts/figures.py"
 
 
+rule study_tables:
+    """Calibration sensitivity (paper Tables 2/7) and scoring from keys only, queries only or both (Table 16), pre-
+    and post-RFT, from the summaries of the cells of `studies`; with HTML pages for the report."""
+    input:
+        summaries=get_study_summaries,
+    output:
+        calibration=report(
+            "results/tables/calibration_study.md",
+            caption="../report/calibration_study.rst",
+            category="Tables",
+            labels={"table": "calibration sensitivity (Tables 2, 7)", "format": "Markdown"},
+        ),
+        calibration_csv="results/tables/calibration_study.csv",
+        calibration_html=report(
+            "results/tables/calibration_study.html",
+            caption="../report/calibration_study.rst",
+            category="Tables",
+            labels={"table": "calibration sensitivity (Tables 2, 7)", "format": "HTML"},
+        ),
+        scoring=report(
+            "results/tables/scoring_ablation.md",
+            caption="../report/scoring_ablation.rst",
+            category="Tables",
+            labels={"table": "K / Q / K+Q scoring (Table 16)", "format": "Markdown"},
+        ),
+        scoring_csv="results/tables/scoring_ablation.csv",
+        scoring_html=report(
+            "results/tables/scoring_ablation.html",
+            caption="../report/scoring_ablation.rst",
+            category="Tables",
+            labels={"table": "K / Q / K+Q scoring (Table 16)", "format": "HTML"},
+        ),
+    params:
+        studies=get_studies,
+        calibrations=get_study_calibrations,
+    log:
+        "logs/study_tables/study_tables.log",
+    conda:
+        "../envs/lm_eval.yaml"
+    script:
+        "../workflow_scripts/study_tables.py"
+
+
 rule tables_html:
     """HTML pages of the Markdown tables: the Snakemake report shows HTML inline (Markdown only as a download)."""
     input:

@@ -18,6 +18,7 @@ except srconfig.ConfigError as e:
 
 MODELS = CFG["models"]
 TARGETS = CFG["targets"]
+STUDIES = srconfig.check_studies(CFG)  # study -> [(model, method, pct)]; empty without a `studies` block
 
 
 wildcard_constraints:
@@ -219,12 +220,46 @@ def figure_outputs():
             for pct in TARGETS["pcts"] for kind in ("utilization", "spectrum")]
 
 
+def study_summaries():
+    """The summary of every cell of the configured studies (paper Tables 2/7 and 16), each once, in table order."""
+    paths = [f"results/{m}/{method}_{srconfig.format_pct(pct)}/eval.json"
+             for cells in STUDIES.values() for m, method, pct in cells]
+    return list(dict.fromkeys(paths))
+
+
+def get_study_summaries(wildcards):
+    return study_summaries()
+
+
+def get_studies(wildcards):
+    """The ``studies`` block (table layout: models, selectors, variants, pct)."""
+    return CFG.get("studies", {})
+
+
+def get_study_calibrations(wildcards):
+    """model -> calibration variant -> its settings, for the calibration study's row labels."""
+    study = CFG.get("studies", {}).get("calibration")
+    if not study:
+        return {}
+    return srconfig.canonical({m: {v: srconfig.model_calibration(CFG, m, v) for v in study["variants"]}
+                               for m in study["models"]})
+
+
+def study_outputs():
+    """The study tables (Markdown and their HTML pages) when ``studies`` names any study, else none."""
+    if not STUDIES:
+        return []
+    names = ("calibration_study", "scoring_ablation")
+    return [f"results/tables/{name}.{ext}" for name in names for ext in ("md", "html")]
+
+
 def get_paper_output():
     """``all_paper``: the default outputs plus the rank analysis, its tables (paper Tables 5, 6, App. C.2) and
-    figures (Figs. 2, 3, 5), and HTML pages of the tables for the Snakemake report."""
+    figures (Figs. 2, 3, 5), the studies' tables (Tables 2/7, 16; their cells are ordinary summaries) and HTML
+    pages of the tables for the Snakemake report."""
     tables = ["results/tables/rank_utilization.md", "results/tables/conditioning.md", "results/tables/overlap.md"]
     pages = [f"results/tables/{name}.html" for name in ("comparison", "rank_utilization", "conditioning", "overlap")]
-    return [*get_final_output(), *tables, *figure_outputs(), *pages]
+    return [*get_final_output(), *tables, *figure_outputs(), *pages, *study_outputs()]
 
 
 def get_summaries(wildcards):
@@ -233,3 +268,27 @@ def get_summaries(wildcards):
 
 def get_baselines(wildcards):
     return [f"results/{m}/baseline/eval.json" for m in TARGETS["models"]]
+
+
+# ---- speed (GPU; paper Sec. 5, App. G.1) ----------------------------------------------------------------------
+SPEED_MODELS = CFG.get("speed", {}).get("models", [])
+
+
+@checked
+def get_speed(wildcards):
+    """The model's speed plan (config.model_speed); a pruned target measures the baseline and its own pct."""
+    plan = srconfig.model_speed(CFG, wildcards.model)
+    pcts = [float(wildcards.pct)] if hasattr(wildcards, "pct") else plan["settings"].get("pcts")
+    if pcts is not None:
+        plan["settings"]["pcts"] = pcts
+    return plan
+
+
+def speed_outputs():
+    """``all_speed``: every speed model's baseline speed.json (which holds all its ratios), the table and figure."""
+    return [*[f"results/{m}/baseline/speed.json" for m in SPEED_MODELS], "results/tables/speed.md",
+            "results/figures/speedup.png"]
+
+
+def get_speed_docs(wildcards):
+    return [f"results/{m}/baseline/speed.json" for m in SPEED_MODELS]

@@ -61,8 +61,37 @@ def model_calibration(config: dict, model: str, calib: str = "default") -> dict:
 
 
 def model_eval(config: dict, model: str) -> dict:
+    """The eval settings of ``model``: ``EVAL_DEFAULTS`` updated by ``models.<model>.eval``, suites expanded.
+
+    ``suites`` (:mod:`statereduce.suites`) add their lm-eval tasks to ``tasks`` and, where needed, task
+    ``metadata``, per-task windows (``task_max_length``) and ``recall_probe`` settings; without suites
+    the settings are exactly the configured ones. Raises ConfigError (one line) for an unknown suite.
+    """
+    from statereduce.suites import expand_eval
+
     ev = dict(EVAL_DEFAULTS)
     ev.update(config["models"][model].get("eval", {}))
+    try:
+        return expand_eval(ev)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"models.{model}.eval: {e}") from None
+
+
+def check_eval(config: dict, model: str) -> dict:
+    """Validate the eval settings of ``model`` (suites, recall-probe levels, something to evaluate)."""
+    ev = model_eval(config, model)
+    if not ev["tasks"] and not ev.get("suites"):
+        raise ConfigError(f"models.{model}.eval: nothing to evaluate; give tasks (e.g. [heldout]) or suites")
+    if "recall_probe" in ev:
+        from statereduce.recall import RecallLevel
+
+        try:
+            names = [RecallLevel.parse(lv).task_name for lv in ev["recall_probe"]["levels"]]
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"models.{model}.eval.recall_probe.levels: {e}") from None
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f"models.{model}.eval.recall_probe.levels give duplicate task names {dupes}")
     return ev
 
 
@@ -134,6 +163,37 @@ def model_rank(config: dict, model: str) -> dict:
     return canonical(out)
 
 
+def model_speed(config: dict, model: str) -> dict:
+    """The speed-benchmark plan of ``model``: ``family``, ``arch`` and ``settings``.
+
+    ``arch`` (fla config keywords) is ``models.<model>.speed.arch``, else the ``pretrain.arch`` of a model the
+    workflow trains; speed runs use random weights of that shape, so they need no checkpoint. ``settings`` are
+    :data:`statereduce.speed.DEFAULT_SPEED` updated by the top-level ``speed`` block, then by the model's own
+    ``speed`` block (part blocks key by key).
+    """
+    from statereduce.adapters import adapter_class
+
+    m = config["models"][model]
+    own = dict(m.get("speed", {}))
+    arch = own.pop("arch", None)
+    if arch is None:
+        arch = m.get("pretrain", {}).get("arch")
+    if arch is None:
+        raise ConfigError(f"model {model!r} has no architecture for speed runs: set models.{model}.speed.arch "
+                          "(fla config keywords: hidden_size, num_hidden_layers, num_heads, ...)")
+    try:
+        adapter_class(m["family"]).check_arch(arch)
+    except ValueError as e:
+        raise ConfigError(f"models.{model}.speed.arch: {e}") from None
+    settings = copy.deepcopy(config.get("speed", {}))
+    settings.pop("models", None)
+    if "models" in own:
+        raise ConfigError(f"models.{model}.speed.models: 'models' belongs to the top-level speed block only")
+    for key, value in own.items():
+        settings[key] = {**settings.get(key, {}), **value} if isinstance(value, dict) else value
+    return canonical({"family": m["family"], "arch": arch, "settings": settings})
+
+
 def model_dims(config: dict, model: str) -> dict | None:
     """(num_heads, head_k_dim, head_v_dim) of a model known from config alone, or None.
 
@@ -185,6 +245,74 @@ def check_method(config: dict, method: str) -> None:
         )
 
 
+#: Selector needs that depend on the calibration data (a selector needing none of them ignores the calibration).
+CALIBRATION_NEEDS = frozenset({"activations", "xnorm", "grad"})
+
+
+def check_studies(config: dict) -> dict[str, list[tuple[str, str, float]]]:
+    """Validate ``studies`` (paper Tables 2/7 and 16) and list the targets of their cells.
+
+    ``studies.calibration`` runs each selector under each calibration variant (``default`` or a key of
+    ``calibrations``); it takes only selectors that read calibration data (activations, xnorm or grad),
+    because a weight-only selector (rand, l1) keeps the same channels under every variant.
+    ``studies.scoring`` runs each selector on keys and queries, keys only and queries only (method tokens
+    ``s``, ``s-k``, ``s-q``); it takes only selectors with ``-k``/``-q`` variants (not rand).
+
+    Args:
+        config: the configuration (schema-valid).
+
+    Returns:
+        Study name -> ``[(model, method token, pct)]`` in table order (model, selector, variant); empty
+        without a ``studies`` block. Raises ConfigError (one line) naming the bad value and the valid ones.
+    """
+    from statereduce.selectors import MethodSpec, format_method, get_selector, selector_names
+
+    models = config["models"]
+    axes = {
+        "calibration": ("variants", ["default", *sorted(config.get("calibrations", {}))]),
+        "scoring": (None, ["kq", "k", "q"]),
+    }
+    valid_selectors = {
+        "calibration": [s for s in selector_names() if get_selector(s).needs & CALIBRATION_NEEDS],
+        "scoring": [s for s in selector_names() if {"k", "q"} <= set(get_selector(s).variants)],
+    }
+    why = {
+        "calibration": "reads no calibration data (needs: {}), so every variant keeps the same channels",
+        "scoring": "has no keys-only/queries-only variants (variants: {})",
+    }
+    cells: dict[str, list[tuple[str, str, float]]] = {}
+    for name, study in (config.get("studies") or {}).items():
+        where = f"studies.{name}"
+        for model in study["models"]:
+            if model not in models:
+                raise ConfigError(f"{where}.models: unknown model {model!r}; valid: {', '.join(sorted(models))}")
+        ok = ", ".join(valid_selectors[name])
+        for sel in study["selectors"]:
+            if sel not in selector_names():
+                raise ConfigError(f"{where}.selectors: unknown selector {sel!r}; valid: {ok}")
+            if sel not in valid_selectors[name]:
+                info = get_selector(sel)
+                detail = why[name].format(", ".join(sorted(info.needs if name == "calibration" else info.variants)))
+                raise ConfigError(f"{where}.selectors: selector {sel!r} {detail}; valid: {ok}")
+        key, valid = axes[name]
+        variants = study[key] if key else valid
+        for v in variants:
+            if v not in valid:
+                raise ConfigError(f"{where}.{key}: unknown calibration {v!r}; valid: {', '.join(valid)}")
+        for model in study["models"]:
+            try:
+                check_reduction(config, model, study["pct"])
+                if name == "calibration":
+                    for v in variants:
+                        model_calibration(config, model, v)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
+        specs = [MethodSpec(s, calib=v) if name == "calibration" else MethodSpec(s, variant=v)
+                 for s in study["selectors"] for v in variants]
+        cells[name] = [(m, format_method(spec), float(study["pct"])) for m in study["models"] for spec in specs]
+    return cells
+
+
 def canonical(obj):
     """``obj`` with every mapping's keys sorted, recursively: reordering keys in config.yaml must not
     change any rule's params (Snakemake reruns a job whose params' representation changed)."""
@@ -219,6 +347,7 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
             if cname is not None and cname not in corpora:
                 raise ConfigError(f"models.{name}.{where}.corpus: unknown corpus {cname!r}; valid: {', '.join(sorted(corpora))}")
     for name in cfg["models"]:
+        check_eval(cfg, name)
         check_rft(cfg, name)
         if "pretrain" in cfg["models"][name] or cfg["models"][name].get("eval", {}).get("corpus"):
             model_rank(cfg, name)
@@ -234,6 +363,11 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
     for model in t["models"]:
         for pct in t["pcts"]:
             check_reduction(cfg, model, pct)
+    check_studies(cfg)
+    for name in cfg.get("speed", {}).get("models", []):
+        if name not in cfg["models"]:
+            raise ConfigError(f"speed.models: unknown model {name!r}; valid: {', '.join(sorted(cfg['models']))}")
+        model_speed(cfg, name)
     return cfg
 
 

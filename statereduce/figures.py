@@ -354,3 +354,50 @@ def write_markdown_html(md_path: str | Path, out_html: str | Path) -> Path:
     from statereduce.runtime import write_text_atomic
 
     return write_text_atomic(out_html, markdown_html(Path(md_path).read_text(encoding="utf-8")))
+
+
+def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
+    """Decode speedup against batch size (paper Fig. 4a) and prefill speedup per batch x length (Fig. 4b).
+
+    One line per (model, ratio, decode kernel) from the ``ratios`` of ``speed.json`` documents; the dotted lines are
+    the byte-ratio ideals. A model without prefill cells leaves the right panel without its bars.
+    """
+    fig = _figure(10.0, 4.0)
+    ax_d, ax_p = fig.subplots(1, 2)
+    styles = {"fla": "-", "statereduce": "--"}
+    i = 0
+    for doc in docs:
+        name = doc.get("model") or doc.get("family")
+        rows = doc.get("ratios", {}).get("decode", [])
+        for pct in sorted({r["pct"] for r in rows}):
+            color = METHOD_COLORS[i % len(METHOD_COLORS)]
+            i += 1
+            for kernel, style in styles.items():
+                pts = sorted((r["batch"], r["speedup"]) for r in rows if r["pct"] == pct and r["kernel"] == kernel)
+                if pts:
+                    ax_d.plot(*zip(*pts), style, marker="o", color=color,
+                              label=f"{name} {_pct(pct)}% ({'fla' if kernel == 'fla' else 'ours'})")
+            ideal = sorted({(r["batch"], r["ideal_speedup"]) for r in rows if r["pct"] == pct})
+            if ideal:
+                ax_d.plot(*zip(*ideal), ":", color=color, linewidth=1)
+    ax_d.set_xscale("log", base=2)
+    ax_d.set_xlabel("batch size")
+    ax_d.set_ylabel("decode speedup (×)")
+    ax_d.axhline(1.0, color="0.6", linewidth=0.8)
+    ax_d.set_title("decode (dotted: byte-ratio ideal)")
+    if ax_d.lines:
+        ax_d.legend(fontsize=7)
+    labels, values, colors = [], [], []
+    for j, doc in enumerate(docs):
+        name = doc.get("model") or doc.get("family")
+        for r in sorted(doc.get("ratios", {}).get("prefill", []), key=lambda r: (r["pct"], r["length"], r["batch"])):
+            labels.append(f"{name} {_pct(r['pct'])}%\n{r['batch']}×{r['length'] // 1024}K")
+            values.append(r["speedup"])
+            colors.append(METHOD_COLORS[j % len(METHOD_COLORS)])
+    if values:
+        ax_p.bar(range(len(values)), values, color=colors)
+        ax_p.set_xticks(range(len(values)), labels, fontsize=6, rotation=90)
+        ax_p.axhline(1.0, color="0.6", linewidth=0.8)
+    ax_p.set_ylabel("prefill speedup (×)")
+    ax_p.set_title("prefill")
+    return _save(fig, out_png)

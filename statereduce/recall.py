@@ -31,29 +31,28 @@ passed once as ``include_path``; :func:`evaluate_recall` runs them through
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import json
 import keyword
 import random
 import string
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from statereduce.evaluate import _TASK_NAME, evaluate_model
-from statereduce.runtime import write_text_atomic
+from statereduce.evaluate import TASK_NAME_RE, evaluate_model, write_multiple_choice_task
+from statereduce.suites import RECALL_PROBE_DEFAULTS, recall_probe_settings
 
 TASK_PREFIX = "recall_mqar"
 """Prefix of the task names and the lm-eval tag that selects every written level."""
 
-DEFAULT_LEVELS = (4, 16, 64)
-"""Default context sizes (``n_pairs``), one task each."""
+DEFAULT_LEVELS = tuple(RECALL_PROBE_DEFAULTS["levels"])
+"""Default context sizes (``n_pairs``), one task each (the ``recall_probe`` suite's defaults)."""
 
-DEFAULT_N_DOCS = 100
+DEFAULT_N_DOCS = RECALL_PROBE_DEFAULTS["n_docs"]
 KEY_LEN = 2
 VALUES = tuple(str(v) for v in range(10, 100))
 """Two-digit values; a context uses each at most once, so ``n_pairs <= 90``."""
@@ -104,7 +103,7 @@ class RecallLevel:
             )
         if self.depth is not None and not (isinstance(self.depth, (int, float)) and 0.0 <= self.depth <= 1.0):
             raise ValueError(f"depth must be a number in [0, 1] or None, got {self.depth!r}")
-        if self.name is not None and not (isinstance(self.name, str) and _TASK_NAME.match(self.name)):
+        if self.name is not None and not (isinstance(self.name, str) and TASK_NAME_RE.match(self.name)):
             raise ValueError(f"invalid task name {self.name!r}; use letters, digits, '_', '.', '-'")
 
     @property
@@ -200,28 +199,6 @@ def _one_doc(rng: random.Random, level: RecallLevel) -> dict:
     }
 
 
-def recall_task_config(name: str, data_path: Path, cache_dir: Path, metadata: Mapping[str, Any]) -> dict:
-    """The lm-eval task YAML (as a dict) of one level whose documents are in ``data_path``.
-
-    ``doc_to_text``/``doc_to_choice``/``doc_to_target`` name document fields, which lm-eval returns
-    verbatim (no template rendering); the scored continuation is ``target_delimiter + choice``.
-    """
-    return {
-        "task": name,
-        "tag": [TASK_PREFIX],
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(data_path)}, "cache_dir": str(cache_dir)},
-        "output_type": "multiple_choice",
-        "test_split": "test",
-        "doc_to_text": "prompt",
-        "doc_to_choice": "choices",
-        "doc_to_target": "gold",
-        "target_delimiter": " ",
-        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
-        "metadata": {"version": 1.0, **metadata},
-    }
-
-
 def write_recall_tasks(
     task_dir: str | Path,
     levels: Iterable[int | Mapping[str, Any] | RecallLevel] = DEFAULT_LEVELS,
@@ -232,7 +209,10 @@ def write_recall_tasks(
 
     Args:
         task_dir: folder for the files (created); pass it as ``include_path`` (it may also hold the
-            held-out perplexity task of :func:`statereduce.evaluate.write_perplexity_task`).
+            held-out perplexity task of :func:`statereduce.evaluate.write_perplexity_task`). Each task is
+            a :func:`statereduce.evaluate.write_multiple_choice_task` with ``doc_to_text: prompt``,
+            metric ``acc`` only (every candidate has two characters, so ``acc_norm`` would equal it)
+            and the level's parameters, ``seed`` and ``chance`` in its ``metadata``.
         levels: ints (``n_pairs``), mappings of :class:`RecallLevel` fields, or levels.
         n_docs: documents per level.
         seed: integer seed (each level draws its own stream from it).
@@ -240,8 +220,6 @@ def write_recall_tasks(
     Returns:
         The task names, in the order of ``levels``; every task also carries the tag ``recall_mqar``.
     """
-    import yaml
-
     levels = [RecallLevel.parse(s) for s in levels]
     if not levels:
         raise ValueError("levels is empty; give at least one level, e.g. [4, 16, 64]")
@@ -249,26 +227,43 @@ def write_recall_tasks(
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"recall levels give duplicate task names {dupes}; set distinct 'name's")
-    task_dir = Path(task_dir).resolve()
-    task_dir.mkdir(parents=True, exist_ok=True)
     for lv, name in zip(levels, names):
         docs = generate_recall_docs(n_docs, lv.n_pairs, lv.n_choices, lv.depth, lv.n_queries, seed)
-        payload = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs)
-        data_path = task_dir / f"{name}.jsonl"
-        write_text_atomic(data_path, payload)
         metadata = {
-            "n_docs": n_docs,
             "n_pairs": lv.n_pairs,
             "n_choices": lv.n_choices,
             "depth": lv.depth,
             "n_queries": lv.n_queries,
             "seed": seed,
             "chance": 1.0 / lv.n_choices,
-            "sha256": hashlib.sha256(payload.encode("utf-8")).hexdigest(),
         }
-        config = recall_task_config(name, data_path, task_dir / ".hf_datasets", metadata)
-        write_text_atomic(task_dir / f"{name}.yaml", yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
+        write_multiple_choice_task(
+            docs, task_dir, name, metrics=("acc",), text_field="prompt", tag=TASK_PREFIX, metadata=metadata
+        )
     return names
+
+
+def recall_probe_writer(
+    settings: Mapping[str, Any] | None = None, tokenizer=None, max_length: int | None = None
+) -> Callable[[str | Path], list[str]]:
+    """A local-task writer for :func:`statereduce.evaluate.evaluate_and_write` (the ``recall_probe`` suite).
+
+    Args:
+        settings: ``eval.recall_probe`` (``levels``, ``n_docs``, ``seed``; defaults filled).
+        tokenizer, max_length: when both are given, the written documents are checked to fit the
+            window (see :func:`check_recall_fits`).
+
+    Returns:
+        ``writer(task_dir) -> task names``.
+    """
+    probe = recall_probe_settings(settings)
+
+    def writer(task_dir: str | Path) -> list[str]:
+        names = write_recall_tasks(task_dir, probe["levels"], probe["n_docs"], probe["seed"])
+        check_recall_fits(tokenizer, task_dir, names, max_length)
+        return names
+
+    return writer
 
 
 def evaluate_recall(
@@ -302,10 +297,7 @@ def evaluate_recall(
         ``{task: {"acc": ..., "acc_stderr": ...}}`` for every level.
     """
     names = write_recall_tasks(task_dir, levels, n_docs, seed)
-    if max_length is not None and hasattr(tokenizer, "encode"):
-        longest = _longest_doc_tokens(tokenizer, Path(task_dir), names)
-        if longest > max_length:
-            raise ValueError(f"max_length {max_length} is shorter than the longest recall document ({longest} tokens)")
+    check_recall_fits(tokenizer, task_dir, names, max_length)
     result = evaluate_model(
         model,
         tokenizer,
@@ -317,6 +309,19 @@ def evaluate_recall(
         limit=limit,
     )
     return {name: result["metrics"][name] for name in names}
+
+
+def check_recall_fits(tokenizer, task_dir: str | Path, names: Sequence[str], max_length: int | None) -> None:
+    """``ValueError`` if a written recall document (prompt + answer) is longer than ``max_length`` tokens.
+
+    lm-eval would cut such a context from the left, needle included. Nothing is checked when
+    ``max_length`` is ``None`` or ``tokenizer`` has no ``encode``.
+    """
+    if max_length is None or not hasattr(tokenizer, "encode"):
+        return
+    longest = _longest_doc_tokens(tokenizer, Path(task_dir), names)
+    if longest > max_length:
+        raise ValueError(f"max_length {max_length} is shorter than the longest recall document ({longest} tokens)")
 
 
 def _longest_doc_tokens(tokenizer, task_dir: Path, names: Sequence[str]) -> int:

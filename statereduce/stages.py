@@ -40,17 +40,35 @@ def evaluate_checkpoint(checkpoint: str | Path, settings: dict[str, Any], info: 
 
 def evaluate_loaded(model, tokenizer, checkpoint: str | Path, settings: dict[str, Any], info: dict[str, Any],
                     out_path: str | Path, extra: dict[str, Any] | None = None) -> dict:
-    """Run the lm-eval tasks of ``settings`` on an already loaded model and write ``eval.json``."""
-    from statereduce.evaluate import evaluate_and_write
+    """Run the lm-eval tasks and suites of ``settings`` on an already loaded model and write ``eval.json``.
 
+    ``settings`` is a model's ``eval`` config (:func:`statereduce.config.model_eval`); its ``suites`` are
+    expanded here too (idempotent), so plain ``{"tasks": [...], "suites": [...]}`` works as well. Local
+    tasks (the ``heldout`` perplexity task, the ``recall_probe`` suite's MQAR levels from
+    :mod:`statereduce.recall`) are written to ``.lm_eval_tasks/`` next to ``out_path`` and scored in the
+    same lm-eval call as the other tasks; the document gets a ``suites`` block of suite averages.
+    """
+    from statereduce.evaluate import evaluate_and_write
+    from statereduce.suites import expand_eval
+
+    settings = expand_eval(settings)
     tasks = list(settings["tasks"])
     docs = None
     if HELDOUT in tasks:
         tasks.remove(HELDOUT)
         docs = heldout_docs(settings["corpus_spec"], settings.get("max_docs"), settings.get("max_doc_bytes"))
+    suites = list(settings.get("suites") or [])
+    local = {}
+    if "recall_probe" in suites:
+        from statereduce.recall import recall_probe_writer
+
+        local["recall_probe"] = recall_probe_writer(settings.get("recall_probe"), tokenizer, settings.get("max_length"))
     cfg = {"tasks": tasks, "batch_size": settings.get("batch_size", 1), "max_length": settings.get("max_length"),
            "limit": settings.get("limit"), "heldout_task": HELDOUT}
-    return evaluate_and_write(model, tokenizer, out_path, eval_cfg=cfg, heldout_docs=docs,
+    cfg.update({k: settings[k] for k in ("metadata", "task_max_length") if settings.get(k)})
+    if suites:
+        cfg["suites"] = suites
+    return evaluate_and_write(model, tokenizer, out_path, eval_cfg=cfg, heldout_docs=docs, local_tasks=local,
                               task_dir=Path(out_path).parent / ".lm_eval_tasks", checkpoint=str(checkpoint),
                               model_id=info["model"], extra_provenance=extra)
 

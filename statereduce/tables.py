@@ -362,3 +362,315 @@ def write_rank_tables(
         write_text_atomic(out_dir / f"{name}.csv", df.to_csv(index=False))
         frames[name] = df
     return frames
+
+
+# ---- studies (paper Tables 2/7: calibration sensitivity; Table 16: keys only, queries only, both) ------------
+#: Scoring variants in Table 16's column order, with the paper's column labels.
+SCORING = (("kq", "K,Q"), ("k", "K"), ("q", "Q"))
+STAGE_LABELS = {"pruned": "pre-RFT", "rft": "post-RFT"}
+
+
+def primary_metric(df: pd.DataFrame, model: str | None = None) -> str:
+    """The metric a study table shows: the first of ``TABLE_METRICS`` (the comparison table's order) with a
+    value for ``model`` (any model when None), else ``PRIMARY``.
+
+    Args:
+        df: a frame with ``model`` and ``task/metric`` columns (:func:`comparison_frame`, :func:`study_frame`).
+        model: restrict to this model's rows.
+    """
+    sub = df if model is None or df.empty else df[df["model"] == model]
+    for metric in TABLE_METRICS:
+        if metric in sub.columns and sub[metric].notna().any():
+            return metric
+    return "/".join(PRIMARY)
+
+
+def _study_cells(kind: str, study: dict) -> list[dict]:
+    """The cells of a study block in table order: model, selector, then variant (calibration id or scoring)."""
+    from statereduce.selectors import MethodSpec, format_method
+
+    if kind == "calibration":
+        specs = [(s, v, MethodSpec(s, calib=v)) for s in study["selectors"] for v in study["variants"]]
+    elif kind == "scoring":
+        specs = [(s, v, MethodSpec(s, variant=v)) for s in study["selectors"] for v, _ in SCORING]
+    else:
+        raise ValueError(f"unknown study {kind!r}; valid: calibration, scoring")
+    return [
+        {"model": m, "selector": s, "variant": v, "method": format_method(spec), "pct": float(study["pct"])}
+        for m in study["models"]
+        for s, v, spec in specs
+    ]
+
+
+def study_frame(kind: str, summaries: list[dict], study: dict, labels: dict | None = None) -> pd.DataFrame:
+    """Long frame of a study: one row per (cell, stage) and one baseline row per model.
+
+    Args:
+        kind: ``"calibration"`` (paper Tables 2/7) or ``"scoring"`` (Table 16).
+        summaries: summary documents (``results/{model}/{method}_{pct}/eval.json``); any others are ignored.
+        study: the ``studies.<kind>`` block: ``models``, ``selectors``, ``pct`` and (calibration) ``variants``.
+        labels: (calibration) model -> variant -> row label of that calibration (e.g. from
+            :func:`calibration_label`); the variant id where absent.
+
+    Returns:
+        Columns ``model, selector, variant, method, pct, stage`` (calibration: plus ``calibration``), then one
+        ``task/metric`` column per metric seen. Every cell has a ``pruned`` and an ``rft`` row; a cell without a
+        summary, or without RFT, keeps NaN metrics (shown as missing, never invented). Baseline rows (selector
+        ``baseline``, stage ``unpruned``) take ``metrics.baseline`` of the model's first summary.
+    """
+    cells = _study_cells(kind, study)
+    wanted = {(c["model"], c["method"], c["pct"]) for c in cells}
+    docs = [s for s in summaries if (s["model"], s["method"], float(s["pct"])) in wanted]
+    baselines = {}
+    for s in summaries:
+        base = (s.get("metrics") or {}).get("baseline")
+        if s["model"] in study["models"] and base is not None:
+            baselines.setdefault(s["model"], {"metrics": base})
+    df = comparison_frame(docs, baselines)
+    metrics = [c for c in df.columns if "/" in c]
+    values = {}
+    for r in df.to_dict("records"):
+        values[(r["model"], r["method"], float(r["pct"]), r["stage"])] = {m: r[m] for m in metrics}
+    labels = labels or {}
+    rows = []
+    for model in study["models"]:
+        rows.append(
+            {
+                "model": model,
+                "selector": "baseline",
+                "variant": "",
+                "method": "baseline",
+                "pct": 0.0,
+                "stage": "unpruned",
+                **values.get((model, "baseline", 0.0, "unpruned"), {}),
+            }
+        )
+    for c in cells:
+        extra = (
+            {"calibration": labels.get(c["model"], {}).get(c["variant"], c["variant"])} if kind == "calibration" else {}
+        )
+        for stage in STAGES:
+            rows.append({**c, **extra, "stage": stage, **values.get((c["model"], c["method"], c["pct"], stage), {})})
+    out = pd.DataFrame(rows)
+    if kind == "calibration":
+        out.loc[out["stage"] == "unpruned", "calibration"] = ""
+    cols = ["model", "selector", "variant", "method", "pct", "stage"] + (
+        ["calibration"] if kind == "calibration" else []
+    )
+    return out.reindex(columns=cols + [m for m in metrics if m in out.columns])
+
+
+def calibration_label(settings: dict, default: dict | None = None) -> str:
+    """Row label of a calibration as in the paper's Table 7: ``corpus, n=N, seed S``, plus ``key=value`` for any
+    other setting that differs from ``default`` (the model's own calibration).
+
+    Args:
+        settings: the calibration (:func:`statereduce.config.model_calibration`).
+        default: the model's default calibration, to show only what a variant changes beyond the three axes.
+    """
+    label = f"{settings.get('corpus')}, n={settings.get('n_samples')}, seed {settings.get('seed')}"
+    other = sorted(
+        k
+        for k in settings
+        if k not in ("corpus", "n_samples", "seed", "batch_size")
+        and default is not None
+        and settings[k] != default.get(k)
+    )
+    return label + "".join(f", {k}={settings[k]}" for k in other)
+
+
+def _metric_note(df: pd.DataFrame, model: str) -> tuple[str, dict]:
+    """(``metric (direction)`` text, (method, variant, stage) -> value) of a model's primary metric."""
+    metric = primary_metric(df, model)
+    direction = _direction(metric)
+    sub = df[df["model"] == model]
+    col = sub[metric] if metric in sub.columns else pd.Series([None] * len(sub), index=sub.index)
+    values = {(r.selector, r.variant, r.stage): v for r, v in zip(sub.itertuples(), col)}
+    return metric + (f" ({direction})" if direction else ""), values
+
+
+def calibration_study_markdown(df: pd.DataFrame, study: dict) -> str:
+    """Tables 2/7 layout per model: rows calibration variant, columns selector; a pre-RFT block (the paper's)
+    and a post-RFT block.
+
+    Args:
+        df: the frame of :func:`study_frame` (kind ``"calibration"``).
+        study: the ``studies.calibration`` block (row and column order).
+
+    Returns:
+        Markdown with a ``## model: metric`` section per model; ``–`` where a value was never computed.
+    """
+    pct = _pct(study["pct"])
+    parts = [
+        "# Calibration sensitivity (paper Tables 2 and 7)\n\n",
+        (
+            f"Each selector at {pct}% of key channels removed, calibrated on each variant (corpus, sample count n, "
+            "seed; the model's own calibration is `default`). Pre-RFT is the paper's setting; post-RFT follows "
+            f"recovery fine-tuning. {MISSING} = not computed.\n"
+        ),
+    ]
+    for model in study["models"]:
+        note, values = _metric_note(df, model)
+        sub = df[(df["model"] == model) & (df["stage"] != "unpruned")]
+        label = dict(zip(sub["variant"], sub["calibration"]))
+        parts.append(f"\n## {model}: {note}\n\nbaseline (unpruned): {_fmt(values.get(('baseline', '', 'unpruned')))}\n")
+        for stage in STAGES:
+            lines = [
+                "| variant | calibration | " + " | ".join(study["selectors"]) + " |",
+                "|" + " --- |" * (len(study["selectors"]) + 2),
+            ]
+            for v in study["variants"]:
+                cells = [_fmt(values.get((s, v, stage))) for s in study["selectors"]]
+                lines.append(f"| {v} | {label.get(v, v)} | " + " | ".join(cells) + " |")
+            parts.append(f"\n### {STAGE_LABELS[stage]}\n\n" + "\n".join(lines) + "\n")
+    return "".join(parts)
+
+
+def scoring_ablation_markdown(df: pd.DataFrame, study: dict) -> str:
+    """Table 16 layout: rows selector (and the baseline), columns K,Q / K / Q per model; pre- and post-RFT blocks.
+
+    Args:
+        df: the frame of :func:`study_frame` (kind ``"scoring"``).
+        study: the ``studies.scoring`` block (row and column order).
+
+    Returns:
+        Markdown; the baseline row repeats the model's unpruned value in its three columns; ``–`` where a value
+        was never computed.
+    """
+    notes = {m: _metric_note(df, m) for m in study["models"]}
+    texts = [notes[m][0] for m in study["models"]]
+    metric_line = texts[0] if len(set(texts)) == 1 else "; ".join(f"{m}: {t}" for m, t in zip(study["models"], texts))
+    parts = [
+        "# Scoring from keys only, queries only, or both (paper Table 16)\n\n",
+        (
+            f"Channels selected at {_pct(study['pct'])}% of key channels removed from scores of keys and queries "
+            "(K,Q; the default), keys only (K, method token `<selector>-k`) or queries only (Q, `<selector>-q`). "
+            f"Metric: {metric_line}. {MISSING} = not computed.\n"
+        ),
+    ]
+    head = "| method | " + " | ".join(f"{m} {label}" for m in study["models"] for _, label in SCORING) + " |"
+    sep = "|" + " --- |" * (1 + 3 * len(study["models"]))
+    for stage in STAGES:
+        lines = [head, sep]
+        for s in study["selectors"]:
+            cells = [_fmt(notes[m][1].get((s, v, stage))) for m in study["models"] for v, _ in SCORING]
+            lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        base = [_fmt(notes[m][1].get(("baseline", "", "unpruned"))) for m in study["models"] for _ in SCORING]
+        lines.append("| baseline | " + " | ".join(base) + " |")
+        parts.append(f"\n## {STAGE_LABELS[stage]}\n\n" + "\n".join(lines) + "\n")
+    return "".join(parts)
+
+
+def write_study_tables(
+    summaries: list[dict], studies: dict, out_dir: str | Path, calibrations: dict | None = None
+) -> dict[str, pd.DataFrame]:
+    """Write ``calibration_study.{md,csv}`` (Tables 2/7) and ``scoring_ablation.{md,csv}`` (Table 16) into ``out_dir``.
+
+    Args:
+        summaries: summary documents of the study cells (others are ignored).
+        studies: the ``studies`` block; a study it lacks gets a one-line note and an empty CSV.
+        out_dir: the tables folder.
+        calibrations: model -> variant -> calibration settings (:func:`statereduce.config.model_calibration`),
+            for the row labels of the calibration study; the variant ids where absent.
+
+    Returns:
+        Table name -> the frame of :func:`study_frame` (empty for a study not configured).
+    """
+    from statereduce.runtime import write_text_atomic
+
+    calibrations = calibrations or {}
+    labels = {
+        model: {v: calibration_label(s, by_variant.get("default")) for v, s in by_variant.items()}
+        for model, by_variant in calibrations.items()
+    }
+    frames = {}
+    for kind, name, markdown in (
+        ("calibration", "calibration_study", calibration_study_markdown),
+        ("scoring", "scoring_ablation", scoring_ablation_markdown),
+    ):
+        study = studies.get(kind)
+        if study:
+            df = study_frame(kind, summaries, study, labels if kind == "calibration" else None)
+            md = markdown(df, study)
+        else:
+            df = pd.DataFrame()
+            md = f"_no {kind} study configured (config `studies.{kind}`)_\n"
+        write_text_atomic(Path(out_dir) / f"{name}.md", md)
+        write_text_atomic(Path(out_dir) / f"{name}.csv", df.to_csv(index=False))
+        frames[name] = df
+    return frames
+
+
+# ---------------------------------------------------------------------------------------------
+# speed (paper Tables 17-19)
+# ---------------------------------------------------------------------------------------------
+def _x(v) -> str:
+    return MISSING if v is None else f"{v:.2f}×"
+
+
+def speed_markdown(docs: list[dict]) -> str:
+    """Tables 17-19 layouts from ``speed.json`` documents (:func:`statereduce.speed.run_speed`), one block per model.
+
+    Decode (Table 17): per batch, the baseline's ms/token and each ratio's speedup with fla's kernels (the paper's
+    setup), with ours (statereduce's in-place step), ours against fla's baseline, the byte-ratio ideal and the
+    fraction of the byte floor reached. Prefill (Table 18): speedup per batch x length. Mixer (Table 19): speedup
+    and peak-memory ratio. A cell never measured is shown as missing.
+    """
+    lines = ["# Speed", ""]
+    for doc in docs:
+        name = doc.get("model") or doc.get("family")
+        bw = doc.get("copy_bandwidth_Bps")
+        lines += [f"## {name} ({doc.get('device')}; copy bandwidth {bw / 1e12:.2f} TB/s)" if bw else f"## {name}", ""]
+        pcts = sorted({c["pct"] for c in doc.get("decode", []) + doc.get("prefill", []) + doc.get("mixer", [])
+                       if c["pct"]})
+        ratio = {(p, r["pct"], *[r[k] for k in keys]): r for p, keys in
+                 (("decode", ("batch", "kernel")), ("prefill", ("batch", "length")), ("mixer", ("batch", "seq_len")))
+                 for r in doc.get("ratios", {}).get(p, [])}
+        base = {(c["batch"], c["kernel"]): c for c in doc.get("decode", []) if c["pct"] == 0 and "ms" in c}
+        batches = sorted({c["batch"] for c in doc.get("decode", [])})
+        if batches:
+            head = ["B", "base ms (fla)", "base floor %"]
+            for p in pcts:
+                head += [f"{_pct(p)}% fla", f"{_pct(p)}% ours", f"{_pct(p)}% ours vs fla base", f"{_pct(p)}% ideal",
+                         f"{_pct(p)}% floor % (ours)"]
+            lines += [("Decode (Table 17; speedup = baseline ms / pruned ms, prompt "
+                       f"{doc.get('settings', {}).get('decode', {}).get('prompt')}):"), "",
+                      "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+            for b in batches:
+                ref = base.get((b, "fla"))
+                row = [str(b), _fmt(ref["ms"]) if ref else MISSING,
+                       f"{100 * ref['floor_fraction']:.0f}" if ref else MISSING]
+                for p in pcts:
+                    fla, ours = ratio.get(("decode", p, b, "fla")), ratio.get(("decode", p, b, "statereduce"))
+                    row += [_x(fla and fla["speedup"]), _x(ours and ours["speedup"]),
+                            _x(ours and ours.get("speedup_vs_fla_baseline")),
+                            _x((fla or ours) and (fla or ours)["ideal_speedup"]),
+                            f"{100 * ours['floor_fraction']:.0f}" if ours else MISSING]
+                lines.append("| " + " | ".join(row) + " |")
+            lines.append("")
+        cells = sorted({(c["batch"], c["length"]) for c in doc.get("prefill", [])}, key=lambda t: (t[1], t[0]))
+        if cells:
+            base_p = {(c["batch"], c["length"]): c for c in doc["prefill"] if c["pct"] == 0}
+            head = ["B × T", "base ms", *[f"{_pct(p)}%" for p in pcts]]
+            lines += ["Prefill (Table 18; speedup):", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+            for b, t in cells:
+                ref = base_p.get((b, t), {})
+                row = [f"{b} × {t}", _fmt(ref["ms"]) if "ms" in ref else ref.get("skipped", MISSING)]
+                row += [_x(ratio.get(("prefill", p, b, t), {}).get("speedup")) for p in pcts]
+                lines.append("| " + " | ".join(row) + " |")
+            lines.append("")
+        mix = sorted({(c["batch"], c["seq_len"]) for c in doc.get("mixer", [])})
+        if mix:
+            base_m = {(c["batch"], c["seq_len"]): c for c in doc["mixer"] if c["pct"] == 0}
+            head = ["B", "T", "base ms"] + [f"{_pct(p)}% {w}" for p in pcts for w in ("speedup", "memory")]
+            lines += ["Mixer only (Table 19; memory = peak-memory ratio):", "", "| " + " | ".join(head) + " |",
+                      "|" + " --- |" * len(head)]
+            for b, t in mix:
+                ref = base_m.get((b, t), {})
+                row = [str(b), str(t), _fmt(ref["ms"]) if "ms" in ref else MISSING]
+                for p in pcts:
+                    r = ratio.get(("mixer", p, b, t), {})
+                    row += [_x(r.get("speedup")), _x(r.get("memory_ratio"))]
+                lines.append("| " + " | ".join(row) + " |")
+            lines.append("")
+    return "\n".join(lines)

@@ -173,3 +173,118 @@ def test_bad_config_through_snakemake(base_config, tmp_path, case):
     lines = [ln for ln in text.splitlines() if re.search(CASES[case], ln)]
     assert lines, text  # the message sits on one line
     assert "rule " not in text  # no job was planned
+
+
+# studies (paper Tables 2/7 and 16): case -> (mutation of the shipped studies block, one-line message regex)
+STUDY_CASES = {
+    "unknown_model": (
+        lambda s: s["calibration"]["models"].append("tiny-xl"),
+        r"^studies\.calibration\.models: unknown model 'tiny-xl'; valid: .*tiny-dn",
+    ),
+    "unknown_selector": (
+        lambda s: s["scoring"]["selectors"].append("wanda"),
+        r"^studies\.scoring\.selectors: unknown selector 'wanda'; valid: drrqr, grad, l1, swanda$",
+    ),
+    "calibration_free_selector": (
+        lambda s: s["calibration"]["selectors"].append("l1"),
+        r"^studies\.calibration\.selectors: selector 'l1' reads no calibration data \(needs: weights\).*swanda$",
+    ),
+    "selector_without_k_q": (
+        lambda s: s["scoring"]["selectors"].append("rand"),
+        r"^studies\.scoring\.selectors: selector 'rand' has no keys-only/queries-only variants",
+    ),
+    "unknown_variant": (
+        lambda s: s["calibration"]["variants"].append("pg19"),
+        r"^studies\.calibration\.variants: unknown calibration 'pg19'; valid: default, n16, seed1, shakespeare$",
+    ),
+    "pct_leaves_no_channel": (lambda s: s["scoring"].update(pct=99.5), r"^studies\.scoring: .*99\.5.*d_k=64"),
+    "pct_out_of_range": (lambda s: s["calibration"].update(pct=100), r"studies\.calibration\.pct: 100 is"),
+    "unknown_study": (lambda s: s.update(pruning={}), r"studies.*'pruning' was unexpected"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STUDY_CASES))
+def test_bad_studies_rejected(base_config, case):
+    cfg = copy.deepcopy(base_config)
+    mutate, pattern = STUDY_CASES[case]
+    mutate(cfg["studies"])
+    with pytest.raises(ConfigError) as exc:
+        validate_config(cfg)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    assert re.search(pattern, msg), msg
+
+
+def test_studies_cells(base_config):
+    """The shipped studies expand to one target per cell; no block, no cells."""
+    from statereduce.config import check_studies
+
+    cells = check_studies(validate_config(base_config))
+    assert len(cells["calibration"]) == 2 * 2 * 4 and len(cells["scoring"]) == 2 * 4 * 3
+    assert ("tiny-dn", "grad.shakespeare", 75.0) in cells["calibration"]
+    assert ("tiny-dn", "drrqr", 75.0) in cells["calibration"]  # the default variant is the plain token
+    assert [c[1] for c in cells["scoring"][:3]] == ["l1", "l1-k", "l1-q"]
+    cfg = copy.deepcopy(base_config)
+    del cfg["studies"]
+    assert check_studies(validate_config(cfg)) == {}
+
+
+# evaluation suites (statereduce.suites): case -> (eval block of tiny-dn, one-line message regex)
+EVAL_CASES = {
+    "unknown_suite": (
+        {"suites": ["lm", "ruler"]},
+        r"models\.tiny-dn\.eval\.suites\.1: 'ruler' is not one of \['lm', 'recall', 'recall_probe'\]",
+    ),
+    "nothing_to_evaluate": ({"tasks": []}, r"^models\.tiny-dn\.eval: nothing to evaluate; give tasks .* or suites$"),
+    "bad_probe_level": (
+        {"suites": ["recall_probe"], "recall_probe": {"levels": [{"n_pairs": 4, "n_choices": 8}]}},
+        r"^models\.tiny-dn\.eval\.recall_probe\.levels: n_choices must be in 2\.\.n_pairs=4, got 8$",
+    ),
+    "duplicate_probe_level": (
+        {"suites": ["recall_probe"], "recall_probe": {"levels": [4, {"n_pairs": 4}]}},
+        r"recall_probe\.levels give duplicate task names \['recall_mqar_4'\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EVAL_CASES))
+def test_bad_eval_rejected(base_config, case):
+    cfg = copy.deepcopy(base_config)
+    block, pattern = EVAL_CASES[case]
+    cfg["models"]["tiny-dn"]["eval"].update(block)
+    with pytest.raises(ConfigError) as exc:
+        validate_config(cfg)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    assert re.search(pattern, msg), msg
+
+
+def test_unknown_suite_without_schema_names_valid_ones(base_config):
+    """The package's own check (the schema's enum aside) names the bad suite and the valid ones."""
+    from statereduce.config import model_eval
+
+    cfg = copy.deepcopy(base_config)
+    cfg["models"]["tiny-dn"]["eval"]["suites"] = ["ruler"]
+    match = r"^models\.tiny-dn\.eval: unknown evaluation suite 'ruler'; valid: lm, recall, recall_probe$"
+    with pytest.raises(ConfigError, match=match):
+        model_eval(cfg, "tiny-dn")
+
+
+def test_model_eval_expands_suites(base_config):
+    from statereduce.config import model_eval
+
+    cfg = validate_config(base_config)
+    ev = model_eval(cfg, "gdn1.3b")
+    assert ev["suites"] == ["lm", "recall"]
+    lm = ["wikitext", "lambada_openai", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "piqa"]
+    assert ev["tasks"][:7] == lm
+    assert ev["tasks"][7:] == ["niah_single_1", "niah_single_2", "niah_single_3", "squad_completion", "swde"]
+    assert ev["metadata"] == {"max_seq_lengths": [2048, 4096]} and ev["max_length"] == 2048
+    assert set(ev["task_max_length"]) == {"niah_single_1", "niah_single_2", "niah_single_3"}
+    # a model without suites keeps exactly its configured settings (no new keys: its rules' params are unchanged)
+    tiny = {k: v for k, v in cfg["models"]["tiny-dn"]["eval"].items() if k not in ("suites", "recall_probe")}
+    cfg["models"]["tiny-dn"]["eval"] = tiny
+    assert not {"suites", "metadata", "task_max_length", "recall_probe"} & set(model_eval(cfg, "tiny-dn"))
+    cfg["models"]["tiny-dn"]["eval"] = {**tiny, "suites": ["recall_probe"], "recall_probe": {"levels": [8]}}
+    ev = model_eval(validate_config(cfg), "tiny-dn")
+    assert ev["tasks"] == tiny["tasks"] and ev["recall_probe"] == {"levels": [8], "n_docs": 100, "seed": 0}

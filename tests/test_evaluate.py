@@ -305,3 +305,155 @@ def test_summarize_synthetic():
 def test_summarize_rejects(pruned, rft, meta, match):
     with pytest.raises(ValueError, match=match):
         ev.summarize(_fake_eval(20.0, 16384, 32), pruned, rft, meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# local multiple-choice mirror tasks, task metadata, several windows
+# ---------------------------------------------------------------------------------------------
+MC_DOCS = [
+    {"context": "The capital of France is", "choices": ["Paris", "a city in the north of Spain", "x"], "gold": 0},
+    {"context": "2 + 2 =", "choices": ["4", "five", "twenty-two point zero"], "gold": 0},
+    {"context": "Water boils at", "choices": ["100 degrees", "the moon", "7", "cold"], "gold": 0},
+    {"context": "def f(x):\n    return", "choices": ["x + 1", "None and never anything else", "]"], "gold": 1},
+    {"context": "[1, 2, 3]", "choices": ["[4]", "and so on, forever", "."], "gold": 2},
+    {"context": "naïve café —", "choices": ["ünïcödé", "ascii", "a very long continuation here"], "gold": 1},
+    {"context": "Q: yes or no? A:", "choices": ["yes", "no"], "gold": 1},
+    {"context": "abc abc abc", "choices": ["abc", "xyz xyz xyz xyz"], "gold": 0},
+]
+
+
+def _choice_lls(model, tok, doc: dict) -> list[float]:
+    """Sum of log p(" " + choice | context) from one plain forward pass per choice."""
+    ctx = tok.encode(doc["context"])
+    lls = []
+    for choice in doc["choices"]:
+        cont = tok.encode(" " + choice)
+        assert tok.encode(doc["context"] + " " + choice) == ctx + cont  # byte level: no merge across the cut
+        lls.append(-_window_nll(model, ctx + cont[:-1], cont))
+    return lls
+
+
+def test_write_multiple_choice_task_files(tmp_path):
+    docs = [{**d, "extra": i} for i, d in enumerate(MC_DOCS)]
+    name = ev.write_multiple_choice_task(docs, tmp_path / "tasks", "my_mc", tag="mirror", metadata={"source": "t"})
+    cfg = yaml.safe_load((tmp_path / "tasks" / "my_mc.yaml").read_text())
+    assert name == "my_mc" and cfg["task"] == "my_mc" and cfg["tag"] == ["mirror"]
+    assert (cfg["output_type"], cfg["test_split"], cfg["target_delimiter"]) == ("multiple_choice", "test", " ")
+    assert (cfg["doc_to_text"], cfg["doc_to_choice"], cfg["doc_to_target"]) == ("context", "choices", "gold")
+    assert [m["metric"] for m in cfg["metric_list"]] == ["acc", "acc_norm"]
+    assert all(m["aggregation"] == "mean" and m["higher_is_better"] for m in cfg["metric_list"])
+    assert cfg["metadata"]["source"] == "t" and cfg["metadata"]["n_docs"] == len(MC_DOCS)
+    data = Path(cfg["dataset_kwargs"]["data_files"]["test"])
+    assert data == (tmp_path / "tasks" / "my_mc.jsonl").resolve()
+    assert [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines()] == docs
+
+
+@pytest.mark.parametrize(
+    "docs, kwargs, match",
+    [
+        ([], {}, "docs is empty"),
+        ([{"context": "", "choices": ["a", "b"], "gold": 0}], {}, r"docs\[0\]\['context'\]"),
+        ([{"prompt": "c", "choices": ["a", "b"], "gold": 0}], {}, r"docs\[0\]\['context'\] is None"),
+        ([{"context": "c", "choices": ["a"], "gold": 0}], {}, r"docs\[0\]\['choices'\].*>= 2"),
+        ([{"context": "c", "choices": ["a", "b"], "gold": 2}], {}, r"docs\[0\]\['gold'\] is 2.*2 choices"),
+        ([{"context": "c", "choices": ["a", "b"], "gold": True}], {}, r"docs\[0\]\['gold'\] is True"),
+        (MC_DOCS, {"metrics": ("acc", "f1")}, r"metrics \['acc', 'f1'\] invalid; choose from acc, acc_norm"),
+        (MC_DOCS, {"name": "-bad"}, "invalid task name"),
+    ],
+    ids=["no-docs", "empty-context", "no-context", "one-choice", "gold-range", "gold-bool", "metric", "name"],
+)
+def test_write_multiple_choice_task_rejects(tmp_path, docs, kwargs, match):
+    kwargs = {"name": "mc", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        ev.write_multiple_choice_task(docs, tmp_path, **kwargs)
+
+
+def test_mirror_multiple_choice_matches_hand_argmax(model, tok, tmp_path):
+    """lm-eval's acc / acc_norm on the local mirror task equal the argmax of hand-computed log-likelihoods
+    (acc_norm: divided by the choice's length in characters, lm-eval's definition); task metadata is passed."""
+    name = ev.write_multiple_choice_task(MC_DOCS, tmp_path, "mc_mirror")
+    res = ev.evaluate_model(
+        model, tok, [name], include_path=tmp_path, batch_size=4, device="cpu", metadata={"max_seq_lengths": [64]}
+    )
+    lls = [np.array(_choice_lls(model, tok, d)) for d in MC_DOCS]
+    lens = [np.array([len(c) for c in d["choices"]], dtype=float) for d in MC_DOCS]
+    pred = [int(np.argmax(ll)) for ll in lls]
+    pred_norm = [int(np.argmax(ll / n)) for ll, n in zip(lls, lens)]
+    assert pred != pred_norm  # the documents tell the two metrics apart
+    m = res["metrics"][name]
+    assert m["acc"] == np.mean([p == d["gold"] for p, d in zip(pred, MC_DOCS)])
+    assert m["acc_norm"] == np.mean([p == d["gold"] for p, d in zip(pred_norm, MC_DOCS)])
+    assert math.isfinite(m["acc_stderr"]) and math.isfinite(m["acc_norm_stderr"])
+    # metadata reaches the task config (lm-eval hands it to custom_dataset functions such as RULER's)
+    assert res["lm_eval"]["configs"][name]["metadata"]["max_seq_lengths"] == [64]
+    assert res["settings"]["metadata"] == {"max_seq_lengths": [64]}  # the byte tokenizer has no name to add
+
+
+def test_task_metadata_adds_tokenizer_name():
+    import types
+
+    named = types.SimpleNamespace(name_or_path="fla-hub/delta_net-1.3B-100B")
+    assert ev.task_metadata(None, named) is None and ev.task_metadata({}, named) is None
+    assert ev.task_metadata({"max_seq_lengths": [2048]}, named) == {
+        "max_seq_lengths": [2048],
+        "tokenizer": "fla-hub/delta_net-1.3B-100B",
+    }
+    assert ev.task_metadata({"a": 1, "pretrained": "p"}, named) == {"a": 1, "pretrained": "p"}
+    assert ev.task_metadata({"a": 1}, "org/tok") == {"a": 1, "tokenizer": "org/tok"}
+
+
+def test_window_runs():
+    tasks = ["statereduce_heldout", "wikitext", "niah_single_1", "swde", "niah_single_2"]
+    need = {"niah_single_1": 4224, "niah_single_2": 4224, "swde": 1024}
+    assert ev._window_runs(tasks, 2048, need) == [
+        (2048, ["statereduce_heldout", "wikitext", "swde"]),
+        (4224, ["niah_single_1", "niah_single_2"]),
+    ]
+    assert ev._window_runs(tasks, 8192, need) == [(8192, tasks)]
+    assert ev._window_runs(["a", "b"], None, {"b": 64}) == [(None, ["a"]), (64, ["b"])]
+
+
+def test_evaluate_and_write_local_writers_and_two_windows(model, tok, tmp_path):
+    """Heldout + a local-writer task, the latter needing a longer window: two lm-eval calls, one document."""
+    docs = [DOCS[1], DOCS[0]]  # 92 and 44 tokens: windows of 32
+    out = tmp_path / "eval.json"
+    doc = ev.evaluate_and_write(
+        model,
+        tok,
+        out,
+        eval_cfg={
+            "tasks": [],
+            "max_length": 32,
+            "device": "cpu",
+            "task_max_length": {"mc_mirror": 256},
+            "suites": ["lm"],
+        },
+        heldout_docs=docs,
+        local_tasks={"mirror": lambda d: [ev.write_multiple_choice_task(MC_DOCS, d, "mc_mirror")]},
+        model_id="tiny",
+    )
+    assert doc["settings"]["runs"] == [
+        {"tasks": [ev.HELDOUT_TASK], "max_length": 32},
+        {"tasks": ["mc_mirror"], "max_length": 256},
+    ]
+    assert doc["settings"]["tasks"] == [ev.HELDOUT_TASK, "mc_mirror"] and doc["settings"]["max_length"] == 32
+    assert doc["provenance"]["tasks"] == [ev.HELDOUT_TASK, "mc_mirror"]
+    assert set(doc["lm_eval"]["results"]) == set(doc["metrics"]) == {ev.HELDOUT_TASK, "mc_mirror"}
+    nll = sum(_independent_nll(model, tok, d, 32) for d in docs)
+    m = doc["metrics"][ev.HELDOUT_TASK]
+    assert math.log(m["word_perplexity"]) == pytest.approx(nll / sum(_words(d) for d in docs), rel=1e-5)
+    pred = [int(np.argmax(_choice_lls(model, tok, d))) for d in MC_DOCS]
+    assert doc["metrics"]["mc_mirror"]["acc"] == np.mean([p == d["gold"] for p, d in zip(pred, MC_DOCS)])
+    assert doc["suites"] == {"lm": {"lm_avg": None}}  # none of the lm tasks ran: missing, not invented
+    assert json.loads(out.read_text()) == doc
+
+
+def test_summarize_carries_suite_averages():
+    base, pruned = _fake_eval(20.0, 16384, 32), _fake_eval(25.0, 8192, 16)
+    base["suites"], pruned["suites"] = {"lm": {"lm_avg": 0.6}}, {"lm": {"lm_avg": 0.55}}
+    s = ev.summarize(base, pruned, None, {"model": "tiny", "method": "l1", "pct": 50})
+    assert s["suites"] == {"baseline": {"lm": {"lm_avg": 0.6}}, "pruned": {"lm": {"lm_avg": 0.55}}, "rft": None}
+    s = ev.summarize(
+        _fake_eval(20.0, 16384, 32), _fake_eval(25.0, 8192, 16), None, {"model": "t", "method": "l1", "pct": 5}
+    )
+    assert "suites" not in s

@@ -259,3 +259,42 @@ def test_oracle_scores_one_and_constant_model_picks_index_zero(tok, tmp_path):
 def test_evaluate_recall_rejects_short_max_length(tok, tmp_path):
     with pytest.raises(ValueError, match=r"max_length 16 is shorter than the longest recall document \(\d+ tokens\)"):
         rc.evaluate_recall(_ConstOrOracleLM(oracle=False), tok, tmp_path, [8], n_docs=2, max_length=16)
+
+
+# ---------------------------------------------------------------------------------------------
+# the recall_probe suite in the workflow's eval path (stages.evaluate_loaded)
+# ---------------------------------------------------------------------------------------------
+def test_evaluate_loaded_recall_probe_suite_without_heldout(tok, tmp_path):
+    """tasks=[] and suites=[recall_probe]: the levels are written next to eval.json and scored by lm-eval."""
+    from statereduce.stages import evaluate_loaded
+
+    model = tiny_model("delta_net", vocab_size=257)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0.0, 0.5)
+    levels = LEVELS[:2]
+    settings = {
+        "tasks": [],
+        "suites": ["recall_probe"],
+        "recall_probe": {"levels": levels, "n_docs": N_DOCS, "seed": SEED},
+        "batch_size": 2,
+        "max_length": 256,
+    }
+    out = tmp_path / "baseline" / "eval.json"
+    doc = evaluate_loaded(model, tok, "ckpt", settings, {"model": "tiny-dn"}, out, {"method": "baseline"})
+    names = ["recall_mqar_4", "recall_mqar_8_d0"]
+    assert sorted(p.name for p in (out.parent / ".lm_eval_tasks").glob("*.yaml")) == sorted(f"{n}.yaml" for n in names)
+    assert list(doc["metrics"]) == names and doc["settings"]["tasks"] == names
+    accs = [_hand_acc(model, tok, _level_docs(level)) for level in levels]
+    assert [doc["metrics"][n]["acc"] for n in names] == accs
+    assert doc["suites"] == {"recall_probe": {"recall_mqar_avg": pytest.approx(sum(accs) / 2)}}
+    assert doc["provenance"]["model_id"] == "tiny-dn" and doc["provenance"]["method"] == "baseline"
+    assert json.loads(out.read_text()) == doc
+
+
+def test_recall_probe_writer_checks_window(tok, tmp_path):
+    writer = rc.recall_probe_writer({"levels": [8], "n_docs": 2}, tok, max_length=16)
+    with pytest.raises(ValueError, match=r"max_length 16 is shorter than the longest recall document"):
+        writer(tmp_path)
+    assert rc.recall_probe_writer({"levels": [8], "n_docs": 2}, tok, max_length=512)(tmp_path) == ["recall_mqar_8"]
+    with pytest.raises(ValueError, match=r"unknown recall_probe keys \['n_doc'\]"):
+        rc.recall_probe_writer({"n_doc": 2})

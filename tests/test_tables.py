@@ -198,3 +198,129 @@ def test_rank_tables_from_synthetic_documents(tmp_path):
     assert (over["method_a"], over["method_b"], over["median_shared"]) == ("drrqr", "rand", 0.5)  # heads share 1, 0
     assert over["random_shared"] == 2 * 2 / 8
     assert (tmp_path / "overlap.csv").read_text().startswith("model,pct,method_a,method_b")
+
+
+# ---- study tables (paper Tables 2/7 and 16) -------------------------------------------------------------------
+CAL_STUDY = {"models": ["m1"], "selectors": ["grad", "drrqr"], "variants": ["default", "shakespeare", "n16"], "pct": 75}
+SCORING_STUDY = {"models": ["m1", "m2"], "selectors": ["l1", "drrqr"], "pct": 75}
+
+
+@pytest.fixture
+def studies_written(tmp_path):
+    from statereduce.tables import write_study_tables
+
+    summaries = [
+        _summary("m1", "grad", 75, 1.5, rft_bpb=1.25),
+        _summary("m1", "grad.shakespeare", 75, 1.75),  # RFT not run
+        _summary("m1", "drrqr", 75, 1.375, rft_bpb=1.125),
+        _summary("m1", "drrqr.shakespeare", 75, 1.4, rft_bpb=1.2),
+        _summary("m1", "drrqr.n16", 75, 1.38, rft_bpb=1.13),  # grad.n16 never computed
+        _summary("m1", "l1-q", 75, 2.5, rft_bpb=1.5),  # l1 and l1-k of m1 never computed
+        _summary("m1", "drrqr-k", 75, 3.0, rft_bpb=2.0),
+        _summary("m1", "drrqr-q", 75, 1.625),
+        _summary("m2", "l1", 75, 4.0, rft_bpb=3.0),  # m2 has only this cell
+        _summary("m1", "rand", 75, 9.0),  # not in any study: ignored
+        _summary("m1", "drrqr", 50, 1.1),  # another ratio: ignored
+    ]
+    calibrations = {
+        "m1": {
+            "default": {"corpus": "embedded", "n_samples": 32, "seed": 0, "seq_len": 256, "batch_size": 8},
+            "shakespeare": {"corpus": "shakespeare", "n_samples": 32, "seed": 0, "seq_len": 256, "batch_size": 8},
+            "n16": {"corpus": "embedded", "n_samples": 16, "seed": 0, "seq_len": 128, "batch_size": 4},
+        }
+    }
+    studies = {"calibration": CAL_STUDY, "scoring": SCORING_STUDY}
+    frames = write_study_tables(summaries, studies, tmp_path, calibrations)
+    md = {n: (tmp_path / f"{n}.md").read_text() for n in ("calibration_study", "scoring_ablation")}
+    csv = {n: pd.read_csv(tmp_path / f"{n}.csv") for n in ("calibration_study", "scoring_ablation")}
+    return frames, md, csv
+
+
+def test_calibration_study_layout(studies_written):
+    """Tables 2/7: per model, rows calibration variant (labelled corpus, n, seed), columns selector; pre-RFT and
+    post-RFT blocks; a result never computed (grad.n16, grad.shakespeare after RFT) is missing, not filled in."""
+    _, md, _ = studies_written
+    t = _tables(md["calibration_study"])
+    h2 = f"m1: {BPB} (lower is better)"
+    assert t[(h2, "pre-RFT")] == [
+        ["variant", "calibration", "grad", "drrqr"],
+        ["default", "embedded, n=32, seed 0", "1.500", "1.375"],
+        ["shakespeare", "shakespeare, n=32, seed 0", "1.750", "1.400"],
+        ["n16", "embedded, n=16, seed 0, seq_len=128", "–", "1.380"],  # seq_len differs from default: shown
+    ]
+    assert t[(h2, "post-RFT")][1:] == [
+        ["default", "embedded, n=32, seed 0", "1.250", "1.125"],
+        ["shakespeare", "shakespeare, n=32, seed 0", "–", "1.200"],
+        ["n16", "embedded, n=16, seed 0, seq_len=128", "–", "1.130"],
+    ]
+    assert "baseline (unpruned): 1.000" in _lead(md["calibration_study"], h2, None)
+    assert "75% of key channels removed" in md["calibration_study"]
+
+
+def test_scoring_ablation_layout(studies_written):
+    """Table 16: rows selector then baseline, columns K,Q / K / Q per model; missing cells stay missing."""
+    _, md, _ = studies_written
+    t = _tables(md["scoring_ablation"])
+    header = ["method", "m1 K,Q", "m1 K", "m1 Q", "m2 K,Q", "m2 K", "m2 Q"]
+    assert t[("pre-RFT", None)] == [
+        header,
+        ["l1", "–", "–", "2.500", "4.000", "–", "–"],
+        ["drrqr", "1.375", "3.000", "1.625", "–", "–", "–"],
+        ["baseline", *["1.000"] * 6],
+    ]
+    assert t[("post-RFT", None)][1:3] == [
+        ["l1", "–", "–", "1.500", "3.000", "–", "–"],
+        ["drrqr", "1.125", "2.000", "–", "–", "–", "–"],
+    ]
+    assert f"Metric: {BPB} (lower is better)." in md["scoring_ablation"]
+
+
+def test_study_csv_long_with_missing_cells(studies_written):
+    """One CSV row per (cell, stage) of the study plus a baseline row per model; never-computed cells are empty."""
+    frames, _, csv = studies_written
+    cal = csv["calibration_study"]
+    assert len(cal) == 1 + 2 * 3 * 2  # baseline + selectors x variants x stages
+    row = cal[(cal["method"] == "grad.n16") & (cal["stage"] == "pruned")].iloc[0]
+    assert row["variant"] == "n16" and row["selector"] == "grad" and pd.isna(row[BPB])
+    assert set(cal["method"]) == {
+        "baseline",
+        "grad",
+        "grad.shakespeare",
+        "grad.n16",
+        "drrqr",
+        "drrqr.shakespeare",
+        "drrqr.n16",
+    }
+    sc = csv["scoring_ablation"]
+    assert len(sc) == 2 + 2 * 2 * 3 * 2  # baselines + models x selectors x scorings x stages
+    got = sc[(sc["model"] == "m1") & (sc["stage"] == "pruned")].set_index("method")[BPB]
+    assert got["drrqr-k"] == 3.0 and got["l1-q"] == 2.5 and pd.isna(got["l1"]) and pd.isna(got["l1-k"])
+    assert list(sc.columns[:6]) == ["model", "selector", "variant", "method", "pct", "stage"]
+    assert frames["scoring_ablation"].shape[0] == len(sc)
+
+
+def test_study_primary_metric_per_model(tmp_path):
+    """Each model shows the comparison table's first metric it has (bits per byte, else WikiText-2 perplexity)."""
+    from statereduce.tables import write_study_tables
+
+    hub = {
+        "model": "hub",
+        "method": "grad-q",
+        "pct": 50.0,
+        "metrics": {
+            "baseline": {"wikitext": {"word_perplexity": 16.7}},
+            "pruned": {"wikitext": {"word_perplexity": 19.5}},
+            "rft": None,
+        },
+    }
+    tiny = _summary("tiny", "grad-q", 50, 1.5)
+    study = {"models": ["tiny", "hub"], "selectors": ["grad"], "pct": 50}
+    write_study_tables([hub, tiny], {"scoring": study}, tmp_path)
+    md = (tmp_path / "scoring_ablation.md").read_text()
+    assert f"tiny: {BPB} (lower is better); hub: wikitext/word_perplexity (lower is better)" in md
+    t = _tables(md)
+    assert t[("pre-RFT", None)][1] == ["grad", "–", "–", "1.500", "–", "–", "19.500"]
+    assert t[("pre-RFT", None)][2] == ["baseline", "1.000", "1.000", "1.000", "16.700", "16.700", "16.700"]
+    # a study that is not configured gets a one-line note and an empty CSV
+    assert "no calibration study configured" in (tmp_path / "calibration_study.md").read_text()
+    assert (tmp_path / "calibration_study.csv").read_text().strip() == ""

@@ -173,3 +173,66 @@ def test_report_has_tables_and_figures(finished_run, tmp_path):
     ):
         assert words in html, words
     assert "data:image/png" in html and "data:text/html" in html  # embedded, not linked
+
+
+def _dry_run_shipped(tmp_path: Path, cfg: dict, target: str) -> dict[str, list[str]]:
+    """rule -> planned outputs of ``snakemake -n target`` with the repository's workflow and ``cfg`` in an empty
+    work directory (nothing exists there, so every job of the target is planned)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "-n"]
+    out = subprocess.run([*cmd, target], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    jobs: dict[str, list[str]] = {}
+    rule = None
+    for line in (out.stdout + out.stderr).splitlines():
+        m = re.match(r"^(?:local)?rule (\w+):", line.strip())
+        if m:
+            rule = m.group(1)
+            continue
+        m = re.match(r"^\s*output: (.*)$", line)
+        if m and rule:
+            jobs.setdefault(rule, []).extend(s.strip() for s in m.group(1).split(","))
+            rule = None
+    return jobs
+
+
+def test_all_paper_plans_study_tables(tmp_path):
+    """``all_paper`` with the shipped ``studies`` plans every study cell as an ordinary summary (calibration
+    variants, -k/-q scorings) and the study tables (paper Tables 2/7, 16); ``all`` plans none of it, and a config
+    without ``studies`` plans no study table."""
+    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    jobs = _dry_run_shipped(tmp_path / "paper", cfg, "all_paper")
+    assert set(jobs["study_tables"]) == {
+        f"results/tables/{name}.{ext}"
+        for name in ("calibration_study", "scoring_ablation")
+        for ext in ("md", "csv", "html")
+    }
+    summaries = set(jobs["summarize"])
+    for cell in ("grad.shakespeare", "drrqr.n16", "grad.seed1", "l1-k", "swanda-q", "drrqr-k", "grad-q"):
+        for model in ("tiny-dn", "tiny-gdn"):
+            assert f"results/{model}/{cell}_75/eval.json" in summaries, (model, cell)
+    n_targets = len(cfg["targets"]["models"]) * len(cfg["targets"]["methods"]) * len(cfg["targets"]["pcts"])
+    assert len(summaries) == n_targets + 2 * (2 * 3 + 4 * 2)  # targets + new calibration and scoring cells
+    calibrations = {p.split("/")[3] for p in jobs["calibrate"]}
+    assert calibrations == {"default", "shakespeare", "n16", "seed1"}
+    assert "study_tables" not in _dry_run_shipped(tmp_path / "all", cfg, "all")
+    del cfg["studies"]
+    assert "study_tables" not in _dry_run_shipped(tmp_path / "none", cfg, "all_paper")
+
+
+def test_all_speed_plans_gpu_jobs_only_there(tmp_path):
+    """``all_speed`` plans one baseline speed job per ``speed.models`` model (GPU, random weights: no checkpoint,
+    calibration or pruning job) and the speed table; the default target plans no speed job."""
+    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    jobs = _dry_run_shipped(tmp_path / "speed", cfg, "all_speed")
+    assert set(jobs) == {"speed_baseline", "speed_table"}
+    assert sorted(jobs["speed_baseline"]) == [f"results/{m}/baseline/speed.json" for m in ("dn1.3b", "gdn1.3b")]
+    assert not {"speed", "speed_baseline"} & set(_dry_run_shipped(tmp_path / "all", cfg, "all"))
+    cfg["speed"]["models"] = ["dn13b"]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory",
+                          str(tmp_path / "bad"), "-n", "all_speed"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "speed.models: unknown model 'dn13b'; valid: " in out.stdout + out.stderr

@@ -1,0 +1,189 @@
+"""GPU check and kernel-level timing of the in-place one-token decode steps (statereduce.decode), on one device.
+
+1. Correctness: statereduce's ``recurrent_step`` and fla's kernels run in place against fla's own
+   ``fused_recurrent_*`` (new-state) functions on fresh random inputs: DeltaNet layout ([N, H, K, V]) and
+   Gated DeltaNet layout ([N, HV, V, K], gate and beta sigmoid in the kernel, grouped value heads), d_k from 32 to
+   256, d_k not a power of two. Also fla's ``chunk_delta_rule`` against ``fused_recurrent_delta_rule`` (a helper
+   saw wrong outputs at d_k = 32, d_v = 64 once).
+2. Timing: ``layers`` launches (one state buffer each, far more than L2) captured in a CUDA graph, batch 64:
+   fla's function (new state), fla's kernel in place, ours (autotuned) and a sweep of our fixed tile configs;
+   bandwidth = state bytes read + written / time, against the measured copy bandwidth.
+
+    python benchmarks/check_decode_gpu.py OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import torch
+
+from statereduce import decode
+from statereduce.speed import copy_bandwidth
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def inputs(n, h, hv, k, v, gated, dtype=torch.bfloat16, t=1):
+    q = torch.randn(n, t, h, k, device="cuda", dtype=dtype)
+    kk = torch.randn(n, t, h, k, device="cuda", dtype=dtype)
+    vv = torch.randn(n, t, hv, v, device="cuda", dtype=dtype)
+    if gated:
+        beta = torch.randn(n, t, hv, device="cuda", dtype=dtype)  # raw: sigmoid in kernel
+        g = torch.randn(n, t, hv, device="cuda", dtype=dtype)
+        a_log = torch.randn(hv, device="cuda").abs().log()
+        dt_bias = torch.randn(hv, device="cuda")
+        state = torch.randn(n, hv, v, k, device="cuda") * 0.1
+    else:
+        beta = torch.rand(n, t, h, device="cuda", dtype=dtype)
+        g = a_log = dt_bias = None
+        state = torch.randn(n, h, k, v, device="cuda") * 0.1
+    return q, kk, vv, beta, g, a_log, dt_bias, state
+
+
+def reference(q, k, v, beta, g, a_log, dt_bias, state, gated):
+    from fla.ops.delta_rule import fused_recurrent_delta_rule
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    if gated:
+        return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state.clone(),
+                                                output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias,
+                                                use_beta_sigmoid_in_kernel=True, state_v_first=True)
+    return fused_recurrent_delta_rule(q, k, v, beta, initial_state=state.clone(), output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+
+
+def step(kind, q, k, v, beta, g, a_log, dt_bias, state, gated, **fixed):
+    if gated:
+        opts = {"g": g, "A_log": a_log, "dt_bias": dt_bias, "l2norm": True, "beta_sigmoid": True,
+                "state_v_first": True}
+        fn = decode.fla_gated_delta_rule_step if kind == "fla" else decode.recurrent_step
+    else:
+        opts = {"l2norm": True} if kind == "fla" else {"l2norm": True, "round_qk": True}
+        fn = decode.fla_delta_rule_step if kind == "fla" else decode.recurrent_step
+    if kind != "fla":
+        opts.update(fixed)
+    return fn(q, k, v, beta, state, **opts)
+
+
+def correctness(out):
+    cases = [(n, 16, 16, kd, vd, False) for n in (1, 64) for kd in (32, 48, 64, 128) for vd in (64, 128)]
+    cases += [(n, h, hv, kd, vd, True) for n in (1, 64) for h, hv, kd, vd in
+              ((6, 6, 256, 512), (6, 6, 128, 512), (6, 6, 64, 512), (4, 8, 96, 128), (16, 16, 32, 128))]
+    for n, h, hv, kd, vd, gated in cases:
+        torch.manual_seed(hash((n, h, hv, kd, vd, gated)) % 2**31)
+        args = inputs(n, h, hv, kd, vd, gated)
+        o_ref, s_ref = reference(*args, gated)
+        row = {"n": n, "h": h, "hv": hv, "k": kd, "v": vd, "gated": gated}
+        for kind in ("fla", "statereduce"):
+            st = args[-1].clone()
+            o = step(kind, *args[:-1], st, gated, **({} if kind == "fla" else {"block_v": 32, "num_warps": 4}))
+            torch.cuda.synchronize()
+            row[f"{kind}_o_rel"] = rel(o, o_ref)
+            row[f"{kind}_state_rel"] = rel(st, s_ref)
+        out["correctness"].append(row)
+    worst = {k: max(r[k] for r in out["correctness"]) for k in out["correctness"][0] if k.endswith("_rel")}
+    out["correctness_worst"] = worst
+    print("correctness worst:", worst, flush=True)
+
+
+def chunk_check(out):
+    from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
+
+    for kd, vd in ((32, 64), (32, 128), (64, 64), (64, 128), (128, 128)):
+        torch.manual_seed(kd * 1000 + vd)
+        q = torch.randn(2, 256, 4, kd, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(2, 256, 4, kd, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(2, 256, 4, vd, device="cuda", dtype=torch.bfloat16)
+        beta = torch.rand(2, 256, 4, device="cuda", dtype=torch.bfloat16)
+        o1, s1 = chunk_delta_rule(q, k, v, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o2, s2 = fused_recurrent_delta_rule(q, k, v, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        out["chunk_vs_recurrent"].append({"k": kd, "v": vd, "o_rel": rel(o1, o2), "state_rel": rel(s1, s2)})
+    print("chunk vs recurrent:", out["chunk_vs_recurrent"], flush=True)
+
+
+def graph_time(fn_list, trials=5, reps=20):
+    """Median per-replay ms of a graph running every fn in fn_list once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fn_list:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in fn_list:
+            fn()
+    for _ in range(3):
+        g.replay()
+    ms = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        b.synchronize()
+        ms.append(a.elapsed_time(b) / reps)
+    return statistics.median(ms)
+
+
+def timing(out, layers=24, n=64):
+    shapes = [("dn", 16, 16, kd, 128, False) for kd in (128, 64, 32)]
+    shapes += [("gdn", 6, 6, kd, 512, True) for kd in (256, 128, 64)]
+    shapes += [("gdn_mixer", 16, 16, kd, 128, True) for kd in (128, 64, 32)]
+    bw = out["copy_bandwidth_Bps"]
+    for name, h, hv, kd, vd, gated in shapes:
+        bufs = [inputs(n, h, hv, kd, vd, gated) for _ in range(layers)]
+        state_bytes = sum(b[-1].numel() * 4 for b in bufs)
+        row = {"shape": name, "n": n, "h": hv, "k": kd, "v": vd, "layers": layers,
+               "state_bytes_per_launch": state_bytes // layers}
+
+        def record(label, fns):
+            ms = graph_time(fns)
+            row[label + "_ms"] = ms
+            row[label + "_TBps"] = 2 * state_bytes / (ms / 1e3) / 1e12
+            row[label + "_of_copy"] = 2 * state_bytes / (ms / 1e3) / bw
+
+        record("fla_new_state", [lambda b=b: reference(*b, gated) for b in bufs])
+        record("fla_inplace", [lambda b=b: step("fla", *b, gated) for b in bufs])
+        record("ours", [lambda b=b: step("statereduce", *b, gated) for b in bufs])
+        best = decode._kernel().best_config
+        row["ours_best_config"] = {"BV": best.kwargs.get("BV"), "num_warps": best.num_warps}
+        sweep = {}
+        for bv, w in (() if kd not in (32, 64) else ((8, 1), (16, 2), (16, 4), (32, 4), (64, 4), (64, 8), (128, 8))):
+            if True:
+                if bv > vd:
+                    continue
+                ms = graph_time([lambda b=b: step("statereduce", *b, gated, block_v=bv, num_warps=w) for b in bufs],
+                                trials=3, reps=10)
+                sweep[f"BV{bv}_w{w}"] = round(2 * state_bytes / (ms / 1e3) / 1e12, 3)
+        row["ours_sweep_TBps"] = sweep
+        out["timing"].append(row)
+        print(name, kd, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                         if k != "ours_sweep_TBps"}, flush=True)
+        del bufs
+        torch.cuda.empty_cache()
+
+
+def main(path):
+    out = {"device": torch.cuda.get_device_name(), "correctness": [], "chunk_vs_recurrent": [], "timing": []}
+    out["copy_bandwidth_Bps"] = copy_bandwidth()
+    print("copy bandwidth GB/s", out["copy_bandwidth_Bps"] / 1e9, flush=True)
+    for part in (correctness, chunk_check, timing):
+        try:
+            part(out)
+        except Exception as e:  # keep what the other parts measured
+            out.setdefault("errors", []).append(f"{part.__name__}: {type(e).__name__}: {e}")
+            print("ERROR", part.__name__, repr(e), flush=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

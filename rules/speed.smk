@@ -1,0 +1,67 @@
+# GPU speed benchmarks (paper Sec. 5, App. G.1, Tables 17-19, Fig. 4). Random weights of the model's shape, so they
+# need no checkpoint; never part of the default CPU target. On a machine without CUDA these jobs fail at once.
+
+
+rule speed_baseline:
+    """Decode, prefill and mixer-only speed of the unpruned model and of every `speed.pcts` ratio, in one job."""
+    output:
+        "results/{model}/baseline/speed.json",
+    params:
+        info=model_info,
+        speed=get_speed,
+    resources:
+        gpu=1,
+    log:
+        "logs/speed/{model}/baseline.log",
+    conda:
+        "../envs/fla.yaml"
+    script:
+        "../workflow_scripts/speed.py"
+
+
+rule speed:
+    """Speed of the {pct} ratio beside the baseline, measured in the same job (the method does not change shapes)."""
+    output:
+        "results/{model}/{method}_{pct}/speed.json",
+    params:
+        info=model_info,
+        speed=get_speed,
+    resources:
+        gpu=1,
+    log:
+        "logs/speed/{model}/{method}_{pct}.log",
+    conda:
+        "../envs/fla.yaml"
+    script:
+        "../workflow_scripts/speed.py"
+
+
+rule speed_table:
+    """Tables 17-19 layouts (decode, prefill, mixer) with byte floors, and the decode/prefill speedup figure (Fig. 4)."""
+    input:
+        get_speed_docs,
+    output:
+        md=report(
+            "results/tables/speed.md",
+            caption="../report/speed.rst",
+            category="Tables",
+            labels={"table": "speed (Tables 17-19)", "format": "Markdown"},
+        ),
+        figure=report(
+            "results/figures/speedup.png",
+            caption="../report/speedup.rst",
+            category="Figures",
+            labels={"figure": "speedup vs batch (Fig. 4)"},
+        ),
+    log:
+        "logs/speed_table/speed_table.log",
+    conda:
+        "../envs/lm_eval.yaml"
+    script:
+        "../workflow_scripts/speed_table.py"
+
+
+rule all_speed:
+    """The speed of every `speed.models` model on a GPU node: `snakemake --cores all all_speed` (resources gpu=1)."""
+    input:
+        speed_outputs(),

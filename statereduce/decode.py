@@ -1,0 +1,287 @@
+"""One-token recurrent decode steps that update the state in place (for CUDA-graph decoding and its benchmarks).
+
+A decode step of a DeltaNet / Gated DeltaNet layer reads the recurrent state ``S`` (``d_k x d_v`` per head, float32)
+and writes it back; at large batch that traffic dominates the step (paper Sec. 5, App. G.1). fla 0.6.0's
+``fused_recurrent_*`` functions write the new state to a *new* tensor, so a captured CUDA graph would either need
+a copy back (a second read and write of the state) or fresh buffers per step. This module gives two in-place
+steps that a graph can replay with static buffers:
+
+- ``kernel="fla"``: fla's own Triton kernels (``fused_recurrent_delta_rule_fwd_kernel``,
+  ``fused_recurrent_gated_delta_rule_fwd_kernel``) launched exactly as fla launches them, but with the final
+  state pointer equal to the initial one. Each program loads its state tile before it stores the same tile, and
+  programs own disjoint tiles, so this is safe. It is the unmodified-kernel baseline of the speed benchmarks.
+- ``kernel="statereduce"``: :func:`recurrent_step`, our Triton kernel for ``T = 1``. fla's kernels give each
+  program a ``BV = 8``-row tile with one warp, which moves the state at about 2.0 TB/s when ``d_k = 32``
+  (issue 5, measured on an H200). Ours tiles ``BV`` rows of the value dimension against the whole key dimension
+  with a block shape and warp count autotuned per ``(d_k, d_v, layout)``, so small-``d_k`` states stream in
+  wide coalesced rows. The L2 norm of q and k is done in the kernel in float32 (fla rounds the normalised q and
+  k of DeltaNet to the input dtype first, a difference at the bf16 rounding level).
+
+:func:`install` routes the stock fla layers' decode calls (``T = 1`` with an initial state, no ``cu_seqlens``,
+no autograd) to one of the two and leaves every other call to fla. The recurrences are the delta rule
+``S <- S + beta k (v - S^T k)^T`` and the gated delta rule with ``S <- exp(g) S`` first (paper Sec. 2), in fla's
+state layouts ``[N, HV, K, V]`` and (``state_v_first``) ``[N, HV, V, K]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+KERNELS = ("fla", "statereduce")
+"""Valid ``kernel`` names of :func:`install`."""
+
+_STEP = None  # the autotuned Triton kernel, built on first use (importing triton.language needs no GPU)
+
+
+def _kernel():
+    global _STEP
+    if _STEP is not None:
+        return _STEP
+    import triton
+    import triton.language as tl
+
+    configs = [triton.Config({"BV": bv}, num_warps=w) for bv in (16, 32, 64) for w in (2, 4, 8)]
+
+    @triton.autotune(configs=configs, key=["K", "V", "STATE_V_FIRST", "USE_G"], restore_value=["h"])
+    @triton.jit
+    def step_kernel(q, k, v, beta, g, A_log, dt_bias, h, o, scale, H: tl.constexpr, HV: tl.constexpr,
+                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    STATE_V_FIRST: tl.constexpr, USE_G: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
+                    HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, ROUND_QK: tl.constexpr,
+                    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+        i_v = tl.program_id(0)
+        i_nh = tl.program_id(1).to(tl.int64)
+        i_n, i_hv = i_nh // HV, i_nh % HV
+        i_h = i_hv // (HV // H)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+
+        b_q = tl.load(q + (i_n * H + i_h) * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_k = tl.load(k + (i_n * H + i_h) * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_v = tl.load(v + (i_n * HV + i_hv) * V + o_v, mask=m_v, other=0).to(tl.float32)
+        b_beta = tl.load(beta + i_n * HV + i_hv).to(tl.float32)
+        if STATE_V_FIRST:
+            p_h = h + i_nh * K * V + o_v[:, None] * K + o_k[None, :]
+            m_h = m_v[:, None] & m_k[None, :]
+        else:
+            p_h = h + i_nh * K * V + o_k[:, None] * V + o_v[None, :]
+            m_h = m_k[:, None] & m_v[None, :]
+        b_h = tl.load(p_h, mask=m_h, other=0).to(tl.float32)
+
+        if L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+            if ROUND_QK:  # as fla's DeltaNet, which normalises q and k in a kernel of their own dtype first
+                b_q = b_q.to(q.dtype.element_ty).to(tl.float32)
+                b_k = b_k.to(k.dtype.element_ty).to(tl.float32)
+        b_q = b_q * scale
+        if BETA_SIGMOID:
+            b_beta = tl.sigmoid(b_beta)
+            if NEG_EIGVAL:
+                b_beta = b_beta * 2
+        if USE_G:
+            b_g = tl.load(g + i_n * HV + i_hv).to(tl.float32)
+            if GATE_IN_KERNEL:
+                if HAS_DT_BIAS:
+                    b_g = b_g + tl.load(dt_bias + i_hv).to(tl.float32)
+                # softplus with fla's threshold (x > 20: x)
+                b_sp = tl.where(b_g > 20.0, b_g, tl.log(1 + tl.exp(tl.minimum(b_g, 20.0))))
+                b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * b_sp
+            b_h = b_h * tl.exp(b_g)
+
+        if STATE_V_FIRST:
+            b_u = b_beta * (b_v - tl.sum(b_h * b_k[None, :], 1))
+            b_h = b_h + b_u[:, None] * b_k[None, :]
+            b_o = tl.sum(b_h * b_q[None, :], 1)
+        else:
+            b_u = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))
+            b_h = b_h + b_k[:, None] * b_u[None, :]
+            b_o = tl.sum(b_h * b_q[:, None], 0)
+        tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_h)
+        tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+    _STEP = step_kernel
+    return _STEP
+
+
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, *,
+                   g: torch.Tensor | None = None, A_log: torch.Tensor | None = None,
+                   dt_bias: torch.Tensor | None = None, scale: float | None = None, l2norm: bool = False,
+                   round_qk: bool = False, beta_sigmoid: bool = False, allow_neg_eigval: bool = False,
+                   state_v_first: bool = False, block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """One delta-rule (``g is None``) or gated-delta-rule step; ``state`` is updated in place.
+
+    Args:
+        q, k: ``[N, 1, H, K]``; v: ``[N, 1, HV, V]`` (HV a multiple of H: grouped value heads).
+        beta: ``[N, 1, HV]``, one writing strength per head (raw logits when ``beta_sigmoid``).
+        state: ``[N, HV, K, V]`` float32 (``[N, HV, V, K]`` when ``state_v_first``), contiguous; updated in place.
+        g: ``[N, 1, HV]`` log decay, or its raw input when ``A_log`` is given (then
+            ``g = -exp(A_log) * softplus(g + dt_bias)``, fla's ``use_gate_in_kernel``).
+        scale: query scale, default ``K ** -0.5``.
+        l2norm: L2-normalise q and k (``x / sqrt(sum(x^2) + 1e-6)``) in the kernel.
+        round_qk: round the normalised q and k to their dtype, as fla's DeltaNet does (its L2 norm is a separate
+            kernel writing q's dtype); Gated DeltaNet normalises in float32 (``False``).
+        beta_sigmoid, allow_neg_eigval: ``beta = sigmoid(beta)`` (times 2 with ``allow_neg_eigval``).
+        state_v_first: the state layout, as fla's argument of that name.
+        block_v, num_warps: a fixed tile height and warp count instead of the autotuned choice (both or neither;
+            also used under ``TRITON_INTERPRET=1``, where the autotuner cannot time, with 16 and 4 by default).
+
+    Returns:
+        The output ``[N, 1, HV, V]`` in v's dtype.
+    """
+    n, t, h, kd = k.shape
+    hv, vd = v.shape[2], v.shape[3]
+    if t != 1 or q.shape != k.shape or v.shape[:2] != (n, 1) or hv % h:
+        raise ValueError(f"recurrent_step takes one token: q, k [N, 1, H, K], v [N, 1, HV, V]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    want = (n, hv, vd, kd) if state_v_first else (n, hv, kd, vd)
+    if tuple(state.shape) != want or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"state must be a contiguous float32 tensor of shape {want}; got {tuple(state.shape)} "
+                         f"{state.dtype}")
+    if beta.numel() != n * hv:
+        raise ValueError(f"beta must hold one value per (sequence, head) = {n * hv}; got shape {tuple(beta.shape)}")
+    import triton
+
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    g = g.contiguous() if g is not None else None
+    o = torch.empty_like(v)
+    kernel = _kernel()
+    fixed: dict = {}
+    if (block_v is None) != (num_warps is None):
+        raise ValueError(f"give both block_v and num_warps or neither; got block_v={block_v}, num_warps={num_warps}")
+    if block_v is None and os.environ.get("TRITON_INTERPRET") == "1":
+        block_v, num_warps = 16, 4
+    if block_v is not None:
+        kernel, fixed = kernel.fn, {"BV": int(block_v), "num_warps": int(num_warps)}
+    grid = lambda meta: (triton.cdiv(vd, meta["BV"]), n * hv)
+    kernel[grid](q, k, v, beta, g, A_log, dt_bias, state, o, kd ** -0.5 if scale is None else scale,
+                 H=h, HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), STATE_V_FIRST=state_v_first,
+                 USE_G=g is not None, GATE_IN_KERNEL=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
+                 L2NORM=l2norm, ROUND_QK=round_qk, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=allow_neg_eigval, **fixed)
+    return o
+
+
+# ---------------------------------------------------------------------------------------------
+# fla's kernels, in place
+# ---------------------------------------------------------------------------------------------
+def fla_delta_rule_step(q, k, v, beta, state, *, scale=None, l2norm=False) -> torch.Tensor:
+    """fla's DeltaNet recurrent kernel for one token with the final state written over ``state`` (``[N, H, K, V]``)."""
+    import triton
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.delta_rule.fused_recurrent import fused_recurrent_delta_rule_fwd_kernel
+
+    if l2norm:
+        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+    n, t, h, kd = k.shape
+    vd = v.shape[-1]
+    bk, bv = triton.next_power_of_2(kd), min(triton.next_power_of_2(vd), 8)  # as fused_recurrent_delta_rule_fwd
+    o = q.new_empty(1, *v.shape)
+    u = torch.empty_like(v)
+    fused_recurrent_delta_rule_fwd_kernel[(triton.cdiv(vd, bv) * n * h,)](
+        q, k, v, u, beta, o, state, state, None, kd ** -0.5 if scale is None else scale, T=t, B=n, H=h, K=kd, V=vd,
+        BK=bk, BV=bv, IS_BETA_HEADWISE=beta.ndim == v.ndim, num_warps=1, num_stages=1)
+    return o.squeeze(0)
+
+
+def fla_gated_delta_rule_step(q, k, v, beta, state, *, g=None, A_log=None, dt_bias=None, scale=None, l2norm=False,
+                              beta_sigmoid=False, allow_neg_eigval=False, state_v_first=False) -> torch.Tensor:
+    """fla's Gated DeltaNet recurrent kernel for one token with the final state written over ``state``."""
+    import triton
+    from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel
+
+    n, t, h, kd = k.shape
+    hv, vd = v.shape[2], v.shape[3]
+    bk, bv = triton.next_power_of_2(kd), min(8, triton.next_power_of_2(vd))  # as fused_recurrent_gated_delta_rule_fwd
+    o = torch.empty_like(v)
+    fused_recurrent_gated_delta_rule_fwd_kernel[(triton.cdiv(vd, bv) * n * hv,)](
+        q=q, k=k, v=v, g=g, gk=None, gv=None, beta=beta, A_log=A_log, dt_bias=dt_bias, o=o, h0=state, ht=state,
+        cu_seqlens=None, scale=kd ** -0.5 if scale is None else scale, T=t, H=h, HV=hv, K=kd, V=vd, BK=bk, BV=bv,
+        IS_BETA_HEADWISE=beta.ndim != v.ndim, USE_QK_L2NORM_IN_KERNEL=l2norm, APPLY_BETA_SIGMOID=beta_sigmoid,
+        ALLOW_NEG_EIGVAL=allow_neg_eigval, STATE_V_FIRST=state_v_first, num_warps=1, num_stages=3)
+    return o
+
+
+# ---------------------------------------------------------------------------------------------
+# routing the stock fla layers' decode calls
+# ---------------------------------------------------------------------------------------------
+def _decode_call(q, initial_state, cu_seqlens) -> bool:
+    return (q.shape[1] == 1 and initial_state is not None and cu_seqlens is None and q.is_cuda
+            and initial_state.is_contiguous() and initial_state.dtype == torch.float32
+            and not torch.is_grad_enabled())
+
+
+def _delta_rule_wrapper(original, kernel: str):
+    def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None, output_final_state=False,
+                                   use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        if not _decode_call(q, initial_state, cu_seqlens):
+            return original(q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                            cu_seqlens)
+        if beta is None:
+            beta = torch.ones_like(q[..., 0])
+        if kernel == "fla":
+            o = fla_delta_rule_step(q, k, v, beta, initial_state, scale=scale, l2norm=use_qk_l2norm_in_kernel)
+        else:
+            o = recurrent_step(q, k, v, beta, initial_state, scale=scale, l2norm=use_qk_l2norm_in_kernel,
+                               round_qk=True)
+        return o, (initial_state if output_final_state else None)
+
+    return fused_recurrent_delta_rule
+
+
+def _gated_delta_rule_wrapper(original, kernel: str):
+    def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
+                                         initial_state=None, output_final_state=False,
+                                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+        simple = gk is None and gv is None and beta is not None and (beta.ndim != v.ndim)
+        extra = set(kwargs) - {"use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel",
+                               "allow_neg_eigval", "state_v_first"}
+        if not (simple and not extra and _decode_call(q, initial_state, cu_seqlens)):
+            return original(q, k, v, g=g, gk=gk, gv=gv, beta=beta, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            cu_seqlens=cu_seqlens, **kwargs)
+        in_kernel = kwargs.get("use_gate_in_kernel", False)
+        opts = {"g": g, "A_log": kwargs.get("A_log") if in_kernel else None,
+                "dt_bias": kwargs.get("dt_bias") if in_kernel else None, "scale": scale,
+                "l2norm": use_qk_l2norm_in_kernel, "beta_sigmoid": kwargs.get("use_beta_sigmoid_in_kernel", False),
+                "allow_neg_eigval": kwargs.get("allow_neg_eigval", False),
+                "state_v_first": kwargs.get("state_v_first", False)}
+        step = fla_gated_delta_rule_step if kernel == "fla" else recurrent_step
+        o = step(q, k, v, beta, initial_state, **opts)
+        return o, (initial_state if output_final_state else None)
+
+    return fused_recurrent_gated_delta_rule
+
+
+_TARGETS = (
+    ("fla.layers.delta_net", "fused_recurrent_delta_rule", _delta_rule_wrapper),
+    ("fla.layers.gated_deltanet", "fused_recurrent_gated_delta_rule", _gated_delta_rule_wrapper),
+)
+
+
+@contextlib.contextmanager
+def inplace_decode(kernel: str = "statereduce") -> Iterator[None]:
+    """Within the block, the stock fla DeltaNet / GatedDeltaNet layers decode with in-place state updates.
+
+    Args:
+        kernel: ``"statereduce"`` (:func:`recurrent_step`) or ``"fla"`` (fla's own kernels, in place).
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown decode kernel {kernel!r}; valid: {', '.join(KERNELS)}")
+    saved = []
+    try:
+        for module_name, attr, make in _TARGETS:
+            module = importlib.import_module(module_name)
+            original = getattr(module, attr)
+            saved.append((module, attr, original))
+            setattr(module, attr, make(original, kernel))
+        yield
+    finally:
+        for module, attr, original in saved:
+            setattr(module, attr, original)

@@ -1,0 +1,490 @@
+"""GPU speed of state reduction: decode, prefill and mixer-only, baseline and pruned side by side (paper Sec. 5, App. G.1).
+
+Speed does not depend on weight values, so the models here are built from a config with random weights (the
+JSON says so): a family's config (``arch``: keyword arguments of fla's ``DeltaNetConfig`` / ``GatedDeltaNetConfig``)
+and, for each ratio, the adapter's ``reduced_config`` with ``d_k' = n_keep_for(d_k, pct)``: exactly the shapes the
+pruned checkpoint has. Every measurement of one run shares the device, so each speedup is a ratio from one job.
+
+- **Decode** (Table 17): a prompt of ``prompt`` tokens is prefilled, then the one-token step is captured in a CUDA
+  graph over static buffers (the recurrent state is updated in place by :mod:`statereduce.decode`, with fla's own
+  kernel or ours) and replayed: ``warmup`` replays, then ``trials`` x ``steps`` timed replays; the median trial gives
+  ms/token and tokens/s. Each cell records peak memory and its *byte floor*: the bytes one step must move (every
+  weight once, the embedding rows of the batch, the recurrent state (float32) and conv state read and written per
+  sequence, the logits written) over the copy bandwidth measured in the same run. ``ideal_speedup`` is the ratio of
+  those bytes. Before timing, a few graph replays are checked against fla's own eager decoding.
+- **Prefill** (Table 18): ``model(ids, use_cache=True, logits_to_keep=1)`` over a batch x length grid; cells that do
+  not fit in memory are recorded as skipped.
+- **Mixer** (Table 19): one linear-attention layer's forward at ``seq_len`` tokens; time and peak memory ratios.
+
+Run with ``python -m statereduce.speed`` (no Snakemake needed) or through the workflow's ``speed`` rule. Triton's
+autotuning of fla's chunk kernels takes minutes on first use; it runs in untimed warm-up, and its results are kept
+in ``TRITON_CACHE_DIR`` (fla caches autotuning results there), so keep that folder between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SPEED: dict[str, Any] = {
+    "pcts": [50, 75],
+    "dtype": "bfloat16",
+    "decode": {"prompt": 512, "batches": [1, 2, 4, 8, 16, 32, 64], "warmup": 10, "steps": 100, "trials": 3,
+               "kernels": ["fla", "statereduce"], "check_steps": 3},
+    "prefill": {"batches": [1, 4, 8, 16], "lengths": [2048, 8192, 16384], "warmup": 1, "steps": 3, "trials": 3},
+    "mixer": {"batches": [8, 16, 32], "seq_len": 2048, "warmup": 3, "steps": 10, "trials": 3, "arch": {}},
+}
+"""The paper's protocol (App. G.1). ``mixer.arch`` overrides the model's arch for the one-layer measurement
+(the paper's Table 19 uses hidden 2048, 16 heads, d_v = 128)."""
+
+PARTS = ("decode", "prefill", "mixer")
+
+
+def speed_settings(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """:data:`DEFAULT_SPEED` updated by ``overrides`` (the parts' blocks key by key); unknown keys are errors."""
+    out = copy.deepcopy(DEFAULT_SPEED)
+    for key, value in (overrides or {}).items():
+        if key not in out:
+            raise ValueError(f"unknown speed setting {key!r}; valid: {', '.join(out)}")
+        if isinstance(out[key], dict):
+            bad = sorted(set(value) - set(out[key]))
+            if bad:
+                raise ValueError(f"unknown speed.{key} setting(s) {bad}; valid: {', '.join(out[key])}")
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    for pct in out["pcts"]:
+        if not 0 <= float(pct) < 100:
+            raise ValueError(f"speed pct {pct} is outside [0, 100): it is the percent of key channels removed")
+    from statereduce.decode import KERNELS
+
+    bad = sorted(set(out["decode"]["kernels"]) - set(KERNELS))
+    if bad:
+        raise ValueError(f"unknown decode kernel(s) {bad}; valid: {', '.join(KERNELS)}")
+    return out
+
+
+def require_cuda() -> None:
+    """Raise a one-line RuntimeError unless a CUDA device is present."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("speed benchmarks need a CUDA GPU and this machine has none (torch.cuda.is_available() is "
+                           "False); run them on a GPU node (resources: gpu=1), e.g. python -m statereduce.speed ...")
+
+
+# ---------------------------------------------------------------------------------------------
+# models from configs
+# ---------------------------------------------------------------------------------------------
+def model_config(family: str, arch: Mapping[str, Any], pct: float = 0):
+    """The HF config of ``family`` with ``arch`` and ``pct`` percent of key channels removed (0: baseline)."""
+    from statereduce.adapters import adapter_class
+    from statereduce.selectors import n_keep_for
+
+    adapter = adapter_class(family)
+    adapter.check_arch(dict(arch))
+    config = adapter.config_class(**arch)
+    if pct:
+        config = adapter.reduced_config(config, n_keep_for(adapter.dims(config).head_k_dim, float(pct)))
+    return config
+
+
+def build_model(config, dtype: torch.dtype, device: str = "cuda"):
+    """A randomly initialised causal LM of ``config`` on ``device`` in ``dtype``, in eval mode."""
+    import fla  # noqa: F401  (registers fla's models with transformers' Auto classes)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def step_bytes(model, config, family: str, batch: int) -> dict[str, int]:
+    """Bytes a one-token decode step must move through device memory at ``batch`` sequences (the floor's numerator).
+
+    Every parameter is read once, except the input embedding, of which only the batch's rows are read; the
+    recurrent state (float32) and the conv state (model dtype) of every layer are read and written once per
+    sequence; the logits are written once.
+    """
+    from statereduce.adapters import adapter_class
+
+    adapter = adapter_class(family)
+    emb = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is emb
+    elem = emb.element_size()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not tied:
+        weights -= emb.numel() * elem
+    weights += batch * emb.shape[1] * elem
+    shape = adapter.config_state_shape(config)
+    layers = len(adapter.mixer_layer_indices(config))
+    state = 2 * batch * layers * (shape.recurrent_elems * 4 + shape.conv_elems * elem)
+    logits = batch * config.vocab_size * elem
+    return {"weights": int(weights), "state": int(state), "logits": int(logits),
+            "total": int(weights + state + logits)}
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------
+def time_ms(fn: Callable[[], Any], *, warmup: int, steps: int, trials: int) -> list[float]:
+    """Per-call milliseconds of ``fn`` (CUDA events around ``steps`` calls), one value per trial, after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / steps)
+    return out
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, trials: int = 5) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written), median of ``trials``."""
+    n = nbytes // 4
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), warmup=3, steps=10, trials=trials)
+    src = dst = None
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (statistics.median(ms) / 1e3)
+
+
+def _stats(ms: list[float]) -> dict[str, Any]:
+    return {"ms": statistics.median(ms), "trials_ms": [round(x, 5) for x in ms]}
+
+
+@contextlib.contextmanager
+def _peak_memory(record: dict):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    yield
+    torch.cuda.synchronize()
+    record["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated())
+    record["peak_mem_delta_bytes"] = int(torch.cuda.max_memory_allocated() - before)
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------------------------
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    """Every state tensor held by an fla cache (recurrent and conv)."""
+    out = []
+    for i in range(len(cache)):
+        layer = cache[i]
+        for key in ("recurrent_state", "conv_state"):
+            value = layer.get(key) if isinstance(layer, dict) else None
+            for t in value if isinstance(value, (tuple, list)) else [value]:
+                if isinstance(t, torch.Tensor):
+                    out.append(t)
+    return out
+
+
+class GraphDecoder:
+    """One-token decode step of ``model`` captured in a CUDA graph, state updated in place.
+
+    Args:
+        model: an fla causal LM in eval mode on CUDA.
+        batch, prompt: sequences and prompt tokens prefilled before capture.
+        kernel: the in-place recurrent step (:data:`statereduce.decode.KERNELS`).
+    """
+
+    def __init__(self, model, batch: int, prompt: int, kernel: str, seed: int = 0):
+        from statereduce.decode import inplace_decode
+
+        self.model, self.kernel = model, kernel
+        vocab = model.config.vocab_size
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.prompt_ids = torch.randint(vocab, (batch, prompt), device="cuda", generator=gen)
+        self.tokens = torch.randint(vocab, (batch, 8), device="cuda", generator=gen)
+        self.ids = self.tokens[:, :1].clone()
+        self._decode = inplace_decode(kernel)
+        with torch.no_grad(), self._decode:
+            self.cache = model(self.prompt_ids, use_cache=True, logits_to_keep=1).past_key_values
+            self.states = _cache_tensors(self.cache)
+            snapshot = [t.clone() for t in self.states]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the default stream (autotuning happens here), as torch asks
+                for _ in range(3):
+                    model(self.ids, past_key_values=self.cache, use_cache=True)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = model(self.ids, past_key_values=self.cache, use_cache=True).logits
+            for t, s in zip(self.states, snapshot):
+                t.copy_(s)
+        torch.cuda.synchronize()
+
+    def step(self, token: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the graph once (with ``token`` ``[batch, 1]`` as input when given); returns the static logits."""
+        if token is not None:
+            self.ids.copy_(token)
+        self.graph.replay()
+        return self.logits
+
+
+def check_decoder(model, decoder: GraphDecoder, steps: int) -> float:
+    """Max relative error of ``steps`` graph replays against fla's own eager decoding from the same prompt.
+
+    Must be called right after construction (the decoder's state is the prompt's). Returns
+    ``max_t ||logits_graph - logits_eager|| / ||logits_eager||``.
+    """
+    with torch.no_grad():
+        cache = model(decoder.prompt_ids, use_cache=True, logits_to_keep=1).past_key_values
+        worst = 0.0
+        for t in range(steps):
+            token = decoder.tokens[:, t:t + 1]
+            ref = model(token, past_key_values=cache, use_cache=True).logits.float()
+            got = decoder.step(token).float()
+            worst = max(worst, float((got - ref).norm() / ref.norm()))
+    return worst
+
+
+def decode_cells(model, config, family: str, settings: Mapping[str, Any], bandwidth: float,
+                 on_cell: Callable[[dict], None]) -> None:
+    """Time the decode step of ``model`` for every batch and kernel of ``settings`` (``speed.decode``)."""
+    for batch in settings["batches"]:
+        bytes_ = step_bytes(model, config, family, batch)
+        for kernel in settings["kernels"]:
+            cell: dict[str, Any] = {"batch": batch, "kernel": kernel, "prompt": settings["prompt"]}
+            try:
+                with _peak_memory(cell):
+                    dec = GraphDecoder(model, batch, settings["prompt"], kernel)
+                    if settings.get("check_steps"):
+                        cell["check_rel_err"] = check_decoder(model, dec, settings["check_steps"])
+                    ms = time_ms(dec.step, warmup=settings["warmup"], steps=settings["steps"],
+                                 trials=settings["trials"])
+            except torch.cuda.OutOfMemoryError:
+                cell["skipped"] = "out of memory"
+                _free()
+                on_cell(cell)
+                continue
+            floor_ms = bytes_["total"] / bandwidth * 1e3
+            cell.update(_stats(ms))
+            cell.update({"tokens_per_s": batch / (cell["ms"] / 1e3), "bytes": bytes_, "floor_ms": floor_ms,
+                         "floor_fraction": floor_ms / cell["ms"]})
+            del dec
+            _free()
+            on_cell(cell)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill and mixer
+# ---------------------------------------------------------------------------------------------
+def prefill_cells(model, settings: Mapping[str, Any], on_cell: Callable[[dict], None]) -> None:
+    """Time ``model(ids, use_cache=True, logits_to_keep=1)`` over the batch x length grid of ``speed.prefill``."""
+    vocab = model.config.vocab_size
+    for length in settings["lengths"]:
+        for batch in settings["batches"]:
+            cell: dict[str, Any] = {"batch": batch, "length": length}
+            try:
+                ids = torch.randint(vocab, (batch, length), device="cuda")
+                with torch.no_grad(), _peak_memory(cell):
+                    ms = time_ms(lambda ids=ids: model(ids, use_cache=True, logits_to_keep=1), warmup=settings["warmup"],
+                                 steps=settings["steps"], trials=settings["trials"])
+                cell.update(_stats(ms))
+                cell["tokens_per_s"] = batch * length / (cell["ms"] / 1e3)
+            except torch.cuda.OutOfMemoryError:
+                cell = {"batch": batch, "length": length, "skipped": "out of memory"}
+            ids = None
+            _free()
+            on_cell(cell)
+
+
+def mixer_cells(config, settings: Mapping[str, Any], dtype: torch.dtype, on_cell: Callable[[dict], None]) -> None:
+    """Time one linear-attention layer's forward (the first mixer of a one-layer model of ``config``)."""
+    one = copy.deepcopy(config)
+    one.num_hidden_layers = 1
+    model = build_model(one, dtype)
+    layer = model.model.layers[0].attn
+    del model.model.layers[0].mlp
+    for batch in settings["batches"]:
+        cell: dict[str, Any] = {"batch": batch, "seq_len": settings["seq_len"]}
+        try:
+            x = torch.randn(batch, settings["seq_len"], config.hidden_size, device="cuda", dtype=dtype)
+            with torch.no_grad(), _peak_memory(cell):
+                ms = time_ms(lambda x=x: layer(x), warmup=settings["warmup"], steps=settings["steps"],
+                             trials=settings["trials"])
+            cell.update(_stats(ms))
+        except torch.cuda.OutOfMemoryError:
+            cell = {"batch": batch, "seq_len": settings["seq_len"], "skipped": "out of memory"}
+        x = None
+        _free()
+        on_cell(cell)
+    layer = model = None
+    _free()
+
+
+# ---------------------------------------------------------------------------------------------
+# one run
+# ---------------------------------------------------------------------------------------------
+def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any], out_path: str | Path, *,
+              model_name: str | None = None, parts: Iterable[str] = PARTS,
+              extra: Mapping[str, Any] | None = None) -> dict:
+    """Measure the baseline (pct 0) and every ``settings["pcts"]`` ratio; write ``out_path`` after every cell.
+
+    Args:
+        family: adapter family (``delta_net``, ``gated_deltanet``).
+        arch: keyword arguments of the family's fla config (hidden size, layers, heads, head dims, vocab).
+        settings: :func:`speed_settings` output.
+        out_path: the JSON to write (rewritten atomically after each cell, so a killed run keeps what it measured).
+        model_name: the workflow's model name, recorded.
+        parts: which of :data:`PARTS` to run.
+
+    Returns:
+        The document: ``configs`` (d_k, state bytes per pct), ``decode`` / ``prefill`` / ``mixer`` cells (each with
+        ``pct``), ``ratios`` (pruned over baseline of the same cell; decode also against fla's baseline kernel),
+        the measured copy bandwidth, device and versions.
+    """
+    from statereduce.adapters import adapter_class
+    from statereduce.evaluate import versions
+    from statereduce.runtime import write_json
+
+    require_cuda()
+    parts = list(parts)
+    bad = sorted(set(parts) - set(PARTS))
+    if bad:
+        raise ValueError(f"unknown speed part(s) {bad}; valid: {', '.join(PARTS)}")
+    dtype = getattr(torch, settings["dtype"])
+    pcts = [0, *[p for p in settings["pcts"] if float(p) != 0]]
+    adapter = adapter_class(family)
+    doc: dict[str, Any] = {
+        "model": model_name, "family": family, "arch": dict(arch), "settings": settings, "parts": parts,
+        "weights": "random (speed does not depend on weight values); shapes from arch and the pruned config",
+        "device": torch.cuda.get_device_name(), "versions": versions(), "configs": {},
+        "decode": [], "prefill": [], "mixer": [], **(extra or {}),
+    }
+    t0 = time.perf_counter()
+    doc["copy_bandwidth_Bps"] = copy_bandwidth()
+    log.info("copy bandwidth %.0f GB/s", doc["copy_bandwidth_Bps"] / 1e9)
+
+    def save():
+        doc["ratios"] = speed_ratios(doc)
+        doc["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        write_json(out_path, doc)
+
+    for pct in pcts:
+        config = model_config(family, arch, pct)
+        shape = adapter.config_state_shape(config)
+        doc["configs"][str(pct)] = {"d_k": shape.d_k, "d_v": shape.d_v, "heads": shape.num_heads,
+                                    "layers": len(adapter.mixer_layer_indices(config)),
+                                    "state_bytes_per_sequence": shape.recurrent_elems * 4 * len(
+                                        adapter.mixer_layer_indices(config))}
+
+        def add(part, pct=pct):
+            def on_cell(cell):
+                doc[part].append({"pct": pct, **cell})
+                log.info("%s pct=%s %s", part, pct, {k: v for k, v in cell.items() if k not in ("bytes", "trials_ms")})
+                save()
+            return on_cell
+
+        if "decode" in parts or "prefill" in parts:
+            model = build_model(config, dtype)
+            if "decode" in parts:
+                decode_cells(model, config, family, settings["decode"], doc["copy_bandwidth_Bps"], add("decode"))
+            if "prefill" in parts:
+                prefill_cells(model, settings["prefill"], add("prefill"))
+            del model
+            _free()
+        if "mixer" in parts:
+            mixer_arch = {**arch, **settings["mixer"].get("arch", {})}
+            mixer_cells(model_config(family, mixer_arch, pct), settings["mixer"], dtype, add("mixer"))
+    save()
+    return doc
+
+
+def speed_ratios(doc: Mapping[str, Any]) -> dict[str, list[dict]]:
+    """Pruned over baseline for every cell measured at both (speedup = base ms / pruned ms; memory = pruned / base).
+
+    Decode cells are matched on (batch, kernel); each also gets ``speedup_vs_fla_baseline`` (pruned with this
+    kernel against the baseline with fla's kernel) and ``ideal_speedup`` (ratio of the byte floors).
+    """
+    out: dict[str, list[dict]] = {"decode": [], "prefill": [], "mixer": []}
+    keys = {"decode": ("batch", "kernel"), "prefill": ("batch", "length"), "mixer": ("batch", "seq_len")}
+    for part, key in keys.items():
+        base = {tuple(c[k] for k in key): c for c in doc.get(part, []) if c["pct"] == 0 and "ms" in c}
+        for cell in doc.get(part, []):
+            ref = base.get(tuple(cell[k] for k in key))
+            if cell["pct"] == 0 or ref is None or "ms" not in cell:
+                continue
+            row = {"pct": cell["pct"], **{k: cell[k] for k in key}, "speedup": ref["ms"] / cell["ms"]}
+            if "peak_mem_bytes" in cell:
+                row["memory_ratio"] = cell["peak_mem_bytes"] / ref["peak_mem_bytes"]
+                row["memory_delta_ratio"] = cell["peak_mem_delta_bytes"] / max(ref["peak_mem_delta_bytes"], 1)
+            if part == "decode":
+                row["ideal_speedup"] = ref["bytes"]["total"] / cell["bytes"]["total"]
+                row["floor_fraction"] = cell["floor_fraction"]
+                fla_ref = base.get((cell["batch"], "fla"))
+                if fla_ref is not None:
+                    row["speedup_vs_fla_baseline"] = fla_ref["ms"] / cell["ms"]
+            out[part].append(row)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m statereduce.speed", description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="speed.json to write")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a model of the workflow config (its family and speed.arch)")
+    src.add_argument("--family", help="adapter family, with --arch")
+    p.add_argument("--config", default=str(Path(__file__).resolve().parent.parent / "config.yaml"),
+                   help="workflow config for --model (default: the repo's config.yaml)")
+    p.add_argument("--arch", type=json.loads, default={}, help="JSON of fla config keywords (with --family)")
+    p.add_argument("--settings", type=json.loads, default={}, help="JSON overriding speed settings, e.g. "
+                   '\'{"pcts": [50], "decode": {"batches": [64]}}\'')
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        require_cuda()
+        if args.model:
+            import yaml
+
+            from statereduce.config import model_speed, validate_config
+
+            cfg = validate_config(yaml.safe_load(Path(args.config).read_text()))
+            plan = model_speed(cfg, args.model)
+            family, arch = plan["family"], plan["arch"]
+            settings = speed_settings({**plan["settings"], **args.settings})
+        else:
+            family, arch = args.family, args.arch
+            settings = speed_settings(args.settings)
+        run_speed(family, arch, settings, args.out, model_name=args.model, parts=args.parts.split(","))
+    except (RuntimeError, ValueError) as e:
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Named evaluation suites: the paper's task sets, selectable from a model's ``eval.suites`` in config.
+
+A suite expands to lm-eval's own task names plus what running them needs (task metadata, a longer
+``max_length`` window), and names the metric each paper table reports and the averages built from
+them. Everything here is plain data: importing this module imports neither lm-eval nor fla, so
+config validation (``snakemake -n``) stays fast.
+
+- ``lm`` (paper Sec. 5, Tables 1, 3, 10, 20, 21): WikiText-2 word perplexity, LAMBADA (OpenAI)
+  perplexity and accuracy, ARC-Easy/Challenge ``acc_norm``, HellaSwag ``acc_norm``, WinoGrande
+  ``acc``, PIQA ``acc_norm``. ``lm_avg`` is the paper's "LM Evals Avg" / "ZS" column: the mean of the
+  six accuracies LAMBADA acc, ARC-e, ARC-c, HellaSwag, WinoGrande and PIQA (Table 10's baseline:
+  (71.5 + 44.8 + 70.5 + 64.2 + 77.0 + 58.2) / 6 = 64.4; Table 21's first row gives 31.0 likewise).
+- ``recall`` (App. C.4, Tables 4, 11, 12): RULER single-needle NIAH (``niah_single_1..3``) at 2K and
+  4K tokens (task metadata ``max_seq_lengths: [2048, 4096]``; lm-eval's metric is named after the
+  length, ``"2048"``/``"4096"``), SQuAD- and SWDE-completion (``contains``). Needs network (datasets
+  and the tokenizer by name). The NIAH tasks run with an lm-eval window of at least 4096 + 128
+  tokens so no 4K prompt is cut; SQuAD/SWDE keep the configured ``max_length``.
+- ``recall_probe``: the offline synthetic MQAR probe of :mod:`statereduce.recall`, written as local
+  tasks next to the held-out perplexity task (levels from ``eval.recall_probe``); ``recall_mqar_avg``
+  is the mean ``acc`` over its levels.
+
+:func:`suite_summary` / :func:`summarize_suites` turn an ``eval.json`` ``metrics`` mapping into the
+averages; a task or metric that was not evaluated gives ``None``, never a guess.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+Item = tuple[str, str]
+"""A ``(task, metric)`` pair of an ``eval.json`` ``metrics`` mapping."""
+
+RULER_LENGTHS = (2048, 4096)
+"""The paper's RULER/NIAH context lengths (App. C.4: trained at 2K, evaluated at 2K and 4K)."""
+
+RULER_GEN_TOKENS = 128
+"""``max_gen_toks`` of lm-eval's RULER tasks; prompts are sized to ``length - 128`` tokens, plus a short
+generation prefix, so a window of ``length + 128`` never cuts one."""
+
+NIAH_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
+
+RECALL_PROBE_DEFAULTS = {"levels": [4, 16, 64], "n_docs": 100, "seed": 0}
+"""``eval.recall_probe`` defaults (the same as :mod:`statereduce.recall`'s ``DEFAULT_LEVELS``, ``DEFAULT_N_DOCS``)."""
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One named evaluation suite.
+
+    Args:
+        name: the name used in ``eval.suites``.
+        description: one line, with the paper reference.
+        tasks: lm-eval task names it adds to ``eval.tasks`` (empty for a suite of locally written tasks).
+        report: the ``(task, metric)`` columns the paper's tables show.
+        averages: summary name -> the ``(task, metric)`` items it averages.
+        metadata: lm-eval task metadata (``TaskManager(metadata=...)``) the tasks need.
+        task_max_length: task -> the smallest lm-eval window (HFLM ``max_length``) it needs; other
+            tasks run with the configured ``max_length``.
+        network: whether the tasks download data (lm-eval's datasets, a tokenizer by name).
+        local_metric: for a suite of locally written tasks (``tasks`` empty), the metric of each task
+            that ``local_average`` averages.
+        local_average: the summary name of that average.
+        missing: metric values that mean "not evaluated" (lm-eval's RULER aggregation gives -1 for a
+            length with no documents).
+    """
+
+    name: str
+    description: str
+    tasks: tuple[str, ...] = ()
+    report: tuple[Item, ...] = ()
+    averages: Mapping[str, tuple[Item, ...]] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    task_max_length: Mapping[str, int] = field(default_factory=dict)
+    network: bool = True
+    local_metric: str | None = None
+    local_average: str | None = None
+    missing: tuple[float, ...] = ()
+
+    def summary_items(self, tasks: Sequence[str] | None = None) -> dict[str, tuple[Item, ...]]:
+        """Summary name -> items; ``tasks`` are the written task names of a local suite (default: none)."""
+        if self.local_average is None:
+            return dict(self.averages)
+        return {self.local_average: tuple((t, self.local_metric) for t in (tasks or ()))}
+
+
+LM_ACCURACY: tuple[Item, ...] = (
+    ("lambada_openai", "acc"),
+    ("arc_easy", "acc_norm"),
+    ("arc_challenge", "acc_norm"),
+    ("hellaswag", "acc_norm"),
+    ("winogrande", "acc"),
+    ("piqa", "acc_norm"),
+)
+"""The six accuracies of the paper's "LM Evals Avg" (Tables 10, 20, 21) and "ZS" (Tables 1, 3, 13)."""
+
+SUITES: dict[str, Suite] = {
+    "lm": Suite(
+        name="lm",
+        description="language modelling and zero-shot accuracy (paper Sec. 5, Tables 1, 20, 21)",
+        tasks=("wikitext", "lambada_openai", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "piqa"),
+        report=(("wikitext", "word_perplexity"), ("lambada_openai", "perplexity"), *LM_ACCURACY),
+        averages={"lm_avg": LM_ACCURACY},
+    ),
+    "recall": Suite(
+        name="recall",
+        description="RULER single-needle NIAH at 2K/4K, SQuAD- and SWDE-completion (paper App. C.4, Tables 4, 11)",
+        tasks=(*NIAH_TASKS, "squad_completion", "swde"),
+        report=(
+            *((t, str(n)) for n in RULER_LENGTHS for t in NIAH_TASKS),
+            ("squad_completion", "contains"),
+            ("swde", "contains"),
+        ),
+        averages={
+            **{f"niah_{n}": tuple((t, str(n)) for t in NIAH_TASKS) for n in RULER_LENGTHS},
+            "squad": (("squad_completion", "contains"),),
+            "swde": (("swde", "contains"),),
+        },
+        metadata={"max_seq_lengths": list(RULER_LENGTHS)},
+        task_max_length=dict.fromkeys(NIAH_TASKS, max(RULER_LENGTHS) + RULER_GEN_TOKENS),
+        missing=(-1.0,),
+    ),
+    "recall_probe": Suite(
+        name="recall_probe",
+        description="offline synthetic MQAR recall probe (statereduce.recall), written as local tasks",
+        network=False,
+        local_metric="acc",
+        local_average="recall_mqar_avg",
+    ),
+}
+
+SUITE_NAMES = tuple(SUITES)
+
+
+def get_suite(name: str) -> Suite:
+    """The suite called ``name``; ``ValueError`` naming the valid ones otherwise."""
+    if name not in SUITES:
+        raise ValueError(f"unknown evaluation suite {name!r}; valid: {', '.join(SUITE_NAMES)}")
+    return SUITES[name]
+
+
+def check_suites(names: Sequence[str]) -> list[str]:
+    """``names`` as a list, each a known suite (``ValueError`` for the first unknown or repeated one)."""
+    if isinstance(names, str):
+        raise TypeError(f"suites must be a list of names, got {names!r}; valid names: {', '.join(SUITE_NAMES)}")
+    out: list[str] = []
+    for name in names:
+        get_suite(name)
+        if name in out:
+            raise ValueError(f"evaluation suite {name!r} is listed twice")
+        out.append(name)
+    return out
+
+
+def recall_probe_settings(spec: Mapping[str, Any] | None = None) -> dict:
+    """``eval.recall_probe`` with defaults filled: ``levels``, ``n_docs``, ``seed``."""
+    spec = dict(spec or {})
+    unknown = sorted(set(spec) - set(RECALL_PROBE_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown recall_probe keys {unknown}; valid: {', '.join(RECALL_PROBE_DEFAULTS)}")
+    return {**RECALL_PROBE_DEFAULTS, **spec}
+
+
+def expand_eval(settings: Mapping[str, Any]) -> dict:
+    """A model's ``eval`` settings with its ``suites`` expanded (idempotent; unchanged without suites).
+
+    Adds every suite's lm-eval tasks to ``tasks`` (after the configured ones, each once), merges the
+    suites' task ``metadata``, records each task's minimum window in ``task_max_length`` and fills
+    ``recall_probe`` (defaults) when that suite is selected.
+
+    Args:
+        settings: ``tasks``, ``suites`` and the other ``eval`` keys (see ``config.EVAL_DEFAULTS``).
+
+    Returns:
+        A new dict; ``ValueError`` for an unknown suite or conflicting metadata.
+    """
+    out = dict(settings)
+    names = check_suites(settings.get("suites") or [])
+    if not names:
+        return out
+    tasks = list(settings.get("tasks") or [])
+    metadata = dict(settings.get("metadata") or {})
+    windows = dict(settings.get("task_max_length") or {})
+    for name in names:
+        suite = SUITES[name]
+        tasks += [t for t in suite.tasks if t not in tasks]
+        for key, value in suite.metadata.items():
+            if key in metadata and metadata[key] != value:
+                raise ValueError(f"suite {name!r} needs task metadata {key}={value!r}, but it is {metadata[key]!r}")
+            metadata[key] = value
+        for t, window in suite.task_max_length.items():
+            windows[t] = max(windows.get(t, 0), window)
+    out["tasks"] = tasks
+    out["suites"] = names
+    if metadata:
+        out["metadata"] = metadata
+    if windows:
+        out["task_max_length"] = windows
+    if "recall_probe" in names:
+        out["recall_probe"] = recall_probe_settings(settings.get("recall_probe"))
+    return out
+
+
+def metric_value(metrics: Mapping[str, Mapping[str, Any]], task: str, metric: str, missing: Sequence[float] = ()):
+    """``metrics[task][metric]`` as a float, or ``None`` if absent, not a finite number, or a ``missing`` sentinel."""
+    value = metrics.get(task, {}).get(metric)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return None
+    if float(value) in missing:
+        return None
+    return float(value)
+
+
+def suite_summary(
+    name: str, metrics: Mapping[str, Mapping[str, Any]], tasks: Sequence[str] | None = None
+) -> dict[str, float | None]:
+    """The averages of suite ``name`` over an ``eval.json`` ``metrics`` mapping.
+
+    Args:
+        name: a suite name.
+        metrics: ``{task: {metric: value}}`` (clean names, as in ``eval.json``).
+        tasks: for a suite of local tasks (``recall_probe``), the task names that were written.
+
+    Returns:
+        ``{summary: mean or None}``; ``None`` when any averaged item is missing (or when a local
+        suite has no tasks), so a partial run never shows a made-up average.
+    """
+    suite = get_suite(name)
+    out: dict[str, float | None] = {}
+    for key, items in suite.summary_items(tasks).items():
+        values = [metric_value(metrics, t, m, suite.missing) for t, m in items]
+        out[key] = sum(values) / len(values) if values and None not in values else None
+    return out
+
+
+def summarize_suites(
+    metrics: Mapping[str, Mapping[str, Any]],
+    names: Sequence[str],
+    local_tasks: Mapping[str, Sequence[str]] | None = None,
+) -> dict[str, dict[str, float | None]]:
+    """``{suite: suite_summary(...)}`` for every suite in ``names`` (the ``suites`` block of ``eval.json``).
+
+    Args:
+        metrics: an ``eval.json`` ``metrics`` mapping.
+        names: suite names.
+        local_tasks: suite name -> the local task names written for it (``recall_probe``).
+    """
+    local_tasks = local_tasks or {}
+    return {name: suite_summary(name, metrics, local_tasks.get(name)) for name in check_suites(names)}

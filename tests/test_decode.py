@@ -1,0 +1,103 @@
+"""The in-place decode step (statereduce.decode) against the torch reference, run by Triton's interpreter on CPU.
+
+The GPU side (fla's kernels in place, autotuned configs, CUDA graphs) is checked by benchmarks/check_decode_gpu.py.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from statereduce import decode, fla_fallback
+
+
+def _inputs(n, h, hv, k, v, gated, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)
+    q, kk, vv = r(n, 1, h, k), r(n, 1, h, k), r(n, 1, hv, v)
+    if gated:
+        return dict(q=q, k=kk, v=vv, beta=r(n, 1, hv), g=r(n, 1, hv), A_log=r(hv).abs().log(), dt_bias=r(hv),
+                    state=r(n, hv, v, k) * 0.3)
+    return dict(q=q, k=kk, v=vv, beta=torch.rand(n, 1, h, generator=g), state=r(n, h, k, v) * 0.3)
+
+
+def _check_delta_rule(k, v):
+    x = _inputs(3, 2, 2, k, v, gated=False, seed=k * v)
+    o_ref, s_ref = fla_fallback.fused_recurrent_delta_rule(
+        x["q"].double(), x["k"].double(), x["v"].double(), x["beta"].double(), initial_state=x["state"].double(),
+        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    state = x["state"].clone()
+    o = decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], state, l2norm=True)
+    assert o.shape == o_ref.shape
+    torch.testing.assert_close(o.double(), o_ref.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state.double(), s_ref.double(), rtol=1e-5, atol=1e-5)  # updated in place
+
+
+def _check_gated_delta_rule(h, hv, k, v):
+    x = _inputs(2, h, hv, k, v, gated=True, seed=h * 100 + k)
+    o_ref, s_ref = fla_fallback.fused_recurrent_gated_delta_rule(
+        x["q"].double(), x["k"].double(), x["v"].double(), g=x["g"].double(), beta=x["beta"].double(),
+        initial_state=x["state"].double(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, A_log=x["A_log"].double(), dt_bias=x["dt_bias"].double(),
+        use_beta_sigmoid_in_kernel=True, state_v_first=True)
+    state = x["state"].clone()
+    o = decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], state, g=x["g"], A_log=x["A_log"],
+                              dt_bias=x["dt_bias"], l2norm=True, beta_sigmoid=True, state_v_first=True)
+    torch.testing.assert_close(o.double(), o_ref.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state.double(), s_ref.double(), rtol=1e-5, atol=1e-5)
+
+
+def _check_fixed_configs_agree():
+    x = _inputs(2, 2, 2, 16, 48, gated=False, seed=3)
+    outs = []
+    for bv, w in ((8, 1), (16, 4), (64, 2)):
+        state = x["state"].clone()
+        outs.append((decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], state, block_v=bv, num_warps=w), state))
+    for o, s in outs[1:]:
+        torch.testing.assert_close(o, outs[0][0])
+        torch.testing.assert_close(s, outs[0][1])
+
+
+def _check_all():
+    """Every kernel check; run by Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is imported)."""
+    for k, v in ((8, 16), (12, 20), (32, 8)):
+        _check_delta_rule(k, v)
+    for h, hv, k, v in ((2, 2, 16, 8), (1, 2, 12, 24), (2, 4, 8, 40)):
+        _check_gated_delta_rule(h, hv, k, v)
+    _check_fixed_configs_agree()
+
+
+def test_kernel_matches_reference_under_interpreter():
+    """The Triton kernel against float64 torch references (DeltaNet and Gated DeltaNet layouts, GVA, d_k not a power
+    of two, fixed and default tiles), run by Triton's interpreter in a fresh process."""
+    code = f"import runpy; runpy.run_path({str(Path(__file__))!r})['_check_all'](); print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_bad_inputs_fail_with_one_line():
+    x = _inputs(2, 2, 2, 8, 8, gated=False, seed=0)
+    with pytest.raises(ValueError, match=r"state must be a contiguous float32 tensor of shape \(2, 2, 8, 8\)"):
+        decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"].double())
+    with pytest.raises(ValueError, match="one token"):
+        decode.recurrent_step(x["q"].repeat(1, 2, 1, 1), x["k"], x["v"], x["beta"], x["state"])
+    with pytest.raises(ValueError, match="both block_v and num_warps"):
+        decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"], block_v=8)
+    with pytest.raises(ValueError, match="unknown decode kernel 'cuda'; valid: fla, statereduce"), \
+            decode.inplace_decode("cuda"):
+        pass
+
+
+def test_inplace_decode_restores_fla_functions():
+    import fla.layers.delta_net as dn
+    import fla.layers.gated_deltanet as gdn
+
+    before = dn.fused_recurrent_delta_rule, gdn.fused_recurrent_gated_delta_rule
+    with decode.inplace_decode("statereduce"):
+        assert dn.fused_recurrent_delta_rule is not before[0]
+        assert gdn.fused_recurrent_gated_delta_rule is not before[1]
+    assert (dn.fused_recurrent_delta_rule, gdn.fused_recurrent_gated_delta_rule) == before

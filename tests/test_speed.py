@@ -1,0 +1,110 @@
+"""Speed benchmarks without a GPU: settings, shapes, byte floors, ratios, tables, and the one-line no-CUDA error.
+
+The measurements themselves run on a GPU (benchmarks/check_decode_gpu.py, python -m statereduce.speed; results
+in docs/speed_h200.md).
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from statereduce import speed
+from statereduce.tables import speed_markdown
+
+DN = {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "vocab_size": 97}
+GDN = {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32, "expand_v": 2.0, "vocab_size": 97}
+
+
+def test_settings_defaults_are_the_papers_protocol():
+    s = speed.speed_settings()
+    assert s["decode"]["batches"] == [1, 2, 4, 8, 16, 32, 64]
+    assert (s["decode"]["prompt"], s["decode"]["warmup"], s["decode"]["steps"], s["decode"]["trials"]) == (512, 10, 100, 3)
+    assert s["prefill"]["lengths"] == [2048, 8192, 16384] and s["mixer"]["seq_len"] == 2048
+    assert speed.speed_settings({"decode": {"batches": [64]}})["decode"]["steps"] == 100  # merged key by key
+
+
+@pytest.mark.parametrize("over,msg", [
+    ({"decod": {}}, "unknown speed setting 'decod'; valid: pcts, dtype, decode, prefill, mixer"),
+    ({"decode": {"batch": [1]}}, r"unknown speed.decode setting\(s\) \['batch'\]"),
+    ({"pcts": [100]}, r"speed pct 100 is outside \[0, 100\)"),
+    ({"decode": {"kernels": ["cuda"]}}, r"unknown decode kernel\(s\) \['cuda'\]; valid: fla, statereduce"),
+])
+def test_bad_settings_fail_with_one_line(over, msg):
+    with pytest.raises(ValueError, match=msg):
+        speed.speed_settings(over)
+
+
+@pytest.mark.parametrize("family,arch,d_k", [("delta_net", DN, 32), ("gated_deltanet", GDN, 32)])
+def test_model_config_reduces_d_k_only(family, arch, d_k):
+    from statereduce.adapters import adapter_class
+
+    a = adapter_class(family)
+    base, half, quarter = (speed.model_config(family, arch, p) for p in (0, 50, 75))
+    assert [a.dims(c).head_k_dim for c in (base, half, quarter)] == [d_k, d_k // 2, d_k // 4]
+    assert a.dims(half).head_v_dim == a.dims(base).head_v_dim
+    with pytest.raises(ValueError, match="unknown arch key"):
+        speed.model_config(family, {**arch, "hidden": 3})
+
+
+def test_step_bytes_by_hand():
+    config = speed.model_config("delta_net", DN, 50)
+    model = speed.build_model(config, torch.float32, device="cpu")
+    got = speed.step_bytes(model, config, "delta_net", batch=3)
+    params = sum(p.numel() for p in model.parameters())
+    emb = 97 * 64
+    assert got["weights"] == 4 * (params - emb + 3 * 64)  # untied: the lm head is read whole, the embedding by row
+    # per layer and sequence: state H * d_k' * d_v floats, conv caches (q, k, v channels) x width 4, read + written
+    state, conv = 2 * 16 * 32, (2 * 16 + 2 * 16 + 2 * 32) * 4
+    assert got["state"] == 2 * 3 * 2 * (state * 4 + conv * 4)
+    assert got["logits"] == 3 * 97 * 4
+    assert got["total"] == got["weights"] + got["state"] + got["logits"]
+
+
+def _doc():
+    def dec(pct, b, kernel, ms, total):
+        return {"pct": pct, "batch": b, "kernel": kernel, "ms": ms, "floor_fraction": 0.5, "bytes": {"total": total},
+                "peak_mem_bytes": 100, "peak_mem_delta_bytes": 10}
+
+    return {"model": "m", "device": "GPU", "copy_bandwidth_Bps": 4e12, "settings": {"decode": {"prompt": 512}},
+            "decode": [dec(0, 1, "fla", 2.0, 10), dec(0, 1, "statereduce", 1.8, 10), dec(50, 1, "fla", 1.0, 5),
+                       dec(0, 64, "fla", 4.0, 40)],  # pct 50 at B=64 and 'ours' at pct 50 never measured
+            "prefill": [{"pct": 0, "batch": 1, "length": 2048, "ms": 3.0, "peak_mem_bytes": 4,
+                         "peak_mem_delta_bytes": 2},
+                        {"pct": 50, "batch": 1, "length": 2048, "skipped": "out of memory"}],
+            "mixer": []}
+
+
+def test_ratios_and_table_show_missing_cells_as_missing():
+    doc = _doc()
+    doc["ratios"] = speed.speed_ratios(doc)
+    (r,) = doc["ratios"]["decode"]
+    assert (r["batch"], r["kernel"], r["speedup"], r["ideal_speedup"], r["speedup_vs_fla_baseline"]) == (1, "fla", 2.0,
+                                                                                                        2.0, 2.0)
+    assert doc["ratios"]["prefill"] == []  # the pruned cell was skipped: no ratio invented
+    md = speed_markdown([doc])
+    assert "| 1 | 2.000 | 50 | 2.00× | – | – | 2.00× | – |" in md
+    assert "| 64 | 4.000 | 50 | – | – | – | – | – |" in md
+    assert "| 1 × 2048 | 3.000 | – |" in md
+
+
+def test_cli_without_cuda_fails_with_one_line(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = subprocess.run([sys.executable, "-m", "statereduce.speed", str(tmp_path / "s.json"), "--family",
+                          "delta_net"], capture_output=True, text=True)
+    assert out.returncode == 2
+    err = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert err == ["error: speed benchmarks need a CUDA GPU and this machine has none (torch.cuda.is_available() is "
+                   "False); run them on a GPU node (resources: gpu=1), e.g. python -m statereduce.speed ..."]
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_speedup_figure_writes_png(tmp_path):
+    from statereduce.figures import speedup_figure
+
+    doc = _doc()
+    doc["ratios"] = speed.speed_ratios(doc)
+    out = speedup_figure([doc], tmp_path / "f.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,18 @@
+"""rules speed / speed_baseline: results/{model}/.../speed.json (GPU; random weights of the model's shape)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
+from statereduce.runtime import start  # noqa: E402
+
+log = start(snakemake.log[0], snakemake.threads)
+from statereduce.speed import require_cuda, run_speed, speed_settings  # noqa: E402
+
+try:
+    require_cuda()
+except RuntimeError as e:
+    log.error("%s", e)
+    sys.exit(f"error: {e}")
+plan = snakemake.params.speed
+run_speed(plan["family"], plan["arch"], speed_settings(plan["settings"]), snakemake.output[0],
+          model_name=snakemake.params.info["model"])
