@@ -47,9 +47,11 @@ def _kernel():
 
     configs = [triton.Config({"BV": bv}, num_warps=w) for bv in (16, 32, 64) for w in (2, 4, 8)]
 
-    @triton.autotune(configs=configs, key=["K", "V", "STATE_V_FIRST", "USE_G"], restore_value=["h"])
+    # NHB (the number of state tiles' rows of programs, rounded to a power of two) is in the key so that a tile
+    # tuned on a batch of one is not reused at batch 64, where the best tile differs.
+    @triton.autotune(configs=configs, key=["K", "V", "STATE_V_FIRST", "USE_G", "NHB"], restore_value=["h"])
     @triton.jit
-    def step_kernel(q, k, v, beta, g, A_log, dt_bias, h, o, scale, H: tl.constexpr, HV: tl.constexpr,
+    def step_kernel(q, k, v, beta, g, A_log, dt_bias, h, o, scale, NHB, H: tl.constexpr, HV: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     STATE_V_FIRST: tl.constexpr, USE_G: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
                     HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, ROUND_QK: tl.constexpr,
@@ -162,7 +164,7 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
         kernel, fixed = kernel.fn, {"BV": int(block_v), "num_warps": int(num_warps)}
     grid = lambda meta: (triton.cdiv(vd, meta["BV"]), n * hv)
     kernel[grid](q, k, v, beta, g, A_log, dt_bias, state, o, kd ** -0.5 if scale is None else scale,
-                 H=h, HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), STATE_V_FIRST=state_v_first,
+                 triton.next_power_of_2(n * hv), H=h, HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), STATE_V_FIRST=state_v_first,
                  USE_G=g is not None, GATE_IN_KERNEL=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
                  L2NORM=l2norm, ROUND_QK=round_qk, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=allow_neg_eigval, **fixed)
     return o

@@ -47,11 +47,15 @@ DEFAULT_SPEED: dict[str, Any] = {
                "kernels": ["fla", "statereduce"], "check_steps": 3},
     "prefill": {"batches": [1, 4, 8, 16], "lengths": [2048, 8192, 16384], "warmup": 1, "steps": 3, "trials": 3},
     "mixer": {"batches": [8, 16, 32], "seq_len": 2048, "warmup": 3, "steps": 10, "trials": 3, "arch": {}},
+    "profile": {"batches": [1, 64], "steps": 10, "top": 30},
 }
 """The paper's protocol (App. G.1). ``mixer.arch`` overrides the model's arch for the one-layer measurement
 (the paper's Table 19 uses hidden 2048, 16 heads, d_v = 128)."""
 
-PARTS = ("decode", "prefill", "mixer")
+PARTS = ("decode", "prefill", "mixer", "profile")
+"""Measurements :func:`run_speed` can make; ``profile`` (per-kernel device time of eager decode steps, to see where
+a step's time goes) is not in the default set."""
+DEFAULT_PARTS = ("decode", "prefill", "mixer")
 
 
 def speed_settings(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -340,11 +344,46 @@ def mixer_cells(config, settings: Mapping[str, Any], dtype: torch.dtype, on_cell
     _free()
 
 
+def profile_cells(model, settings: Mapping[str, Any], kernels: Iterable[str], on_cell: Callable[[dict], None],
+                  prompt: int = 64) -> None:
+    """Device time per kernel over ``steps`` eager decode steps (``torch.profiler``), the ``top`` kernels by time.
+
+    Eager steps launch the same kernels as the graph, so this shows where a step's device time goes (the graph
+    removes only the launch gaps). ``total_us`` is the sum over every kernel of the steps, per step.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from statereduce.decode import inplace_decode
+
+    vocab = model.config.vocab_size
+    for batch in settings["batches"]:
+        for kernel in kernels:
+            ids = torch.randint(vocab, (batch, prompt), device="cuda")
+            tok = torch.randint(vocab, (batch, 1), device="cuda")
+            with torch.no_grad(), inplace_decode(kernel):
+                cache = model(ids, use_cache=True, logits_to_keep=1).past_key_values
+                for _ in range(3):
+                    model(tok, past_key_values=cache, use_cache=True)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(settings["steps"]):
+                        model(tok, past_key_values=cache, use_cache=True)
+                    torch.cuda.synchronize()
+            rows = [(e.key, e.self_device_time_total / settings["steps"], e.count // settings["steps"])
+                    for e in prof.key_averages() if e.self_device_time_total > 0]
+            rows.sort(key=lambda r: -r[1])
+            on_cell({"batch": batch, "kernel": kernel, "total_us": sum(r[1] for r in rows),
+                     "launches": sum(r[2] for r in rows),
+                     "top": [{"name": n[:120], "us": round(t, 2), "count": c} for n, t, c in rows[:settings["top"]]]})
+            cache = None
+            _free()
+
+
 # ---------------------------------------------------------------------------------------------
 # one run
 # ---------------------------------------------------------------------------------------------
 def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any], out_path: str | Path, *,
-              model_name: str | None = None, parts: Iterable[str] = PARTS,
+              model_name: str | None = None, parts: Iterable[str] = DEFAULT_PARTS,
               extra: Mapping[str, Any] | None = None) -> dict:
     """Measure the baseline (pct 0) and every ``settings["pcts"]`` ratio; write ``out_path`` after every cell.
 
@@ -377,7 +416,7 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
         "model": model_name, "family": family, "arch": dict(arch), "settings": settings, "parts": parts,
         "weights": "random (speed does not depend on weight values); shapes from arch and the pruned config",
         "device": torch.cuda.get_device_name(), "versions": versions(), "configs": {},
-        "decode": [], "prefill": [], "mixer": [], **(extra or {}),
+        "decode": [], "prefill": [], "mixer": [], "profile": [], **(extra or {}),
     }
     t0 = time.perf_counter()
     doc["copy_bandwidth_Bps"] = copy_bandwidth()
@@ -403,8 +442,10 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
                 save()
             return on_cell
 
-        if "decode" in parts or "prefill" in parts:
+        if {"decode", "prefill", "profile"} & set(parts):
             model = build_model(config, dtype)
+            if "profile" in parts:
+                profile_cells(model, settings["profile"], settings["decode"]["kernels"], add("profile"))
             if "decode" in parts:
                 decode_cells(model, config, family, settings["decode"], doc["copy_bandwidth_Bps"], add("decode"))
             if "prefill" in parts:
@@ -460,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", type=json.loads, default={}, help="JSON of fla config keywords (with --family)")
     p.add_argument("--settings", type=json.loads, default={}, help="JSON overriding speed settings, e.g. "
                    '\'{"pcts": [50], "decode": {"batches": [64]}}\'')
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     try:

@@ -26,7 +26,7 @@ def test_settings_defaults_are_the_papers_protocol():
 
 
 @pytest.mark.parametrize("over,msg", [
-    ({"decod": {}}, "unknown speed setting 'decod'; valid: pcts, dtype, decode, prefill, mixer"),
+    ({"decod": {}}, "unknown speed setting 'decod'; valid: pcts, dtype, decode, prefill, mixer, profile"),
     ({"decode": {"batch": [1]}}, r"unknown speed.decode setting\(s\) \['batch'\]"),
     ({"pcts": [100]}, r"speed pct 100 is outside \[0, 100\)"),
     ({"decode": {"kernels": ["cuda"]}}, r"unknown decode kernel\(s\) \['cuda'\]; valid: fla, statereduce"),
