@@ -32,9 +32,14 @@ def planned_outputs(workdir: Path) -> dict[str, list[str]]:
     """rule -> output files of the jobs a dry run would execute."""
     out = _snakemake(workdir, "-n", "--printshellcmds")
     assert out.returncode == 0, out.stderr[-3000:]
+    return _jobs(out.stdout + out.stderr)
+
+
+def _jobs(dry_run_output: str) -> dict[str, list[str]]:
+    """rule -> output files of the jobs listed in a dry run's output."""
     jobs: dict[str, list[str]] = {}
     rule = None
-    for line in (out.stdout + out.stderr).splitlines():
+    for line in dry_run_output.splitlines():
         m = re.match(r"^(?:local)?rule (\w+):", line.strip())
         if m:
             rule = m.group(1)
@@ -183,18 +188,7 @@ def _dry_run_shipped(tmp_path: Path, cfg: dict, target: str) -> dict[str, list[s
     cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "-n"]
     out = subprocess.run([*cmd, target], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    jobs: dict[str, list[str]] = {}
-    rule = None
-    for line in (out.stdout + out.stderr).splitlines():
-        m = re.match(r"^(?:local)?rule (\w+):", line.strip())
-        if m:
-            rule = m.group(1)
-            continue
-        m = re.match(r"^\s*output: (.*)$", line)
-        if m and rule:
-            jobs.setdefault(rule, []).extend(s.strip() for s in m.group(1).split(","))
-            rule = None
-    return jobs
+    return _jobs(out.stdout + out.stderr)
 
 
 def test_all_paper_plans_study_tables(tmp_path):
