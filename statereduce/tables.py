@@ -15,7 +15,11 @@ PRIMARY = ("heldout", "bits_per_byte")  # (task, metric) shown first when presen
 # Metrics the Markdown table shows, when present: byte-level models on the embedded corpus are compared
 # in bits per byte (word perplexity of source code is dominated by rare long "words"); WikiText-2 word
 # perplexity is the paper's headline number for hub models. The CSV keeps every metric.
-TABLE_METRICS = ("heldout/bits_per_byte", "heldout/word_perplexity", "wikitext/word_perplexity")
+TABLE_METRICS = ("heldout/bits_per_byte", "heldout/word_perplexity", "wikitext/word_perplexity",
+                 "lambada_openai/perplexity", "lm/lm_avg", "recall/niah_2048", "recall/niah_4096", "recall/squad",
+                 "recall/swde", "recall_probe/recall_mqar_avg")
+# Suite averages (eval.json "suites" blocks, statereduce.suites) enter the frame as "<suite>/<summary>" columns:
+# "lm/lm_avg" is the paper's "LM Evals avg" (Table 20), the recall ones its Table 4/11 columns.
 # Metric names (the part after "task/") ending in one of these are lower-is-better; "acc*" higher-is-better.
 LOWER_IS_BETTER = ("perplexity", "bits_per_byte", "loss")
 STAGES = ("pruned", "rft")  # summary stages, in table order: pre-RFT, post-RFT
@@ -46,6 +50,7 @@ def comparison_frame(summaries: list[dict], baselines: dict[str, dict]) -> pd.Da
         row = {"model": model, "method": "baseline", "pct": 0, "stage": "unpruned"}
         for (t, m), v in _flat(doc.get("metrics", {})).items():
             row[f"{t}/{m}"] = v
+        row.update(_suite_columns(doc.get("suites")))
         row["state_bytes"] = doc.get("state", {}).get("state_bytes_per_sequence")
         rows.append(row)
     for s in summaries:
@@ -56,6 +61,7 @@ def comparison_frame(summaries: list[dict], baselines: dict[str, dict]) -> pd.Da
             row = {"model": s["model"], "method": s["method"], "pct": s["pct"], "stage": stage}
             for (t, m), v in _flat(metrics).items():
                 row[f"{t}/{m}"] = v
+            row.update(_suite_columns((s.get("suites") or {}).get(stage)))
             row["state_bytes"] = (s.get("state") or {}).get("bytes_after")
             rows.append(row)
     df = pd.DataFrame(rows)
@@ -71,6 +77,12 @@ def comparison_frame(summaries: list[dict], baselines: dict[str, dict]) -> pd.Da
     return df.sort_values(["model", "pct", "stage", "method"], kind="stable").reset_index(drop=True)
 
 
+def _suite_columns(suites: dict | None) -> dict[str, float]:
+    """``{suite: {summary: value}}`` as ``{"suite/summary": value}``; a None value (task not run) stays missing."""
+    return {f"{suite}/{name}": float(v) for suite, block in (suites or {}).items() for name, v in (block or {}).items()
+            if v is not None}
+
+
 def _flat(metrics: dict) -> dict[tuple[str, str], float]:
     return {(t, m): v for t, ms in metrics.items() for m, v in ms.items()}
 
@@ -80,8 +92,8 @@ def _direction(metric: str) -> str:
     name = metric.rsplit("/", 1)[-1]
     if name.endswith(LOWER_IS_BETTER):
         return "lower is better"
-    if name.startswith("acc"):
-        return "higher is better"
+    if name.startswith("acc") or name.endswith("_avg") or metric.split("/", 1)[0] == "recall":
+        return "higher is better"  # accuracies, suite averages of accuracies, recall scores
     return ""
 
 

@@ -324,3 +324,22 @@ def test_study_primary_metric_per_model(tmp_path):
     # a study that is not configured gets a one-line note and an empty CSV
     assert "no calibration study configured" in (tmp_path / "calibration_study.md").read_text()
     assert (tmp_path / "calibration_study.csv").read_text().strip() == ""
+
+
+def test_suite_averages_become_table_columns(tmp_path):
+    """The eval.json ``suites`` blocks (e.g. the paper's "LM Evals avg") appear as ``suite/summary`` columns, and a
+    suite average that could not be computed (None) stays missing."""
+    from statereduce.tables import comparison_frame, write_comparison
+
+    base = {"metrics": {"wikitext": {"word_perplexity": 20.0}}, "suites": {"lm": {"lm_avg": 0.5}},
+            "state": {"state_bytes_per_sequence": 8}}
+    summ = {"model": "m", "method": "drrqr", "pct": 50, "state": {"bytes_after": 4},
+            "metrics": {"baseline": base["metrics"], "pruned": {"wikitext": {"word_perplexity": 25.0}},
+                        "rft": {"wikitext": {"word_perplexity": 21.0}}},
+            "suites": {"baseline": base["suites"], "pruned": {"lm": {"lm_avg": 0.4}}, "rft": {"lm": {"lm_avg": None}}}}
+    df = comparison_frame([summ], {"m": base})
+    got = dict(zip(df["stage"], df["lm/lm_avg"]))
+    assert got["unpruned"] == 0.5 and got["pruned"] == 0.4 and got["rft"] != got["rft"]  # NaN: missing
+    write_comparison([summ], {"m": base}, tmp_path / "c.md", tmp_path / "c.csv")
+    md = (tmp_path / "c.md").read_text()
+    assert "## lm/lm_avg (higher is better)" in md and "## wikitext/word_perplexity" in md
