@@ -213,8 +213,11 @@ def fla_gated_delta_rule_step(q, k, v, beta, state, *, g=None, A_log=None, dt_bi
 # ---------------------------------------------------------------------------------------------
 # routing the stock fla layers' decode calls
 # ---------------------------------------------------------------------------------------------
+_DEVICE_TYPES: tuple[str, ...] = ("cuda",)  # devices whose decode calls are routed (tests add "cpu" with the interpreter)
+
+
 def _decode_call(q, initial_state, cu_seqlens) -> bool:
-    return (q.shape[1] == 1 and initial_state is not None and cu_seqlens is None and q.is_cuda
+    return (q.shape[1] == 1 and initial_state is not None and cu_seqlens is None and q.device.type in _DEVICE_TYPES
             and initial_state.is_contiguous() and initial_state.dtype == torch.float32
             and not torch.is_grad_enabled())
 
@@ -268,15 +271,19 @@ _TARGETS = (
 
 
 @contextlib.contextmanager
-def inplace_decode(kernel: str = "statereduce") -> Iterator[None]:
+def inplace_decode(kernel: str = "statereduce", device_types: tuple[str, ...] = ("cuda",)) -> Iterator[None]:
     """Within the block, the stock fla DeltaNet / GatedDeltaNet layers decode with in-place state updates.
 
     Args:
         kernel: ``"statereduce"`` (:func:`recurrent_step`) or ``"fla"`` (fla's own kernels, in place).
+        device_types: devices whose one-token calls are routed; ``("cpu",)`` only makes sense for
+            ``"statereduce"`` under ``TRITON_INTERPRET=1`` (tests).
     """
+    global _DEVICE_TYPES
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}; valid: {', '.join(KERNELS)}")
     saved = []
+    before, _DEVICE_TYPES = _DEVICE_TYPES, tuple(device_types)
     try:
         for module_name, attr, make in _TARGETS:
             module = importlib.import_module(module_name)
@@ -285,5 +292,6 @@ def inplace_decode(kernel: str = "statereduce") -> Iterator[None]:
             setattr(module, attr, make(original, kernel))
         yield
     finally:
+        _DEVICE_TYPES = before
         for module, attr, original in saved:
             setattr(module, attr, original)

@@ -61,8 +61,30 @@ def _check_fixed_configs_agree():
         torch.testing.assert_close(s, outs[0][1])
 
 
+def _check_model_decode(family):
+    """Stock fla layers decoding with ``inplace_decode("statereduce")`` equal the torch fallback's decoding."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _models import tiny_inputs, tiny_model
+
+    model = tiny_model(family)
+    ids = tiny_inputs(batch=2, length=12)
+    steps = tiny_inputs(batch=2, length=4, seed=7)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        ref = [model(steps[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(4)]
+        with decode.inplace_decode("statereduce", device_types=("cpu",)):
+            cache = model(ids, use_cache=True).past_key_values
+            states = [cache[i]["recurrent_state"] for i in range(len(cache))]
+            got = [model(steps[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(4)]
+            assert all(cache[i]["recurrent_state"] is s for i, s in enumerate(states))  # updated in place
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
 def _check_all():
     """Every kernel check; run by Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is imported)."""
+    for family in ("delta_net", "gated_deltanet"):
+        _check_model_decode(family)
     for k, v in ((8, 16), (12, 20), (32, 8)):
         _check_delta_rule(k, v)
     for h, hv, k, v in ((2, 2, 16, 8), (1, 2, 12, 24), (2, 4, 8, 40)):
@@ -72,7 +94,8 @@ def _check_all():
 
 def test_kernel_matches_reference_under_interpreter():
     """The Triton kernel against float64 torch references (DeltaNet and Gated DeltaNet layouts, GVA, d_k not a power
-    of two, fixed and default tiles), run by Triton's interpreter in a fresh process."""
+    of two, fixed and default tiles), and whole stock fla models decoding through ``inplace_decode`` against the
+    torch fallback's decoding, run by Triton's interpreter in a fresh process."""
     code = f"import runpy; runpy.run_path({str(Path(__file__))!r})['_check_all'](); print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
