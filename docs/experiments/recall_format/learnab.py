@@ -1,6 +1,6 @@
 """Pure-recall learnability: how many steps until query digits are predicted (dn/gdn, default optimizer)."""
 import sys, random, json, time, torch
-sys.path.insert(0, "/tmp/recall_exp2")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 import lib
 from statereduce.tokenizer import byte_level_tokenizer
 from statereduce.data import token_stream

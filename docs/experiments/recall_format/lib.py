@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root
 from statereduce import fla_fallback  # noqa: E402
 from statereduce import recall as rc  # noqa: E402
 from statereduce.data import load_split, token_stream  # noqa: E402
@@ -20,7 +20,7 @@ from statereduce.pretrain import _eval_blocks, _train_cfg, mean_loss, seed_every
 from statereduce.tokenizer import byte_level_tokenizer  # noqa: E402
 
 fla_fallback.install()
-ROOT = Path("/tmp/recall_exp2/runs")
+ROOT = Path(__file__).resolve().parent / "runs"  # git-ignored model folders
 CORPUS = {"source": "embedded"}
 ARCH = {
     "delta_net": {"hidden_size": 128, "num_hidden_layers": 4, "num_heads": 2, "expand_k": 1.0, "expand_v": 1.0},
