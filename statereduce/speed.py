@@ -430,10 +430,9 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
     for pct in pcts:
         config = model_config(family, arch, pct)
         shape = adapter.config_state_shape(config)
-        doc["configs"][str(pct)] = {"d_k": shape.d_k, "d_v": shape.d_v, "heads": shape.num_heads,
-                                    "layers": len(adapter.mixer_layer_indices(config)),
-                                    "state_bytes_per_sequence": shape.recurrent_elems * 4 * len(
-                                        adapter.mixer_layer_indices(config))}
+        layers = len(adapter.mixer_layer_indices(config))
+        doc["configs"][str(pct)] = {"d_k": shape.d_k, "d_v": shape.d_v, "heads": shape.num_heads, "layers": layers,
+                                    "state_bytes_per_sequence": shape.recurrent_elems * 4 * layers}
 
         def add(part, pct=pct):
             def on_cell(cell):

@@ -225,16 +225,13 @@ def write_comparison(
     Returns:
         The frame of :func:`comparison_frame`.
     """
-    import os
+    from statereduce.runtime import write_text_atomic
 
     df = comparison_frame(summaries, baselines)
     present = [m for m in TABLE_METRICS if m in df.columns and df[m].notna().any()]
     md = HEADER + "\n".join(comparison_markdown(df, m).rstrip("\n") + "\n" for m in present or ["/".join(PRIMARY)])
-    for path, text in ((Path(md_path), md), (Path(csv_path), df.to_csv(index=False))):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    write_text_atomic(md_path, md)
+    write_text_atomic(csv_path, df.to_csv(index=False))
     return df
 
 
