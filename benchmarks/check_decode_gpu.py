@@ -6,10 +6,11 @@
    256, d_k not a power of two. Also fla's ``chunk_delta_rule`` against ``fused_recurrent_delta_rule`` (a helper
    saw wrong outputs at d_k = 32, d_v = 64 once).
 2. Timing: ``layers`` launches (one state buffer each, far more than L2) captured in a CUDA graph, batch 64:
-   fla's function (new state), fla's kernel in place, ours (autotuned) and a sweep of our fixed tile configs;
+   fla's function (new state), fla's kernel in place, ours (autotuned) and a sweep of every tile config the
+   autotuner tries (``decode.TILE_CONFIGS``, each with and without streaming cache hints);
    bandwidth = state bytes read + written / time, against the measured copy bandwidth.
 
-    python benchmarks/check_decode_gpu.py OUT.json
+    python benchmarks/check_decode_gpu.py OUT.json [correctness,chunk,timing]
 """
 
 from __future__ import annotations
@@ -144,26 +145,31 @@ def timing(out, layers=24, n=64):
         row = {"shape": name, "n": n, "h": hv, "k": kd, "v": vd, "layers": layers,
                "state_bytes_per_launch": state_bytes // layers}
 
-        def record(label, fns):
+        def record(label, fns, row=row, state_bytes=state_bytes):
             ms = graph_time(fns)
             row[label + "_ms"] = ms
             row[label + "_TBps"] = 2 * state_bytes / (ms / 1e3) / 1e12
             row[label + "_of_copy"] = 2 * state_bytes / (ms / 1e3) / bw
 
-        record("fla_new_state", [lambda b=b: reference(*b, gated) for b in bufs])
-        record("fla_inplace", [lambda b=b: step("fla", *b, gated) for b in bufs])
-        record("ours", [lambda b=b: step("statereduce", *b, gated) for b in bufs])
+        record("fla_new_state", [lambda b=b, gt=gated: reference(*b, gt) for b in bufs])
+        record("fla_inplace", [lambda b=b, gt=gated: step("fla", *b, gt) for b in bufs])
+        record("ours", [lambda b=b, gt=gated: step("statereduce", *b, gt) for b in bufs])
         best = decode._kernel().best_config
-        row["ours_best_config"] = {"BV": best.kwargs.get("BV"), "num_warps": best.num_warps}
+        row["ours_best_config"] = {"BV": best.kwargs.get("BV"), "STREAM": best.kwargs.get("STREAM"),
+                                   "num_warps": best.num_warps}
         sweep = {}
-        for bv, w in (() if kd not in (32, 64) else ((8, 1), (16, 2), (16, 4), (32, 4), (64, 4), (64, 8), (128, 8))):
-            if True:
+        for bv, w in decode.TILE_CONFIGS:
+            for stream in (False, True):
                 if bv > vd:
                     continue
-                ms = graph_time([lambda b=b: step("statereduce", *b, gated, block_v=bv, num_warps=w) for b in bufs],
+                fixed = {"block_v": bv, "num_warps": w, "stream": stream}
+                ms = graph_time([lambda b=b, gt=gated, f=fixed: step("statereduce", *b, gt, **f) for b in bufs],
                                 trials=3, reps=10)
-                sweep[f"BV{bv}_w{w}"] = round(2 * state_bytes / (ms / 1e3) / 1e12, 3)
+                sweep[f"BV{bv}_w{w}{'_s' if stream else ''}"] = round(2 * state_bytes / (ms / 1e3) / 1e12, 3)
         row["ours_sweep_TBps"] = sweep
+        if sweep:
+            top = max(sweep, key=sweep.get)
+            row["sweep_best"], row["sweep_best_of_copy"] = top, sweep[top] * 1e12 / bw
         out["timing"].append(row)
         print(name, kd, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
                          if k != "ours_sweep_TBps"}, flush=True)
@@ -171,14 +177,17 @@ def timing(out, layers=24, n=64):
         torch.cuda.empty_cache()
 
 
-def main(path):
+PARTS = {"correctness": correctness, "chunk": chunk_check, "timing": timing}
+
+
+def main(path, parts=("correctness", "chunk", "timing")):
     out = {"device": torch.cuda.get_device_name(), "correctness": [], "chunk_vs_recurrent": [], "timing": []}
     out["copy_bandwidth_Bps"] = copy_bandwidth()
     print("copy bandwidth GB/s", out["copy_bandwidth_Bps"] / 1e9, flush=True)
-    for part in (correctness, chunk_check, timing):
+    for part in (PARTS[p] for p in parts):
         try:
             part(out)
-        except Exception as e:  # keep what the other parts measured
+        except Exception as e:  # noqa: BLE001 (keep what the other parts measured)
             out.setdefault("errors", []).append(f"{part.__name__}: {type(e).__name__}: {e}")
             print("ERROR", part.__name__, repr(e), flush=True)
         with open(path, "w") as f:
@@ -186,4 +195,7 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and set(sys.argv[2].split(",")) - set(PARTS)):
+        sys.exit(f"usage: python benchmarks/check_decode_gpu.py OUT.json [PARTS]; PARTS: comma-separated of "
+                 f"{','.join(PARTS)} (default all)")
+    main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) == 3 else tuple(PARTS))

@@ -10,6 +10,9 @@ steps that a graph can replay with static buffers:
   ``fused_recurrent_gated_delta_rule_fwd_kernel``) launched exactly as fla launches them, but with the final
   state pointer equal to the initial one. Each program loads its state tile before it stores the same tile, and
   programs own disjoint tiles, so this is safe. It is the unmodified-kernel baseline of the speed benchmarks.
+- ``kernel="fla_copy"``: fla's public ``fused_recurrent_*`` function as it is, returning a new state, then
+  ``state.copy_(new)``: what a CUDA-graph decoder built on the unmodified function must do (the paper's setup
+  uses fla's kernels unmodified). It reads and writes the state twice, so it is the slowest of the three.
 - ``kernel="statereduce"``: :func:`recurrent_step`, our Triton kernel for ``T = 1``. fla's kernels give each
   program a ``BV = 8``-row tile with one warp, which moves the state at about 2.0 TB/s when ``d_k = 32``
   (issue 5, measured on an H200). Ours tiles ``BV`` rows of the value dimension against the whole key dimension
@@ -32,8 +35,12 @@ from collections.abc import Iterator
 
 import torch
 
-KERNELS = ("fla", "statereduce")
-"""Valid ``kernel`` names of :func:`install`."""
+KERNELS = ("fla", "statereduce", "fla_copy")
+"""Valid ``kernel`` names of :func:`inplace_decode`: fla's kernel in place, ours in place, and fla's public function
+unmodified (a new state tensor each step) with the graph copying it back into the static state buffer."""
+
+TILE_CONFIGS = ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8))
+"""(BV, num_warps) pairs the autotuner of :func:`recurrent_step` tries, each with and without streaming hints."""
 
 _STEP = None  # the autotuned Triton kernel, built on first use (importing triton.language needs no GPU)
 
@@ -45,14 +52,21 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    configs = [triton.Config({"BV": bv}, num_warps=w) for bv in (16, 32, 64) for w in (2, 4, 8)]
+    # STREAM: load the state with evict-first and store it with the streaming (.cs) hint: each tile is touched once
+    # per step, so keeping it in L2 only evicts the weights.
+    configs = [triton.Config({"BV": bv, "STREAM": st}, num_warps=w) for bv, w in TILE_CONFIGS for st in (False, True)]
+
+    def bench(fn, quantiles=None):  # short timing runs: 24 configs per key would take seconds at the defaults
+        return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
     # NHB (the number of state tiles' rows of programs, rounded to a power of two) is in the key so that a tile
-    # tuned on a batch of one is not reused at batch 64, where the best tile differs.
-    @triton.autotune(configs=configs, key=["K", "V", "STATE_V_FIRST", "USE_G", "NHB"], restore_value=["h"])
+    # tuned on a batch of one is not reused at batch 64, where the best tile differs. cache_results keeps the
+    # choice in TRITON_CACHE_DIR, as fla does for its kernels.
+    @triton.autotune(configs=configs, key=["K", "V", "STATE_V_FIRST", "USE_G", "NHB"], restore_value=["h"],
+                     do_bench=bench, cache_results=True)
     @triton.jit
     def step_kernel(q, k, v, beta, g, A_log, dt_bias, h, o, scale, NHB, H: tl.constexpr, HV: tl.constexpr,
-                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STREAM: tl.constexpr,
                     STATE_V_FIRST: tl.constexpr, USE_G: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
                     HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, ROUND_QK: tl.constexpr,
                     BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
@@ -75,7 +89,10 @@ def _kernel():
         else:
             p_h = h + i_nh * K * V + o_k[:, None] * V + o_v[None, :]
             m_h = m_k[:, None] & m_v[None, :]
-        b_h = tl.load(p_h, mask=m_h, other=0).to(tl.float32)
+        if STREAM:
+            b_h = tl.load(p_h, mask=m_h, other=0, eviction_policy="evict_first").to(tl.float32)
+        else:
+            b_h = tl.load(p_h, mask=m_h, other=0).to(tl.float32)
 
         if L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
@@ -106,7 +123,10 @@ def _kernel():
             b_u = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))
             b_h = b_h + b_k[:, None] * b_u[None, :]
             b_o = tl.sum(b_h * b_q[:, None], 0)
-        tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_h)
+        if STREAM:
+            tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_h, cache_modifier=".cs")
+        else:
+            tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_h)
         tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
     _STEP = step_kernel
@@ -117,7 +137,8 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
                    g: torch.Tensor | None = None, A_log: torch.Tensor | None = None,
                    dt_bias: torch.Tensor | None = None, scale: float | None = None, l2norm: bool = False,
                    round_qk: bool = False, beta_sigmoid: bool = False, allow_neg_eigval: bool = False,
-                   state_v_first: bool = False, block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                   state_v_first: bool = False, block_v: int | None = None, num_warps: int | None = None,
+                   stream: bool = False) -> torch.Tensor:
     """One delta-rule (``g is None``) or gated-delta-rule step; ``state`` is updated in place.
 
     Args:
@@ -134,6 +155,8 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
         state_v_first: the state layout, as fla's argument of that name.
         block_v, num_warps: a fixed tile height and warp count instead of the autotuned choice (both or neither;
             also used under ``TRITON_INTERPRET=1``, where the autotuner cannot time, with 16 and 4 by default).
+        stream: with a fixed tile, load and store the state with streaming cache hints (an autotuned choice
+            otherwise).
 
     Returns:
         The output ``[N, 1, HV, V]`` in v's dtype.
@@ -161,7 +184,7 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
     if block_v is None and os.environ.get("TRITON_INTERPRET") == "1":
         block_v, num_warps = 16, 4
     if block_v is not None:
-        kernel, fixed = kernel.fn, {"BV": int(block_v), "num_warps": int(num_warps)}
+        kernel, fixed = kernel.fn, {"BV": int(block_v), "num_warps": int(num_warps), "STREAM": bool(stream)}
     grid = lambda meta: (triton.cdiv(vd, meta["BV"]), n * hv)
     kernel[grid](q, k, v, beta, g, A_log, dt_bias, state, o, kd ** -0.5 if scale is None else scale,
                  triton.next_power_of_2(n * hv), H=h, HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), STATE_V_FIRST=state_v_first,
@@ -228,6 +251,10 @@ def _delta_rule_wrapper(original, kernel: str):
         if not _decode_call(q, initial_state, cu_seqlens):
             return original(q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                             cu_seqlens)
+        if kernel == "fla_copy":
+            o, final = original(q, k, v, beta, scale, initial_state, True, use_qk_l2norm_in_kernel, cu_seqlens)
+            initial_state.copy_(final)
+            return o, (initial_state if output_final_state else None)
         if beta is None:
             beta = torch.ones_like(q[..., 0])
         if kernel == "fla":
@@ -251,6 +278,11 @@ def _gated_delta_rule_wrapper(original, kernel: str):
             return original(q, k, v, g=g, gk=gk, gv=gv, beta=beta, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             cu_seqlens=cu_seqlens, **kwargs)
+        if kernel == "fla_copy":
+            o, final = original(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                                output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+            initial_state.copy_(final)
+            return o, (initial_state if output_final_state else None)
         in_kernel = kwargs.get("use_gate_in_kernel", False)
         opts = {"g": g, "A_log": kwargs.get("A_log") if in_kernel else None,
                 "dt_bias": kwargs.get("dt_bias") if in_kernel else None, "scale": scale,
@@ -275,7 +307,8 @@ def inplace_decode(kernel: str = "statereduce", device_types: tuple[str, ...] = 
     """Within the block, the stock fla DeltaNet / GatedDeltaNet layers decode with in-place state updates.
 
     Args:
-        kernel: ``"statereduce"`` (:func:`recurrent_step`) or ``"fla"`` (fla's own kernels, in place).
+        kernel: ``"statereduce"`` (:func:`recurrent_step`), ``"fla"`` (fla's own kernels, in place) or
+            ``"fla_copy"`` (fla's functions unmodified, the new state copied back into the cache's tensor).
         device_types: devices whose one-token calls are routed; ``("cpu",)`` only makes sense for
             ``"statereduce"`` under ``TRITON_INTERPRET=1`` (tests).
     """

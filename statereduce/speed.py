@@ -7,7 +7,7 @@ pruned checkpoint has. Every measurement of one run shares the device, so each s
 
 - **Decode** (Table 17): a prompt of ``prompt`` tokens is prefilled, then the one-token step is captured in a CUDA
   graph over static buffers (the recurrent state is updated in place by :mod:`statereduce.decode`, with fla's own
-  kernel or ours) and replayed: ``warmup`` replays, then ``trials`` x ``steps`` timed replays; the median trial gives
+  kernel or ours, or, as ``fla_copy``, by fla's unmodified function plus a copy back) and replayed: ``warmup`` replays, then ``trials`` x ``steps`` timed replays; the median trial gives
   ms/token and tokens/s. Each cell records peak memory and its *byte floor*: the bytes one step must move (every
   weight once, the embedding rows of the batch, the recurrent state (float32) and conv state read and written per
   sequence, the logits written) over the copy bandwidth measured in the same run. ``ideal_speedup`` is the ratio of
@@ -44,7 +44,7 @@ DEFAULT_SPEED: dict[str, Any] = {
     "pcts": [50, 75],
     "dtype": "bfloat16",
     "decode": {"prompt": 512, "batches": [1, 2, 4, 8, 16, 32, 64], "warmup": 10, "steps": 100, "trials": 3,
-               "kernels": ["fla", "statereduce"], "check_steps": 3},
+               "kernels": ["fla", "statereduce", "fla_copy"], "check_steps": 3},
     "prefill": {"batches": [1, 4, 8, 16], "lengths": [2048, 8192, 16384], "warmup": 1, "steps": 3, "trials": 3},
     "mixer": {"batches": [8, 16, 32], "seq_len": 2048, "warmup": 3, "steps": 10, "trials": 3, "arch": {}},
     "profile": {"batches": [1, 64], "steps": 10, "top": 30},
@@ -278,11 +278,17 @@ def decode_cells(model, config, family: str, settings: Mapping[str, Any], bandwi
             cell: dict[str, Any] = {"batch": batch, "kernel": kernel, "prompt": settings["prompt"]}
             try:
                 with _peak_memory(cell):
+                    t0 = time.perf_counter()
                     dec = GraphDecoder(model, batch, settings["prompt"], kernel)
+                    t1 = time.perf_counter()
                     if settings.get("check_steps"):
                         cell["check_rel_err"] = check_decoder(model, dec, settings["check_steps"])
+                    t2 = time.perf_counter()
                     ms = time_ms(dec.step, warmup=settings["warmup"], steps=settings["steps"],
                                  trials=settings["trials"])
+                    # wall seconds of each phase (prefill + capture, check, timing): where a run's time goes
+                    cell["wall_s"] = {"capture": round(t1 - t0, 2), "check": round(t2 - t1, 2),
+                                      "timing": round(time.perf_counter() - t2, 2)}
             except torch.cuda.OutOfMemoryError:
                 cell["skipped"] = "out of memory"
                 _free()
@@ -442,7 +448,9 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
             return on_cell
 
         if {"decode", "prefill", "profile"} & set(parts):
+            t_build = time.perf_counter()
             model = build_model(config, dtype)
+            log.info("built the pct=%s model in %.1f s", pct, time.perf_counter() - t_build)
             if "profile" in parts:
                 profile_cells(model, settings["profile"], settings["decode"]["kernels"], add("profile"))
             if "decode" in parts:

@@ -620,9 +620,10 @@ def _x(v) -> str:
 def speed_markdown(docs: list[dict]) -> str:
     """Tables 17-19 layouts from ``speed.json`` documents (:func:`statereduce.speed.run_speed`), one block per model.
 
-    Decode (Table 17): per batch, the baseline's ms/token and each ratio's speedup with fla's kernels (the paper's
-    setup), with ours (statereduce's in-place step), ours against fla's baseline, the byte-ratio ideal and the
-    fraction of the byte floor reached. Prefill (Table 18): speedup per batch x length. Mixer (Table 19): speedup
+    Decode (Table 17): per batch, the baseline's ms/token and each ratio's speedup with fla's kernels in place, with
+    fla's unmodified functions plus a state copy (``fla copy``, the paper's setup; shown when measured), with ours
+    (statereduce's in-place step), ours against fla's in-place baseline, the byte-ratio ideal and the fraction of
+    the byte floor reached. Prefill (Table 18): speedup per batch x length. Mixer (Table 19): speedup
     and peak-memory ratio. A cell never measured is shown as missing.
     """
     lines = ["# Speed", ""]
@@ -638,10 +639,11 @@ def speed_markdown(docs: list[dict]) -> str:
         base = {(c["batch"], c["kernel"]): c for c in doc.get("decode", []) if c["pct"] == 0 and "ms" in c}
         batches = sorted({c["batch"] for c in doc.get("decode", [])})
         if batches:
-            head = ["B", "base ms (fla)", "base floor %"]
+            copy_ = any(c.get("kernel") == "fla_copy" for c in doc.get("decode", []))
+            head = ["B", "base ms (fla)", "base floor %", *(["base ms (fla copy)"] if copy_ else [])]
             for p in pcts:
-                head += [f"{_pct(p)}% fla", f"{_pct(p)}% ours", f"{_pct(p)}% ours vs fla base", f"{_pct(p)}% ideal",
-                         f"{_pct(p)}% floor % (ours)"]
+                head += [*([f"{_pct(p)}% fla copy"] if copy_ else []), f"{_pct(p)}% fla", f"{_pct(p)}% ours",
+                         f"{_pct(p)}% ours vs fla base", f"{_pct(p)}% ideal", f"{_pct(p)}% floor % (ours)"]
             lines += [("Decode (Table 17; speedup = baseline ms / pruned ms, prompt "
                        f"{doc.get('settings', {}).get('decode', {}).get('prompt')}):"), "",
                       "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -649,8 +651,13 @@ def speed_markdown(docs: list[dict]) -> str:
                 ref = base.get((b, "fla"))
                 row = [str(b), _fmt(ref["ms"]) if ref else MISSING,
                        f"{100 * ref['floor_fraction']:.0f}" if ref else MISSING]
+                if copy_:
+                    ref_c = base.get((b, "fla_copy"))
+                    row.append(_fmt(ref_c["ms"]) if ref_c else MISSING)
                 for p in pcts:
                     fla, ours = ratio.get(("decode", p, b, "fla")), ratio.get(("decode", p, b, "statereduce"))
+                    if copy_:
+                        row.append(_x(ratio.get(("decode", p, b, "fla_copy"), {}).get("speedup")))
                     row += [_x(fla and fla["speedup"]), _x(ours and ours["speedup"]),
                             _x(ours and ours.get("speedup_vs_fla_baseline")),
                             _x((fla or ours) and (fla or ours)["ideal_speedup"]),

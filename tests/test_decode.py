@@ -53,9 +53,10 @@ def _check_gated_delta_rule(h, hv, k, v):
 def _check_fixed_configs_agree():
     x = _inputs(2, 2, 2, 16, 48, gated=False, seed=3)
     outs = []
-    for bv, w in ((8, 1), (16, 4), (64, 2)):
+    for bv, w, stream in ((8, 1, False), (16, 4, True), (64, 2, False)):
         state = x["state"].clone()
-        outs.append((decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], state, block_v=bv, num_warps=w), state))
+        outs.append((decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], state, block_v=bv, num_warps=w,
+                                           stream=stream), state))
     for o, s in outs[1:]:
         torch.testing.assert_close(o, outs[0][0])
         torch.testing.assert_close(s, outs[0][1])
@@ -110,7 +111,7 @@ def test_bad_inputs_fail_with_one_line():
         decode.recurrent_step(x["q"].repeat(1, 2, 1, 1), x["k"], x["v"], x["beta"], x["state"])
     with pytest.raises(ValueError, match="both block_v and num_warps"):
         decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"], block_v=8)
-    with pytest.raises(ValueError, match="unknown decode kernel 'cuda'; valid: fla, statereduce"), \
+    with pytest.raises(ValueError, match="unknown decode kernel 'cuda'; valid: fla, statereduce, fla_copy"), \
             decode.inplace_decode("cuda"):
         pass
 
@@ -124,3 +125,26 @@ def test_inplace_decode_restores_fla_functions():
         assert dn.fused_recurrent_delta_rule is not before[0]
         assert gdn.fused_recurrent_gated_delta_rule is not before[1]
     assert (dn.fused_recurrent_delta_rule, gdn.fused_recurrent_gated_delta_rule) == before
+
+
+@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
+def test_fla_copy_decodes_like_the_unrouted_model(family):
+    """``fla_copy`` (fla's function unmodified, its new state copied back) keeps the cache's state tensors and gives
+    the logits of ordinary decoding (here with the torch fallback standing in for fla's kernels on CPU)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _models import tiny_inputs, tiny_model
+
+    model = tiny_model(family)
+    ids, steps = tiny_inputs(batch=2, length=10), tiny_inputs(batch=2, length=3, seed=5)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        ref = [model(steps[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(3)]
+        with decode.inplace_decode("fla_copy", device_types=("cpu",)):
+            cache = model(ids, use_cache=True).past_key_values
+            states = [cache[i]["recurrent_state"] for i in range(len(cache))]
+            before = [s.clone() for s in states]
+            got = [model(steps[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(3)]
+            assert all(cache[i]["recurrent_state"] is s for i, s in enumerate(states))
+            assert not any(torch.equal(s, b) for s, b in zip(states, before))  # written through, not replaced
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)

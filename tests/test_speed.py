@@ -89,6 +89,18 @@ def test_ratios_and_table_show_missing_cells_as_missing():
     assert "| 1 × 2048 | 3.000 | – |" in md
 
 
+def test_table_adds_fla_copy_columns_when_measured():
+    doc = _doc()
+    doc["decode"] += [{**doc["decode"][0], "kernel": "fla_copy", "ms": 3.0},
+                      {**doc["decode"][2], "kernel": "fla_copy", "ms": 1.2}]
+    doc["ratios"] = speed.speed_ratios(doc)
+    md = speed_markdown([doc])
+    assert "| B | base ms (fla) | base floor % | base ms (fla copy) | 50% fla copy | 50% fla | 50% ours |" in md
+    assert "| 1 | 2.000 | 50 | 3.000 | 2.50× | 2.00× | – | – | 2.00× | – |" in md
+    assert "| 64 | 4.000 | 50 | – | – | – | – | – | – | – |" in md
+    assert "| 1 | 2.000 | 50 | 2.00× |" in speed_markdown([_doc() | {"ratios": speed.speed_ratios(_doc())}])
+
+
 def test_cli_without_cuda_fails_with_one_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

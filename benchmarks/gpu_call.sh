@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (see docs/speed_h200.md): install the carried wheels, restore the carried Triton
+# cache (compiled kernels and fla's autotuning results), run named jobs one after another within a deadline, and
+# return the Triton cache in parts under 16 MB so the next call (often on a fresh machine) skips the autotuning.
+#
+#   benchmarks/gpu_call.sh DEADLINE_S 'name:command' ['name:command' ...]
+#
+# Each job's output goes to $OUT/<name>.log; a job gets what is left of the deadline less 30 s for the cache.
+set -u
+start=$SECONDS
+deadline=$1
+shift
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton_cache
+if compgen -G ".triton_cache_parts/tc.tgz.part_*" >/dev/null; then
+  cat .triton_cache_parts/tc.tgz.part_* | tar xzf - && echo "restored Triton cache: $(du -sh .triton_cache | cut -f1)"
+fi
+for job in "$@"; do
+  name=${job%%:*}
+  cmd=${job#*:}
+  left=$((deadline - (SECONDS - start) - 30))
+  if [ "$left" -lt 20 ]; then echo "=== $name skipped: ${left}s left"; continue; fi
+  echo "=== $name start $(date +%T), ${left}s left"
+  timeout "$left" bash -c "$cmd" >"$OUT/$name.log" 2>&1
+  echo "=== $name rc=$? end $(date +%T)"
+  grep -v Warning "$OUT/$name.log" | tail -4
+done
+mkdir -p .triton_cache
+tar czf - .triton_cache | split -b 15m - "$OUT/tc.tgz.part_"
+echo "Triton cache $(du -sh .triton_cache | cut -f1); returned: $(ls "$OUT" | tr '\n' ' ')"
