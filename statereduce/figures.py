@@ -360,11 +360,13 @@ def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
     """Decode speedup against batch size (paper Fig. 4a) and prefill speedup per batch x length (Fig. 4b).
 
     One line per (model, ratio, decode kernel) from the ``ratios`` of ``speed.json`` documents; the dotted lines are
-    the byte-ratio ideals. A model without prefill cells leaves the right panel without its bars.
+    the byte-ratio ideals. Without prefill cells in any document the figure has the decode panel only.
     """
-    fig = _figure(10.0, 4.0)
-    ax_d, ax_p = fig.subplots(1, 2)
-    styles = {"fla": "-", "statereduce": "--"}
+    has_prefill = any(doc.get("ratios", {}).get("prefill") for doc in docs)
+    fig = _figure(10.0 if has_prefill else 6.0, 4.0)
+    ax_d, ax_p = fig.subplots(1, 2) if has_prefill else (fig.subplots(1, 1), None)
+    styles = {"fla": "-", "statereduce": "--", "fla_copy": "-."}
+    names = {"fla": "fla", "statereduce": "ours", "fla_copy": "fla copy"}
     i = 0
     for doc in docs:
         name = doc.get("model") or doc.get("family")
@@ -376,7 +378,7 @@ def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
                 pts = sorted((r["batch"], r["speedup"]) for r in rows if r["pct"] == pct and r["kernel"] == kernel)
                 if pts:
                     ax_d.plot(*zip(*pts), style, marker="o", color=color,
-                              label=f"{name} {_pct(pct)}% ({'fla' if kernel == 'fla' else 'ours'})")
+                              label=f"{name} {_pct(pct)}% ({names[kernel]})")
             ideal = sorted({(r["batch"], r["ideal_speedup"]) for r in rows if r["pct"] == pct})
             if ideal:
                 ax_d.plot(*zip(*ideal), ":", color=color, linewidth=1)
@@ -387,6 +389,8 @@ def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
     ax_d.set_title("decode (dotted: byte-ratio ideal)")
     if ax_d.lines:
         ax_d.legend(fontsize=7)
+    if ax_p is None:
+        return _save(fig, out_png)
     labels, values, colors = [], [], []
     for j, doc in enumerate(docs):
         name = doc.get("model") or doc.get("family")

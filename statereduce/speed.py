@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SPEED: dict[str, Any] = {
     "pcts": [50, 75],
     "dtype": "bfloat16",
+    "blas": None,
     "decode": {"prompt": 512, "batches": [1, 2, 4, 8, 16, 32, 64], "warmup": 10, "steps": 100, "trials": 3,
                "kernels": ["fla", "statereduce", "fla_copy"], "check_steps": 3},
     "prefill": {"batches": [1, 4, 8, 16], "lengths": [2048, 8192, 16384], "warmup": 1, "steps": 3, "trials": 3},
@@ -50,7 +51,12 @@ DEFAULT_SPEED: dict[str, Any] = {
     "profile": {"batches": [1, 64], "steps": 10, "top": 30},
 }
 """The paper's protocol (App. G.1). ``mixer.arch`` overrides the model's arch for the one-layer measurement
-(the paper's Table 19 uses hidden 2048, 16 heads, d_v = 128)."""
+(the paper's Table 19 uses hidden 2048, 16 heads, d_v = 128). ``blas`` picks torch's GEMM library
+(``torch.backends.cuda.preferred_blas_library``: ``cublas`` or ``cublaslt``; ``None`` leaves torch's default): at one
+sequence the GEMV kernel chosen for a pruned projection can be slower than the unpruned one's (docs/speed_h200.md)."""
+
+BLAS_LIBRARIES = (None, "cublas", "cublaslt")
+"""Valid ``blas`` settings."""
 
 PARTS = ("decode", "prefill", "mixer", "profile")
 """Measurements :func:`run_speed` can make; ``profile`` (per-kernel device time of eager decode steps, to see where
@@ -71,6 +77,8 @@ def speed_settings(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]
             out[key] = {**out[key], **value}
         else:
             out[key] = value
+    if out["blas"] not in BLAS_LIBRARIES:
+        raise ValueError(f"unknown speed blas {out['blas']!r}; valid: cublas, cublaslt, or null for torch's default")
     for pct in out["pcts"]:
         if not 0 <= float(pct) < 100:
             raise ValueError(f"speed pct {pct} is outside [0, 100): it is the percent of key channels removed")
@@ -424,6 +432,9 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
         "device": torch.cuda.get_device_name(), "versions": versions(), "configs": {},
         "decode": [], "prefill": [], "mixer": [], "profile": [], **(extra or {}),
     }
+    if settings.get("blas"):
+        torch.backends.cuda.preferred_blas_library(settings["blas"])
+    doc["blas_library"] = str(torch.backends.cuda.preferred_blas_library())
     t0 = time.perf_counter()
     doc["copy_bandwidth_Bps"] = copy_bandwidth()
     log.info("copy bandwidth %.0f GB/s", doc["copy_bandwidth_Bps"] / 1e9)

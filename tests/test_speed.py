@@ -26,7 +26,8 @@ def test_settings_defaults_are_the_papers_protocol():
 
 
 @pytest.mark.parametrize("over,msg", [
-    ({"decod": {}}, "unknown speed setting 'decod'; valid: pcts, dtype, decode, prefill, mixer, profile"),
+    ({"decod": {}}, "unknown speed setting 'decod'; valid: pcts, dtype, blas, decode, prefill, mixer, profile"),
+    ({"blas": "cuBLAS"}, "unknown speed blas 'cuBLAS'; valid: cublas, cublaslt, or null for torch's default"),
     ({"decode": {"batch": [1]}}, r"unknown speed.decode setting\(s\) \['batch'\]"),
     ({"pcts": [100]}, r"speed pct 100 is outside \[0, 100\)"),
     ({"decode": {"kernels": ["cuda"]}}, r"unknown decode kernel\(s\) \['cuda'\]; valid: fla, statereduce"),
@@ -105,11 +106,11 @@ def test_cli_without_cuda_fails_with_one_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     out = subprocess.run([sys.executable, "-m", "statereduce.speed", str(tmp_path / "s.json"), "--family",
-                          "delta_net"], capture_output=True, text=True)
+                          "delta_net"], check=False, capture_output=True, text=True)
     assert out.returncode == 2
     err = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert err == ["error: speed benchmarks need a CUDA GPU and this machine has none (torch.cuda.is_available() is "
-                   "False); run them on a GPU node (resources: gpu=1), e.g. python -m statereduce.speed ..."]
+    assert err == [("error: speed benchmarks need a CUDA GPU and this machine has none (torch.cuda.is_available() is "
+                    "False); run them on a GPU node (resources: gpu=1), e.g. python -m statereduce.speed ...")]
     assert not (tmp_path / "s.json").exists()
 
 
@@ -120,3 +121,11 @@ def test_speedup_figure_writes_png(tmp_path):
     doc["ratios"] = speed.speed_ratios(doc)
     out = speedup_figure([doc], tmp_path / "f.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc["prefill"][1] = {"pct": 50, "batch": 1, "length": 2048, "ms": 2.0, "peak_mem_bytes": 4,
+                         "peak_mem_delta_bytes": 2}
+    doc["ratios"] = speed.speed_ratios(doc)
+    both = speedup_figure([doc], tmp_path / "g.png")
+    import matplotlib.image
+
+    # the prefill panel appears only when a prefill ratio exists
+    assert matplotlib.image.imread(both).shape[1] > 1.5 * matplotlib.image.imread(out).shape[1]
