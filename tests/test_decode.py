@@ -62,8 +62,9 @@ def _check_fixed_configs_agree():
         torch.testing.assert_close(s, outs[0][1])
 
 
-def _check_model_decode(family):
-    """Stock fla layers decoding with ``inplace_decode("statereduce")`` equal the torch fallback's decoding."""
+def _routed_decoding(family, kernel):
+    """Logits of 4 one-token steps after a 12-token prompt, decoded plainly and through ``inplace_decode(kernel)``
+    (on CPU); asserts that the routed steps keep the cache's state tensors and write new values into them."""
     sys.path.insert(0, str(Path(__file__).parent))
     from _models import tiny_inputs, tiny_model
 
@@ -73,12 +74,19 @@ def _check_model_decode(family):
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values
         ref = [model(steps[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(4)]
-        with decode.inplace_decode("statereduce", device_types=("cpu",)):
+        with decode.inplace_decode(kernel, device_types=("cpu",)):
             cache = model(ids, use_cache=True).past_key_values
             states = [cache[i]["recurrent_state"] for i in range(len(cache))]
+            before = [s.clone() for s in states]
             got = [model(steps[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(4)]
-            assert all(cache[i]["recurrent_state"] is s for i, s in enumerate(states))  # updated in place
-    for r, g in zip(ref, got):
+            assert all(cache[i]["recurrent_state"] is s for i, s in enumerate(states))  # the same tensors ...
+            assert not any(torch.equal(s, b) for s, b in zip(states, before))  # ... written through
+    return ref, got
+
+
+def _check_model_decode(family):
+    """Stock fla layers decoding with ``inplace_decode("statereduce")`` equal the torch fallback's decoding."""
+    for r, g in zip(*_routed_decoding(family, "statereduce")):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
@@ -130,21 +138,6 @@ def test_inplace_decode_restores_fla_functions():
 @pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
 def test_fla_copy_decodes_like_the_unrouted_model(family):
     """``fla_copy`` (fla's function unmodified, its new state copied back) keeps the cache's state tensors and gives
-    the logits of ordinary decoding (here with the torch fallback standing in for fla's kernels on CPU)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _models import tiny_inputs, tiny_model
-
-    model = tiny_model(family)
-    ids, steps = tiny_inputs(batch=2, length=10), tiny_inputs(batch=2, length=3, seed=5)
-    with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
-        ref = [model(steps[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(3)]
-        with decode.inplace_decode("fla_copy", device_types=("cpu",)):
-            cache = model(ids, use_cache=True).past_key_values
-            states = [cache[i]["recurrent_state"] for i in range(len(cache))]
-            before = [s.clone() for s in states]
-            got = [model(steps[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(3)]
-            assert all(cache[i]["recurrent_state"] is s for i, s in enumerate(states))
-            assert not any(torch.equal(s, b) for s, b in zip(states, before))  # written through, not replaced
-    for r, g in zip(ref, got):
+    the logits of ordinary decoding exactly (here with the torch fallback standing in for fla's kernels on CPU)."""
+    for r, g in zip(*_routed_decoding(family, "fla_copy")):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
