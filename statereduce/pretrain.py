@@ -129,6 +129,7 @@ def pretrain(
     train_cfg: dict[str, Any],
     out_dir: str | Path,
     log_path: str | Path | None = None,
+    recall_mix: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train a tiny stock fla model from scratch and save it as an HF checkpoint folder.
 
@@ -136,7 +137,14 @@ def pretrain(
     each step reads ``batch_size`` windows of ``seq_len`` tokens at offsets drawn from a generator seeded
     with ``seed`` (so the batch order is fixed by the seed); loss = the model's next-token cross entropy;
     AdamW (weight decay on matrices only), linear warmup then cosine decay to ``min_lr`` (default lr/10),
-    gradient-norm clipping. Deterministic on CPU for a given seed and thread count.
+    gradient-norm clipping. Deterministic on CPU for a given seed and thread count. With ``recall_mix``,
+    synthetic recall documents (:func:`statereduce.recall.mix_recall_docs`, the format of the offline
+    recall probe) are inserted among the training documents before they are joined; the calib/heldout
+    blocks (and the workflow's held-out evaluation) stay pure corpus text. With ``recall_mix.pure_steps``
+    a first phase of that many steps trains on recall documents only, with its own AdamW and schedule
+    (peak ``pure_lr``, the same warmup, cosine to a tenth); then the corpus phase runs as above
+    (``train.steps`` more steps). Without that phase the tiny models never learned the lookup from a
+    mix (docs/experiments/recall_mix/README.md).
 
     Args:
         family: ``"delta_net"`` or ``"gated_deltanet"`` (:func:`statereduce.models.tiny_config`).
@@ -151,12 +159,22 @@ def pretrain(
             and renamed, so it is never half-written.
         log_path: optional extra JSONL file receiving the training log lines (the checkpoint always holds
             ``train_log.jsonl``).
+        recall_mix: optional ``{fraction, n_pairs, seed, pure_steps, pure_lr}``
+            (:func:`statereduce.recall.recall_mix_settings`); ``None`` trains on the corpus alone.
 
     Returns:
         The ``pretrain.json`` record: arch, train config, corpus provenance, final train loss (mean of the
-        last logged window), calib/heldout losses in nats per token, wall time, tokens/s, versions.
+        last logged window), calib/heldout losses in nats per token, wall time, tokens/s, versions, and
+        with ``recall_mix`` its settings plus ``n_docs`` (recall documents), ``byte_share`` (their share of
+        the training text's bytes, one separator per document counted) and ``pure_seconds`` (the recall-only
+        phase's share of ``train_seconds``; with that phase, ``train_tokens`` and the times cover both).
     """
     cfg = _train_cfg(train_cfg)
+    mix = None
+    if recall_mix is not None:
+        from statereduce.recall import recall_mix_settings
+
+        mix = recall_mix_settings(recall_mix)
     out_dir = Path(out_dir)
     from statereduce import fla_fallback
 
@@ -168,14 +186,47 @@ def pretrain(
 
     tokenizer = byte_level_tokenizer()
     config = tiny_config(family, arch)
-    stream = token_stream(tokenizer, load_split(corpus_spec, "train"))
+    docs = load_split(corpus_spec, "train")
+    if mix is not None:
+        from statereduce.recall import mix_recall_docs
+
+        corpus_bytes = sum(len(d.encode("utf-8")) + 1 for d in docs)  # + 1: the separator of each document
+        docs, n_recall = mix_recall_docs(docs, mix["fraction"], mix["n_pairs"], mix["seed"])
+        byte_share = 1.0 - corpus_bytes / sum(len(d.encode("utf-8")) + 1 for d in docs)
+        mix = {**mix, "n_docs": n_recall, "byte_share": byte_share}
+    stream = token_stream(tokenizer, docs)
+    pure = None
+    if mix is not None and mix["pure_steps"] > 0:
+        from statereduce.recall import recall_stream_docs
+
+        n_pure = int(mix["pure_steps"])
+        pure_cfg = {
+            **cfg,
+            "steps": n_pure,
+            "lr": mix["pure_lr"],
+            "min_lr": None,
+            "warmup": min(cfg["warmup"], n_pure - 1),
+        }
+        pure_docs = recall_stream_docs(
+            n_pure * int(cfg["batch_size"]) * int(cfg["seq_len"]), mix["n_pairs"], mix["seed"]
+        )
+        pure = (token_stream(tokenizer, pure_docs), pure_cfg)
     if stream.numel() < int(cfg["seq_len"]) + 1:
         raise ValueError(f"train split too small: {stream.numel()} tokens for seq_len={cfg['seq_len']}")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
     with atomic_dir(out_dir) as tmp:
         log_paths = [tmp / "train_log.jsonl"] + ([Path(log_path)] if log_path is not None else [])
-        stats = train_loop(model, stream, cfg, log_paths, desc=f"pretrain {family}")
+        pure_stats = None
+        if pure is not None:
+            pure_stats = train_loop(model, pure[0], pure[1], log_paths, desc=f"pretrain {family} (recall only)")
+            mix["pure_seconds"] = pure_stats["train_seconds"]
+        n_pure = 0 if pure is None else int(pure[1]["steps"])
+        stats = train_loop(model, stream, cfg, log_paths, f"pretrain {family}", step_offset=n_pure, append=n_pure > 0)
+        if pure_stats is not None:
+            for key in ("train_tokens", "train_seconds", "train_cpu_seconds"):
+                stats[key] += pure_stats[key]
+            stats["tokens_per_s"] = stats["train_tokens"] / stats["train_seconds"]
         model.eval()
         eval_losses: dict[str, float | None] = {}
         for split in ("calib", "heldout"):
@@ -187,6 +238,7 @@ def pretrain(
             "n_params": sum(p.numel() for p in model.parameters()),
             "train": cfg,
             "corpus": corpus_provenance(corpus_spec),
+            **({"recall_mix": mix} if mix is not None else {}),
             **stats,
             "eval_loss": eval_losses,
             "eval_blocks": {"n": int(cfg["eval_blocks"]), "seq_len": int(cfg["seq_len"]), "seed": seed},
@@ -200,14 +252,22 @@ def pretrain(
 
 
 def train_loop(
-    model: torch.nn.Module, stream: torch.Tensor, cfg: dict[str, Any], log_paths: list[Path], desc: str = "pretrain"
+    model: torch.nn.Module,
+    stream: torch.Tensor,
+    cfg: dict[str, Any],
+    log_paths: list[Path],
+    desc: str = "pretrain",
+    step_offset: int = 0,
+    append: bool = False,
 ) -> dict[str, Any]:
     """The optimisation loop of :func:`pretrain` (``cfg`` already completed by defaults).
 
     Each step reads ``batch_size`` windows of ``seq_len`` tokens of ``stream`` at offsets drawn from a
-    generator seeded with ``cfg["seed"]``. Writes a JSONL line every ``log_every`` steps (and at the last
-    step) to each of ``log_paths``: step, mean loss since the previous line, lr, grad norm, tokens/s,
-    elapsed wall and process-CPU seconds.
+    generator seeded with ``cfg["seed"]``. Each call builds a fresh AdamW and follows the schedule of
+    ``cfg``, so a second call is a second training phase. Writes a JSONL line every ``log_every`` steps
+    (and at the last step) to each of ``log_paths``: step (plus ``step_offset``), mean loss since the
+    previous line, lr, grad norm, tokens/s, elapsed wall and process-CPU seconds; ``append`` appends to
+    the files instead of replacing them.
 
     Returns:
         ``final_train_loss`` (mean loss of the last logged window), ``train_tokens``, ``train_seconds``,
@@ -223,7 +283,7 @@ def train_loop(
     for p in log_paths:
         p.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
-        log_files = [stack.enter_context(open(p, "w")) for p in log_paths]
+        log_files = [stack.enter_context(open(p, "a" if append else "w")) for p in log_paths]
         recent: list[float] = []
         final_train_loss = float("nan")
         t_start = t_window = time.perf_counter()
@@ -246,7 +306,7 @@ def train_loop(
             if (step + 1) % int(cfg["log_every"]) == 0 or step + 1 == steps:
                 now = time.perf_counter()
                 rec = {
-                    "step": step + 1,
+                    "step": step_offset + step + 1,
                     "loss": sum(recent) / len(recent),
                     "lr": lr,
                     "grad_norm": float(grad_norm),

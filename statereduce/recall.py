@@ -3,21 +3,23 @@
 The paper's recall finding (Sec. 4, recall suite) is that pure recurrent models lose in-context
 recall first when their state shrinks. This module generates a probe that needs no download, in
 the spirit of MQAR (Arora et al., 2023, "Zoology") and needle-in-a-haystack: a context of
-``n_pairs`` Python-like assignment lines ``kx = 47`` (distinct two-letter keys, distinct two-digit
+``n_pairs`` compact assignment lines ``kx=47`` (distinct two-letter keys, distinct two-digit
 values), optionally ``n_queries - 1`` answered query lines (teacher-forced, as MQAR scores every
-query), then the scored query ``ab =``. The answer is the value assigned to ``ab`` earlier::
+query), then the scored query ``ab=``. The answer is the value assigned to ``ab`` earlier::
 
-    kx = 47
-    ab = 12
-    qz = 85
-    mu = 33
-    ab =                 choices: ["85", "12", "33", "47"], gold 1 (continuation " 12")
+    kx=47
+    ab=12
+    qz=85
+    mu=33
+    ab=                  choices: ["85", "12", "33", "47"], gold 1 (continuation "12")
 
-The text suits byte-level and BPE tokenizers alike (the query repeats the key line's bytes up to
-the value) and the tiny models' domain (Python source). Scoring is lm-eval's ``multiple_choice``:
-the log-likelihood of ``" " + choice`` after the prompt for ``n_choices`` distinct candidates, all
-of them values present in the context exactly once, so that value frequency gives no hint (chance
-is ``1 / n_choices``); metric ``acc``. ``acc_norm`` is not reported: every candidate has the same
+The query repeats the key line's bytes up to the value, so the value's bytes follow ``=`` directly,
+exactly as in the context (the task's ``target_delimiter`` is empty). This compact format is one the
+embedded tiny models can learn (docs/experiments/recall_format: with ``kx = 47`` they stayed at
+chance); it suits byte-level and BPE tokenizers alike. Scoring is lm-eval's ``multiple_choice``:
+the log-likelihood of the choice after the prompt for ``n_choices`` distinct candidates, all of them
+values present in the context exactly once, so that value frequency gives no hint (chance is
+``1 / n_choices``); metric ``acc``. ``acc_norm`` is not reported: every candidate has the same
 number of characters, so it would always equal ``acc``.
 
 Each difficulty level (context size ``n_pairs``; needle depth; ``n_choices``; ``n_queries``) is a
@@ -26,6 +28,13 @@ separate local-file task, ``recall_mqar_{n_pairs}`` by default, tagged ``recall_
 :func:`statereduce.evaluate.write_perplexity_task` does, so the same folder can hold both and be
 passed once as ``include_path``; :func:`evaluate_recall` runs them through
 :func:`statereduce.evaluate.evaluate_model`.
+
+Training documents: a tiny model trained only on source code has never seen the lookup this probe
+asks for. :func:`recall_train_docs` generates documents of the same format (context lines, then
+every key queried once more with its answer, in shuffled order), and :func:`mix_recall_docs` inserts
+them among a corpus's training documents (``models.<m>.pretrain.recall_mix``,
+:func:`statereduce.pretrain.pretrain`); the held-out split is never mixed. Training and probe
+documents come from separate random streams.
 """
 
 from __future__ import annotations
@@ -54,6 +63,8 @@ DEFAULT_LEVELS = tuple(RECALL_PROBE_DEFAULTS["levels"])
 
 DEFAULT_N_DOCS = RECALL_PROBE_DEFAULTS["n_docs"]
 KEY_LEN = 2
+ASSIGN = "="
+"""Between a key and its value, in context lines and queries (no spaces: the compact format)."""
 VALUES = tuple(str(v) for v in range(10, 100))
 """Two-digit values; a context uses each at most once, so ``n_pairs <= 90``."""
 
@@ -156,8 +167,8 @@ def generate_recall_docs(
         seed: integer seed.
 
     Returns:
-        One dict per document: ``prompt`` (context + answered queries + ``"{key} ="``), ``choices``
-        (candidate values, without the leading space), ``gold`` (index of the answer in
+        One dict per document: ``prompt`` (context + answered queries + ``"{key}="``), ``choices``
+        (candidate values; scored right after the ``=``), ``gold`` (index of the answer in
         ``choices``), ``key``, ``answer``, ``position`` (0-based context line of the needle),
         ``distance`` (lines from the needle to the scored query; 1 = the line just before it),
         ``n_pairs``.
@@ -169,6 +180,10 @@ def generate_recall_docs(
         raise TypeError(f"seed must be an int, got {seed!r}")
     rng = random.Random(f"statereduce.recall:{seed}:{n_pairs}:{n_choices}:{depth!r}:{n_queries}")
     return [_one_doc(rng, level) for _ in range(n_docs)]
+
+
+def _line(key: str, value: str) -> str:
+    return f"{key}{ASSIGN}{value}"
 
 
 def _one_doc(rng: random.Random, level: RecallLevel) -> dict:
@@ -185,8 +200,8 @@ def _one_doc(rng: random.Random, level: RecallLevel) -> dict:
     distractors = rng.sample([i for i in others if i not in answered], level.n_choices - 1)
     choice_idx = distractors + [position]
     rng.shuffle(choice_idx)
-    lines = [f"{keys[i]} = {values[i]}" for i in range(n)] + [f"{keys[i]} = {values[i]}" for i in answered]
-    prompt = "\n".join(lines + [f"{keys[position]} ="])
+    lines = [_line(keys[i], values[i]) for i in range(n)] + [_line(keys[i], values[i]) for i in answered]
+    prompt = "\n".join(lines + [keys[position] + ASSIGN])
     return {
         "prompt": prompt,
         "choices": [values[i] for i in choice_idx],
@@ -197,6 +212,125 @@ def _one_doc(rng: random.Random, level: RecallLevel) -> dict:
         "distance": len(lines) - position,
         "n_pairs": n,
     }
+
+
+RECALL_MIX_DEFAULTS: dict[str, Any] = {"fraction": 0.2, "n_pairs": [1, 2], "seed": 0, "pure_steps": 0, "pure_lr": 1e-3}
+"""``models.<m>.pretrain.recall_mix`` defaults: share of the training bytes, context sizes, seed, steps and peak
+learning rate of the recall-only first phase (docs/experiments/recall_mix/README.md)."""
+
+
+def recall_mix_settings(spec: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``pretrain.recall_mix`` with defaults filled and checked (``ValueError``/``TypeError`` naming the bad value).
+
+    Args:
+        spec: ``fraction`` (share of the mixed training stream's bytes that are recall documents,
+            0 < fraction < 1), ``n_pairs`` (context sizes, each document draws one uniformly; each
+            1..90), ``seed`` (int), ``pure_steps`` (steps of a first, recall-only training phase; int
+            >= 0) and ``pure_lr`` (its peak learning rate, > 0); missing keys take
+            :data:`RECALL_MIX_DEFAULTS`.
+
+    Returns:
+        A new dict with all five keys.
+    """
+    spec = dict(spec or {})
+    unknown = sorted(set(spec) - set(RECALL_MIX_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown recall_mix keys {unknown}; valid: {', '.join(RECALL_MIX_DEFAULTS)}")
+    out = {**RECALL_MIX_DEFAULTS, **spec}
+    fraction = out["fraction"]
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction < 1.0:
+        raise ValueError(f"recall_mix fraction must be a number in (0, 1), got {fraction!r}")
+    n_pairs = out["n_pairs"]
+    if (
+        not isinstance(n_pairs, (list, tuple))
+        or not n_pairs
+        or not all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= len(VALUES) for n in n_pairs)
+    ):
+        raise ValueError(f"recall_mix n_pairs must be a non-empty list of ints in 1..{len(VALUES)}, got {n_pairs!r}")
+    if isinstance(out["seed"], bool) or not isinstance(out["seed"], int):
+        raise TypeError(f"recall_mix seed must be an int, got {out['seed']!r}")
+    steps = out["pure_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"recall_mix pure_steps must be an int >= 0, got {steps!r}")
+    lr = out["pure_lr"]
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        raise ValueError(f"recall_mix pure_lr must be a number > 0, got {lr!r}")
+    out["pure_lr"] = float(lr)
+    out["fraction"], out["n_pairs"] = float(fraction), list(n_pairs)
+    return out
+
+
+def recall_train_doc(rng: random.Random, n_pairs: int) -> str:
+    """One training document in the probe's format: ``n_pairs`` context lines ``kx=47``, then every key
+    queried once more with its answer (``kx=47`` again), in shuffled order; lines joined by newlines.
+
+    Args:
+        rng: the random stream (keys, values, query order).
+        n_pairs: context lines, 1..90.
+
+    Returns:
+        The document text (``2 * n_pairs`` lines, no trailing newline).
+    """
+    if isinstance(n_pairs, bool) or not isinstance(n_pairs, int) or not 1 <= n_pairs <= len(VALUES):
+        raise ValueError(f"n_pairs must be an int in 1..{len(VALUES)}, got {n_pairs!r}")
+    keys = rng.sample(KEYS, n_pairs)
+    values = rng.sample(VALUES, n_pairs)
+    order = rng.sample(range(n_pairs), n_pairs)
+    return "\n".join([_line(k, v) for k, v in zip(keys, values)] + [_line(keys[i], values[i]) for i in order])
+
+
+def recall_train_docs(n_docs: int, n_pairs: Sequence[int], seed: int = 0) -> list[str]:
+    """``n_docs`` seeded training documents (:func:`recall_train_doc`), each of a context size drawn from
+    ``n_pairs``. The stream (``"statereduce.recall.train:{seed}"``) is separate from the probe's."""
+    rng = random.Random(f"statereduce.recall.train:{seed}")
+    return [recall_train_doc(rng, rng.choice(list(n_pairs))) for _ in range(n_docs)]
+
+
+def recall_stream_docs(n_bytes: int, n_pairs: Sequence[int], seed: int = 0) -> list[str]:
+    """Recall training documents (:func:`recall_train_docs`' stream) until they hold ``n_bytes`` UTF-8 bytes,
+    one separator each included: the recall-only phase of ``recall_mix.pure_steps``."""
+    rng = random.Random(f"statereduce.recall.train:{seed}")
+    docs, total = [], 0
+    while total < n_bytes:
+        docs.append(recall_train_doc(rng, rng.choice(list(n_pairs))))
+        total += len(docs[-1].encode("utf-8")) + 1
+    return docs
+
+
+def mix_recall_docs(
+    corpus_docs: Sequence[str], fraction: float, n_pairs: Sequence[int], seed: int = 0
+) -> tuple[list[str], int]:
+    """Insert recall training documents among ``corpus_docs`` so they make up ~``fraction`` of the bytes.
+
+    Documents are drawn (:func:`recall_train_docs`' stream) until their UTF-8 bytes, one separator each
+    included, reach ``fraction / (1 - fraction)`` times the corpus's; each goes to a slot between corpus
+    documents drawn uniformly from the same seeded stream, so the corpus order is kept and the result
+    depends only on the arguments.
+
+    Args:
+        corpus_docs: the corpus's training documents, in order.
+        fraction, n_pairs, seed: see :func:`recall_mix_settings`.
+
+    Returns:
+        ``(docs, n_recall)``: the mixed document list and how many recall documents it holds.
+    """
+    mix = recall_mix_settings({"fraction": fraction, "n_pairs": list(n_pairs), "seed": seed})
+    rng = random.Random(f"statereduce.recall.train:{mix['seed']}")
+    corpus_bytes = sum(len(d.encode("utf-8")) + 1 for d in corpus_docs)
+    target = mix["fraction"] / (1.0 - mix["fraction"]) * corpus_bytes
+    by_slot: dict[int, list[str]] = {}
+    total, n_recall = 0, 0
+    while total < target:
+        doc = recall_train_doc(rng, rng.choice(mix["n_pairs"]))
+        by_slot.setdefault(rng.randrange(len(corpus_docs) + 1), []).append(doc)
+        total += len(doc.encode("utf-8")) + 1
+        n_recall += 1
+    out: list[str] = []
+    for i, doc in enumerate([*corpus_docs, None]):
+        out.extend(by_slot.get(i, []))
+        if doc is not None:
+            out.append(doc)
+    return out, n_recall
 
 
 def write_recall_tasks(
@@ -210,9 +344,10 @@ def write_recall_tasks(
     Args:
         task_dir: folder for the files (created); pass it as ``include_path`` (it may also hold the
             held-out perplexity task of :func:`statereduce.evaluate.write_perplexity_task`). Each task is
-            a :func:`statereduce.evaluate.write_multiple_choice_task` with ``doc_to_text: prompt``,
-            metric ``acc`` only (every candidate has two characters, so ``acc_norm`` would equal it)
-            and the level's parameters, ``seed`` and ``chance`` in its ``metadata``.
+            a :func:`statereduce.evaluate.write_multiple_choice_task` with ``doc_to_text: prompt``, an
+            empty ``target_delimiter`` (the value follows ``=`` directly), metric ``acc`` only (every
+            candidate has two characters, so ``acc_norm`` would equal it) and the level's parameters,
+            ``seed`` and ``chance`` in its ``metadata``.
         levels: ints (``n_pairs``), mappings of :class:`RecallLevel` fields, or levels.
         n_docs: documents per level.
         seed: integer seed (each level draws its own stream from it).
@@ -238,7 +373,14 @@ def write_recall_tasks(
             "chance": 1.0 / lv.n_choices,
         }
         write_multiple_choice_task(
-            docs, task_dir, name, metrics=("acc",), text_field="prompt", tag=TASK_PREFIX, metadata=metadata
+            docs,
+            task_dir,
+            name,
+            metrics=("acc",),
+            text_field="prompt",
+            target_delimiter="",
+            tag=TASK_PREFIX,
+            metadata=metadata,
         )
     return names
 
@@ -329,6 +471,6 @@ def _longest_doc_tokens(tokenizer, task_dir: Path, names: Sequence[str]) -> int:
     for name in names:
         for line in (task_dir.resolve() / f"{name}.jsonl").read_text(encoding="utf-8").splitlines():
             doc = json.loads(line)
-            text = doc["prompt"] + " " + max(doc["choices"], key=len)
+            text = doc["prompt"] + max(doc["choices"], key=len)
             longest = max(longest, len(tokenizer.encode(text)))
     return longest

@@ -47,6 +47,12 @@ def _mutate(cfg: dict, case: str) -> dict:
         cfg["selecters"] = {}
     elif case == "unknown_arch_key":
         cfg["models"]["tiny-gdn"]["pretrain"]["arch"]["head_dims"] = 64
+    elif case == "recall_mix_fraction":
+        cfg["models"]["tiny-dn"]["pretrain"]["recall_mix"] = {"fraction": 1.0}
+    elif case == "recall_mix_n_pairs":
+        cfg["models"]["tiny-dn"]["pretrain"]["recall_mix"] = {"n_pairs": [4, 128]}
+    elif case == "recall_mix_key":
+        cfg["models"]["tiny-dn"]["pretrain"]["recall_mix"] = {"fractions": 0.3}
     else:
         raise AssertionError(case)
     return cfg
@@ -63,11 +69,27 @@ CASES = {
     "unknown_key": r"n_sampels",
     "unknown_top_key": r"selecters",
     "unknown_arch_key": r"models\.tiny-gdn\.pretrain\.arch: unknown arch key\(s\) \['head_dims'\].*valid: .*head_dim",
+    "recall_mix_fraction": r"models\.tiny-dn\.pretrain\.recall_mix\.fraction: 1\.0 is (greater than or equal to the "
+    r"maximum of 1|not less than 1)",
+    "recall_mix_n_pairs": r"models\.tiny-dn\.pretrain\.recall_mix\.n_pairs\.1: 128 is (greater than the maximum of 90|"
+    r"not less than or equal to 90)",
+    "recall_mix_key": r"fractions",
 }
 
 
 def test_shipped_config_is_valid(base_config):
     validate_config(base_config)
+
+
+def test_recall_mix_optional(base_config):
+    """pretrain.recall_mix is optional; given, it passes validation unchanged (statereduce.recall fills defaults)."""
+    cfg = copy.deepcopy(base_config)
+    for m in ("tiny-dn", "tiny-gdn"):
+        cfg["models"][m]["pretrain"].pop("recall_mix", None)
+    assert not {"recall_mix"} & set(validate_config(cfg)["models"]["tiny-dn"]["pretrain"])
+    cfg["models"]["tiny-dn"]["pretrain"]["recall_mix"] = {"fraction": 0.25, "n_pairs": [2, 4], "seed": 1}
+    out = validate_config(cfg)["models"]["tiny-dn"]["pretrain"]["recall_mix"]
+    assert {k: out[k] for k in ("fraction", "n_pairs", "seed")} == {"fraction": 0.25, "n_pairs": [2, 4], "seed": 1}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -235,7 +257,10 @@ EVAL_CASES = {
         {"suites": ["lm", "ruler"]},
         r"models\.tiny-dn\.eval\.suites\.1: 'ruler' is not one of \['lm', 'recall', 'recall_probe'\]",
     ),
-    "nothing_to_evaluate": ({"tasks": []}, r"^models\.tiny-dn\.eval: nothing to evaluate; give tasks .* or suites$"),
+    "nothing_to_evaluate": (
+        {"tasks": [], "suites": []},
+        r"^models\.tiny-dn\.eval: nothing to evaluate; give tasks .* or suites$",
+    ),
     "bad_probe_level": (
         {"suites": ["recall_probe"], "recall_probe": {"levels": [{"n_pairs": 4, "n_choices": 8}]}},
         r"^models\.tiny-dn\.eval\.recall_probe\.levels: n_choices must be in 2\.\.n_pairs=4, got 8$",

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from statereduce import pretrain as pt
 from statereduce.models import load_model, tiny_config, write_hub_source
 from statereduce.pretrain import DEFAULT_TRAIN, lr_at, pretrain
 
@@ -153,3 +154,69 @@ def test_train_cfg_errors(tmp_path):
     with pytest.raises(ValueError, match="warmup must be in"):
         pretrain("delta_net", ARCH["delta_net"], CORPUS, {"steps": 3, "warmup": 3}, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_pretrain_recall_mix(checkpoints, tmp_path, monkeypatch):
+    """recall_mix puts recall documents into the training stream only; calib/held-out blocks stay corpus text."""
+    mix = {"fraction": 0.5, "n_pairs": [2, 4], "seed": 3}
+    rec = pretrain("delta_net", ARCH["delta_net"], CORPUS, TRAIN, tmp_path / "mixed", recall_mix=mix)
+    assert rec["recall_mix"]["n_pairs"] == [2, 4] and rec["recall_mix"]["seed"] == 3 and rec["recall_mix"]["n_docs"] > 0
+    assert 0.5 <= rec["recall_mix"]["byte_share"] < 0.51
+    assert "recall_mix" not in checkpoints["delta_net"][1]  # absent: the record (and training) as before
+    a = load_file(checkpoints["delta_net"][0] / "model.safetensors")
+    b = load_file(tmp_path / "mixed" / "model.safetensors")
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+
+    calls: list[dict] = []
+    blocks: list[torch.Tensor] = []
+
+    def fake_loop(model, stream, cfg, log_paths, desc="pretrain", step_offset=0, append=False):
+        calls.append({"stream": stream, "cfg": cfg, "step_offset": step_offset, "append": append})
+        return {"train_tokens": 10, "train_seconds": 1.0, "train_cpu_seconds": 1.0, "tokens_per_s": 10.0}
+
+    def fake_loss(model, x, batch_size=8):
+        blocks.append(x)
+        return 0.0
+
+    monkeypatch.setattr(pt, "train_loop", fake_loop)
+    monkeypatch.setattr(pt, "mean_loss", fake_loss)
+    pretrain("delta_net", ARCH["delta_net"], CORPUS, TRAIN, tmp_path / "a")
+    pretrain("delta_net", ARCH["delta_net"], CORPUS, TRAIN, tmp_path / "b", recall_mix=mix)
+    plain, mixed = calls[0]["stream"], calls[1]["stream"]
+    assert mixed.numel() >= 2 * plain.numel() - 1000
+    from statereduce.recall import recall_train_docs
+
+    assert recall_train_docs(1, [2, 4], seed=3)[0].encode() in bytes(mixed[mixed < 256].tolist())
+    assert (
+        len(blocks) == 4 and torch.equal(blocks[0], blocks[2]) and torch.equal(blocks[1], blocks[3])
+    )  # calib, heldout
+    # pure_steps: a first phase on recall documents only (own lr and schedule), then the corpus phase, logged on
+    rec = pretrain(
+        "delta_net",
+        ARCH["delta_net"],
+        CORPUS,
+        TRAIN,
+        tmp_path / "c",
+        recall_mix={**mix, "pure_steps": 3, "pure_lr": 2e-3},
+    )
+    first, second = calls[2:]
+    assert first["cfg"]["steps"] == 3 and first["cfg"]["lr"] == 2e-3 and first["cfg"]["warmup"] == TRAIN["warmup"]
+    assert (first["step_offset"], first["append"], second["step_offset"], second["append"]) == (0, False, 3, True)
+    assert second["cfg"]["steps"] == TRAIN["steps"] and torch.equal(second["stream"], mixed)
+    pure = first["stream"]
+    assert pure.numel() >= 3 * TRAIN["batch_size"] * TRAIN["seq_len"] - 1  # its bytes, less the last EOS
+    assert set(bytes(pure[pure < 256].tolist()).decode()) <= set("abcdefghijklmnopqrstuvwxyz0123456789=\n")
+    assert rec["train_tokens"] == 20 and rec["train_seconds"] == 2.0 and rec["recall_mix"]["pure_seconds"] == 1.0
+    with pytest.raises(ValueError, match=r"recall_mix fraction must be a number in \(0, 1\), got 1\.5"):
+        pretrain("delta_net", ARCH["delta_net"], CORPUS, TRAIN, tmp_path / "x", recall_mix={"fraction": 1.5})
+    assert not (tmp_path / "x").exists()
+
+
+def test_pretrain_recall_phase_trains_and_logs(tmp_path):
+    """A real two-phase run: one log with the steps of both phases, the first at the recall phase's learning rate."""
+    cfg = {**TRAIN, "steps": 4, "warmup": 1}
+    mix = {"fraction": 0.3, "n_pairs": [1, 2], "pure_steps": 2, "pure_lr": 5e-4}
+    rec = pretrain("gated_deltanet", ARCH["gated_deltanet"], CORPUS, cfg, tmp_path / "m", recall_mix=mix)
+    lines = [json.loads(x) for x in (tmp_path / "m" / "train_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [2, 4, 6] and lines[0]["lr"] <= 5e-4 < lines[1]["lr"]
+    assert rec["train_tokens"] == 6 * 2 * 32 and rec["recall_mix"]["pure_steps"] == 2

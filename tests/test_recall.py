@@ -45,24 +45,24 @@ def test_generator_invariants(n_pairs, n_choices, depth, n_queries):
         lines = _lines(doc)
         assert len(lines) == n_pairs + n_queries
         context, answered, query = lines[:n_pairs], lines[n_pairs:-1], lines[-1]
-        pairs = [line.split(" = ") for line in context]
+        pairs = [line.split("=") for line in context]
         keys, values = [k for k, _ in pairs], [v for _, v in pairs]
         assert all(len(k) == 2 and k.isalpha() and k.islower() for k in keys)
         assert all(len(v) == 2 and v.isdigit() and v[0] != "0" for v in values)
         assert len(set(keys)) == n_pairs and len(set(values)) == n_pairs
-        # the query: "{key} =", its key exactly once in the context, with the answer as its value
-        assert query == f"{doc['key']} =" and keys.count(doc["key"]) == 1
-        assert context[doc["position"]] == f"{doc['key']} = {doc['answer']}"
+        # the query: "{key}=", its key exactly once in the context, with the answer as its value
+        assert query == f"{doc['key']}=" and keys.count(doc["key"]) == 1
+        assert context[doc["position"]] == f"{doc['key']}={doc['answer']}"
         assert doc["distance"] == len(lines) - 1 - doc["position"]
         # answered queries repeat other context lines verbatim
-        assert all(a in context and not a.startswith(doc["key"] + " ") for a in answered)
+        assert all(a in context and not a.startswith(doc["key"] + "=") for a in answered)
         # choices: distinct context values, the answer exactly once at the gold index
         choices = doc["choices"]
         assert len(choices) == n_choices == len(set(choices))
         assert choices.count(doc["answer"]) == 1 and choices[doc["gold"]] == doc["answer"]
         # every candidate value occurs exactly once in the prompt: frequency gives no hint
         for c in choices:
-            assert c in values and sum(line.endswith(f" = {c}") for line in lines[:-1]) == 1
+            assert c in values and sum(line.endswith(f"={c}") for line in lines[:-1]) == 1
         if depth is not None:
             assert doc["position"] == round(depth * (n_pairs - 1))
     assert all(d["n_pairs"] == n_pairs for d in docs)
@@ -122,6 +122,72 @@ def test_level_names_and_parsing():
 
 
 # ---------------------------------------------------------------------------------------------
+# training documents and the pretraining mix
+# ---------------------------------------------------------------------------------------------
+def test_recall_train_docs_format():
+    docs = rc.recall_train_docs(40, [1, 3, 8], seed=2)
+    assert docs == rc.recall_train_docs(40, [1, 3, 8], seed=2) and docs != rc.recall_train_docs(40, [1, 3, 8], seed=3)
+    assert {len(d.split("\n")) // 2 for d in docs} == {1, 3, 8}
+    for doc in docs:
+        lines = doc.split("\n")
+        n = len(lines) // 2
+        context, queries = lines[:n], lines[n:]
+        pairs = dict(line.split("=") for line in context)
+        assert len(pairs) == n == len(set(pairs.values()))
+        assert all(k in rc.KEYS and v in rc.VALUES for k, v in pairs.items())
+        # every key is queried once more, answered with its own value: the probe's lookup, teacher-forced
+        assert sorted(queries) == sorted(context)
+    # the probe's documents come from another stream: no training context is a probe context
+    probe = {d["prompt"].rsplit("\n", 1)[0] for d in rc.generate_recall_docs(50, 4, seed=2)}
+    assert not probe & {"\n".join(d.split("\n")[:4]) for d in docs}
+    with pytest.raises(ValueError, match=r"n_pairs must be an int in 1\.\.90, got 0"):
+        rc.recall_train_docs(1, [0])
+
+
+def test_mix_recall_docs_fraction_and_order():
+    corpus = [f"def f{i}():\n    return {i}\n" * (5 + i) for i in range(30)]
+    mixed, n_recall = rc.mix_recall_docs(corpus, 0.3, [2, 4], seed=1)
+    assert (mixed, n_recall) == rc.mix_recall_docs(corpus, 0.3, [2, 4], seed=1)
+    assert [d for d in mixed if d.startswith("def ")] == corpus  # corpus order kept, nothing dropped
+    recall = [d for d in mixed if not d.startswith("def ")]
+    assert len(recall) == n_recall > 0
+    share = sum(len(d) + 1 for d in recall) / sum(len(d) + 1 for d in mixed)
+    assert 0.3 <= share < 0.31  # drawn until the share is reached, one short document over at most
+    assert recall[0] != rc.mix_recall_docs(corpus, 0.3, [2, 4], seed=2)[0][0]
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ({"fraction": 0.0}, r"fraction must be a number in \(0, 1\), got 0\.0"),
+        ({"fraction": 1}, r"fraction must be a number in \(0, 1\), got 1"),
+        ({"n_pairs": []}, r"n_pairs must be a non-empty list of ints in 1\.\.90, got \[\]"),
+        ({"n_pairs": [4, 91]}, r"n_pairs must be a non-empty list"),
+        ({"seed": 1.5}, r"recall_mix seed must be an int, got 1\.5"),
+        ({"pure_steps": -1}, r"recall_mix pure_steps must be an int >= 0, got -1"),
+        ({"pure_lr": 0}, r"recall_mix pure_lr must be a number > 0, got 0"),
+        (
+            {"fractio": 0.2},
+            r"unknown recall_mix keys \['fractio'\]; valid: fraction, n_pairs, seed, pure_steps, pure_lr",
+        ),
+    ],
+    ids=["zero", "one", "no-pairs", "too-many-pairs", "seed", "pure-steps", "pure-lr", "typo"],
+)
+def test_recall_mix_settings_rejects(spec, match):
+    with pytest.raises(TypeError if "seed" in spec else ValueError, match=match):
+        rc.recall_mix_settings(spec)
+
+
+def test_recall_mix_settings_defaults():
+    assert rc.recall_mix_settings(None) == rc.RECALL_MIX_DEFAULTS
+    out = rc.recall_mix_settings({"fraction": 0.5, "n_pairs": (2,)})
+    assert out == {"fraction": 0.5, "n_pairs": [2], "seed": 0, "pure_steps": 0, "pure_lr": 1e-3}
+    docs = rc.recall_stream_docs(1000, [2, 4], seed=1)
+    assert docs == rc.recall_stream_docs(1000, [2, 4], seed=1)
+    assert 1000 <= sum(len(d) + 1 for d in docs) < 1000 + 50  # stops at the first document over the budget
+
+
+# ---------------------------------------------------------------------------------------------
 # task files
 # ---------------------------------------------------------------------------------------------
 def test_write_recall_tasks_files(tmp_path):
@@ -132,7 +198,7 @@ def test_write_recall_tasks_files(tmp_path):
         assert cfg["task"] == name and cfg["tag"] == ["recall_mqar"]
         assert cfg["output_type"] == "multiple_choice" and cfg["test_split"] == "test"
         assert (cfg["doc_to_text"], cfg["doc_to_choice"], cfg["doc_to_target"]) == ("prompt", "choices", "gold")
-        assert cfg["target_delimiter"] == " "
+        assert cfg["target_delimiter"] == ""  # the value's bytes follow "=" directly
         assert [m["metric"] for m in cfg["metric_list"]] == ["acc"]
         meta = cfg["metadata"]
         assert (meta["n_docs"], meta["n_pairs"], meta["depth"], meta["seed"], meta["chance"]) == (
@@ -172,14 +238,14 @@ def _level_docs(level) -> list[dict]:
 
 
 def _hand_acc(model, tok, docs: list[dict]) -> float:
-    """Accuracy from plain forward passes: argmax over candidates of sum log p(" " + choice | prompt)."""
+    """Accuracy from plain forward passes: argmax over candidates of sum log p(choice | prompt), choice after '='."""
     correct = 0
     for doc in docs:
         ctx = tok.encode(doc["prompt"])
         lls = []
         for choice in doc["choices"]:
-            cont = tok.encode(" " + choice)
-            assert tok.encode(doc["prompt"] + " " + choice) == ctx + cont  # byte level: no merges across the cut
+            cont = tok.encode(choice)
+            assert tok.encode(doc["prompt"] + choice) == ctx + cont  # byte level: no merges across the cut
             with torch.no_grad():
                 logits = model(torch.tensor([ctx + cont[:-1]]), use_cache=False).logits[0]
             logp = torch.log_softmax(logits[-len(cont) :], dim=-1)
@@ -207,8 +273,8 @@ class _ConstOrOracleLM(nn.Module):
 
     The oracle puts logit 30 on the token that followed the latest earlier position sharing the
     longest common suffix (>= 3 tokens) with the current one, and 0 elsewhere. On a recall prompt
-    ``... kx = 47 ... kx =`` that suffix is ``kx =``, then ``kx = `` and ``kx = 4``, so it continues
-    with the right value; no other text is needed.
+    ``... kx=47 ... kx=`` that suffix is ``\nkx=``, then ``\nkx=4``, so it continues with the right
+    value; no other text is needed.
     """
 
     def __init__(self, oracle: bool, vocab: int = 257):
