@@ -196,10 +196,10 @@ def pretrain(
         mix = {**mix, "n_docs": n_recall, "byte_share": byte_share}
     stream = token_stream(tokenizer, docs)
     pure = None
-    if mix is not None and mix["pure_steps"] > 0:
+    n_pure = 0 if mix is None else int(mix["pure_steps"])
+    if n_pure > 0:
         from statereduce.recall import recall_stream_docs
 
-        n_pure = int(mix["pure_steps"])
         pure_cfg = {
             **cfg,
             "steps": n_pure,
@@ -221,7 +221,6 @@ def pretrain(
         if pure is not None:
             pure_stats = train_loop(model, pure[0], pure[1], log_paths, desc=f"pretrain {family} (recall only)")
             mix["pure_seconds"] = pure_stats["train_seconds"]
-        n_pure = 0 if pure is None else int(pure[1]["steps"])
         stats = train_loop(model, stream, cfg, log_paths, f"pretrain {family}", step_offset=n_pure, append=n_pure > 0)
         if pure_stats is not None:
             for key in ("train_tokens", "train_seconds", "train_cpu_seconds"):

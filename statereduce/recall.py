@@ -45,7 +45,7 @@ import json
 import keyword
 import random
 import string
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -279,21 +279,37 @@ def recall_train_doc(rng: random.Random, n_pairs: int) -> str:
     return "\n".join([_line(k, v) for k, v in zip(keys, values)] + [_line(keys[i], values[i]) for i in order])
 
 
+def _train_doc_stream(seed: int, n_pairs: Sequence[int]) -> tuple[random.Random, Iterator[str]]:
+    """The seeded stream of training documents (``"statereduce.recall.train:{seed}"``, separate from the probe's)
+    and its random generator; a consumer that draws from the generator between documents shares the stream."""
+    rng = random.Random(f"statereduce.recall.train:{seed}")
+    sizes = list(n_pairs)
+
+    def docs() -> Iterator[str]:
+        while True:
+            yield recall_train_doc(rng, rng.choice(sizes))
+
+    return rng, docs()
+
+
+def _n_bytes(doc: str) -> int:
+    return len(doc.encode("utf-8")) + 1  # + 1: the separator of each document
+
+
 def recall_train_docs(n_docs: int, n_pairs: Sequence[int], seed: int = 0) -> list[str]:
     """``n_docs`` seeded training documents (:func:`recall_train_doc`), each of a context size drawn from
     ``n_pairs``. The stream (``"statereduce.recall.train:{seed}"``) is separate from the probe's."""
-    rng = random.Random(f"statereduce.recall.train:{seed}")
-    return [recall_train_doc(rng, rng.choice(list(n_pairs))) for _ in range(n_docs)]
+    return list(itertools.islice(_train_doc_stream(seed, n_pairs)[1], n_docs))
 
 
 def recall_stream_docs(n_bytes: int, n_pairs: Sequence[int], seed: int = 0) -> list[str]:
     """Recall training documents (:func:`recall_train_docs`' stream) until they hold ``n_bytes`` UTF-8 bytes,
     one separator each included: the recall-only phase of ``recall_mix.pure_steps``."""
-    rng = random.Random(f"statereduce.recall.train:{seed}")
     docs, total = [], 0
+    stream = _train_doc_stream(seed, n_pairs)[1]
     while total < n_bytes:
-        docs.append(recall_train_doc(rng, rng.choice(list(n_pairs))))
-        total += len(docs[-1].encode("utf-8")) + 1
+        docs.append(next(stream))
+        total += _n_bytes(docs[-1])
     return docs
 
 
@@ -315,15 +331,14 @@ def mix_recall_docs(
         ``(docs, n_recall)``: the mixed document list and how many recall documents it holds.
     """
     mix = recall_mix_settings({"fraction": fraction, "n_pairs": list(n_pairs), "seed": seed})
-    rng = random.Random(f"statereduce.recall.train:{mix['seed']}")
-    corpus_bytes = sum(len(d.encode("utf-8")) + 1 for d in corpus_docs)
-    target = mix["fraction"] / (1.0 - mix["fraction"]) * corpus_bytes
+    rng, stream = _train_doc_stream(mix["seed"], mix["n_pairs"])
+    target = mix["fraction"] / (1.0 - mix["fraction"]) * sum(map(_n_bytes, corpus_docs))
     by_slot: dict[int, list[str]] = {}
     total, n_recall = 0, 0
     while total < target:
-        doc = recall_train_doc(rng, rng.choice(mix["n_pairs"]))
+        doc = next(stream)
         by_slot.setdefault(rng.randrange(len(corpus_docs) + 1), []).append(doc)
-        total += len(doc.encode("utf-8")) + 1
+        total += _n_bytes(doc)
         n_recall += 1
     out: list[str] = []
     for i, doc in enumerate([*corpus_docs, None]):

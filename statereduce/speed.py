@@ -7,10 +7,11 @@ pruned checkpoint has. Every measurement of one run shares the device, so each s
 
 - **Decode** (Table 17): a prompt of ``prompt`` tokens is prefilled, then the one-token step is captured in a CUDA
   graph over static buffers (the recurrent state is updated in place by :mod:`statereduce.decode`, with fla's own
-  kernel or ours, or, as ``fla_copy``, by fla's unmodified function plus a copy back) and replayed: ``warmup`` replays, then ``trials`` x ``steps`` timed replays; the median trial gives
-  ms/token and tokens/s. Each cell records peak memory and its *byte floor*: the bytes one step must move (every
-  weight once, the embedding rows of the batch, the recurrent state (float32) and conv state read and written per
-  sequence, the logits written) over the copy bandwidth measured in the same run. ``ideal_speedup`` is the ratio of
+  kernel or ours, or, as ``fla_copy``, by fla's unmodified function plus a copy back) and replayed: ``warmup``
+  replays, then ``trials`` x ``steps`` timed replays; the median trial gives ms/token and tokens/s. Each cell
+  records peak memory and its *byte floor*: the bytes one step must move (every weight once, the embedding rows of
+  the batch, the recurrent state (float32) and conv state read and written per sequence, the logits written) over
+  the copy bandwidth measured in the same run. ``ideal_speedup`` is the ratio of
   those bytes. Before timing, a few graph replays are checked against fla's own eager decoding.
 - **Prefill** (Table 18): ``model(ids, use_cache=True, logits_to_keep=1)`` over a batch x length grid; cells that do
   not fit in memory are recorded as skipped.
