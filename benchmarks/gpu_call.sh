@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (see docs/speed_h200.md): install the carried wheels, restore the carried Triton
 # cache (compiled kernels and fla's autotuning results), run named jobs one after another within a deadline, and
-# return the Triton cache in parts under 16 MB so the next call (often on a fresh machine) skips the autotuning.
+# return the Triton cache (pruned to metadata and binaries by prune_triton_cache.py) in parts under 16 MB so the next
+# call (often on a fresh machine) skips the autotuning.
 #
 #   benchmarks/gpu_call.sh DEADLINE_S 'name:command' ['name:command' ...]
 #
-# Each job's output goes to $OUT/<name>.log; a job gets what is left of the deadline less 30 s for the cache.
+# Each job's output goes to <name>.log, returned in $OUT/logs.tgz (at most 8 files come back); a job gets what is
+# left of the deadline less 30 s for the cache.
 set -u
 start=$SECONDS
 deadline=$1
@@ -26,5 +28,8 @@ for job in "$@"; do
   grep -v Warning "$OUT/$name.log" | tail -4
 done
 mkdir -p .triton_cache
+python3 benchmarks/prune_triton_cache.py .triton_cache
 tar czf - .triton_cache | split -b 15m - "$OUT/tc.tgz.part_"
+# at most 8 files come back: the logs travel as one archive
+(cd "$OUT" && compgen -G "*.log" >/dev/null && tar czf logs.tgz ./*.log && rm ./*.log)
 echo "Triton cache $(du -sh .triton_cache | cut -f1); returned: $(ls "$OUT" | tr '\n' ' ')"

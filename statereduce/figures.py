@@ -376,8 +376,11 @@ def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
             i += 1
             for kernel, style in styles.items():
                 pts = sorted((r["batch"], r["speedup"]) for r in rows if r["pct"] == pct and r["kernel"] == kernel)
+                # a kernel measured at a few of the batch sizes only is drawn as points, not a line through gaps
+                sparse = len(pts) < len({r["batch"] for r in rows if r["pct"] == pct})
                 if pts:
-                    ax_d.plot(*zip(*pts), style, marker="o", color=color,
+                    ax_d.plot(*zip(*pts), linestyle="none" if sparse else style, marker="D" if sparse else "o",
+                              color=color, fillstyle="none" if sparse else "full",
                               label=f"{name} {_pct(pct)}% ({names[kernel]})")
             ideal = sorted({(r["batch"], r["ideal_speedup"]) for r in rows if r["pct"] == pct})
             if ideal:
@@ -391,17 +394,25 @@ def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
         ax_d.legend(fontsize=7)
     if ax_p is None:
         return _save(fig, out_png)
-    labels, values, colors = [], [], []
-    for j, doc in enumerate(docs):
-        name = doc.get("model") or doc.get("family")
-        for r in sorted(doc.get("ratios", {}).get("prefill", []), key=lambda r: (r["pct"], r["length"], r["batch"])):
-            labels.append(f"{name} {_pct(r['pct'])}%\n{r['batch']}×{r['length'] // 1024}K")
-            values.append(r["speedup"])
-            colors.append(METHOD_COLORS[j % len(METHOD_COLORS)])
-    if values:
-        ax_p.bar(range(len(values)), values, color=colors)
-        ax_p.set_xticks(range(len(values)), labels, fontsize=6, rotation=90)
-        ax_p.axhline(1.0, color="0.6", linewidth=0.8)
+    # grouped bars: one group per batch x length cell, one bar per (model, ratio)
+    series = {(doc.get("model") or doc.get("family"), r["pct"]): {} for doc in docs
+              for r in sorted(doc.get("ratios", {}).get("prefill", []), key=lambda r: r["pct"])}
+    for doc in docs:
+        for r in doc.get("ratios", {}).get("prefill", []):
+            series[(doc.get("model") or doc.get("family"), r["pct"])][(r["length"], r["batch"])] = r["speedup"]
+    cells = sorted({c for values in series.values() for c in values})
+    width = 0.8 / max(len(series), 1)
+    for k, ((name, pct), values) in enumerate(series.items()):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i, c in enumerate(cells) if c in values]
+        ax_p.bar(xs, [values[c] for c in cells if c in values], width, color=METHOD_COLORS[k % len(METHOD_COLORS)],
+                 label=f"{name} {_pct(pct)}%")
+    ax_p.set_xticks(range(len(cells)), [f"{b}×{t // 1024}K" for t, b in cells], fontsize=7)
+    ax_p.axhline(1.0, color="0.6", linewidth=0.8)
+    if series:
+        top = max(v for values in series.values() for v in values.values())
+        ax_p.set_ylim(0, max(top, 1.0) * 1.3)  # room for the legend above the bars
+        ax_p.legend(fontsize=7, ncol=2, loc="upper center")
+    ax_p.set_xlabel("batch × length")
     ax_p.set_ylabel("prefill speedup (×)")
     ax_p.set_title("prefill")
     return _save(fig, out_png)

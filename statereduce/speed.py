@@ -13,9 +13,12 @@ pruned checkpoint has. Every measurement of one run shares the device, so each s
   the batch, the recurrent state (float32) and conv state read and written per sequence, the logits written) over
   the copy bandwidth measured in the same run. ``ideal_speedup`` is the ratio of
   those bytes. Before timing, a few graph replays are checked against fla's own eager decoding.
-- **Prefill** (Table 18): ``model(ids, use_cache=True, logits_to_keep=1)`` over a batch x length grid; cells that do
-  not fit in memory are recorded as skipped.
-- **Mixer** (Table 19): one linear-attention layer's forward at ``seq_len`` tokens; time and peak memory ratios.
+- **Prefill** (Table 18): ``model(ids, use_cache=True, logits_to_keep=1)`` over a batch x length grid, captured in a
+  CUDA graph and replayed (``graph``: eager, a forward of a 1.3B model at 1 x 2K waits on Python's kernel launches
+  for most of its time); ``device_ms`` (``profile``) is the kernels' summed device time of one eager call. Cells that
+  do not fit in memory are recorded as skipped.
+- **Mixer** (Table 19): one linear-attention layer's forward at ``seq_len`` tokens, graph-timed the same way; time and
+  peak memory ratios (the layer alone is on the device: weights, input and activations).
 
 Run with ``python -m statereduce.speed`` (no Snakemake needed) or through the workflow's ``speed`` rule. Triton's
 autotuning of fla's chunk kernels takes minutes on first use; it runs in untimed warm-up, and its results are kept
@@ -47,8 +50,10 @@ DEFAULT_SPEED: dict[str, Any] = {
     "blas": None,
     "decode": {"prompt": 512, "batches": [1, 2, 4, 8, 16, 32, 64], "warmup": 10, "steps": 100, "trials": 3,
                "kernels": ["fla", "statereduce", "fla_copy"], "check_steps": 3},
-    "prefill": {"batches": [1, 4, 8, 16], "lengths": [2048, 8192, 16384], "warmup": 1, "steps": 3, "trials": 3},
-    "mixer": {"batches": [8, 16, 32], "seq_len": 2048, "warmup": 3, "steps": 10, "trials": 3, "arch": {}},
+    "prefill": {"batches": [1, 4, 8, 16], "lengths": [2048, 8192, 16384], "warmup": 1, "steps": 3, "trials": 3,
+                "graph": True, "profile": True},
+    "mixer": {"batches": [8, 16, 32], "seq_len": 2048, "warmup": 3, "steps": 10, "trials": 3, "arch": {},
+              "graph": True, "profile": True},
     "profile": {"batches": [1, 64], "steps": 10, "top": 30},
 }
 """The paper's protocol (App. G.1). ``mixer.arch`` overrides the model's arch for the one-layer measurement
@@ -168,6 +173,20 @@ def time_ms(fn: Callable[[], Any], *, warmup: int, steps: int, trials: int) -> l
         end.synchronize()
         out.append(start.elapsed_time(end) / steps)
     return out
+
+
+def device_ms(fn: Callable[[], Any]) -> float:
+    """Summed device time (ms) of the kernels one call of ``fn`` launches (``torch.profiler``).
+
+    Beside the timed wall milliseconds this shows whether a call is host-bound: when the device is busy for much less
+    than the wall time, the GPU waits for Python to launch kernels, and a smaller model cannot run faster.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, trials: int = 5) -> float:
@@ -315,6 +334,49 @@ def decode_cells(model, config, family: str, settings: Mapping[str, Any], bandwi
 # ---------------------------------------------------------------------------------------------
 # prefill and mixer
 # ---------------------------------------------------------------------------------------------
+def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph (after a warm-up call on a side stream, as torch asks); returns the graph's
+    replay. Timing replays measures the device's work without Python's launch overhead."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _time_call(fn: Callable[[], Any], settings: Mapping[str, Any], cell: dict) -> None:
+    """Measure ``fn`` into ``cell``: peak memory of one eager call, then time per ``settings``.
+
+    Two eager warm-up calls come first (autotuning happens there). Peak memory (``_peak_memory``) is taken around one
+    more eager call, before any graph exists, so it is the call's own footprint (a graph's private pool would add its
+    capture-time buffers). The timing (``warmup``, ``steps``, ``trials``) replays a CUDA graph of ``fn`` when
+    ``settings["graph"]`` (eager if capture fails: the cell says why); ``device_ms`` is added when ``profile``.
+    """
+    for _ in range(2):
+        fn()
+    with _peak_memory(cell):
+        fn()
+    call: Callable[[], Any] = fn
+    cell["graph"] = False
+    if settings.get("graph"):
+        try:
+            call = graphed(fn)
+            cell["graph"] = True
+        except RuntimeError as e:  # a kernel that syncs with the host cannot be captured: time it eagerly
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                raise
+            cell["graph_error"] = str(e).splitlines()[0][:200]
+            torch.cuda.synchronize()
+    ms = time_ms(call, warmup=settings["warmup"], steps=settings["steps"], trials=settings["trials"])
+    cell.update(_stats(ms))
+    if settings.get("profile"):
+        cell["device_ms"] = device_ms(fn)
+
+
 def prefill_cells(model, settings: Mapping[str, Any], on_cell: Callable[[dict], None]) -> None:
     """Time ``model(ids, use_cache=True, logits_to_keep=1)`` over the batch x length grid of ``speed.prefill``."""
     vocab = model.config.vocab_size
@@ -323,10 +385,8 @@ def prefill_cells(model, settings: Mapping[str, Any], on_cell: Callable[[dict], 
             cell: dict[str, Any] = {"batch": batch, "length": length}
             try:
                 ids = torch.randint(vocab, (batch, length), device="cuda")
-                with torch.no_grad(), _peak_memory(cell):
-                    ms = time_ms(lambda ids=ids: model(ids, use_cache=True, logits_to_keep=1), warmup=settings["warmup"],
-                                 steps=settings["steps"], trials=settings["trials"])
-                cell.update(_stats(ms))
+                with torch.no_grad():
+                    _time_call(lambda ids=ids: model(ids, use_cache=True, logits_to_keep=1), settings, cell)
                 cell["tokens_per_s"] = batch * length / (cell["ms"] / 1e3)
             except torch.cuda.OutOfMemoryError:
                 cell = {"batch": batch, "length": length, "skipped": "out of memory"}
@@ -339,23 +399,20 @@ def mixer_cells(config, settings: Mapping[str, Any], dtype: torch.dtype, on_cell
     """Time one linear-attention layer's forward (the first mixer of a one-layer model of ``config``)."""
     one = copy.deepcopy(config)
     one.num_hidden_layers = 1
-    model = build_model(one, dtype)
-    layer = model.model.layers[0].attn
-    del model.model.layers[0].mlp
+    layer = build_model(one, dtype).model.layers[0].attn  # the rest of the model (embeddings, head) is freed here
+    _free()
     for batch in settings["batches"]:
         cell: dict[str, Any] = {"batch": batch, "seq_len": settings["seq_len"]}
         try:
             x = torch.randn(batch, settings["seq_len"], config.hidden_size, device="cuda", dtype=dtype)
-            with torch.no_grad(), _peak_memory(cell):
-                ms = time_ms(lambda x=x: layer(x), warmup=settings["warmup"], steps=settings["steps"],
-                             trials=settings["trials"])
-            cell.update(_stats(ms))
+            with torch.no_grad():
+                _time_call(lambda x=x: layer(x), settings, cell)
         except torch.cuda.OutOfMemoryError:
             cell = {"batch": batch, "seq_len": settings["seq_len"], "skipped": "out of memory"}
         x = None
         _free()
         on_cell(cell)
-    layer = model = None
+    layer = None
     _free()
 
 

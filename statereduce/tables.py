@@ -666,13 +666,25 @@ def speed_markdown(docs: list[dict]) -> str:
             lines.append("")
         cells = sorted({(c["batch"], c["length"]) for c in doc.get("prefill", [])}, key=lambda t: (t[1], t[0]))
         if cells:
-            base_p = {(c["batch"], c["length"]): c for c in doc["prefill"] if c["pct"] == 0}
-            head = ["B × T", "base ms", *[f"{_pct(p)}%" for p in pcts]]
-            lines += ["Prefill (Table 18; speedup):", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+            by_cell = {(c["pct"], c["batch"], c["length"]): c for c in doc["prefill"]}
+            dev = any("device_ms" in c for c in doc["prefill"])
+            head = ["B × T", "base ms", *(["base device ms"] if dev else [])]
+            head += [h for p in pcts for h in ([f"{_pct(p)}%", f"{_pct(p)}% device"] if dev else [f"{_pct(p)}%"])]
+            note = ("; device: the same ratio of the kernels' summed device time, which wall time approaches only "
+                    "when the launch is not host-bound") if dev else ""
+            lines += [f"Prefill (Table 18; speedup{note}):", "", "| " + " | ".join(head) + " |",
+                      "|" + " --- |" * len(head)]
             for b, t in cells:
-                ref = base_p.get((b, t), {})
+                ref = by_cell.get((0, b, t), {})
                 row = [f"{b} × {t}", _fmt(ref["ms"]) if "ms" in ref else ref.get("skipped", MISSING)]
-                row += [_x(ratio.get(("prefill", p, b, t), {}).get("speedup")) for p in pcts]
+                if dev:
+                    row.append(_fmt(ref["device_ms"]) if "device_ms" in ref else MISSING)
+                for p in pcts:
+                    row.append(_x(ratio.get(("prefill", p, b, t), {}).get("speedup")))
+                    if dev:
+                        cell = by_cell.get((p, b, t), {})
+                        row.append(_x(ref["device_ms"] / cell["device_ms"]
+                                      if "device_ms" in ref and "device_ms" in cell else None))
                 lines.append("| " + " | ".join(row) + " |")
             lines.append("")
         mix = sorted({(c["batch"], c["seq_len"]) for c in doc.get("mixer", [])})

@@ -4,6 +4,7 @@ The measurements themselves run on a GPU (benchmarks/check_decode_gpu.py, python
 in docs/speed_h200.md).
 """
 
+import contextlib
 import subprocess
 import sys
 
@@ -100,6 +101,59 @@ def test_table_adds_fla_copy_columns_when_measured():
     assert "| 1 | 2.000 | 50 | 3.000 | 2.50× | 2.00× | – | – | 2.00× | – |" in md
     assert "| 64 | 4.000 | 50 | – | – | – | – | – | – | – |" in md
     assert "| 1 | 2.000 | 50 | 2.00× |" in speed_markdown([_doc() | {"ratios": speed.speed_ratios(_doc())}])
+
+
+def test_prefill_table_adds_device_columns_when_profiled():
+    doc = _doc()
+    doc["prefill"] = [{"pct": 0, "batch": 8, "length": 2048, "ms": 4.0, "device_ms": 3.0},
+                      {"pct": 50, "batch": 8, "length": 2048, "ms": 2.0, "device_ms": 2.0},
+                      {"pct": 0, "batch": 1, "length": 2048, "ms": 3.0}]
+    doc["ratios"] = speed.speed_ratios(doc)
+    md = speed_markdown([doc])
+    assert "| B × T | base ms | base device ms | 50% | 50% device |" in md
+    assert "| 8 × 2048 | 4.000 | 3.000 | 2.00× | 1.50× |" in md
+    assert "| 1 × 2048 | 3.000 | – | – | – |" in md  # never profiled, never invented
+
+
+def test_time_call_measures_memory_eagerly_before_the_graph(monkeypatch):
+    events = []
+
+    @contextlib.contextmanager
+    def peak(cell):
+        events.append("mem+")
+        yield
+        events.append("mem-")
+        cell["peak_mem_bytes"] = 1
+
+    def graphed(fn):
+        events.append("capture")
+        return lambda: events.append("replay")
+
+    def time_ms(call, *, warmup, steps, trials):
+        call()
+        return [1.0, 2.0, 3.0]
+
+    monkeypatch.setattr(speed, "_peak_memory", peak)
+    monkeypatch.setattr(speed, "graphed", graphed)
+    monkeypatch.setattr(speed, "time_ms", time_ms)
+    monkeypatch.setattr(speed, "device_ms", lambda fn: 0.5)
+    settings = {"warmup": 1, "steps": 2, "trials": 3, "graph": True, "profile": True}
+    cell = {}
+    speed._time_call(lambda: events.append("eager"), settings, cell)
+    # two warm-ups (autotuning), one eager call under the memory probe, then the graph is captured and replayed
+    assert events == ["eager", "eager", "mem+", "eager", "mem-", "capture", "replay"]
+    assert cell == {"peak_mem_bytes": 1, "graph": True, "ms": 2.0, "trials_ms": [1.0, 2.0, 3.0], "device_ms": 0.5}
+
+    def refuses(fn):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(speed, "graphed", refuses)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    events.clear()
+    cell = {}
+    speed._time_call(lambda: events.append("eager"), {**settings, "profile": False}, cell)
+    assert events[-1] == "eager" and cell["graph"] is False  # timed eagerly, and the cell says why
+    assert cell["graph_error"] == "operation not permitted when stream is capturing" and "device_ms" not in cell
 
 
 def test_cli_without_cuda_fails_with_one_line(tmp_path):
