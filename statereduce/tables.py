@@ -670,8 +670,8 @@ def speed_markdown(docs: list[dict]) -> str:
             dev = any("device_ms" in c for c in doc["prefill"])
             head = ["B × T", "base ms", *(["base device ms"] if dev else [])]
             head += [h for p in pcts for h in ([f"{_pct(p)}%", f"{_pct(p)}% device"] if dev else [f"{_pct(p)}%"])]
-            note = ("; device: the same ratio of the kernels' summed device time, which wall time approaches only "
-                    "when the launch is not host-bound") if dev else ""
+            note = "; device: the ratio of summed kernel time, which the wall ratio matches unless host-bound"
+            note = note if dev else ""
             lines += [f"Prefill (Table 18; speedup{note}):", "", "| " + " | ".join(head) + " |",
                       "|" + " --- |" * len(head)]
             for b, t in cells:
