@@ -183,3 +183,29 @@ def test_speedup_figure_writes_png(tmp_path):
 
     # the prefill panel appears only when a prefill ratio exists
     assert matplotlib.image.imread(both).shape[1] > 1.5 * matplotlib.image.imread(out).shape[1]
+
+
+def test_prune_triton_cache_keeps_loadable_kernels_and_drops_broken_groups(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "prune_triton_cache.py"
+    spec = importlib.util.spec_from_file_location("prune_triton_cache", path)
+    prune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prune)
+
+    def kernel(name, files):
+        d = tmp_path / name
+        d.mkdir()
+        for f in files:
+            (d / f).write_text("x")
+        group = {f"k.{ext}": str(d / f"k.{ext}") for ext in ("source", "ttir", "llir", "ptx", "cubin", "json")}
+        (d / "__grp__k.json").write_text(json.dumps({"child_paths": group}))
+        return d
+
+    whole = kernel("A", ["k.source", "k.ttir", "k.llir", "k.ptx", "k.cubin", "k.json", "k.autotune.json"])
+    broken = kernel("B", ["k.source", "k.json"])  # its cubin was lost: the group must not claim a cache hit
+    assert prune.prune(tmp_path) == (1, 1)
+    assert sorted(p.name for p in whole.iterdir()) == ["__grp__k.json", "k.autotune.json", "k.cubin", "k.json"]
+    assert sorted(p.name for p in broken.iterdir()) == ["k.json"]
