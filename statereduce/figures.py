@@ -395,11 +395,11 @@ def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
     if ax_p is None:
         return _save(fig, out_png)
     # grouped bars: one group per batch x length cell, one bar per (model, ratio)
-    series = {(doc.get("model") or doc.get("family"), r["pct"]): {} for doc in docs
-              for r in sorted(doc.get("ratios", {}).get("prefill", []), key=lambda r: r["pct"])}
+    series: dict[tuple, dict] = {}
     for doc in docs:
-        for r in doc.get("ratios", {}).get("prefill", []):
-            series[(doc.get("model") or doc.get("family"), r["pct"])][(r["length"], r["batch"])] = r["speedup"]
+        for r in sorted(doc.get("ratios", {}).get("prefill", []), key=lambda r: r["pct"]):
+            key = (doc.get("model") or doc.get("family"), r["pct"])
+            series.setdefault(key, {})[(r["length"], r["batch"])] = r["speedup"]
     cells = sorted({c for values in series.values() for c in values})
     width = 0.8 / max(len(series), 1)
     for k, ((name, pct), values) in enumerate(series.items()):

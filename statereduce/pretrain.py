@@ -188,11 +188,11 @@ def pretrain(
     config = tiny_config(family, arch)
     docs = load_split(corpus_spec, "train")
     if mix is not None:
-        from statereduce.recall import mix_recall_docs
+        from statereduce.recall import joined_bytes, mix_recall_docs
 
-        corpus_bytes = sum(len(d.encode("utf-8")) + 1 for d in docs)  # + 1: the separator of each document
+        corpus_bytes = sum(map(joined_bytes, docs))
         docs, n_recall = mix_recall_docs(docs, mix["fraction"], mix["n_pairs"], mix["seed"])
-        byte_share = 1.0 - corpus_bytes / sum(len(d.encode("utf-8")) + 1 for d in docs)
+        byte_share = 1.0 - corpus_bytes / sum(map(joined_bytes, docs))
         mix = {**mix, "n_docs": n_recall, "byte_share": byte_share}
     stream = token_stream(tokenizer, docs)
     pure = None

@@ -292,8 +292,9 @@ def _train_doc_stream(seed: int, n_pairs: Sequence[int]) -> tuple[random.Random,
     return rng, docs()
 
 
-def _n_bytes(doc: str) -> int:
-    return len(doc.encode("utf-8")) + 1  # + 1: the separator of each document
+def joined_bytes(doc: str) -> int:
+    """A document's share of a joined training text: its UTF-8 bytes plus one separator."""
+    return len(doc.encode("utf-8")) + 1
 
 
 def recall_train_docs(n_docs: int, n_pairs: Sequence[int], seed: int = 0) -> list[str]:
@@ -309,7 +310,7 @@ def recall_stream_docs(n_bytes: int, n_pairs: Sequence[int], seed: int = 0) -> l
     stream = _train_doc_stream(seed, n_pairs)[1]
     while total < n_bytes:
         docs.append(next(stream))
-        total += _n_bytes(docs[-1])
+        total += joined_bytes(docs[-1])
     return docs
 
 
@@ -332,13 +333,13 @@ def mix_recall_docs(
     """
     mix = recall_mix_settings({"fraction": fraction, "n_pairs": list(n_pairs), "seed": seed})
     rng, stream = _train_doc_stream(mix["seed"], mix["n_pairs"])
-    target = mix["fraction"] / (1.0 - mix["fraction"]) * sum(map(_n_bytes, corpus_docs))
+    target = mix["fraction"] / (1.0 - mix["fraction"]) * sum(map(joined_bytes, corpus_docs))
     by_slot: dict[int, list[str]] = {}
     total, n_recall = 0, 0
     while total < target:
         doc = next(stream)
         by_slot.setdefault(rng.randrange(len(corpus_docs) + 1), []).append(doc)
-        total += _n_bytes(doc)
+        total += joined_bytes(doc)
         n_recall += 1
     out: list[str] = []
     for i, doc in enumerate([*corpus_docs, None]):

@@ -259,15 +259,11 @@ class GraphDecoder:
             self.cache = model(self.prompt_ids, use_cache=True, logits_to_keep=1).past_key_values
             self.states = _cache_tensors(self.cache)
             snapshot = [t.clone() for t in self.states]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the default stream (autotuning happens here), as torch asks
-                for _ in range(3):
-                    model(self.ids, past_key_values=self.cache, use_cache=True)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+
+            def forward():  # the captured call's logits stay in the graph's static output buffer
                 self.logits = model(self.ids, past_key_values=self.cache, use_cache=True).logits
+
+            self._replay = graphed(forward, warmup=3)  # the warm-up steps are where autotuning happens
             for t, s in zip(self.states, snapshot):
                 t.copy_(s)
         torch.cuda.synchronize()
@@ -276,7 +272,7 @@ class GraphDecoder:
         """Replay the graph once (with ``token`` ``[batch, 1]`` as input when given); returns the static logits."""
         if token is not None:
             self.ids.copy_(token)
-        self.graph.replay()
+        self._replay()
         return self.logits
 
 
@@ -334,13 +330,14 @@ def decode_cells(model, config, family: str, settings: Mapping[str, Any], bandwi
 # ---------------------------------------------------------------------------------------------
 # prefill and mixer
 # ---------------------------------------------------------------------------------------------
-def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
-    """``fn`` captured in a CUDA graph (after a warm-up call on a side stream, as torch asks); returns the graph's
+def graphed(fn: Callable[[], Any], warmup: int = 1) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph (after ``warmup`` calls on a side stream, as torch asks); returns the graph's
     replay. Timing replays measures the device's work without Python's launch overhead."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()
+        for _ in range(warmup):
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -539,7 +536,8 @@ def speed_ratios(doc: Mapping[str, Any]) -> dict[str, list[dict]]:
     """Pruned over baseline for every cell measured at both (speedup = base ms / pruned ms; memory = pruned / base).
 
     Decode cells are matched on (batch, kernel); each also gets ``speedup_vs_fla_baseline`` (pruned with this
-    kernel against the baseline with fla's kernel) and ``ideal_speedup`` (ratio of the byte floors).
+    kernel against the baseline with fla's kernel) and ``ideal_speedup`` (ratio of the byte floors). Cells profiled
+    at both (``device_ms``) get ``device_speedup``, the same ratio of summed kernel time.
     """
     out: dict[str, list[dict]] = {"decode": [], "prefill": [], "mixer": []}
     keys = {"decode": ("batch", "kernel"), "prefill": ("batch", "length"), "mixer": ("batch", "seq_len")}
@@ -553,6 +551,8 @@ def speed_ratios(doc: Mapping[str, Any]) -> dict[str, list[dict]]:
             if "peak_mem_bytes" in cell:
                 row["memory_ratio"] = cell["peak_mem_bytes"] / ref["peak_mem_bytes"]
                 row["memory_delta_ratio"] = cell["peak_mem_delta_bytes"] / max(ref["peak_mem_delta_bytes"], 1)
+            if "device_ms" in cell and "device_ms" in ref:
+                row["device_speedup"] = ref["device_ms"] / cell["device_ms"]
             if part == "decode":
                 row["ideal_speedup"] = ref["bytes"]["total"] / cell["bytes"]["total"]
                 row["floor_fraction"] = cell["floor_fraction"]

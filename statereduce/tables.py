@@ -666,7 +666,7 @@ def speed_markdown(docs: list[dict]) -> str:
             lines.append("")
         cells = sorted({(c["batch"], c["length"]) for c in doc.get("prefill", [])}, key=lambda t: (t[1], t[0]))
         if cells:
-            by_cell = {(c["pct"], c["batch"], c["length"]): c for c in doc["prefill"]}
+            base_p = {(c["batch"], c["length"]): c for c in doc["prefill"] if c["pct"] == 0}
             dev = any("device_ms" in c for c in doc["prefill"])
             head = ["B × T", "base ms", *(["base device ms"] if dev else [])]
             head += [h for p in pcts for h in ([f"{_pct(p)}%", f"{_pct(p)}% device"] if dev else [f"{_pct(p)}%"])]
@@ -675,16 +675,13 @@ def speed_markdown(docs: list[dict]) -> str:
             lines += [f"Prefill (Table 18; speedup{note}):", "", "| " + " | ".join(head) + " |",
                       "|" + " --- |" * len(head)]
             for b, t in cells:
-                ref = by_cell.get((0, b, t), {})
+                ref = base_p.get((b, t), {})
                 row = [f"{b} × {t}", _fmt(ref["ms"]) if "ms" in ref else ref.get("skipped", MISSING)]
                 if dev:
                     row.append(_fmt(ref["device_ms"]) if "device_ms" in ref else MISSING)
                 for p in pcts:
-                    row.append(_x(ratio.get(("prefill", p, b, t), {}).get("speedup")))
-                    if dev:
-                        cell = by_cell.get((p, b, t), {})
-                        row.append(_x(ref["device_ms"] / cell["device_ms"]
-                                      if "device_ms" in ref and "device_ms" in cell else None))
+                    r = ratio.get(("prefill", p, b, t), {})
+                    row += [_x(r.get("speedup")), *([_x(r.get("device_speedup"))] if dev else [])]
                 lines.append("| " + " | ".join(row) + " |")
             lines.append("")
         mix = sorted({(c["batch"], c["seq_len"]) for c in doc.get("mixer", [])})
