@@ -36,8 +36,12 @@ from collections.abc import Iterator
 import torch
 
 KERNELS = ("fla", "statereduce", "fla_copy")
-"""Valid ``kernel`` names of :func:`inplace_decode`: fla's kernel in place, ours in place, and fla's public function
-unmodified (a new state tensor each step) with the graph copying it back into the static state buffer."""
+"""Recurrent steps of :func:`inplace_decode`: fla's kernel in place, ours in place, and fla's public function
+unmodified (a new state tensor each step) with the graph copying it back into the static state buffer. Each may
+carry the suffix :data:`FUSED` (:func:`parse_kernel`)."""
+
+FUSED = "+fused"
+"""Kernel-name suffix: the rest of the layer takes :mod:`statereduce.fused_decode`'s step as well."""
 
 TILE_CONFIGS = ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8))
 """(BV, num_warps) pairs the autotuner of :func:`recurrent_step` tries, each with and without streaming hints."""
@@ -65,7 +69,8 @@ def _kernel():
     @triton.autotune(configs=configs, key=["K", "V", "STATE_V_FIRST", "USE_G", "NHB"], restore_value=["h"],
                      do_bench=bench, cache_results=True)
     @triton.jit
-    def step_kernel(q, k, v, beta, g, A_log, dt_bias, h, o, scale, NHB, H: tl.constexpr, HV: tl.constexpr,
+    def step_kernel(q, k, v, beta, g, A_log, dt_bias, h, o, scale, NHB, s_q, s_k, s_v, s_b, s_g,
+                    H: tl.constexpr, HV: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STREAM: tl.constexpr,
                     STATE_V_FIRST: tl.constexpr, USE_G: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
                     HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, ROUND_QK: tl.constexpr,
@@ -79,10 +84,11 @@ def _kernel():
         m_k = o_k < K
         m_v = o_v < V
 
-        b_q = tl.load(q + (i_n * H + i_h) * K + o_k, mask=m_k, other=0).to(tl.float32)
-        b_k = tl.load(k + (i_n * H + i_h) * K + o_k, mask=m_k, other=0).to(tl.float32)
-        b_v = tl.load(v + (i_n * HV + i_hv) * V + o_v, mask=m_v, other=0).to(tl.float32)
-        b_beta = tl.load(beta + i_n * HV + i_hv).to(tl.float32)
+        # s_*: each input's stride between sequences (heads and channels are packed within a sequence's row)
+        b_q = tl.load(q + i_n * s_q + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_k = tl.load(k + i_n * s_k + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_v = tl.load(v + i_n * s_v + i_hv * V + o_v, mask=m_v, other=0).to(tl.float32)
+        b_beta = tl.load(beta + i_n * s_b + i_hv).to(tl.float32)
         if STATE_V_FIRST:
             p_h = h + i_nh * K * V + o_v[:, None] * K + o_k[None, :]
             m_h = m_v[:, None] & m_k[None, :]
@@ -106,7 +112,7 @@ def _kernel():
             if NEG_EIGVAL:
                 b_beta = b_beta * 2
         if USE_G:
-            b_g = tl.load(g + i_n * HV + i_hv).to(tl.float32)
+            b_g = tl.load(g + i_n * s_g + i_hv).to(tl.float32)
             if GATE_IN_KERNEL:
                 if HAS_DT_BIAS:
                     b_g = b_g + tl.load(dt_bias + i_hv).to(tl.float32)
@@ -142,7 +148,9 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
     """One delta-rule (``g is None``) or gated-delta-rule step; ``state`` is updated in place.
 
     Args:
-        q, k: ``[N, 1, H, K]``; v: ``[N, 1, HV, V]`` (HV a multiple of H: grouped value heads).
+        q, k: ``[N, 1, H, K]``; v: ``[N, 1, HV, V]`` (HV a multiple of H: grouped value heads). These, beta and g
+            may be views into wider rows (slices of a fused projection's output): each sequence's heads must lie
+            next to each other, the sequences at any stride; other layouts are copied.
         beta: ``[N, 1, HV]``, one writing strength per head (raw logits when ``beta_sigmoid``).
         state: ``[N, HV, K, V]`` float32 (``[N, HV, V, K]`` when ``state_v_first``), contiguous; updated in place.
         g: ``[N, 1, HV]`` log decay, or its raw input when ``A_log`` is given (then
@@ -174,9 +182,11 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
         raise ValueError(f"beta must hold one value per (sequence, head) = {n * hv}; got shape {tuple(beta.shape)}")
     import triton
 
-    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-    g = g.contiguous() if g is not None else None
-    o = torch.empty_like(v)
+    # rows of packed heads: views into a wider row (a fused projection's output) are read in place
+    q, k = _rows(q, n, h * kd), _rows(k, n, h * kd)
+    v, beta = _rows(v, n, hv * vd), _rows(beta, n, hv)
+    g = _rows(g, n, hv) if g is not None else None
+    o = torch.empty(n, 1, hv, vd, dtype=v.dtype, device=v.device)
     kernel = _kernel()
     fixed: dict = {}
     if (block_v is None) != (num_warps is None):
@@ -187,10 +197,17 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
         kernel, fixed = kernel.fn, {"BV": int(block_v), "num_warps": int(num_warps), "STREAM": bool(stream)}
     grid = lambda meta: (triton.cdiv(vd, meta["BV"]), n * hv)
     kernel[grid](q, k, v, beta, g, A_log, dt_bias, state, o, kd ** -0.5 if scale is None else scale,
-                 triton.next_power_of_2(n * hv), H=h, HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), STATE_V_FIRST=state_v_first,
+                 triton.next_power_of_2(n * hv), q.stride(0), k.stride(0), v.stride(0), beta.stride(0),
+                 g.stride(0) if g is not None else 0, H=h, HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), STATE_V_FIRST=state_v_first,
                  USE_G=g is not None, GATE_IN_KERNEL=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
                  L2NORM=l2norm, ROUND_QK=round_qk, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=allow_neg_eigval, **fixed)
     return o
+
+
+def _rows(x: torch.Tensor, n: int, width: int) -> torch.Tensor:
+    """``x`` as ``[n, width]`` with unit stride along a row, as a view when its layout allows (else a copy)."""
+    x = x.reshape(n, width)
+    return x if x.stride(1) == 1 or width == 1 else x.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,28 +319,43 @@ _TARGETS = (
 )
 
 
+def parse_kernel(name: str) -> tuple[str, bool]:
+    """A decode kernel setting (``"fla"``, ``"statereduce+fused"``, ...) as (kernel, fused); one-line error if bad."""
+    kernel, fused = (name[:-len(FUSED)], True) if name.endswith(FUSED) else (name, False)
+    if kernel not in KERNELS:
+        valid = ", ".join([*KERNELS, *(k + FUSED for k in KERNELS)])
+        raise ValueError(f"unknown decode kernel {name!r}; valid: {valid}")
+    return kernel, fused
+
+
 @contextlib.contextmanager
 def inplace_decode(kernel: str = "statereduce", device_types: tuple[str, ...] = ("cuda",)) -> Iterator[None]:
     """Within the block, the stock fla DeltaNet / GatedDeltaNet layers decode with in-place state updates.
 
     Args:
         kernel: ``"statereduce"`` (:func:`recurrent_step`), ``"fla"`` (fla's own kernels, in place) or
-            ``"fla_copy"`` (fla's functions unmodified, the new state copied back into the cache's tensor).
+            ``"fla_copy"`` (fla's functions unmodified, the new state copied back into the cache's tensor); with
+            ``"+fused"`` appended, the layers also take :mod:`statereduce.fused_decode`'s leaner step (packed
+            projections, one conv launch) around that state update.
         device_types: devices whose one-token calls are routed; ``("cpu",)`` only makes sense for
             ``"statereduce"`` under ``TRITON_INTERPRET=1`` (tests).
     """
     global _DEVICE_TYPES
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown decode kernel {kernel!r}; valid: {', '.join(KERNELS)}")
+    kernel, fused = parse_kernel(kernel)
     saved = []
     before, _DEVICE_TYPES = _DEVICE_TYPES, tuple(device_types)
     try:
-        for module_name, attr, make in _TARGETS:
-            module = importlib.import_module(module_name)
-            original = getattr(module, attr)
-            saved.append((module, attr, original))
-            setattr(module, attr, make(original, kernel))
-        yield
+        with contextlib.ExitStack() as stack:
+            for module_name, attr, make in _TARGETS:
+                module = importlib.import_module(module_name)
+                original = getattr(module, attr)
+                saved.append((module, attr, original))
+                setattr(module, attr, make(original, kernel))
+            if fused:
+                from statereduce.fused_decode import fused_layers
+
+                stack.enter_context(fused_layers(kernel, device_types))
+            yield
     finally:
         _DEVICE_TYPES = before
         for module, attr, original in saved:

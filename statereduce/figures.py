@@ -365,8 +365,10 @@ def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
     has_prefill = any(doc.get("ratios", {}).get("prefill") for doc in docs)
     fig = _figure(10.0 if has_prefill else 6.0, 4.0)
     ax_d, ax_p = fig.subplots(1, 2) if has_prefill else (fig.subplots(1, 1), None)
-    styles = {"fla": "-", "statereduce": "--", "fla_copy": "-."}
-    names = {"fla": "fla", "statereduce": "ours", "fla_copy": "fla copy"}
+    styles = {"fla": "-", "statereduce": "--", "fla_copy": "-.", "statereduce+fused": (0, (8, 2)),
+              "fla+fused": (0, (4, 1, 1, 1)), "fla_copy+fused": (0, (4, 1, 1, 1, 1, 1))}
+    names = {"fla": "fla", "statereduce": "ours", "fla_copy": "fla copy", "statereduce+fused": "ours, fused",
+             "fla+fused": "fla, fused", "fla_copy+fused": "fla copy, fused"}
     i = 0
     for doc in docs:
         name = doc.get("model") or doc.get("family")

@@ -88,11 +88,10 @@ def speed_settings(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]
     for pct in out["pcts"]:
         if not 0 <= float(pct) < 100:
             raise ValueError(f"speed pct {pct} is outside [0, 100): it is the percent of key channels removed")
-    from statereduce.decode import KERNELS
+    from statereduce.decode import parse_kernel
 
-    bad = sorted(set(out["decode"]["kernels"]) - set(KERNELS))
-    if bad:
-        raise ValueError(f"unknown decode kernel(s) {bad}; valid: {', '.join(KERNELS)}")
+    for kernel in out["decode"]["kernels"]:
+        parse_kernel(kernel)
     return out
 
 
@@ -242,11 +241,13 @@ class GraphDecoder:
     Args:
         model: an fla causal LM in eval mode on CUDA.
         batch, prompt: sequences and prompt tokens prefilled before capture.
-        kernel: the in-place recurrent step (:data:`statereduce.decode.KERNELS`).
+        kernel: the in-place recurrent step (:data:`statereduce.decode.KERNELS`), ``+fused`` for the leaner layer
+            step of :mod:`statereduce.fused_decode` around it (its packed weights are laid out before capture).
     """
 
     def __init__(self, model, batch: int, prompt: int, kernel: str, seed: int = 0):
-        from statereduce.decode import inplace_decode
+        from statereduce.decode import FUSED, inplace_decode
+        from statereduce.fused_decode import pack_for_decode
 
         self.model, self.kernel = model, kernel
         vocab = model.config.vocab_size
@@ -255,6 +256,8 @@ class GraphDecoder:
         self.tokens = torch.randint(vocab, (batch, 8), device="cuda", generator=gen)
         self.ids = self.tokens[:, :1].clone()
         self._decode = inplace_decode(kernel)
+        if kernel.endswith(FUSED):
+            pack_for_decode(model)
         with torch.no_grad(), self._decode:
             self.cache = model(self.prompt_ids, use_cache=True, logits_to_keep=1).past_key_values
             self.states = _cache_tensors(self.cache)
@@ -536,9 +539,11 @@ def speed_ratios(doc: Mapping[str, Any]) -> dict[str, list[dict]]:
     """Pruned over baseline for every cell measured at both (speedup = base ms / pruned ms; memory = pruned / base).
 
     Decode cells are matched on (batch, kernel); each also gets ``speedup_vs_fla_baseline`` (pruned with this
-    kernel against the baseline with fla's kernel) and ``ideal_speedup`` (ratio of the byte floors). Cells profiled
+    kernel against the baseline with fla's kernel, fused layers against fused) and ``ideal_speedup`` (ratio of the byte floors). Cells profiled
     at both (``device_ms``) get ``device_speedup``, the same ratio of summed kernel time.
     """
+    from statereduce.decode import FUSED
+
     out: dict[str, list[dict]] = {"decode": [], "prefill": [], "mixer": []}
     keys = {"decode": ("batch", "kernel"), "prefill": ("batch", "length"), "mixer": ("batch", "seq_len")}
     for part, key in keys.items():
@@ -556,7 +561,8 @@ def speed_ratios(doc: Mapping[str, Any]) -> dict[str, list[dict]]:
             if part == "decode":
                 row["ideal_speedup"] = ref["bytes"]["total"] / cell["bytes"]["total"]
                 row["floor_fraction"] = cell["floor_fraction"]
-                fla_ref = base.get((cell["batch"], "fla"))
+                fused = FUSED if cell["kernel"].endswith(FUSED) else ""
+                fla_ref = base.get((cell["batch"], "fla" + fused))
                 if fla_ref is not None:
                     row["speedup_vs_fla_baseline"] = fla_ref["ms"] / cell["ms"]
             out[part].append(row)

@@ -617,6 +617,44 @@ def _x(v) -> str:
     return MISSING if v is None else f"{v:.2f}×"
 
 
+def _decode_table(doc: dict, pcts: list, ratio: dict, suffix: str) -> list[str]:
+    """Table 17's rows for the decode kernels named with ``suffix`` ("" or ``+fused``); no lines if none measured."""
+    cells = [c for c in doc.get("decode", []) if c["kernel"].endswith(suffix) and ("+" in c["kernel"]) == bool(suffix)]
+    base = {(c["batch"], c["kernel"]): c for c in cells if c["pct"] == 0 and "ms" in c}
+    batches = sorted({c["batch"] for c in cells})
+    if not batches:
+        return []
+    fla, ours, copy_k = "fla" + suffix, "statereduce" + suffix, "fla_copy" + suffix
+    tag = " " + suffix.lstrip("+") if suffix else ""
+    copy_ = any(c["kernel"] == copy_k for c in cells)
+    head = ["B", f"base ms (fla{tag})", "base floor %", *([f"base ms (fla copy{tag})"] if copy_ else [])]
+    for p in pcts:
+        head += [*([f"{_pct(p)}% fla copy{tag}"] if copy_ else []), f"{_pct(p)}% fla{tag}", f"{_pct(p)}% ours{tag}",
+                 f"{_pct(p)}% ours vs fla base{tag}", f"{_pct(p)}% ideal", f"{_pct(p)}% floor % (ours{tag})"]
+    title = ("Decode (Table 17; speedup = baseline ms / pruned ms, prompt "
+             f"{doc.get('settings', {}).get('decode', {}).get('prompt')})")
+    if suffix:
+        title += ("; fused layers: packed projections and one conv launch per layer around the same state update "
+                  "(statereduce.fused_decode)")
+    lines = [title + ":", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for b in batches:
+        ref = base.get((b, fla))
+        row = [str(b), _fmt(ref["ms"]) if ref else MISSING, f"{100 * ref['floor_fraction']:.0f}" if ref else MISSING]
+        if copy_:
+            ref_c = base.get((b, copy_k))
+            row.append(_fmt(ref_c["ms"]) if ref_c else MISSING)
+        for p in pcts:
+            r_fla, r_ours = ratio.get(("decode", p, b, fla)), ratio.get(("decode", p, b, ours))
+            if copy_:
+                row.append(_x(ratio.get(("decode", p, b, copy_k), {}).get("speedup")))
+            row += [_x(r_fla and r_fla["speedup"]), _x(r_ours and r_ours["speedup"]),
+                    _x(r_ours and r_ours.get("speedup_vs_fla_baseline")),
+                    _x((r_fla or r_ours) and (r_fla or r_ours)["ideal_speedup"]),
+                    f"{100 * r_ours['floor_fraction']:.0f}" if r_ours else MISSING]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines + [""]
+
+
 def speed_markdown(docs: list[dict]) -> str:
     """Tables 17-19 layouts from ``speed.json`` documents (:func:`statereduce.speed.run_speed`), one block per model.
 
@@ -636,34 +674,8 @@ def speed_markdown(docs: list[dict]) -> str:
         ratio = {(p, r["pct"], *[r[k] for k in keys]): r for p, keys in
                  (("decode", ("batch", "kernel")), ("prefill", ("batch", "length")), ("mixer", ("batch", "seq_len")))
                  for r in doc.get("ratios", {}).get(p, [])}
-        base = {(c["batch"], c["kernel"]): c for c in doc.get("decode", []) if c["pct"] == 0 and "ms" in c}
-        batches = sorted({c["batch"] for c in doc.get("decode", [])})
-        if batches:
-            copy_ = any(c.get("kernel") == "fla_copy" for c in doc.get("decode", []))
-            head = ["B", "base ms (fla)", "base floor %", *(["base ms (fla copy)"] if copy_ else [])]
-            for p in pcts:
-                head += [*([f"{_pct(p)}% fla copy"] if copy_ else []), f"{_pct(p)}% fla", f"{_pct(p)}% ours",
-                         f"{_pct(p)}% ours vs fla base", f"{_pct(p)}% ideal", f"{_pct(p)}% floor % (ours)"]
-            lines += [("Decode (Table 17; speedup = baseline ms / pruned ms, prompt "
-                       f"{doc.get('settings', {}).get('decode', {}).get('prompt')}):"), "",
-                      "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-            for b in batches:
-                ref = base.get((b, "fla"))
-                row = [str(b), _fmt(ref["ms"]) if ref else MISSING,
-                       f"{100 * ref['floor_fraction']:.0f}" if ref else MISSING]
-                if copy_:
-                    ref_c = base.get((b, "fla_copy"))
-                    row.append(_fmt(ref_c["ms"]) if ref_c else MISSING)
-                for p in pcts:
-                    fla, ours = ratio.get(("decode", p, b, "fla")), ratio.get(("decode", p, b, "statereduce"))
-                    if copy_:
-                        row.append(_x(ratio.get(("decode", p, b, "fla_copy"), {}).get("speedup")))
-                    row += [_x(fla and fla["speedup"]), _x(ours and ours["speedup"]),
-                            _x(ours and ours.get("speedup_vs_fla_baseline")),
-                            _x((fla or ours) and (fla or ours)["ideal_speedup"]),
-                            f"{100 * ours['floor_fraction']:.0f}" if ours else MISSING]
-                lines.append("| " + " | ".join(row) + " |")
-            lines.append("")
+        for suffix in ("", "+fused"):
+            lines += _decode_table(doc, pcts, ratio, suffix)
         cells = sorted({(c["batch"], c["length"]) for c in doc.get("prefill", [])}, key=lambda t: (t[1], t[0]))
         if cells:
             base_p = {(c["batch"], c["length"]): c for c in doc["prefill"] if c["pct"] == 0}

@@ -62,7 +62,7 @@ def _check_fixed_configs_agree():
         torch.testing.assert_close(s, outs[0][1])
 
 
-def _routed_decoding(family, kernel):
+def _routed_decoding(family, kernel, return_model=False):
     """Logits of 4 one-token steps after a 12-token prompt, decoded plainly and through ``inplace_decode(kernel)``
     (on CPU); asserts that the routed steps keep the cache's state tensors and write new values into them."""
     sys.path.insert(0, str(Path(__file__).parent))
@@ -81,7 +81,7 @@ def _routed_decoding(family, kernel):
             got = [model(steps[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(4)]
             assert all(cache[i]["recurrent_state"] is s for i, s in enumerate(states))  # the same tensors ...
             assert not any(torch.equal(s, b) for s, b in zip(states, before))  # ... written through
-    return ref, got
+    return (ref, got, model) if return_model else (ref, got)
 
 
 def _check_model_decode(family):
@@ -90,9 +90,80 @@ def _check_model_decode(family):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
+def _check_strided_inputs():
+    """Views into wider rows (a fused projection's output) give the same step as contiguous copies."""
+    x = _inputs(3, 2, 4, 8, 12, gated=True, seed=5)
+    n = 3
+    wide = torch.randn(n, 1, 2 * 16 + 48 + 4 + 4 + 5)  # q | k | v | g | beta | padding
+    q, k = wide[..., :16].unflatten(-1, (2, 8)), wide[..., 16:32].unflatten(-1, (2, 8))
+    v, g, beta = wide[..., 32:80].unflatten(-1, (4, 12)), wide[..., 80:84], wide[..., 84:88]
+    opts = {"A_log": x["A_log"], "dt_bias": x["dt_bias"], "l2norm": True, "beta_sigmoid": True, "state_v_first": True}
+    s1, s2 = x["state"].clone(), x["state"].clone()
+    o1 = decode.recurrent_step(q, k, v, beta, s1, g=g, **opts)
+    o2 = decode.recurrent_step(q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), s2,
+                               g=g.contiguous(), **opts)
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)
+    torch.testing.assert_close(s1, s2, rtol=0, atol=0)
+
+
+def _check_conv_step():
+    """fused_decode.conv_step (three segments, one launch) against fla_fallback's one-segment update, with a strided
+    input row, with and without bias, and a width that is not a multiple of the block."""
+    from statereduce import fused_decode
+
+    g = torch.Generator().manual_seed(11)
+    n, w, dims = 3, 4, (20, 20, 36)
+    for bias in (False, True):
+        wide = torch.randn(n, 1, sum(dims) + 7, generator=g)
+        x = wide[..., :sum(dims)]
+        weight = torch.randn(sum(dims), 1, w, generator=g)
+        b = torch.randn(sum(dims), generator=g) if bias else None
+        caches = tuple(torch.randn(n, d, w, generator=g) for d in dims)
+        refs, start = [], 0
+        for d, c in zip(dims, caches):
+            sl = slice(start, start + d)
+            y, _ = fla_fallback.causal_conv1d_update(x[..., sl].contiguous(), c.clone(), weight=weight[sl, 0],
+                                                     bias=b[sl] if bias else None, activation="silu")
+            state = torch.cat([c[..., 1:], x[:, 0, sl, None]], -1)
+            refs.append((y, state))
+            start += d
+        got = fused_decode.conv_step(x, caches, weight, b, "silu", block=16)
+        torch.testing.assert_close(got, torch.cat([r[0] for r in refs], -1), rtol=1e-5, atol=1e-6)
+        for c, (_, state) in zip(caches, refs):
+            torch.testing.assert_close(c, state, rtol=0, atol=0)  # shifted in place
+
+
+def _check_fused_model_decode(family):
+    """The fused layer step (packed projections, one conv launch, the recurrent step on views) decodes the stock
+    model like fla's own step, with our kernel and with fla's function (here the torch fallback) plus a copy."""
+    from statereduce import fused_decode
+
+    conv_step, calls = fused_decode.conv_step, []
+    fused_decode.conv_step = lambda *a, **k: calls.append(1) or conv_step(*a, **k)
+    try:
+        for kernel in ("statereduce+fused", "fla_copy+fused"):
+            ref, got, model = _routed_decoding(family, kernel, return_model=True)
+            for r, g in zip(ref, got):
+                torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+            # the fused step ran (one conv launch per layer and step) and packed every mixer and MLP
+            n_layers = model.config.num_hidden_layers
+            assert len(calls) == 4 * n_layers, (kernel, len(calls))
+            calls.clear()
+            for layer in model.model.layers:
+                packed = layer.attn._statereduce_packed["proj"]
+                assert layer.attn.q_proj.weight.data_ptr() == packed.data_ptr()
+                assert layer.mlp.up_proj.weight.data_ptr() > layer.mlp.gate_proj.weight.data_ptr()
+                assert "gate_up" in layer.mlp._statereduce_packed
+    finally:
+        fused_decode.conv_step = conv_step
+
+
 def _check_all():
     """Every kernel check; run by Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is imported)."""
+    _check_strided_inputs()
+    _check_conv_step()
     for family in ("delta_net", "gated_deltanet"):
+        _check_fused_model_decode(family)
         _check_model_decode(family)
     for k, v in ((8, 16), (12, 20), (32, 8)):
         _check_delta_rule(k, v)
@@ -119,7 +190,7 @@ def test_bad_inputs_fail_with_one_line():
         decode.recurrent_step(x["q"].repeat(1, 2, 1, 1), x["k"], x["v"], x["beta"], x["state"])
     with pytest.raises(ValueError, match="both block_v and num_warps"):
         decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"], block_v=8)
-    with pytest.raises(ValueError, match="unknown decode kernel 'cuda'; valid: fla, statereduce, fla_copy"), \
+    with pytest.raises(ValueError, match="unknown decode kernel 'cuda'; valid: fla, statereduce, fla_copy, fla[+]fused"), \
             decode.inplace_decode("cuda"):
         pass
 

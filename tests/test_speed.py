@@ -31,7 +31,7 @@ def test_settings_defaults_are_the_papers_protocol():
     ({"blas": "cuBLAS"}, "unknown speed blas 'cuBLAS'; valid: cublas, cublaslt, or null for torch's default"),
     ({"decode": {"batch": [1]}}, r"unknown speed.decode setting\(s\) \['batch'\]"),
     ({"pcts": [100]}, r"speed pct 100 is outside \[0, 100\)"),
-    ({"decode": {"kernels": ["cuda"]}}, r"unknown decode kernel\(s\) \['cuda'\]; valid: fla, statereduce"),
+    ({"decode": {"kernels": ["cuda"]}}, r"unknown decode kernel 'cuda'; valid: fla, statereduce, fla_copy, fla\+fused"),
 ])
 def test_bad_settings_fail_with_one_line(over, msg):
     with pytest.raises(ValueError, match=msg):
@@ -101,6 +101,21 @@ def test_table_adds_fla_copy_columns_when_measured():
     assert "| 1 | 2.000 | 50 | 3.000 | 2.50× | 2.00× | – | – | 2.00× | – |" in md
     assert "| 64 | 4.000 | 50 | – | – | – | – | – | – | – |" in md
     assert "| 1 | 2.000 | 50 | 2.00× |" in speed_markdown([_doc() | {"ratios": speed.speed_ratios(_doc())}])
+
+
+def test_fused_kernels_get_their_own_table_against_the_fused_fla_baseline():
+    doc = _doc()
+    doc["decode"] += [{**doc["decode"][0], "kernel": "fla+fused", "ms": 1.6},
+                      {**doc["decode"][0], "kernel": "statereduce+fused", "ms": 1.5},
+                      {**doc["decode"][2], "kernel": "statereduce+fused", "ms": 0.8}]
+    doc["ratios"] = speed.speed_ratios(doc)
+    (fused,) = [r for r in doc["ratios"]["decode"] if r["kernel"] == "statereduce+fused"]
+    # against the fused baseline with fla's kernel (1.6 ms), not the stock one (2.0 ms)
+    assert (fused["speedup"], fused["speedup_vs_fla_baseline"]) == (1.5 / 0.8, 2.0)
+    md = speed_markdown([doc])
+    assert "| 1 | 2.000 | 50 | 2.00× | – | – | 2.00× | – |" in md  # the stock table is unchanged
+    assert "| B | base ms (fla fused) | base floor % | 50% fla fused | 50% ours fused |" in md
+    assert "| 1 | 1.600 | 50 | – | 1.88× | 2.00× | 2.00× | 50 |" in md
 
 
 def test_prefill_table_adds_device_columns_when_profiled():

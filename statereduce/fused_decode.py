@@ -1,0 +1,284 @@
+"""A leaner one-token decode step for the stock fla DeltaNet / Gated DeltaNet models: fewer, wider launches.
+
+At batch 64 a 1.3B DeltaNet's graph-replayed decode step spends about 2.2 ms outside the recurrent state update
+(docs/speed_h200.md): per layer the stock layer launches three or four narrow projections (q, k, v, beta; Gated
+DeltaNet also a and the output gate), three short-convolution updates, a sigmoid and two L2 norms, and its MLP two
+more projections. A projection with 2048 outputs at 64 rows fills a fraction of an H200's SMs (6 us for 8 MB of
+weights, a third of the bandwidth), and each small kernel costs a few microseconds whatever its size. That fixed
+part does not shrink with the state, so it caps the speedup that state reduction can show.
+
+Within :func:`fused_layers` the decode calls (one token, a cache, no mask, no autograd) of each supported layer run:
+
+1. one projection ``x @ [W_q; W_k; W_v; (W_g); (W_a); W_b]^T`` (the weights packed once into one tensor, the stock
+   ``nn.Linear`` parameters rebound as views of it, so values and the stock forward are unchanged);
+2. one launch of :func:`conv_step`, the three short-convolution updates (and SiLU) over the q, k and v channels of
+   that output, each reading and writing its own cache tensor in place (fla's cache layout is kept);
+3. the recurrent step on views into those rows: :func:`statereduce.decode.recurrent_step` (L2 norms, beta's
+   sigmoid and Gated DeltaNet's decay computed in the kernel), or, for the fla kernels, fla's function as routed
+   by :func:`statereduce.decode.inplace_decode` with the inputs it expects;
+4. the stock output norm (gated by the packed projection's gate slice) and output projection;
+
+and each ``GatedMLP`` with SwiGLU computes gate and up with one packed projection. Layer configurations the fused
+step does not cover (no short convolution, other activations or q/k norms) run the stock forward. The result equals
+the stock step up to rounding (beta's sigmoid is taken in float32 in the kernel, fla rounds it to the input dtype
+first), checked against fla's own decoding in tests and before every timed GPU run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+
+@triton.jit
+def _conv_segment(x, y, cache, w, b, i_n, i_b, s_x, s_y, OFF: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                  BD: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    o_d = i_b * BD + tl.arange(0, BD)
+    o_w = tl.arange(0, BW)
+    m_d = o_d < D
+    m_w = o_w < W
+    b_x = tl.load(x + i_n * s_x + OFF + o_d, mask=m_d, other=0).to(tl.float32)
+    p_c = cache + i_n * D * W + o_d[:, None] * W + o_w[None, :]
+    # the window moves by one: the cache's last W - 1 inputs, then this token's
+    b_c = tl.load(p_c + 1, mask=m_d[:, None] & ((o_w + 1) < W)[None, :], other=0).to(tl.float32)
+    b_c = tl.where((o_w == W - 1)[None, :], b_x[:, None], b_c)
+    b_w = tl.load(w + (OFF + o_d)[:, None] * W + o_w[None, :], mask=m_d[:, None] & m_w[None, :], other=0)
+    b_y = tl.sum(b_c * b_w.to(tl.float32), 1)
+    if HAS_BIAS:
+        b_y += tl.load(b + OFF + o_d, mask=m_d, other=0).to(tl.float32)
+    if SILU:
+        b_y = b_y * tl.sigmoid(b_y)
+    tl.store(y + i_n * s_y + OFF + o_d, b_y.to(y.dtype.element_ty), mask=m_d)
+    tl.store(p_c, b_c.to(cache.dtype.element_ty), mask=m_d[:, None] & m_w[None, :])
+
+
+@triton.jit
+def _conv_kernel(x, y, c0, c1, c2, w, b, s_x, s_y, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+                 NB0: tl.constexpr, NB1: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    # programs [0, NB0) update the first segment's channels, the next NB1 the second's, the rest the third's
+    i_b = tl.program_id(0)
+    i_n = tl.program_id(1).to(tl.int64)
+    if i_b < NB0:
+        _conv_segment(x, y, c0, w, b, i_n, i_b, s_x, s_y, 0, D0, W, BD, BW, HAS_BIAS, SILU)
+    elif i_b < NB0 + NB1:
+        _conv_segment(x, y, c1, w, b, i_n, i_b - NB0, s_x, s_y, D0, D1, W, BD, BW, HAS_BIAS, SILU)
+    else:
+        _conv_segment(x, y, c2, w, b, i_n, i_b - NB0 - NB1, s_x, s_y, D0 + D1, D2, W, BD, BW, HAS_BIAS, SILU)
+
+
+def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weight: torch.Tensor,
+              bias: torch.Tensor | None = None, activation: str | None = "silu", block: int = 128) -> torch.Tensor:
+    """One token of three depthwise causal convolutions (fla's ``ShortConvolution`` step) in one launch.
+
+    Args:
+        x: ``[N, 1, D0 + D1 + D2]`` (or ``[N, D]``), unit stride along the channels, any stride between sequences
+            (a slice of a wider projection output).
+        caches: the three conv states ``[N, Di, W]`` (contiguous), the last ``W`` inputs of channels
+            ``[0, D0)``, ``[D0, D0 + D1)`` and ``[D0 + D1, D)``; each is shifted by one and updated in place.
+        weight: ``[D, W]`` or ``[D, 1, W]`` filters of all channels, contiguous; bias: ``[D]`` or None.
+        activation: ``"silu"`` / ``"swish"`` or None.
+
+    Returns:
+        ``[N, 1, D]`` (``[N, D]`` for a 2-D ``x``), contiguous, in x's dtype.
+    """
+    n, d = x.shape[0], x.shape[-1]
+    dims = [c.shape[1] for c in caches]
+    w = weight.shape[-1]
+    if len(caches) != 3 or sum(dims) != d or x.numel() != n * d:
+        raise ValueError(f"conv_step takes one token [N, 1, D] and three caches whose channels sum to D; got x "
+                         f"{tuple(x.shape)}, caches {[tuple(c.shape) for c in caches]}")
+    if any(not c.is_contiguous() or c.shape[0] != n or c.shape[2] != w for c in caches):
+        raise ValueError(f"conv caches must be contiguous [N={n}, Di, W={w}]; got "
+                         f"{[(tuple(c.shape), c.is_contiguous()) for c in caches]}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"conv_step activation {activation!r} is not supported; valid: silu, swish, None")
+    rows = x.reshape(n, d)
+    rows = rows if rows.stride(1) == 1 else rows.contiguous()
+    weight = weight.reshape(d, w).contiguous()
+    y = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    nb = [triton.cdiv(di, block) for di in dims]
+    _conv_kernel[(sum(nb), n)](rows, y, *caches, weight, bias, rows.stride(0), y.stride(0), D0=dims[0],
+                                 D1=dims[1], D2=dims[2], NB0=nb[0], NB1=nb[1], W=w, BD=block,
+                                 BW=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
+                                 SILU=activation is not None, num_warps=4)
+    return y.view(x.shape) if x.dim() == 3 else y
+
+
+# ---------------------------------------------------------------------------------------------
+# packed weights
+# ---------------------------------------------------------------------------------------------
+def _pack(module: nn.Module, key: str, params: list[tuple[nn.Module, str]]) -> torch.Tensor:
+    """One tensor holding ``params`` (stacked along dim 0), each rebound as a view of it; reused while valid."""
+    packed = getattr(module, "_statereduce_packed", {}).get(key)
+    tensors = [getattr(m, name) for m, name in params]
+    if packed is not None:
+        offset, ok = 0, True
+        for t in tensors:
+            ok = ok and t.data_ptr() == packed[offset:].data_ptr() and t.is_contiguous()
+            offset += t.shape[0]
+        if ok and offset == packed.shape[0]:
+            return packed
+    with torch.no_grad():
+        packed = torch.cat([t.detach() for t in tensors], 0)
+    offset = 0
+    for (m, name), t in zip(params, tensors):
+        view = packed[offset:offset + t.shape[0]]
+        setattr(m, name, nn.Parameter(view, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else view)
+        offset += t.shape[0]
+    if not hasattr(module, "_statereduce_packed"):
+        module._statereduce_packed = {}
+    module._statereduce_packed[key] = packed
+    return packed
+
+
+def _mixer_plan(layer: nn.Module) -> dict[str, Any] | None:
+    """How a stock fla DeltaNet / GatedDeltaNet layer's decode step is fused, or None to keep the stock step."""
+    name = type(layer).__name__
+    if name not in ("DeltaNet", "GatedDeltaNet") or not getattr(layer, "use_short_conv", False):
+        return None
+    convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
+    if any(getattr(c, "activation", None) not in ("silu", "swish") for c in convs):
+        return None
+    if len({c.kernel_size[0] for c in convs}) != 1 or len({c.bias is None for c in convs}) != 1:
+        return None
+    rows = ["q_proj", "k_proj", "v_proj"] + (["g_proj"] if layer.use_gate else [])
+    if name == "DeltaNet":
+        if layer.qk_activation != "silu" or layer.qk_norm not in ("l2", None) or not layer.use_beta:
+            return None
+        return {"gated": False, "rows": rows + ["b_proj"], "heads": layer.num_heads, "v_heads": layer.num_heads}
+    return {"gated": True, "rows": rows + ["a_proj", "b_proj"], "heads": layer.num_heads,
+            "v_heads": layer.num_v_heads}
+
+
+def pack_for_decode(model: nn.Module) -> int:
+    """Pack the weights the fused step reads (each supported mixer's projections and conv filters, each SwiGLU MLP's
+    gate and up) into one tensor per group, rebinding the stock parameters as views (values unchanged). The fused
+    step also packs on first use; calling this first keeps the allocation out of a timed or captured region.
+    Returns the number of modules packed."""
+    count = 0
+    for module in model.modules():
+        plan = _mixer_plan(module)
+        if plan is not None:
+            _pack(module, "proj", [(getattr(module, r), "weight") for r in plan["rows"]])
+            _pack(module, "conv", [(c, "weight") for c in (module.q_conv1d, module.k_conv1d, module.v_conv1d)])
+            if module.q_conv1d.bias is not None:
+                _pack(module, "conv_bias", [(c, "bias") for c in (module.q_conv1d, module.k_conv1d, module.v_conv1d)])
+            count += 1
+        elif _mlp_fusable(module):
+            _pack(module, "gate_up", [(module.gate_proj, "weight"), (module.up_proj, "weight")])
+            count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------------------------
+# fused forwards
+# ---------------------------------------------------------------------------------------------
+def _mlp_fusable(module: nn.Module) -> bool:
+    return (type(module).__name__ == "GatedMLP" and getattr(module, "hidden_act", None) == "swish"
+            and module.gate_proj.bias is None and module.up_proj.bias is None)
+
+
+def _one_token(x: torch.Tensor, device_types: tuple[str, ...]) -> bool:
+    return x.dim() == 3 and x.shape[1] == 1 and x.device.type in device_types and not torch.is_grad_enabled()
+
+
+def _mixer_forward(original, kernel: str, device_types: tuple[str, ...]):
+    from fla.layers.utils import get_layer_cache, update_layer_cache
+
+    from statereduce.decode import recurrent_step
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        plan = _mixer_plan(self)
+        last = get_layer_cache(self, past_key_values) if past_key_values is not None else None
+        if (plan is None or last is None or not use_cache or attention_mask is not None or kwargs.get("cu_seqlens")
+                is not None or not _one_token(hidden_states, device_types)
+                or last.get("recurrent_state") is None or last.get("conv_state") is None):
+            return original(self, hidden_states, attention_mask, past_key_values, use_cache, output_attentions,
+                            **kwargs)
+        n = hidden_states.shape[0]
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        weight = _pack(self, "proj", [(getattr(self, r), "weight") for r in plan["rows"]])
+        conv_w = _pack(self, "conv", [(c, "weight") for c in convs])
+        conv_b = _pack(self, "conv_bias", [(c, "bias") for c in convs]) if self.q_conv1d.bias is not None else None
+        y = F.linear(hidden_states, weight)  # [N, 1, q | k | v | (g) | (a) | b]
+        ck, cv = self.key_dim, self.value_dim
+        h, hv, dk, dv = plan["heads"], plan["v_heads"], self.head_k_dim, self.head_v_dim
+        qkv = conv_step(y[..., :2 * ck + cv], tuple(last["conv_state"]), conv_w, conv_b, self.q_conv1d.activation)
+        q, k = qkv[..., :ck].unflatten(-1, (h, dk)), qkv[..., ck:2 * ck].unflatten(-1, (h, dk))
+        v = qkv[..., 2 * ck:].unflatten(-1, (hv, dv))
+        at = 2 * ck + cv
+        gate = y[..., at:at + cv].unflatten(-1, (hv, dv)) if self.use_gate else None
+        at += cv if self.use_gate else 0
+        state = last["recurrent_state"]
+        if plan["gated"]:
+            a, beta = y[..., at:at + hv], y[..., at + hv:at + 2 * hv]
+            opts = {"A_log": self.A_log, "dt_bias": self.dt_bias, "allow_neg_eigval": self.allow_neg_eigval}
+            if kernel == "statereduce":
+                o = recurrent_step(q, k, v, beta, state, g=a, l2norm=True, beta_sigmoid=True, state_v_first=True,
+                                   **opts)
+            else:  # fla's function as inplace_decode routes it, with the inputs fla's kernels expect
+                step = sys.modules["fla.layers.gated_deltanet"].fused_recurrent_gated_delta_rule
+                o, _ = step(q.contiguous(), k.contiguous(), v.contiguous(), g=a.contiguous(), beta=beta.contiguous(),
+                            initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True, **opts)
+        else:
+            beta = y[..., at:at + h]
+            l2 = self.qk_norm == "l2"
+            if kernel == "statereduce":
+                o = recurrent_step(q, k, v, beta, state, l2norm=l2, round_qk=l2, beta_sigmoid=True,
+                                   allow_neg_eigval=self.allow_neg_eigval)
+            else:
+                beta = beta.sigmoid() * 2 if self.allow_neg_eigval else beta.sigmoid()
+                step = sys.modules["fla.layers.delta_net"].fused_recurrent_delta_rule
+                o, _ = step(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), beta=beta, initial_state=state,
+                            output_final_state=True, use_qk_l2norm_in_kernel=l2)
+        update_layer_cache(self, past_key_values, recurrent_state=state, conv_state=last["conv_state"], offset=1)
+        o = self.o_norm(o, gate) if gate is not None else self.o_norm(o)
+        return self.o_proj(o.reshape(n, 1, hv * dv)), None, past_key_values
+
+    return forward
+
+
+def _mlp_forward(original, device_types: tuple[str, ...]):
+    def forward(self, x, **kwargs):
+        if not (_mlp_fusable(self) and _one_token(x, device_types)):
+            return original(self, x, **kwargs)
+        width = self.gate_proj.weight.shape[0]
+        gate_up = F.linear(x, _pack(self, "gate_up", [(self.gate_proj, "weight"), (self.up_proj, "weight")]))
+        gate, up = gate_up[..., :width], gate_up[..., width:]
+        if self.fuse_swiglu:
+            return self.swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(sys.modules["fla.modules.mlp"].swiglu(gate, up))
+
+    return forward
+
+
+@contextlib.contextmanager
+def fused_layers(kernel: str = "statereduce", device_types: tuple[str, ...] = ("cuda",)) -> Iterator[None]:
+    """Within the block, one-token decode calls of the stock fla DeltaNet / GatedDeltaNet layers and SwiGLU MLPs
+    take the fused step (module docstring). Use it inside :func:`statereduce.decode.inplace_decode` with the same
+    ``kernel``: the fused step updates the recurrent state with ``kernel``'s in-place step."""
+    targets = [("fla.layers.delta_net", "DeltaNet", lambda f: _mixer_forward(f, kernel, device_types)),
+               ("fla.layers.gated_deltanet", "GatedDeltaNet", lambda f: _mixer_forward(f, kernel, device_types)),
+               ("fla.modules.mlp", "GatedMLP", lambda f: _mlp_forward(f, device_types))]
+    saved = []
+    try:
+        for module_name, cls_name, make in targets:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+            saved.append((cls, cls.__dict__["forward"]))
+            cls.forward = make(cls.__dict__["forward"])
+        yield
+    finally:
+        for cls, forward in saved:
+            cls.forward = forward
