@@ -9,8 +9,9 @@ part does not shrink with the state, so it caps the speedup that state reduction
 
 Within :func:`fused_layers` the decode calls (one token, a cache, no mask, no autograd) of each supported layer run:
 
-1. one projection ``x @ [W_q; W_k; W_v; (W_g); (W_a); W_b]^T`` (the weights packed once into one tensor, the stock
-   ``nn.Linear`` parameters rebound as views of it, so values and the stock forward are unchanged);
+1. one projection ``x @ [W_q; W_k; W_v; (W_g); (W_a); W_b]^T`` (the weights packed once into one tensor, padded
+   with zero rows to an aligned width, the stock ``nn.Linear`` parameters rebound as views of it, so values and the
+   stock forward are unchanged);
 2. one launch of :func:`conv_step`, the three short-convolution updates (and SiLU) over the q, k and v channels of
    that output, each reading and writing its own cache tensor in place (fla's cache layout is kept);
 3. the recurrent step on views into those rows: :func:`statereduce.decode.recurrent_step` (L2 norms, beta's
@@ -117,19 +118,27 @@ def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.T
 # ---------------------------------------------------------------------------------------------
 # packed weights
 # ---------------------------------------------------------------------------------------------
-def _pack(module: nn.Module, key: str, params: list[tuple[nn.Module, str]]) -> torch.Tensor:
-    """One tensor holding ``params`` (stacked along dim 0), each rebound as a view of it; reused while valid."""
+def _pack(module: nn.Module, key: str, params: list[tuple[nn.Module, str]], align: int = 1) -> torch.Tensor:
+    """One tensor holding ``params`` (stacked along dim 0), each rebound as a view of it; reused while valid.
+
+    ``align``: zero rows are appended up to a multiple of it. A projection whose output width is not a multiple of
+    8 has rows that are not 16-byte aligned, and cuBLAS then falls back to a slow kernel (seen on the H200: a
+    Gated DeltaNet q|k|v|g|a|b projection of 9228 outputs ran on an ``align2`` CUTLASS kernel at 1.8 TB/s).
+    """
     packed = getattr(module, "_statereduce_packed", {}).get(key)
     tensors = [getattr(m, name) for m, name in params]
+    rows = sum(t.shape[0] for t in tensors)
     if packed is not None:
         offset, ok = 0, True
         for t in tensors:
             ok = ok and t.data_ptr() == packed[offset:].data_ptr() and t.is_contiguous()
             offset += t.shape[0]
-        if ok and offset == packed.shape[0]:
+        if ok and packed.shape[0] == -(-rows // align) * align:
             return packed
     with torch.no_grad():
-        packed = torch.cat([t.detach() for t in tensors], 0)
+        pad = -rows % align
+        tail = [tensors[0].new_zeros(pad, *tensors[0].shape[1:])] if pad else []
+        packed = torch.cat([t.detach() for t in tensors] + tail, 0)
     offset = 0
     for (m, name), t in zip(params, tensors):
         view = packed[offset:offset + t.shape[0]]
@@ -139,6 +148,10 @@ def _pack(module: nn.Module, key: str, params: list[tuple[nn.Module, str]]) -> t
         module._statereduce_packed = {}
     module._statereduce_packed[key] = packed
     return packed
+
+
+PROJ_ALIGN = 64
+"""The packed projection's output width is padded (zero rows) to a multiple of this."""
 
 
 def _mixer_plan(layer: nn.Module) -> dict[str, Any] | None:
@@ -169,7 +182,7 @@ def pack_for_decode(model: nn.Module) -> int:
     for module in model.modules():
         plan = _mixer_plan(module)
         if plan is not None:
-            _pack(module, "proj", [(getattr(module, r), "weight") for r in plan["rows"]])
+            _pack(module, "proj", [(getattr(module, r), "weight") for r in plan["rows"]], PROJ_ALIGN)
             _pack(module, "conv", [(c, "weight") for c in (module.q_conv1d, module.k_conv1d, module.v_conv1d)])
             if module.q_conv1d.bias is not None:
                 _pack(module, "conv_bias", [(c, "bias") for c in (module.q_conv1d, module.k_conv1d, module.v_conv1d)])
@@ -208,7 +221,7 @@ def _mixer_forward(original, kernel: str, device_types: tuple[str, ...]):
                             **kwargs)
         n = hidden_states.shape[0]
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        weight = _pack(self, "proj", [(getattr(self, r), "weight") for r in plan["rows"]])
+        weight = _pack(self, "proj", [(getattr(self, r), "weight") for r in plan["rows"]], PROJ_ALIGN)
         conv_w = _pack(self, "conv", [(c, "weight") for c in convs])
         conv_b = _pack(self, "conv_bias", [(c, "bias") for c in convs]) if self.q_conv1d.bias is not None else None
         y = F.linear(hidden_states, weight)  # [N, 1, q | k | v | (g) | (a) | b]
