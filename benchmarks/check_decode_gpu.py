@@ -9,8 +9,10 @@
    fla's function (new state), fla's kernel in place, ours (autotuned) and a sweep of every tile config the
    autotuner tries (``decode.TILE_CONFIGS``, each with and without streaming cache hints);
    bandwidth = state bytes read + written / time, against the measured copy bandwidth.
+3. Conv: the fused decode step's one-launch short convolution (``fused_decode.conv_step``) against fla's
+   ``causal_conv1d_update`` run per q / k / v segment.
 
-    python benchmarks/check_decode_gpu.py OUT.json [correctness,chunk,timing]
+    python benchmarks/check_decode_gpu.py OUT.json [correctness,chunk,timing,conv]
 """
 
 from __future__ import annotations
@@ -177,11 +179,42 @@ def timing(out, layers=24, n=64):
         torch.cuda.empty_cache()
 
 
-PARTS = {"correctness": correctness, "chunk": chunk_check, "timing": timing}
+def conv_check(out):
+    """fused_decode.conv_step (q, k and v channels in one launch) against fla's causal_conv1d_update per segment,
+    bf16, with the row a slice of a wider projection output (the fused step's layout)."""
+    from fla.modules.causal_conv1d.ops import causal_conv1d_update
+
+    from statereduce.fused_decode import conv_step
+
+    for n, dims in ((1, (2048, 2048, 2048)), (64, (2048, 2048, 2048)), (64, (512, 512, 2048)),
+                    (64, (1536, 1536, 3072)), (3, (40, 40, 72))):
+        torch.manual_seed(n + sum(dims))
+        d = sum(dims)
+        wide = torch.randn(n, 1, d + 64, device="cuda", dtype=torch.bfloat16)
+        x = wide[..., :d]
+        weight = torch.randn(d, 1, 4, device="cuda", dtype=torch.bfloat16) * 0.3
+        caches = [torch.randn(n, di, 4, device="cuda", dtype=torch.bfloat16) for di in dims]
+        ref_caches = [c.clone() for c in caches]
+        refs, start = [], 0
+        for di, c in zip(dims, ref_caches):
+            sl = slice(start, start + di)
+            y_ref, _ = causal_conv1d_update(x[..., sl].contiguous(), c, weight=weight[sl, 0], activation="silu")
+            refs.append(y_ref)
+            start += di
+        y = conv_step(x, tuple(caches), weight, None, "silu")
+        torch.cuda.synchronize()
+        ref = torch.cat(refs, -1).reshape(y.shape)
+        out["conv"].append({"n": n, "dims": dims, "y_max_abs": float((y.float() - ref.float()).abs().max()),
+                            "cache_equal": all(torch.equal(a, b) for a, b in zip(caches, ref_caches))})
+    print("conv_step vs fla:", out["conv"], flush=True)
 
 
-def main(path, parts=("correctness", "chunk", "timing")):
-    out = {"device": torch.cuda.get_device_name(), "correctness": [], "chunk_vs_recurrent": [], "timing": []}
+PARTS = {"correctness": correctness, "chunk": chunk_check, "timing": timing, "conv": conv_check}
+
+
+def main(path, parts=("correctness", "chunk", "timing", "conv")):
+    out = {"device": torch.cuda.get_device_name(), "correctness": [], "chunk_vs_recurrent": [], "timing": [],
+           "conv": []}
     out["copy_bandwidth_Bps"] = copy_bandwidth()
     print("copy bandwidth GB/s", out["copy_bandwidth_Bps"] / 1e9, flush=True)
     for part in (PARTS[p] for p in parts):

@@ -359,41 +359,51 @@ def write_markdown_html(md_path: str | Path, out_html: str | Path) -> Path:
 def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
     """Decode speedup against batch size (paper Fig. 4a) and prefill speedup per batch x length (Fig. 4b).
 
-    One line per (model, ratio, decode kernel) from the ``ratios`` of ``speed.json`` documents; the dotted lines are
-    the byte-ratio ideals. Without prefill cells in any document the figure has the decode panel only.
+    One decode panel per model (a line per decode kernel and ratio, from the ``ratios`` of ``speed.json``
+    documents; grey lines: the byte-ratio ideals; open points: a kernel measured at some batch sizes only), and one
+    prefill panel below for all models. Without prefill cells in any document the figure has the decode panels only.
     """
+    from matplotlib.lines import Line2D
+
     has_prefill = any(doc.get("ratios", {}).get("prefill") for doc in docs)
-    fig = _figure(10.0 if has_prefill else 6.0, 4.0)
-    ax_d, ax_p = fig.subplots(1, 2) if has_prefill else (fig.subplots(1, 1), None)
-    styles = {"fla": "-", "statereduce": "--", "fla_copy": "-.", "statereduce+fused": (0, (8, 2)),
-              "fla+fused": (0, (4, 1, 1, 1)), "fla_copy+fused": (0, (4, 1, 1, 1, 1, 1))}
-    names = {"fla": "fla", "statereduce": "ours", "fla_copy": "fla copy", "statereduce+fused": "ours, fused",
-             "fla+fused": "fla, fused", "fla_copy+fused": "fla copy, fused"}
-    i = 0
-    for doc in docs:
-        name = doc.get("model") or doc.get("family")
+    models = [doc for doc in docs if doc.get("ratios", {}).get("decode")] or list(docs[:1])
+    fig = _figure(max(5.0 * len(models), 10.0 if has_prefill else 5.0), 8.0 if has_prefill else 4.2)
+    grid = fig.add_gridspec(2 if has_prefill else 1, len(models))
+    axes_d = [fig.add_subplot(grid[0, j]) for j in range(len(models))]
+    ax_p = fig.add_subplot(grid[1, :]) if has_prefill else None
+    kernels = {"fla": "fla", "statereduce": "ours", "fla_copy": "fla copy", "fla+fused": "fla, fused",
+               "statereduce+fused": "ours, fused", "fla_copy+fused": "fla copy, fused"}
+    colors = {k: METHOD_COLORS[i % len(METHOD_COLORS)] for i, k in enumerate(kernels)}
+    pct_styles = [("--", "o"), ("-", "s"), (":", "^")]  # by ratio: 50 % dashed circles, 75 % solid squares, ...
+    for ax_d, doc in zip(axes_d, models):
         rows = doc.get("ratios", {}).get("decode", [])
-        for pct in sorted({r["pct"] for r in rows}):
-            color = METHOD_COLORS[i % len(METHOD_COLORS)]
-            i += 1
-            for kernel, style in styles.items():
+        pcts = sorted({r["pct"] for r in rows})
+        shown = []
+        for p_i, pct in enumerate(pcts):
+            line, marker = pct_styles[p_i % len(pct_styles)]
+            batches = {r["batch"] for r in rows if r["pct"] == pct}
+            for kernel in kernels:
                 pts = sorted((r["batch"], r["speedup"]) for r in rows if r["pct"] == pct and r["kernel"] == kernel)
-                # a kernel measured at a few of the batch sizes only is drawn as points, not a line through gaps
-                sparse = len(pts) < len({r["batch"] for r in rows if r["pct"] == pct})
+                # a kernel measured at a few of the batch sizes only is drawn as open points, not a line through gaps
+                sparse = len(pts) < len(batches)
                 if pts:
-                    ax_d.plot(*zip(*pts), linestyle="none" if sparse else style, marker="D" if sparse else "o",
-                              color=color, fillstyle="none" if sparse else "full",
-                              label=f"{name} {_pct(pct)}% ({names[kernel]})")
+                    ax_d.plot(*zip(*pts), linestyle="none" if sparse else line, marker=marker, markersize=4,
+                              color=colors[kernel], fillstyle="none" if sparse else "full")
+                    shown.append(kernel)
             ideal = sorted({(r["batch"], r["ideal_speedup"]) for r in rows if r["pct"] == pct})
             if ideal:
-                ax_d.plot(*zip(*ideal), ":", color=color, linewidth=1)
-    ax_d.set_xscale("log", base=2)
-    ax_d.set_xlabel("batch size")
-    ax_d.set_ylabel("decode speedup (×)")
-    ax_d.axhline(1.0, color="0.6", linewidth=0.8)
-    ax_d.set_title("decode (dotted: byte-ratio ideal)")
-    if ax_d.lines:
-        ax_d.legend(fontsize=7)
+                ax_d.plot(*zip(*ideal), line, color="0.55", linewidth=1)
+        ax_d.set_xscale("log", base=2)
+        ax_d.set_xlabel("batch size")
+        ax_d.set_ylabel("decode speedup (×)")
+        ax_d.axhline(1.0, color="0.6", linewidth=0.8)
+        ax_d.set_title(f"{doc.get('model') or doc.get('family')}: decode (grey: byte-ratio ideal)", fontsize=9)
+        handles = [Line2D([], [], color=colors[k], linewidth=2, label=kernels[k]) for k in kernels if k in shown]
+        handles += [Line2D([], [], color="0.3", linestyle=pct_styles[i % len(pct_styles)][0],
+                           marker=pct_styles[i % len(pct_styles)][1], markersize=4, label=f"{_pct(p)}% removed")
+                    for i, p in enumerate(pcts)]
+        if shown:
+            ax_d.legend(handles=handles, fontsize=7, loc="upper left")
     if ax_p is None:
         return _save(fig, out_png)
     # grouped bars: one group per batch x length cell, one bar per (model, ratio)

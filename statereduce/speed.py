@@ -49,7 +49,8 @@ DEFAULT_SPEED: dict[str, Any] = {
     "dtype": "bfloat16",
     "blas": None,
     "decode": {"prompt": 512, "batches": [1, 2, 4, 8, 16, 32, 64], "warmup": 10, "steps": 100, "trials": 3,
-               "kernels": ["fla", "statereduce", "fla_copy"], "check_steps": 3},
+               "kernels": ["fla", "statereduce", "fla_copy", "fla+fused", "statereduce+fused", "fla_copy+fused"],
+               "check_steps": 3},
     "prefill": {"batches": [1, 4, 8, 16], "lengths": [2048, 8192, 16384], "warmup": 1, "steps": 3, "trials": 3,
                 "graph": True, "profile": True},
     "mixer": {"batches": [8, 16, 32], "seq_len": 2048, "warmup": 3, "steps": 10, "trials": 3, "arch": {},
@@ -333,10 +334,21 @@ def decode_cells(model, config, family: str, settings: Mapping[str, Any], bandwi
 # ---------------------------------------------------------------------------------------------
 # prefill and mixer
 # ---------------------------------------------------------------------------------------------
+_WARMUP_STREAM: torch.cuda.Stream | None = None
+
+
 def graphed(fn: Callable[[], Any], warmup: int = 1) -> Callable[[], None]:
     """``fn`` captured in a CUDA graph (after ``warmup`` calls on a side stream, as torch asks); returns the graph's
-    replay. Timing replays measures the device's work without Python's launch overhead."""
-    side = torch.cuda.Stream()
+    replay. Timing replays measures the device's work without Python's launch overhead.
+
+    The warm-up stream is one for the process: cuBLAS keeps a workspace (32 MiB on an H200) for every stream it has
+    run on, so a new stream per capture held one more workspace per measured cell, and a later cell's peak memory
+    counted the earlier cells' workspaces (seen in session 4's mixer run: pruned cells measured after the baseline
+    had 100-170 MB more allocated before the call)."""
+    global _WARMUP_STREAM
+    if _WARMUP_STREAM is None:
+        _WARMUP_STREAM = torch.cuda.Stream()
+    side = _WARMUP_STREAM
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):
