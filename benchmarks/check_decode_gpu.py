@@ -24,7 +24,7 @@ import sys
 import torch
 
 from statereduce import decode
-from statereduce.speed import copy_bandwidth
+from statereduce.speed import copy_bandwidth, graphed
 
 
 def rel(a, b):
@@ -112,24 +112,15 @@ def chunk_check(out):
 
 def graph_time(fn_list, trials=5, reps=20):
     """Median per-replay ms of a graph running every fn in fn_list once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fn_list:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fn_list:
-            fn()
+    replay = graphed(lambda: [fn() for fn in fn_list])
     for _ in range(3):
-        g.replay()
+        replay()
     ms = []
     for _ in range(trials):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(reps):
-            g.replay()
+            replay()
         b.record()
         b.synchronize()
         ms.append(a.elapsed_time(b) / reps)

@@ -7,7 +7,8 @@ pruned checkpoint has. Every measurement of one run shares the device, so each s
 
 - **Decode** (Table 17): a prompt of ``prompt`` tokens is prefilled, then the one-token step is captured in a CUDA
   graph over static buffers (the recurrent state is updated in place by :mod:`statereduce.decode`, with fla's own
-  kernel or ours, or, as ``fla_copy``, by fla's unmodified function plus a copy back) and replayed: ``warmup``
+  kernel or ours, or, as ``fla_copy``, by fla's unmodified function plus a copy back; each also as ``+fused``, with
+  :mod:`statereduce.fused_decode`'s leaner layer step around it) and replayed: ``warmup``
   replays, then ``trials`` x ``steps`` timed replays; the median trial gives ms/token and tokens/s. Each cell
   records peak memory and its *byte floor*: the bytes one step must move (every weight once, the embedding rows of
   the batch, the recurrent state (float32) and conv state read and written per sequence, the logits written) over
@@ -334,28 +335,41 @@ def decode_cells(model, config, family: str, settings: Mapping[str, Any], bandwi
 # ---------------------------------------------------------------------------------------------
 # prefill and mixer
 # ---------------------------------------------------------------------------------------------
-_WARMUP_STREAM: torch.cuda.Stream | None = None
+_CAPTURE_STREAM: torch.cuda.Stream | None = None
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The one side stream every graph of this process warms up and is captured on, with its cuBLAS workspace made.
+
+    cuBLAS keeps a workspace (32 MiB on an H200) for every stream it has run on. With a new stream per capture, every
+    measured cell held one more workspace than the one before (session 4's first mixer run: pruned cells had 100-170
+    MB more allocated before the call than the baseline's). With one stream, made with its workspace before the first
+    measurement (:func:`run_speed` calls this first), every cell starts from the same allocations.
+    """
+    global _CAPTURE_STREAM
+    if _CAPTURE_STREAM is None:
+        _CAPTURE_STREAM = torch.cuda.Stream()
+        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        for stream in (torch.cuda.current_stream(), _CAPTURE_STREAM):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                torch.mm(a, a)  # allocates this stream's cuBLAS workspace
+        torch.cuda.synchronize()
+    return _CAPTURE_STREAM
 
 
 def graphed(fn: Callable[[], Any], warmup: int = 1) -> Callable[[], None]:
     """``fn`` captured in a CUDA graph (after ``warmup`` calls on a side stream, as torch asks); returns the graph's
-    replay. Timing replays measures the device's work without Python's launch overhead.
-
-    The warm-up stream is one for the process: cuBLAS keeps a workspace (32 MiB on an H200) for every stream it has
-    run on, so a new stream per capture held one more workspace per measured cell, and a later cell's peak memory
-    counted the earlier cells' workspaces (seen in session 4's mixer run: pruned cells measured after the baseline
-    had 100-170 MB more allocated before the call)."""
-    global _WARMUP_STREAM
-    if _WARMUP_STREAM is None:
-        _WARMUP_STREAM = torch.cuda.Stream()
-    side = _WARMUP_STREAM
+    replay. Timing replays measures the device's work without Python's launch overhead. Warm-up and capture run on
+    :func:`capture_stream`."""
+    side = capture_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         fn()
     return graph.replay
 
@@ -505,6 +519,7 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
     if settings.get("blas"):
         torch.backends.cuda.preferred_blas_library(settings["blas"])
     doc["blas_library"] = str(torch.backends.cuda.preferred_blas_library())
+    capture_stream()  # its cuBLAS workspace exists before the first cell's memory is measured
     t0 = time.perf_counter()
     doc["copy_bandwidth_Bps"] = copy_bandwidth()
     log.info("copy bandwidth %.0f GB/s", doc["copy_bandwidth_Bps"] / 1e9)
