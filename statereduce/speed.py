@@ -301,10 +301,15 @@ def check_decoder(model, decoder: GraphDecoder, steps: int) -> float:
 def decode_cells(model, config, family: str, settings: Mapping[str, Any], bandwidth: float,
                  on_cell: Callable[[dict], None]) -> None:
     """Time the decode step of ``model`` for every batch and kernel of ``settings`` (``speed.decode``)."""
+    from statereduce.decode import FUSED
+    from statereduce.fused_decode import pack_for_decode
+
     for batch in settings["batches"]:
         bytes_ = step_bytes(model, config, family, batch)
         for kernel in settings["kernels"]:
             cell: dict[str, Any] = {"batch": batch, "kernel": kernel, "prompt": settings["prompt"]}
+            if kernel.endswith(FUSED):
+                pack_for_decode(model)  # once per model, outside the memory window (packing copies each layer once)
             try:
                 with _peak_memory(cell):
                     t0 = time.perf_counter()

@@ -200,10 +200,20 @@ def test_inplace_decode_restores_fla_functions():
     import fla.layers.delta_net as dn
     import fla.layers.gated_deltanet as gdn
 
+    import fla.modules.mlp as mlp
+
     before = dn.fused_recurrent_delta_rule, gdn.fused_recurrent_gated_delta_rule
+    forwards = dn.DeltaNet.forward, gdn.GatedDeltaNet.forward, mlp.GatedMLP.forward
     with decode.inplace_decode("statereduce"):
         assert dn.fused_recurrent_delta_rule is not before[0]
         assert gdn.fused_recurrent_gated_delta_rule is not before[1]
+        assert (dn.DeltaNet.forward, gdn.GatedDeltaNet.forward, mlp.GatedMLP.forward) == forwards  # not fused
+    assert (dn.fused_recurrent_delta_rule, gdn.fused_recurrent_gated_delta_rule) == before
+    with pytest.raises(RuntimeError, match="boom"), decode.inplace_decode("fla+fused"):
+        assert all(f is not g for f, g in zip((dn.DeltaNet.forward, gdn.GatedDeltaNet.forward,
+                                               mlp.GatedMLP.forward), forwards))
+        raise RuntimeError("boom")
+    assert (dn.DeltaNet.forward, gdn.GatedDeltaNet.forward, mlp.GatedMLP.forward) == forwards  # restored on error
     assert (dn.fused_recurrent_delta_rule, gdn.fused_recurrent_gated_delta_rule) == before
 
 
