@@ -199,8 +199,7 @@ def test_bad_inputs_fail_with_one_line():
 def test_inplace_decode_restores_fla_functions():
     import fla.layers.delta_net as dn
     import fla.layers.gated_deltanet as gdn
-
-    import fla.modules.mlp as mlp
+    from fla.modules import mlp
 
     before = dn.fused_recurrent_delta_rule, gdn.fused_recurrent_gated_delta_rule
     forwards = dn.DeltaNet.forward, gdn.GatedDeltaNet.forward, mlp.GatedMLP.forward
