@@ -53,6 +53,8 @@ def _mutate(cfg: dict, case: str) -> dict:
         cfg["models"]["tiny-dn"]["pretrain"]["recall_mix"] = {"n_pairs": [4, 128]}
     elif case == "recall_mix_key":
         cfg["models"]["tiny-dn"]["pretrain"]["recall_mix"] = {"fractions": 0.3}
+    elif case == "speed_kernel":
+        cfg["speed"]["decode"] = {"kernels": ["statereduce+fused", "fused"]}
     else:
         raise AssertionError(case)
     return cfg
@@ -74,6 +76,7 @@ CASES = {
     "recall_mix_n_pairs": r"models\.tiny-dn\.pretrain\.recall_mix\.n_pairs\.1: 128 is (greater than the maximum of 90|"
     r"not less than or equal to 90)",
     "recall_mix_key": r"fractions",
+    "speed_kernel": r"speed\.decode\.kernels\.1: 'fused' is not one of .*'statereduce\+fused'",
 }
 
 
