@@ -135,15 +135,17 @@ def _pack(module: nn.Module, key: str, params: list[tuple[nn.Module, str]], alig
             offset += t.shape[0]
         if ok and packed.shape[0] == -(-rows // align) * align:
             return packed
-    with torch.no_grad():
+    # ordinary tensors even when called under inference_mode (a Parameter cannot wrap an inference tensor)
+    with torch.inference_mode(False), torch.no_grad():
         pad = -rows % align
         tail = [tensors[0].new_zeros(pad, *tensors[0].shape[1:])] if pad else []
         packed = torch.cat([t.detach() for t in tensors] + tail, 0)
-    offset = 0
-    for (m, name), t in zip(params, tensors):
-        view = packed[offset:offset + t.shape[0]]
-        setattr(m, name, nn.Parameter(view, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else view)
-        offset += t.shape[0]
+        offset = 0
+        for (m, name), t in zip(params, tensors):
+            view = packed[offset:offset + t.shape[0]]
+            setattr(m, name, nn.Parameter(view, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
+                    else view)
+            offset += t.shape[0]
     if not hasattr(module, "_statereduce_packed"):
         module._statereduce_packed = {}
     module._statereduce_packed[key] = packed

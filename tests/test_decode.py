@@ -222,3 +222,29 @@ def test_fla_copy_decodes_like_the_unrouted_model(family):
     the logits of ordinary decoding exactly (here with the torch fallback standing in for fla's kernels on CPU)."""
     for r, g in zip(*_routed_decoding(family, "fla_copy")):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
+def test_packing_keeps_the_stock_forward_and_is_done_once(family):
+    """pack_for_decode rebinds the projections, conv filters and MLP gate/up as views of packed tensors: the stock
+    forward's logits are unchanged exactly, a second call reuses the packing, parameters keep requires_grad, and it
+    works under inference_mode (a Parameter cannot wrap an inference tensor)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _models import tiny_inputs, tiny_model
+
+    from statereduce.fused_decode import pack_for_decode
+
+    model = tiny_model(family)
+    ids = tiny_inputs(batch=2, length=6)
+    with torch.no_grad():
+        ref = model(ids).logits
+    with torch.inference_mode():
+        assert pack_for_decode(model) == 2 * model.config.num_hidden_layers  # every mixer and MLP
+    attn = model.model.layers[0].attn
+    packed = attn._statereduce_packed["proj"]
+    assert attn.q_proj.weight.data_ptr() == packed.data_ptr() and attn.q_proj.weight.requires_grad
+    assert attn.k_proj.weight.data_ptr() == packed[attn.q_proj.weight.shape[0]:].data_ptr()
+    pack_for_decode(model)
+    assert attn._statereduce_packed["proj"] is packed  # reused, not packed again
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref, rtol=0, atol=0)
