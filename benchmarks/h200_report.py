@@ -20,28 +20,23 @@ from statereduce.tables import speed_markdown
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
+ALL = lambda c: True
+
+
+def _runs(model: str, decode: list[tuple]) -> list[tuple]:
+    """``model``'s runs: its stock decode runs, then those every model has (fla copy, fused, prefill, mixer)."""
+    common = [("copy", "decode"), ("fused", "decode"), ("fused_mid", "decode"), ("prefill", "prefill"),
+              ("prefill16k", "prefill"), ("mixer_s4", "mixer")]
+    return [*decode, *((f"speed_{model}_h200_{name}.json", part,
+                        (lambda c: c["kernel"] == "fla_copy") if name == "copy" else ALL) for name, part in common)]
+
+
 # model -> [(file, part, keep(cell) -> bool)]
 SOURCES = {
-    "dn1.3b": [
-        ("speed_dn1.3b_h200_run3.json", "decode", lambda c: c["batch"] <= 8),
-        ("speed_dn1.3b_h200_run4.json", "decode", lambda c: c["batch"] >= 16),
-        ("speed_dn1.3b_h200_copy.json", "decode", lambda c: c["kernel"] == "fla_copy"),
-        ("speed_dn1.3b_h200_fused.json", "decode", lambda c: True),
-        ("speed_dn1.3b_h200_fused_mid.json", "decode", lambda c: True),
-        ("speed_dn1.3b_h200_prefill.json", "prefill", lambda c: True),
-        ("speed_dn1.3b_h200_prefill16k.json", "prefill", lambda c: True),
-        ("speed_dn1.3b_h200_mixer_s4.json", "mixer", lambda c: True),
-    ],
-    "gdn1.3b": [
-        ("speed_gdn1.3b_h200_run2.json", "decode", lambda c: True),
-        ("speed_gdn1.3b_h200_mid.json", "decode", lambda c: True),
-        ("speed_gdn1.3b_h200_copy.json", "decode", lambda c: c["kernel"] == "fla_copy"),
-        ("speed_gdn1.3b_h200_fused.json", "decode", lambda c: True),
-        ("speed_gdn1.3b_h200_fused_mid.json", "decode", lambda c: True),
-        ("speed_gdn1.3b_h200_prefill.json", "prefill", lambda c: True),
-        ("speed_gdn1.3b_h200_prefill16k.json", "prefill", lambda c: True),
-        ("speed_gdn1.3b_h200_mixer_s4.json", "mixer", lambda c: True),
-    ],
+    "dn1.3b": _runs("dn1.3b", [("speed_dn1.3b_h200_run3.json", "decode", lambda c: c["batch"] <= 8),
+                               ("speed_dn1.3b_h200_run4.json", "decode", lambda c: c["batch"] >= 16)]),
+    "gdn1.3b": _runs("gdn1.3b", [("speed_gdn1.3b_h200_run2.json", "decode", ALL),
+                                 ("speed_gdn1.3b_h200_mid.json", "decode", ALL)]),
 }
 
 

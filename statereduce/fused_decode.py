@@ -7,7 +7,9 @@ more projections. A projection with 2048 outputs at 64 rows fills a fraction of 
 weights, a third of the bandwidth), and each small kernel costs a few microseconds whatever its size. That fixed
 part does not shrink with the state, so it caps the speedup that state reduction can show.
 
-Within :func:`fused_layers` the decode calls (one token, a cache, no mask, no autograd) of each supported layer run:
+Within :func:`fused_layers` the decode calls (one token, a cache, no mask, no autograd) of each supported layer run
+(what differs by family, the projections after q, k, v and g and the recurrent step, comes from the family's adapter:
+``mixer_class``, ``fused_decode_rows``, ``fused_recurrent_step``):
 
 1. one projection ``x @ [W_q; W_k; W_v; (W_g); (W_a); W_b]^T`` (the weights packed once into one tensor, padded
    with zero rows to an aligned width, the stock ``nn.Linear`` parameters rebound as views of it, so values and the
@@ -28,6 +30,7 @@ first), checked against fla's own decoding in tests and before every timed GPU r
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 from collections.abc import Iterator
@@ -156,23 +159,30 @@ PROJ_ALIGN = 64
 """The packed projection's output width is padded (zero rows) to a multiple of this."""
 
 
+@functools.cache
+def _fusable_adapters() -> tuple:
+    """The adapter classes of the families whose fla layer the fused step can take over."""
+    from statereduce.adapters import adapter_class, adapter_families
+
+    return tuple(a for a in map(adapter_class, adapter_families()) if a.mixer_class is not None)
+
+
 def _mixer_plan(layer: nn.Module) -> dict[str, Any] | None:
-    """How a stock fla DeltaNet / GatedDeltaNet layer's decode step is fused, or None to keep the stock step."""
-    name = type(layer).__name__
-    if name not in ("DeltaNet", "GatedDeltaNet") or not getattr(layer, "use_short_conv", False):
+    """How a stock fla linear-attention layer's decode step is fused (its adapter and the packed projection's rows),
+    or None to keep the stock step. What differs by family (the rows after q, k, v and g, the recurrent step) comes
+    from the family's adapter."""
+    adapter = next((a for a in _fusable_adapters() if type(layer) is a.mixer_class), None)
+    if adapter is None or not getattr(layer, "use_short_conv", False):
         return None
     convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
     if any(getattr(c, "activation", None) not in ("silu", "swish") for c in convs):
         return None
     if len({c.kernel_size[0] for c in convs}) != 1 or len({c.bias is None for c in convs}) != 1:
         return None
-    rows = ["q_proj", "k_proj", "v_proj"] + (["g_proj"] if layer.use_gate else [])
-    if name == "DeltaNet":
-        if layer.qk_activation != "silu" or layer.qk_norm not in ("l2", None) or not layer.use_beta:
-            return None
-        return {"gated": False, "rows": rows + ["b_proj"], "heads": layer.num_heads, "v_heads": layer.num_heads}
-    return {"gated": True, "rows": rows + ["a_proj", "b_proj"], "heads": layer.num_heads,
-            "v_heads": layer.num_v_heads}
+    tail = adapter.fused_decode_rows(layer)
+    if tail is None:
+        return None
+    return {"adapter": adapter, "rows": ["q_proj", "k_proj", "v_proj"] + (["g_proj"] if layer.use_gate else []) + tail}
 
 
 def pack_for_decode(model: nn.Module) -> int:
@@ -210,8 +220,6 @@ def _one_token(x: torch.Tensor, device_types: tuple[str, ...]) -> bool:
 def _mixer_forward(original, kernel: str, device_types: tuple[str, ...]):
     from fla.layers.utils import get_layer_cache, update_layer_cache
 
-    from statereduce.decode import recurrent_step
-
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
                 output_attentions=False, **kwargs):
         plan = _mixer_plan(self)
@@ -226,41 +234,19 @@ def _mixer_forward(original, kernel: str, device_types: tuple[str, ...]):
         weight = _pack(self, "proj", [(getattr(self, r), "weight") for r in plan["rows"]], PROJ_ALIGN)
         conv_w = _pack(self, "conv", [(c, "weight") for c in convs])
         conv_b = _pack(self, "conv_bias", [(c, "bias") for c in convs]) if self.q_conv1d.bias is not None else None
-        y = F.linear(hidden_states, weight)  # [N, 1, q | k | v | (g) | (a) | b]
-        ck, cv = self.key_dim, self.value_dim
-        h, hv, dk, dv = plan["heads"], plan["v_heads"], self.head_k_dim, self.head_v_dim
+        y = F.linear(hidden_states, weight)  # [N, 1, q | k | v | (g) | the adapter's rows]
+        ck, cv, dk, dv = self.key_dim, self.value_dim, self.head_k_dim, self.head_v_dim
         qkv = conv_step(y[..., :2 * ck + cv], tuple(last["conv_state"]), conv_w, conv_b, self.q_conv1d.activation)
-        q, k = qkv[..., :ck].unflatten(-1, (h, dk)), qkv[..., ck:2 * ck].unflatten(-1, (h, dk))
-        v = qkv[..., 2 * ck:].unflatten(-1, (hv, dv))
+        q, k = qkv[..., :ck].unflatten(-1, (ck // dk, dk)), qkv[..., ck:2 * ck].unflatten(-1, (ck // dk, dk))
+        v = qkv[..., 2 * ck:].unflatten(-1, (cv // dv, dv))
         at = 2 * ck + cv
-        gate = y[..., at:at + cv].unflatten(-1, (hv, dv)) if self.use_gate else None
+        gate = y[..., at:at + cv].unflatten(-1, (cv // dv, dv)) if self.use_gate else None
         at += cv if self.use_gate else 0
         state = last["recurrent_state"]
-        if plan["gated"]:
-            a, beta = y[..., at:at + hv], y[..., at + hv:at + 2 * hv]
-            opts = {"A_log": self.A_log, "dt_bias": self.dt_bias, "allow_neg_eigval": self.allow_neg_eigval}
-            if kernel == "statereduce":
-                o = recurrent_step(q, k, v, beta, state, g=a, l2norm=True, beta_sigmoid=True, state_v_first=True,
-                                   **opts)
-            else:  # fla's function as inplace_decode routes it, with the inputs fla's kernels expect
-                step = sys.modules["fla.layers.gated_deltanet"].fused_recurrent_gated_delta_rule
-                o, _ = step(q.contiguous(), k.contiguous(), v.contiguous(), g=a.contiguous(), beta=beta.contiguous(),
-                            initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True, **opts)
-        else:
-            beta = y[..., at:at + h]
-            l2 = self.qk_norm == "l2"
-            if kernel == "statereduce":
-                o = recurrent_step(q, k, v, beta, state, l2norm=l2, round_qk=l2, beta_sigmoid=True,
-                                   allow_neg_eigval=self.allow_neg_eigval)
-            else:
-                beta = beta.sigmoid() * 2 if self.allow_neg_eigval else beta.sigmoid()
-                step = sys.modules["fla.layers.delta_net"].fused_recurrent_delta_rule
-                o, _ = step(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), beta=beta, initial_state=state,
-                            output_final_state=True, use_qk_l2norm_in_kernel=l2)
+        o = plan["adapter"].fused_recurrent_step(self, kernel, q, k, v, y[..., at:], state)
         update_layer_cache(self, past_key_values, recurrent_state=state, conv_state=last["conv_state"], offset=1)
         o = self.o_norm(o, gate) if gate is not None else self.o_norm(o)
-        return self.o_proj(o.reshape(n, 1, hv * dv)), None, past_key_values
+        return self.o_proj(o.reshape(n, 1, cv)), None, past_key_values
 
     return forward
 
@@ -284,13 +270,11 @@ def fused_layers(kernel: str = "statereduce", device_types: tuple[str, ...] = ("
     """Within the block, one-token decode calls of the stock fla DeltaNet / GatedDeltaNet layers and SwiGLU MLPs
     take the fused step (module docstring). Use it inside :func:`statereduce.decode.inplace_decode` with the same
     ``kernel``: the fused step updates the recurrent state with ``kernel``'s in-place step."""
-    targets = [("fla.layers.delta_net", "DeltaNet", lambda f: _mixer_forward(f, kernel, device_types)),
-               ("fla.layers.gated_deltanet", "GatedDeltaNet", lambda f: _mixer_forward(f, kernel, device_types)),
-               ("fla.modules.mlp", "GatedMLP", lambda f: _mlp_forward(f, device_types))]
+    targets = [(a.mixer_class, lambda f: _mixer_forward(f, kernel, device_types)) for a in _fusable_adapters()]
+    targets.append((importlib.import_module("fla.modules.mlp").GatedMLP, lambda f: _mlp_forward(f, device_types)))
     saved = []
     try:
-        for module_name, cls_name, make in targets:
-            cls = getattr(importlib.import_module(module_name), cls_name)
+        for cls, make in targets:
             saved.append((cls, cls.__dict__["forward"]))
             cls.forward = make(cls.__dict__["forward"])
         yield

@@ -571,8 +571,8 @@ def speed_ratios(doc: Mapping[str, Any]) -> dict[str, list[dict]]:
     """Pruned over baseline for every cell measured at both (speedup = base ms / pruned ms; memory = pruned / base).
 
     Decode cells are matched on (batch, kernel); each also gets ``speedup_vs_fla_baseline`` (pruned with this
-    kernel against the baseline with fla's kernel, fused layers against fused) and ``ideal_speedup`` (ratio of the byte floors). Cells profiled
-    at both (``device_ms``) get ``device_speedup``, the same ratio of summed kernel time.
+    kernel against the baseline with fla's kernel, fused layers against fused) and ``ideal_speedup`` (ratio of the
+    byte floors). Cells profiled at both (``device_ms``) get ``device_speedup``, the same ratio of summed kernel time.
     """
     from statereduce.decode import FUSED
 

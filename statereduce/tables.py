@@ -619,7 +619,7 @@ def _x(v) -> str:
 
 def _decode_table(doc: dict, pcts: list, ratio: dict, suffix: str) -> list[str]:
     """Table 17's rows for the decode kernels named with ``suffix`` ("" or ``+fused``); no lines if none measured."""
-    cells = [c for c in doc.get("decode", []) if c["kernel"].endswith(suffix) and ("+" in c["kernel"]) == bool(suffix)]
+    cells = [c for c in doc.get("decode", []) if c["kernel"].endswith("+fused") == bool(suffix)]
     base = {(c["batch"], c["kernel"]): c for c in cells if c["pct"] == 0 and "ms" in c}
     batches = sorted({c["batch"] for c in cells})
     if not batches:

@@ -373,6 +373,24 @@ class LinearAttentionAdapter(ABC):
             states[layer] = state if v_first else state.transpose(-1, -2)
         return states
 
+    # ---- fused one-token decode (statereduce.fused_decode) -----------------------------------------
+    #: the family's fla layer class (a LazyImport) whose one-token decode the fused step may take over; None: none
+    mixer_class: ClassVar[Any] = None
+
+    @classmethod
+    def fused_decode_rows(cls, layer: nn.Module) -> list[str] | None:
+        """The layer's projections that follow q, k, v (and the output gate g) in the fused step's packed projection,
+        in order, or None when the fused step does not cover the layer's configuration (the default)."""
+        return None
+
+    @classmethod
+    def fused_recurrent_step(cls, layer: nn.Module, kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             tail: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """One token's recurrent step of ``layer`` with ``kernel`` (``statereduce.decode.KERNELS``), ``state``
+        updated in place; q, k ``[N, 1, H, d_k]`` and v ``[N, 1, HV, d_v]`` are views into the convolved rows,
+        ``tail`` the packed projection's columns of :meth:`fused_decode_rows`. Returns o ``[N, 1, HV, d_v]``."""
+        raise NotImplementedError(f"{cls.family} has no fused decode step")
+
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The list of decoder blocks of a causal LM, a bare decoder, or a PEFT wrapper of either."""

@@ -13,6 +13,7 @@ L2 norm; with ``qk_norm='sum'`` the L1 sum-norm runs in the layer, so q/k arrive
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -40,6 +41,7 @@ class DeltaNetAdapter(LinearAttentionAdapter):
     family = "delta_net"
     model_types = ("delta_net",)
     config_class = LazyImport("fla.models:DeltaNetConfig")
+    mixer_class = LazyImport("fla.layers.delta_net:DeltaNet")
     # fla 0.6 DeltaNetConfig.__init__ keywords and defaults (pinned by tests/test_config.py)
     # fmt: off
     config_defaults: ClassVar[dict[str, Any]] = {
@@ -116,3 +118,25 @@ class DeltaNetAdapter(LinearAttentionAdapter):
 
         with capture_kernel_calls(self.mixer_layers(), fla_delta_net, KERNELS, self.q_proj, on_qk, on_x):
             yield
+
+    # ---- fused one-token decode ---------------------------------------------------------------
+    @classmethod
+    def fused_decode_rows(cls, layer: nn.Module) -> list[str] | None:
+        if layer.qk_activation != "silu" or layer.qk_norm not in ("l2", None) or not layer.use_beta:
+            return None
+        return ["b_proj"]
+
+    @classmethod
+    def fused_recurrent_step(cls, layer, kernel, q, k, v, tail, state):
+        from statereduce.decode import recurrent_step
+
+        beta, l2 = tail[..., :layer.num_heads], layer.qk_norm == "l2"
+        if kernel == "statereduce":  # L2 norms (rounded as fla's DeltaNet does) and beta's sigmoid in the kernel
+            return recurrent_step(q, k, v, beta, state, l2norm=l2, round_qk=l2, beta_sigmoid=True,
+                                  allow_neg_eigval=layer.allow_neg_eigval)
+        # fla's function as inplace_decode routes it, with the inputs fla's kernels expect
+        beta = beta.sigmoid() * 2 if layer.allow_neg_eigval else beta.sigmoid()
+        step = importlib.import_module("fla.layers.delta_net").fused_recurrent_delta_rule
+        o, _ = step(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), beta=beta, initial_state=state,
+                    output_final_state=True, use_qk_l2norm_in_kernel=l2)
+        return o

@@ -18,6 +18,7 @@ head mapping), which covers the fused and the cached paths alike.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -46,6 +47,7 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
     cache_state_v_first = True  # fla's GatedDeltaNet calls its kernels with state_v_first=True
     model_types = ("gated_deltanet",)
     config_class = LazyImport("fla.models:GatedDeltaNetConfig")
+    mixer_class = LazyImport("fla.layers.gated_deltanet:GatedDeltaNet")
     # fla 0.6 GatedDeltaNetConfig.__init__ keywords and defaults (pinned by tests/test_config.py)
     # fmt: off
     config_defaults: ClassVar[dict[str, Any]] = {
@@ -126,3 +128,25 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
 
         with capture_kernel_calls(self.mixer_layers(), fla_gated_deltanet, KERNELS, self.q_proj, on_qk, on_x):
             yield
+
+    # ---- fused one-token decode ---------------------------------------------------------------
+    @classmethod
+    def fused_decode_rows(cls, layer: nn.Module) -> list[str] | None:
+        return ["a_proj", "b_proj"]
+
+    @classmethod
+    def fused_recurrent_step(cls, layer, kernel, q, k, v, tail, state):
+        from statereduce.decode import recurrent_step
+
+        hv = layer.num_v_heads
+        a, beta = tail[..., :hv], tail[..., hv:2 * hv]
+        opts = {"A_log": layer.A_log, "dt_bias": layer.dt_bias, "allow_neg_eigval": layer.allow_neg_eigval}
+        if kernel == "statereduce":  # L2 norms, beta's sigmoid and the decay in the kernel
+            return recurrent_step(q, k, v, beta, state, g=a, l2norm=True, beta_sigmoid=True, state_v_first=True,
+                                  **opts)
+        # fla's function as inplace_decode routes it, with the inputs fla's kernels expect
+        step = importlib.import_module("fla.layers.gated_deltanet").fused_recurrent_gated_delta_rule
+        o, _ = step(q.contiguous(), k.contiguous(), v.contiguous(), g=a.contiguous(), beta=beta.contiguous(),
+                    initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                    use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True, **opts)
+        return o
