@@ -11,8 +11,9 @@
    bandwidth = state bytes read + written / time, against the measured copy bandwidth.
 3. Conv: the fused decode step's one-launch short convolution (``fused_decode.conv_step``) against fla's
    ``causal_conv1d_update`` run per q / k / v segment.
+4. PDL: our kernels with programmatic dependent launch off against on, in one run (``pdl_ab``).
 
-    python benchmarks/check_decode_gpu.py OUT.json [correctness,chunk,timing,conv]
+    python benchmarks/check_decode_gpu.py OUT.json [correctness,chunk,timing,conv,pdl]
 """
 
 from __future__ import annotations
@@ -200,12 +201,85 @@ def conv_check(out):
     print("conv_step vs fla:", out["conv"], flush=True)
 
 
-PARTS = {"correctness": correctness, "chunk": chunk_check, "timing": timing, "conv": conv_check}
+def pdl_ab(out, layers=24, n=64):
+    """Programmatic dependent launch off against on, in one run, for our two decode kernels:
+
+    - ``steps``: ``layers`` recurrent steps in a row (distinct state buffers), as in ``timing``;
+    - ``pairs``: ``layers`` pairs of conv_step then recurrent step on views of its output, the fused layer's order.
+
+    The two graphs of each row are captured first and their trials interleaved. With PDL each step loads its state
+    before waiting for the previous kernel. Outputs and states after one replay from the same start must be equal
+    bit for bit."""
+    shapes = [("dn", 16, 16, kd, 128, False) for kd in (128, 64, 32)]
+    shapes += [("gdn", 6, 6, kd, 512, True) for kd in (256, 128, 64)]
+    for shape in shapes:
+        row = _pdl_row(out["copy_bandwidth_Bps"], *shape, layers=layers, n=n)
+        out["pdl"].append(row)
+        print("pdl", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        torch.cuda.empty_cache()
 
 
-def main(path, parts=("correctness", "chunk", "timing", "conv")):
+def _pdl_row(bw, name, h, hv, kd, vd, gated, layers, n, trials=7, reps=20):
+    from statereduce.fused_decode import conv_step
+
+    torch.manual_seed(kd * 7 + vd)
+    bufs = [inputs(n, h, hv, kd, vd, gated) for _ in range(layers)]
+    dims = (h * kd, h * kd, hv * vd)
+    convs = [{"x": torch.randn(n, 1, sum(dims) + 64, device="cuda", dtype=torch.bfloat16)[..., :sum(dims)],
+              "caches": tuple(torch.randn(n, d, 4, device="cuda", dtype=torch.bfloat16) for d in dims),
+              "w": torch.randn(sum(dims), 4, device="cuda", dtype=torch.bfloat16) * 0.3} for _ in range(layers)]
+    live = [b[-1] for b in bufs] + [c for cv in convs for c in cv["caches"]]
+    start = [t.clone() for t in live]
+
+    def pair(b, c):
+        y = conv_step(c["x"], c["caches"], c["w"], None, "silu")
+        q, k = y[..., :dims[0]].unflatten(-1, (h, kd)), y[..., dims[0]:2 * dims[0]].unflatten(-1, (h, kd))
+        v = y[..., 2 * dims[0]:].unflatten(-1, (hv, vd))
+        return step("statereduce", q, k, v, *b[3:], gated)
+
+    kinds = {"steps": lambda: [step("statereduce", *b, gated) for b in bufs],
+             "pairs": lambda: [pair(b, c) for b, c in zip(bufs, convs)]}
+    row = {"shape": name, "n": n, "h": hv, "k": kd, "v": vd, "layers": layers,
+           "state_bytes_per_launch": bufs[0][-1].numel() * 4}
+    row["floor_us_per_layer"] = 2 * row["state_bytes_per_launch"] / bw * 1e6
+    for kind, fn in kinds.items():
+        results, replays = {}, {}
+        for on in (False, True):
+            with decode.programmatic_launch(on):
+                sink = []
+                check = graphed(lambda fn=fn, sink=sink: sink.append(fn()) if not sink else
+                                [a.copy_(b) for a, b in zip(sink[0], fn())])
+                for t, s0 in zip(live, start):
+                    t.copy_(s0)
+                check()
+                torch.cuda.synchronize()
+                results[on] = [o.clone() for o in sink[0]] + [t.clone() for t in live]
+                replays[on] = graphed(fn)
+        row[f"{kind}_bit_equal"] = all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+        ms = {False: [], True: []}
+        for _ in range(trials):
+            for on in (False, True):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(reps):
+                    replays[on]()
+                b.record()
+                b.synchronize()
+                ms[on].append(a.elapsed_time(b) / reps)
+        for on, label in ((False, "off"), (True, "on")):
+            t = statistics.median(ms[on])
+            row[f"{kind}_{label}_us_per_layer"] = t * 1e3 / layers
+            row[f"{kind}_{label}_state_of_copy"] = 2 * row["state_bytes_per_launch"] * layers / (t / 1e3) / bw
+        row[f"{kind}_pdl_speedup"] = statistics.median(ms[False]) / statistics.median(ms[True])
+    return row
+
+
+PARTS = {"correctness": correctness, "chunk": chunk_check, "timing": timing, "conv": conv_check, "pdl": pdl_ab}
+
+
+def main(path, parts=tuple(PARTS)):
     out = {"device": torch.cuda.get_device_name(), "correctness": [], "chunk_vs_recurrent": [], "timing": [],
-           "conv": []}
+           "conv": [], "pdl": []}
     out["copy_bandwidth_Bps"] = copy_bandwidth()
     print("copy bandwidth GB/s", out["copy_bandwidth_Bps"] / 1e9, flush=True)
     for part in (PARTS[p] for p in parts):

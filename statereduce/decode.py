@@ -48,6 +48,40 @@ TILE_CONFIGS = ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 2), (64, 4), (
 
 _STEP = None  # the autotuned Triton kernel, built on first use (importing triton.language needs no GPU)
 
+_PDL = True  # programmatic_launch's switch
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether our decode kernels can use programmatic dependent launch on ``device`` (CUDA, Hopper or later, not
+    under Triton's interpreter)."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+@contextlib.contextmanager
+def programmatic_launch(enabled: bool = True) -> Iterator[None]:
+    """Within the block our decode kernels (:func:`recurrent_step`, :func:`statereduce.fused_decode.conv_step`) use
+    programmatic dependent launch (PDL) where :func:`pdl_supported` (``enabled=True``, the default outside any
+    block) or never (``False``).
+
+    With PDL a kernel's programs may start while the previous kernel in the stream still runs: each loads what that
+    kernel does not write (the recurrent state, the conv cache), waits for it (``griddepcontrol.wait``), then reads
+    its outputs; and each lets its own successor start early (``griddepcontrol.launch_dependents``). A captured CUDA
+    graph keeps these edges. Results are identical either way; the launch gap and ramp-up of each of our kernels
+    overlap the kernel before it. Kernels that are not ours (cuBLAS, fla's) launch as usual.
+    """
+    global _PDL
+    before, _PDL = _PDL, bool(enabled)
+    try:
+        yield
+    finally:
+        _PDL = before
+
+
+def launch_options(device: torch.device) -> dict:
+    """The ``PDL`` constexpr (and Triton's ``launch_pdl`` option when on) for a launch of one of our decode kernels."""
+    return {"PDL": True, "launch_pdl": True} if _PDL and pdl_supported(device) else {"PDL": False}
+
 
 def _kernel():
     global _STEP
@@ -55,6 +89,7 @@ def _kernel():
         return _STEP
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     # STREAM: load the state with evict-first and store it with the streaming (.cs) hint: each tile is touched once
     # per step, so keeping it in L2 only evicts the weights.
@@ -74,7 +109,9 @@ def _kernel():
                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STREAM: tl.constexpr,
                     STATE_V_FIRST: tl.constexpr, USE_G: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
                     HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, ROUND_QK: tl.constexpr,
-                    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+                    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # let the next kernel's programs start while our last ones run (it waits for our results)
+            gdc_launch_dependents()
         i_v = tl.program_id(0)
         i_nh = tl.program_id(1).to(tl.int64)
         i_n, i_hv = i_nh // HV, i_nh % HV
@@ -84,11 +121,8 @@ def _kernel():
         m_k = o_k < K
         m_v = o_v < V
 
-        # s_*: each input's stride between sequences (heads and channels are packed within a sequence's row)
-        b_q = tl.load(q + i_n * s_q + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
-        b_k = tl.load(k + i_n * s_k + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
-        b_v = tl.load(v + i_n * s_v + i_hv * V + o_v, mask=m_v, other=0).to(tl.float32)
-        b_beta = tl.load(beta + i_n * s_b + i_hv).to(tl.float32)
+        # the state first: the previous kernel does not write it (this layer's step of the previous token did), so
+        # with PDL its load overlaps that kernel's tail; q, k, v, beta and g are its outputs, read after gdc_wait
         if STATE_V_FIRST:
             p_h = h + i_nh * K * V + o_v[:, None] * K + o_k[None, :]
             m_h = m_v[:, None] & m_k[None, :]
@@ -99,6 +133,14 @@ def _kernel():
             b_h = tl.load(p_h, mask=m_h, other=0, eviction_policy="evict_first").to(tl.float32)
         else:
             b_h = tl.load(p_h, mask=m_h, other=0).to(tl.float32)
+        if PDL:
+            gdc_wait()
+
+        # s_*: each input's stride between sequences (heads and channels are packed within a sequence's row)
+        b_q = tl.load(q + i_n * s_q + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_k = tl.load(k + i_n * s_k + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_v = tl.load(v + i_n * s_v + i_hv * V + o_v, mask=m_v, other=0).to(tl.float32)
+        b_beta = tl.load(beta + i_n * s_b + i_hv).to(tl.float32)
 
         if L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
@@ -200,7 +242,8 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
                  triton.next_power_of_2(n * hv), q.stride(0), k.stride(0), v.stride(0), beta.stride(0),
                  g.stride(0) if g is not None else 0, H=h, HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), STATE_V_FIRST=state_v_first,
                  USE_G=g is not None, GATE_IN_KERNEL=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-                 L2NORM=l2norm, ROUND_QK=round_qk, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=allow_neg_eigval, **fixed)
+                 L2NORM=l2norm, ROUND_QK=round_qk, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=allow_neg_eigval,
+                 **launch_options(state.device), **fixed)
     return o
 
 

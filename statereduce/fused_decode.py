@@ -41,21 +41,29 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import nn
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from statereduce.decode import launch_options
 
 
 @triton.jit
 def _conv_segment(x, y, cache, w, b, i_n, i_b, s_x, s_y, OFF: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
-                  BD: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+                  BD: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                  PDL: tl.constexpr):
     o_d = i_b * BD + tl.arange(0, BD)
     o_w = tl.arange(0, BW)
     m_d = o_d < D
     m_w = o_w < W
-    b_x = tl.load(x + i_n * s_x + OFF + o_d, mask=m_d, other=0).to(tl.float32)
+    # the cache and the filters first: the previous kernel (the projection) does not write them, so with PDL these
+    # loads overlap its tail; x is its output, read after gdc_wait
     p_c = cache + i_n * D * W + o_d[:, None] * W + o_w[None, :]
     # the window moves by one: the cache's last W - 1 inputs, then this token's
     b_c = tl.load(p_c + 1, mask=m_d[:, None] & ((o_w + 1) < W)[None, :], other=0).to(tl.float32)
-    b_c = tl.where((o_w == W - 1)[None, :], b_x[:, None], b_c)
     b_w = tl.load(w + (OFF + o_d)[:, None] * W + o_w[None, :], mask=m_d[:, None] & m_w[None, :], other=0)
+    if PDL:
+        gdc_wait()
+    b_x = tl.load(x + i_n * s_x + OFF + o_d, mask=m_d, other=0).to(tl.float32)
+    b_c = tl.where((o_w == W - 1)[None, :], b_x[:, None], b_c)
     b_y = tl.sum(b_c * b_w.to(tl.float32), 1)
     if HAS_BIAS:
         b_y += tl.load(b + OFF + o_d, mask=m_d, other=0).to(tl.float32)
@@ -68,16 +76,18 @@ def _conv_segment(x, y, cache, w, b, i_n, i_b, s_x, s_y, OFF: tl.constexpr, D: t
 @triton.jit
 def _conv_kernel(x, y, c0, c1, c2, w, b, s_x, s_y, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
                  NB0: tl.constexpr, NB1: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the recurrent step may start loading its state now (it waits for our outputs)
+        gdc_launch_dependents()
     # programs [0, NB0) update the first segment's channels, the next NB1 the second's, the rest the third's
     i_b = tl.program_id(0)
     i_n = tl.program_id(1).to(tl.int64)
     if i_b < NB0:
-        _conv_segment(x, y, c0, w, b, i_n, i_b, s_x, s_y, 0, D0, W, BD, BW, HAS_BIAS, SILU)
+        _conv_segment(x, y, c0, w, b, i_n, i_b, s_x, s_y, 0, D0, W, BD, BW, HAS_BIAS, SILU, PDL)
     elif i_b < NB0 + NB1:
-        _conv_segment(x, y, c1, w, b, i_n, i_b - NB0, s_x, s_y, D0, D1, W, BD, BW, HAS_BIAS, SILU)
+        _conv_segment(x, y, c1, w, b, i_n, i_b - NB0, s_x, s_y, D0, D1, W, BD, BW, HAS_BIAS, SILU, PDL)
     else:
-        _conv_segment(x, y, c2, w, b, i_n, i_b - NB0 - NB1, s_x, s_y, D0 + D1, D2, W, BD, BW, HAS_BIAS, SILU)
+        _conv_segment(x, y, c2, w, b, i_n, i_b - NB0 - NB1, s_x, s_y, D0 + D1, D2, W, BD, BW, HAS_BIAS, SILU, PDL)
 
 
 def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weight: torch.Tensor,
@@ -114,7 +124,7 @@ def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.T
     _conv_kernel[(sum(nb), n)](rows, y, *caches, weight, bias, rows.stride(0), y.stride(0), D0=dims[0],
                                  D1=dims[1], D2=dims[2], NB0=nb[0], NB1=nb[1], W=w, BD=block,
                                  BW=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
-                                 SILU=activation is not None, num_warps=4)
+                                 SILU=activation is not None, num_warps=4, **launch_options(x.device))
     return y.view(x.shape) if x.dim() == 3 else y
 
 

@@ -49,6 +49,7 @@ DEFAULT_SPEED: dict[str, Any] = {
     "pcts": [50, 75],
     "dtype": "bfloat16",
     "blas": None,
+    "pdl": True,
     "decode": {"prompt": 512, "batches": [1, 2, 4, 8, 16, 32, 64], "warmup": 10, "steps": 100, "trials": 3,
                "kernels": ["fla", "statereduce", "fla_copy", "fla+fused", "statereduce+fused", "fla_copy+fused"],
                "check_steps": 3},
@@ -61,7 +62,9 @@ DEFAULT_SPEED: dict[str, Any] = {
 """The paper's protocol (App. G.1). ``mixer.arch`` overrides the model's arch for the one-layer measurement
 (the paper's Table 19 uses hidden 2048, 16 heads, d_v = 128). ``blas`` picks torch's GEMM library
 (``torch.backends.cuda.preferred_blas_library``: ``cublas`` or ``cublaslt``; ``None`` leaves torch's default): at one
-sequence the GEMV kernel chosen for a pruned projection can be slower than the unpruned one's (docs/speed_h200.md)."""
+sequence the GEMV kernel chosen for a pruned projection can be slower than the unpruned one's (docs/speed_h200.md).
+``pdl``: our decode kernels use programmatic dependent launch where the GPU has it
+(:func:`statereduce.decode.programmatic_launch`; the document's ``pdl`` says whether they did)."""
 
 BLAS_LIBRARIES = (None, "cublas", "cublaslt")
 """Valid ``blas`` settings."""
@@ -87,6 +90,8 @@ def speed_settings(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]
             out[key] = value
     if out["blas"] not in BLAS_LIBRARIES:
         raise ValueError(f"unknown speed blas {out['blas']!r}; valid: cublas, cublaslt, or null for torch's default")
+    if not isinstance(out["pdl"], bool):
+        raise ValueError(f"speed pdl must be true or false; got {out['pdl']!r}")  # noqa: TRY004 (a setting's value)
     for pct in out["pcts"]:
         if not 0 <= float(pct) < 100:
             raise ValueError(f"speed pct {pct} is outside [0, 100): it is the percent of key channels removed")
@@ -504,6 +509,7 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
         the measured copy bandwidth, device and versions.
     """
     from statereduce.adapters import adapter_class
+    from statereduce.decode import pdl_supported, programmatic_launch
     from statereduce.evaluate import versions
     from statereduce.runtime import write_json
 
@@ -524,6 +530,7 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
     if settings.get("blas"):
         torch.backends.cuda.preferred_blas_library(settings["blas"])
     doc["blas_library"] = str(torch.backends.cuda.preferred_blas_library())
+    doc["pdl"] = settings["pdl"] and pdl_supported(torch.device("cuda"))
     capture_stream()  # its cuBLAS workspace exists before the first cell's memory is measured
     t0 = time.perf_counter()
     doc["copy_bandwidth_Bps"] = copy_bandwidth()
@@ -534,37 +541,43 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
         doc["elapsed_s"] = round(time.perf_counter() - t0, 1)
         write_json(out_path, doc)
 
-    for pct in pcts:
-        config = model_config(family, arch, pct)
-        shape = adapter.config_state_shape(config)
-        layers = len(adapter.mixer_layer_indices(config))
-        doc["configs"][str(pct)] = {"d_k": shape.d_k, "d_v": shape.d_v, "heads": shape.num_heads, "layers": layers,
-                                    "state_bytes_per_sequence": shape.recurrent_elems * 4 * layers}
-
-        def add(part, pct=pct):
-            def on_cell(cell):
-                doc[part].append({"pct": pct, **cell})
-                log.info("%s pct=%s %s", part, pct, {k: v for k, v in cell.items() if k not in ("bytes", "trials_ms")})
-                save()
-            return on_cell
-
-        if {"decode", "prefill", "profile"} & set(parts):
-            t_build = time.perf_counter()
-            model = build_model(config, dtype)
-            log.info("built the pct=%s model in %.1f s", pct, time.perf_counter() - t_build)
-            if "profile" in parts:
-                profile_cells(model, settings["profile"], settings["decode"]["kernels"], add("profile"))
-            if "decode" in parts:
-                decode_cells(model, config, family, settings["decode"], doc["copy_bandwidth_Bps"], add("decode"))
-            if "prefill" in parts:
-                prefill_cells(model, settings["prefill"], add("prefill"))
-            del model
-            _free()
-        if "mixer" in parts:
-            mixer_arch = {**arch, **settings["mixer"].get("arch", {})}
-            mixer_cells(model_config(family, mixer_arch, pct), settings["mixer"], dtype, add("mixer"))
+    with programmatic_launch(settings["pdl"]):
+        for pct in pcts:
+            _speed_pct(family, arch, settings, parts, pct, dtype, adapter, doc, save)
     save()
     return doc
+
+
+def _speed_pct(family, arch, settings, parts, pct, dtype, adapter, doc, save) -> None:
+    """:func:`run_speed`'s cells of one ratio."""
+    config = model_config(family, arch, pct)
+    shape = adapter.config_state_shape(config)
+    layers = len(adapter.mixer_layer_indices(config))
+    doc["configs"][str(pct)] = {"d_k": shape.d_k, "d_v": shape.d_v, "heads": shape.num_heads, "layers": layers,
+                                "state_bytes_per_sequence": shape.recurrent_elems * 4 * layers}
+
+    def add(part):
+        def on_cell(cell):
+            doc[part].append({"pct": pct, **cell})
+            log.info("%s pct=%s %s", part, pct, {k: v for k, v in cell.items() if k not in ("bytes", "trials_ms")})
+            save()
+        return on_cell
+
+    if {"decode", "prefill", "profile"} & set(parts):
+        t_build = time.perf_counter()
+        model = build_model(config, dtype)
+        log.info("built the pct=%s model in %.1f s", pct, time.perf_counter() - t_build)
+        if "profile" in parts:
+            profile_cells(model, settings["profile"], settings["decode"]["kernels"], add("profile"))
+        if "decode" in parts:
+            decode_cells(model, config, family, settings["decode"], doc["copy_bandwidth_Bps"], add("decode"))
+        if "prefill" in parts:
+            prefill_cells(model, settings["prefill"], add("prefill"))
+        del model
+        _free()
+    if "mixer" in parts:
+        mixer_arch = {**arch, **settings["mixer"].get("arch", {})}
+        mixer_cells(model_config(family, mixer_arch, pct), settings["mixer"], dtype, add("mixer"))
 
 
 def speed_ratios(doc: Mapping[str, Any]) -> dict[str, list[dict]]:

@@ -4,6 +4,7 @@ The GPU side (fla's kernels in place, autotuned configs, CUDA graphs) is checked
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -248,3 +249,59 @@ def test_packing_keeps_the_stock_forward_and_is_done_once(family):
     assert attn._statereduce_packed["proj"] is packed  # reused, not packed again
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref, rtol=0, atol=0)
+
+
+def _ptx(fn, args: dict, options: dict) -> str:
+    """PTX of a Triton kernel compiled for an H100/H200 (sm_90) without a GPU: ``args`` maps each argument to a
+    signature type (``"*fp32"``, ``"i32"``) or, for constexprs, its value."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {name: t if isinstance(t, str) and (t.startswith("*") or t in ("i32", "fp32")) else "constexpr"
+           for name, t in args.items()}
+    consts = {name: v for name, v in args.items() if sig[name] == "constexpr"}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options=options).asm["ptx"]
+
+
+def _check_pdl_order(ptx: str) -> None:
+    """Under PDL a kernel may run beside the previous one: it must not store before ``griddepcontrol.wait`` (the
+    previous kernel may still read that memory) and it should load its independent inputs before the wait."""
+    lines = [re.sub(r"^@!?%p\d+\s+", "", line.strip()) for line in ptx.splitlines()]  # without predicates
+    waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
+    assert waits and any(line.startswith("griddepcontrol.launch_dependents") for line in lines)
+    first_wait = waits[0]
+    assert any(line.startswith("ld.global") for line in lines[:first_wait]), "nothing is loaded before the wait"
+    assert not any(line.startswith(("st.global", "atom.", "red.")) for line in lines[:first_wait])
+
+
+def test_pdl_kernels_load_state_before_the_wait_and_store_after():
+    """Compiled for sm_90 with PDL, our two decode kernels load the state (the conv cache) before
+    ``griddepcontrol.wait`` and store nothing before it; without PDL they carry no griddepcontrol."""
+    from statereduce.fused_decode import _conv_kernel
+
+    step = decode._kernel().fn
+    step_args = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*bf16", "A_log": "*fp32",
+                 "dt_bias": "*fp32", "h": "*fp32", "o": "*bf16", "scale": "fp32", "NHB": "i32", "s_q": "i32",
+                 "s_k": "i32", "s_v": "i32", "s_b": "i32", "s_g": "i32", "H": 16, "HV": 16, "K": 32, "V": 128,
+                 "BK": 32, "BV": 64, "STREAM": False, "STATE_V_FIRST": False, "USE_G": False,
+                 "GATE_IN_KERNEL": False, "HAS_DT_BIAS": False, "L2NORM": True, "ROUND_QK": True,
+                 "BETA_SIGMOID": False, "NEG_EIGVAL": False}
+    conv_args = {"x": "*bf16", "y": "*bf16", "c0": "*bf16", "c1": "*bf16", "c2": "*bf16", "w": "*bf16",
+                 "b": "*bf16", "s_x": "i32", "s_y": "i32", "D0": 512, "D1": 512, "D2": 2048, "NB0": 4, "NB1": 4,
+                 "W": 4, "BD": 128, "BW": 4, "HAS_BIAS": False, "SILU": True}
+    for fn, args, warps in ((step, step_args, 2), (_conv_kernel, conv_args, 4)):
+        _check_pdl_order(_ptx(fn, {**args, "PDL": True}, {"num_warps": warps, "launch_pdl": True}))
+        assert "griddepcontrol" not in _ptx(fn, {**args, "PDL": False}, {"num_warps": warps})
+
+
+def test_programmatic_launch_switch():
+    cpu = torch.device("cpu")
+    assert decode.launch_options(cpu) == {"PDL": False} and not decode.pdl_supported(cpu)
+    with decode.programmatic_launch(False):
+        assert not decode._PDL
+        with decode.programmatic_launch(True):
+            assert decode._PDL
+        assert not decode._PDL
+    assert decode._PDL
