@@ -12,9 +12,8 @@
 3. Conv: the fused decode step's one-launch short convolution (``fused_decode.conv_step``) against fla's
    ``causal_conv1d_update`` run per q / k / v segment.
 4. PDL: our kernels with programmatic dependent launch off against on, in one run (``pdl_ab``).
-5. Gate|up: the fused MLP head (``fused_decode.swiglu_gate_up``) against cuBLAS plus fla's swiglu (``gate_up_ab``).
 
-    python benchmarks/check_decode_gpu.py OUT.json [correctness,chunk,timing,conv,pdl,gate_up]
+    python benchmarks/check_decode_gpu.py OUT.json [correctness,chunk,timing,conv,pdl]
 """
 
 from __future__ import annotations
@@ -275,59 +274,12 @@ def _pdl_row(bw, name, h, hv, kd, vd, gated, layers, n, trials=7, reps=20):
     return row
 
 
-def gate_up_ab(out, layers=24, trials=7, reps=20):
-    """fused_decode.swiglu_gate_up (one kernel, SwiGLU on the accumulators) against the fused step's former MLP head
-    (cuBLAS gate|up GEMM, then fla's swiglu kernel), 1.3B shapes (F = 5632, K = 2048), ``layers`` launches on
-    distinct weights in one graph, trials interleaved; ours with PDL off and on. Error: both against a float32
-    reference from the same bf16 inputs."""
-    from fla.modules.activations import swiglu
-
-    from statereduce.fused_decode import swiglu_gate_up
-
-    f, k = 5632, 2048
-    for m in (64, 16, 1):
-        torch.manual_seed(m)
-        ws = [torch.randn(2 * f, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
-        xs = [torch.randn(m, 1, k, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
-        ref = torch.nn.functional.silu(xs[0].float() @ ws[0][:f].float().T) * (xs[0].float() @ ws[0][f:].float().T)
-
-        def stock(x, w):
-            gu = torch.nn.functional.linear(x, w)
-            return swiglu(gu[..., :f], gu[..., f:])
-
-        row = {"M": m, "F": f, "K": k, "layers": layers, "weight_MB": 2 * f * k * 2 / 1e6,
-               "stock_rel_err": rel(stock(xs[0], ws[0]), ref), "ours_rel_err": rel(swiglu_gate_up(xs[0], ws[0]), ref)}
-        replays = {"stock": graphed(lambda xs=xs, ws=ws: [stock(x, w) for x, w in zip(xs, ws)])}
-        for on in (False, True):
-            with decode.programmatic_launch(on):
-                replays[f"ours_pdl_{'on' if on else 'off'}"] = graphed(
-                    lambda xs=xs, ws=ws: [swiglu_gate_up(x, w) for x, w in zip(xs, ws)])
-        ms = {name: [] for name in replays}
-        for _ in range(trials):
-            for name, replay in replays.items():
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(reps):
-                    replay()
-                b.record()
-                b.synchronize()
-                ms[name].append(a.elapsed_time(b) / reps)
-        for name, t in ms.items():
-            row[f"{name}_us"] = statistics.median(t) * 1e3 / layers
-        row["speedup_pdl_on"] = row["stock_us"] / row["ours_pdl_on_us"]
-        out["gate_up"].append(row)
-        print("gate_up", {k_: (round(v, 4) if isinstance(v, float) else v) for k_, v in row.items()}, flush=True)
-        del ws, xs
-        torch.cuda.empty_cache()
-
-
-PARTS = {"correctness": correctness, "chunk": chunk_check, "timing": timing, "conv": conv_check, "pdl": pdl_ab,
-         "gate_up": gate_up_ab}
+PARTS = {"correctness": correctness, "chunk": chunk_check, "timing": timing, "conv": conv_check, "pdl": pdl_ab}
 
 
 def main(path, parts=tuple(PARTS)):
     out = {"device": torch.cuda.get_device_name(), "correctness": [], "chunk_vs_recurrent": [], "timing": [],
-           "conv": [], "pdl": [], "gate_up": []}
+           "conv": [], "pdl": []}
     out["copy_bandwidth_Bps"] = copy_bandwidth()
     print("copy bandwidth GB/s", out["copy_bandwidth_Bps"] / 1e9, flush=True)
     for part in (PARTS[p] for p in parts):

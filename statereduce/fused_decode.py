@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -127,92 +126,6 @@ def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.T
                                  BW=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
                                  SILU=activation is not None, num_warps=4, **launch_options(x.device))
     return y.view(x.shape) if x.dim() == 3 else y
-
-
-GATE_UP_CONFIGS = ((32, 64, 5), (32, 128, 3), (32, 128, 5), (16, 128, 3), (16, 128, 5), (16, 256, 3))
-"""(BN, BK, num_stages) tiles :func:`swiglu_gate_up` tries (4 warps): the best gate|up tiles of
-``benchmarks/bench_skinny_gemm.py`` on the H200 (BN counts the gate's columns; the up's are as many)."""
-
-GATE_UP_MAX_ROWS = 64
-"""Batches up to this many rows take :func:`swiglu_gate_up` (the whole batch is one row block); larger ones cuBLAS."""
-
-
-@triton.jit
-def _gate_up_kernel(x, w, y, M, s_xm, s_ym, F: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, PDL: tl.constexpr):
-    # program i: columns [i * BN, (i + 1) * BN) of silu(x @ W_gate^T) * (x @ W_up^T), W = [W_gate; W_up] ([2F, K])
-    o_m = tl.arange(0, BM)
-    o_n = tl.program_id(0) * BN + tl.arange(0, BN)
-    m_m, m_n = o_m < M, o_n < F
-    o_k = tl.arange(0, BK)
-    # the first weight tiles before the wait: with PDL they load while the previous kernel (the norm) finishes
-    p_g = w + o_n[None, :] * K + o_k[:, None]
-    m_w = m_n[None, :] & (o_k < K)[:, None]
-    b_g = tl.load(p_g, mask=m_w, other=0)
-    b_u = tl.load(p_g + F * K, mask=m_w, other=0)
-    if PDL:
-        gdc_wait()
-    a = tl.load(x + o_m[:, None] * s_xm + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0)
-    acc_g = tl.dot(a, b_g, input_precision="ieee")  # float32 inputs (CPU tests): no TF32
-    acc_u = tl.dot(a, b_u, input_precision="ieee")
-    for k0 in range(BK, K, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < K
-        a = tl.load(x + o_m[:, None] * s_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0)
-        p_g = w + o_n[None, :] * K + o_k[:, None]
-        m_w = m_n[None, :] & m_k[:, None]
-        acc_g = tl.dot(a, tl.load(p_g, mask=m_w, other=0), acc_g, input_precision="ieee")
-        acc_u = tl.dot(a, tl.load(p_g + F * K, mask=m_w, other=0), acc_u, input_precision="ieee")
-    out = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(y + o_m[:, None] * s_ym + o_n[None, :], out.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
-
-
-_GATE_UP_TUNED = None
-
-
-def _gate_up_tuned():
-    global _GATE_UP_TUNED
-    if _GATE_UP_TUNED is None:
-        configs = [triton.Config({"BN": bn, "BK": bk}, num_warps=4, num_stages=st) for bn, bk, st in GATE_UP_CONFIGS]
-        _GATE_UP_TUNED = triton.autotune(configs=configs, key=["F", "K", "BM"], cache_results=True)(_gate_up_kernel)
-    return _GATE_UP_TUNED
-
-
-def swiglu_gate_up(x: torch.Tensor, weight: torch.Tensor, *, block_n: int | None = None,
-                   block_k: int | None = None) -> torch.Tensor:
-    """``silu(x @ W_gate^T) * (x @ W_up^T)`` in one kernel, for a few rows (decode): SwiGLU's activation is applied to
-    the float32 accumulators, so neither gate nor up is written (fla's MLP rounds both to x's dtype, writes them and
-    runs a second kernel for the activation).
-
-    Args:
-        x: ``[..., K]`` with at most :data:`GATE_UP_MAX_ROWS` rows, unit stride along K.
-        weight: ``[2F, K]``, contiguous: the gate's rows, then the up's (the MLP's packed ``gate_up``).
-        block_n, block_k: a fixed tile instead of the autotuned one (both or neither; 16 and 16 under the
-            interpreter, where the autotuner cannot time).
-
-    Returns:
-        ``[..., F]`` in x's dtype.
-    """
-    k = x.shape[-1]
-    rows = x.reshape(-1, k)
-    m, f = rows.shape[0], weight.shape[0] // 2
-    if m > GATE_UP_MAX_ROWS or weight.shape != (2 * f, k) or not weight.is_contiguous():
-        raise ValueError(f"swiglu_gate_up takes up to {GATE_UP_MAX_ROWS} rows and a contiguous [2F, K={k}] weight; "
-                         f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    if (block_n is None) != (block_k is None):
-        raise ValueError(f"give both block_n and block_k or neither; got block_n={block_n}, block_k={block_k}")
-    rows = rows if rows.stride(1) == 1 else rows.contiguous()
-    y = torch.empty(m, f, dtype=x.dtype, device=x.device)
-    if block_n is None and os.environ.get("TRITON_INTERPRET") == "1":
-        block_n, block_k = 16, 16
-    bm = max(16, triton.next_power_of_2(m))
-    args = (rows, weight, y, m, rows.stride(0), y.stride(0))
-    opts = {"F": f, "K": k, "BM": bm, **launch_options(x.device)}
-    if block_n is None:
-        _gate_up_tuned()[lambda meta: (triton.cdiv(f, meta["BN"]),)](*args, **opts)
-    else:
-        _gate_up_kernel[(triton.cdiv(f, block_n),)](*args, BN=block_n, BK=block_k, num_warps=4, **opts)
-    return y.view(*x.shape[:-1], f)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,10 +266,7 @@ def _mlp_forward(original, device_types: tuple[str, ...]):
         if not (_mlp_fusable(self) and _one_token(x, device_types)):
             return original(self, x, **kwargs)
         width = self.gate_proj.weight.shape[0]
-        weight = _pack(self, "gate_up", [(self.gate_proj, "weight"), (self.up_proj, "weight")])
-        if x.numel() // x.shape[-1] <= GATE_UP_MAX_ROWS:
-            return self.down_proj(swiglu_gate_up(x, weight))
-        gate_up = F.linear(x, weight)
+        gate_up = F.linear(x, _pack(self, "gate_up", [(self.gate_proj, "weight"), (self.up_proj, "weight")]))
         gate, up = gate_up[..., :width], gate_up[..., width:]
         if self.fuse_swiglu:
             return self.swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)
