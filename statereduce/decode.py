@@ -49,6 +49,7 @@ TILE_CONFIGS = ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 2), (64, 4), (
 _STEP = None  # the autotuned Triton kernel, built on first use (importing triton.language needs no GPU)
 
 _PDL = True  # programmatic_launch's switch
+_TUNED: set[tuple] = set()  # autotuning keys of recurrent_step already launched once (without PDL)
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -238,12 +239,22 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
     if block_v is not None:
         kernel, fixed = kernel.fn, {"BV": int(block_v), "num_warps": int(num_warps), "STREAM": bool(stream)}
     grid = lambda meta: (triton.cdiv(vd, meta["BV"]), n * hv)
-    kernel[grid](q, k, v, beta, g, A_log, dt_bias, state, o, kd ** -0.5 if scale is None else scale,
-                 triton.next_power_of_2(n * hv), q.stride(0), k.stride(0), v.stride(0), beta.stride(0),
-                 g.stride(0) if g is not None else 0, H=h, HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), STATE_V_FIRST=state_v_first,
-                 USE_G=g is not None, GATE_IN_KERNEL=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
+    launch = launch_options(state.device)
+    nhb = triton.next_power_of_2(n * hv)
+    if not fixed and launch["PDL"]:
+        # The first call of an autotuning key runs without PDL: triton's do_bench flushes L2 (a 256 MB memset) just
+        # before each timed launch, and a PDL launch may start under that memset, so its timings would include it
+        # (seen on the H200: 70 us for a 3 us step, and a poor tile picked). The tile chosen serves PDL launches too.
+        key = (kd, vd, state_v_first, nhb, *(None if t is None else t.dtype for t in (q, k, v, beta, g, A_log,
+                                                                                       dt_bias, o)))
+        if key not in _TUNED:
+            _TUNED.add(key)
+            launch = {"PDL": False}
+    kernel[grid](q, k, v, beta, g, A_log, dt_bias, state, o, kd ** -0.5 if scale is None else scale, nhb,
+                 q.stride(0), k.stride(0), v.stride(0), beta.stride(0), g.stride(0) if g is not None else 0, H=h,
+                 HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), STATE_V_FIRST=state_v_first, USE_G=g is not None, GATE_IN_KERNEL=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
                  L2NORM=l2norm, ROUND_QK=round_qk, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=allow_neg_eigval,
-                 **launch_options(state.device), **fixed)
+                 **launch, **fixed)
     return o
 
 

@@ -305,3 +305,26 @@ def test_programmatic_launch_switch():
             assert decode._PDL
         assert not decode._PDL
     assert decode._PDL
+
+
+def test_first_autotuned_launch_of_a_key_goes_without_pdl(monkeypatch):
+    """The autotuner times configs right after triton's L2-flush memset, and a PDL launch may overlap it: so the first
+    launch of each autotuning key goes without PDL (it tunes), later ones with it."""
+    launches = []
+
+    class Recorder:  # stands in for the autotuned kernel: records each launch's PDL options
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((kw["K"], kw["PDL"], kw.get("launch_pdl", False)))
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(decode, "_STEP", Recorder())
+    monkeypatch.setattr(decode, "_TUNED", set())
+    monkeypatch.setattr(decode, "pdl_supported", lambda device: True)
+    for kd in (8, 8, 8, 16, 16):
+        x = _inputs(2, 2, 2, kd, 8, gated=False, seed=0)
+        decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"])
+    assert launches == [(8, False, False), (8, True, True), (8, True, True), (16, False, False), (16, True, True)]
+    launches.clear()
+    with decode.programmatic_launch(False):
+        decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"])
+    assert launches == [(16, False, False)]
