@@ -252,9 +252,9 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
             launch = {"PDL": False}
     kernel[grid](q, k, v, beta, g, A_log, dt_bias, state, o, kd ** -0.5 if scale is None else scale, nhb,
                  q.stride(0), k.stride(0), v.stride(0), beta.stride(0), g.stride(0) if g is not None else 0, H=h,
-                 HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), STATE_V_FIRST=state_v_first, USE_G=g is not None, GATE_IN_KERNEL=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-                 L2NORM=l2norm, ROUND_QK=round_qk, BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=allow_neg_eigval,
-                 **launch, **fixed)
+                 HV=hv, K=kd, V=vd, BK=triton.next_power_of_2(kd), STATE_V_FIRST=state_v_first, USE_G=g is not None,
+                 GATE_IN_KERNEL=A_log is not None, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm, ROUND_QK=round_qk,
+                 BETA_SIGMOID=beta_sigmoid, NEG_EIGVAL=allow_neg_eigval, **launch, **fixed)
     return o
 
 
