@@ -91,7 +91,8 @@ def _conv_kernel(x, y, c0, c1, c2, w, b, s_x, s_y, D0: tl.constexpr, D1: tl.cons
 
 
 def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weight: torch.Tensor,
-              bias: torch.Tensor | None = None, activation: str | None = "silu", block: int = 128) -> torch.Tensor:
+              bias: torch.Tensor | None = None, activation: str | None = "silu", block: int = 128,
+              pdl: bool = True) -> torch.Tensor:
     """One token of three depthwise causal convolutions (fla's ``ShortConvolution`` step) in one launch.
 
     Args:
@@ -101,6 +102,9 @@ def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.T
             ``[0, D0)``, ``[D0, D0 + D1)`` and ``[D0 + D1, D)``; each is shifted by one and updated in place.
         weight: ``[D, W]`` or ``[D, 1, W]`` filters of all channels, contiguous; bias: ``[D]`` or None.
         activation: ``"silu"`` / ``"swish"`` or None.
+        pdl: launch with programmatic dependent launch where :func:`statereduce.decode.launch_options` allows it.
+            Worth it only before a kernel of ours that waits on it: before fla's recurrent kernels a PDL-launched
+            conv made the whole step 0.1-0.9 % slower on the H200 (docs/speed_h200.md, session 5).
 
     Returns:
         ``[N, 1, D]`` (``[N, D]`` for a 2-D ``x``), contiguous, in x's dtype.
@@ -124,7 +128,8 @@ def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.T
     _conv_kernel[(sum(nb), n)](rows, y, *caches, weight, bias, rows.stride(0), y.stride(0), D0=dims[0],
                                  D1=dims[1], D2=dims[2], NB0=nb[0], NB1=nb[1], W=w, BD=block,
                                  BW=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
-                                 SILU=activation is not None, num_warps=4, **launch_options(x.device))
+                                 SILU=activation is not None, num_warps=4,
+                                 **(launch_options(x.device) if pdl else {"PDL": False}))
     return y.view(x.shape) if x.dim() == 3 else y
 
 
@@ -246,7 +251,9 @@ def _mixer_forward(original, kernel: str, device_types: tuple[str, ...]):
         conv_b = _pack(self, "conv_bias", [(c, "bias") for c in convs]) if self.q_conv1d.bias is not None else None
         y = F.linear(hidden_states, weight)  # [N, 1, q | k | v | (g) | the adapter's rows]
         ck, cv, dk, dv = self.key_dim, self.value_dim, self.head_k_dim, self.head_v_dim
-        qkv = conv_step(y[..., :2 * ck + cv], tuple(last["conv_state"]), conv_w, conv_b, self.q_conv1d.activation)
+        # PDL only before our recurrent kernel, which loads its state while the conv runs
+        qkv = conv_step(y[..., :2 * ck + cv], tuple(last["conv_state"]), conv_w, conv_b, self.q_conv1d.activation,
+                        pdl=kernel == "statereduce")
         q, k = qkv[..., :ck].unflatten(-1, (ck // dk, dk)), qkv[..., ck:2 * ck].unflatten(-1, (ck // dk, dk))
         v = qkv[..., 2 * ck:].unflatten(-1, (cv // dv, dv))
         at = 2 * ck + cv

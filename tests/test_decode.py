@@ -140,7 +140,7 @@ def _check_fused_model_decode(family):
     from statereduce import fused_decode
 
     conv_step, calls = fused_decode.conv_step, []
-    fused_decode.conv_step = lambda *a, **k: calls.append(1) or conv_step(*a, **k)
+    fused_decode.conv_step = lambda *a, **k: calls.append(k.get("pdl")) or conv_step(*a, **k)
     try:
         for kernel in ("statereduce+fused", "fla_copy+fused"):
             ref, got, model = _routed_decoding(family, kernel, return_model=True)
@@ -149,6 +149,7 @@ def _check_fused_model_decode(family):
             # the fused step ran (one conv launch per layer and step) and packed every mixer and MLP
             n_layers = model.config.num_hidden_layers
             assert len(calls) == 4 * n_layers, (kernel, len(calls))
+            assert set(calls) == {kernel == "statereduce+fused"}  # PDL only before our recurrent kernel
             calls.clear()
             for layer in model.model.layers:
                 packed = layer.attn._statereduce_packed["proj"]
@@ -328,3 +329,23 @@ def test_first_autotuned_launch_of_a_key_goes_without_pdl(monkeypatch):
     with decode.programmatic_launch(False):
         decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"])
     assert launches == [(16, False, False)]
+
+
+def test_conv_step_uses_pdl_only_when_asked(monkeypatch):
+    from statereduce import fused_decode
+
+    launches = []
+
+    class Recorder:  # stands in for the conv kernel: records each launch's PDL options
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((kw["PDL"], kw.get("launch_pdl", False)))
+
+    monkeypatch.setattr(fused_decode, "_conv_kernel", Recorder())
+    monkeypatch.setattr(decode, "pdl_supported", lambda device: True)
+    x, w = torch.randn(2, 1, 24), torch.randn(24, 4)
+    caches = tuple(torch.zeros(2, 8, 4) for _ in range(3))
+    fused_decode.conv_step(x, caches, w)
+    fused_decode.conv_step(x, caches, w, pdl=False)
+    with decode.programmatic_launch(False):
+        fused_decode.conv_step(x, caches, w)
+    assert launches == [(True, True), (False, False), (False, False)]
