@@ -104,7 +104,7 @@ def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.T
         activation: ``"silu"`` / ``"swish"`` or None.
         pdl: launch with programmatic dependent launch where :func:`statereduce.decode.launch_options` allows it.
             Worth it only before a kernel of ours that waits on it: before fla's recurrent kernels a PDL-launched
-            conv made the whole step 0.1-0.9 % slower on the H200 (docs/speed_h200.md, session 5).
+            conv made the whole step up to 0.9 % slower on the H200 (docs/speed_h200.md, session 5).
 
     Returns:
         ``[N, 1, D]`` (``[N, D]`` for a 2-D ``x``), contiguous, in x's dtype.
