@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from statereduce.speed import graphed
+from statereduce.speed import graphed, time_ms
 
 
 @triton.jit
@@ -34,20 +34,7 @@ def skinny_mm(x, w, y, M, N, K: tl.constexpr, s_xm, s_wn, s_ym, BM: tl.constexpr
 
 def graph_us(fns, reps=50):
     """Best of 3 trials of µs per launch of a graph running every fn in fns once."""
-    replay = graphed(lambda: [f() for f in fns])
-    for _ in range(5):
-        replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        t0.record()
-        for _ in range(reps):
-            replay()
-        t1.record()
-        torch.cuda.synchronize()
-        best = min(best, t0.elapsed_time(t1) * 1e3 / reps / len(fns))
-    return best
+    return min(time_ms(graphed(lambda: [f() for f in fns]), warmup=5, steps=reps, trials=3)) * 1e3 / len(fns)
 
 
 def main(out):

@@ -25,7 +25,7 @@ import sys
 import torch
 
 from statereduce import decode
-from statereduce.speed import copy_bandwidth, graphed
+from statereduce.speed import copy_bandwidth, graphed, time_ms
 
 
 def rel(a, b):
@@ -113,19 +113,7 @@ def chunk_check(out):
 
 def graph_time(fn_list, trials=5, reps=20):
     """Median per-replay ms of a graph running every fn in fn_list once."""
-    replay = graphed(lambda: [fn() for fn in fn_list])
-    for _ in range(3):
-        replay()
-    ms = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            replay()
-        b.record()
-        b.synchronize()
-        ms.append(a.elapsed_time(b) / reps)
-    return statistics.median(ms)
+    return statistics.median(time_ms(graphed(lambda: [fn() for fn in fn_list]), warmup=3, steps=reps, trials=trials))
 
 
 def timing(out, layers=24, n=64):
@@ -257,15 +245,9 @@ def _pdl_row(bw, name, h, hv, kd, vd, gated, layers, n, trials=7, reps=20):
                 replays[on] = graphed(fn)
         row[f"{kind}_bit_equal"] = all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
         ms = {False: [], True: []}
-        for _ in range(trials):
+        for _ in range(trials):  # interleaved: one trial of each graph in turn
             for on in (False, True):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(reps):
-                    replays[on]()
-                b.record()
-                b.synchronize()
-                ms[on].append(a.elapsed_time(b) / reps)
+                ms[on] += time_ms(replays[on], warmup=0, steps=reps, trials=1)
         for on, label in ((False, "off"), (True, "on")):
             t = statistics.median(ms[on])
             row[f"{kind}_{label}_us_per_layer"] = t * 1e3 / layers
