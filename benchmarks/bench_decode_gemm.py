@@ -4,7 +4,7 @@ weights in one CUDA graph (every layer's weights come from HBM), PDL on and off 
 projection with SwiGLU fused in, against fla's swiglu kernel then cuBLAS. Checks each result against a float32
 product and that replays give the same bits. Prints µs per launch and weight TB/s; writes JSON.
 
-    python benchmarks/bench_decode_gemm.py OUT.json
+    python benchmarks/bench_decode_gemm.py OUT.json [ROWS]   (ROWS: comma-separated batch sizes, default 64,1,16)
 """
 
 import json
@@ -70,11 +70,11 @@ def measure(name, n, k, m, swiglu):
     return row
 
 
-def main(out):
+def main(out, rows=(64, 1, 16)):
     torch.manual_seed(0)
     decode_gemm.reserve(torch.device("cuda"), 64, 11264)
     results = []
-    for m in (64, 1, 16):
+    for m in rows:
         for name, n, k in SHAPES:
             results.append(measure(name, n, k, m, swiglu=False))
         results.append(measure("swiglu+down", 2048, 5632, m, swiglu=True))
@@ -84,4 +84,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *([tuple(int(r) for r in sys.argv[2].split(","))] if len(sys.argv) > 2 else []))
