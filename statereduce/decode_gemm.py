@@ -43,7 +43,8 @@ _WORKSPACE: dict[torch.device, torch.Tensor] = {}
 def _prune(configs, named_args, **kwargs):
     """The candidates worth timing for this shape: BK dividing K, no empty slice, at most :data:`MAX_PROGRAMS`
     programs, and a split only where it gives most SMs a program."""
-    n, k = named_args["N"], named_args["K"]
+    args = {**named_args, **kwargs}  # the autotuner passes constexprs given by keyword (K) in kwargs
+    n, k = args["N"], args["K"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
     keep = []
     for c in configs:

@@ -371,14 +371,14 @@ def test_linear_bad_inputs_and_pruning():
     assert not decode_gemm.supported(torch.zeros(65, 128), w) and decode_gemm.supported(torch.zeros(64, 128), w)
     configs = decode_gemm._kernel().configs
     for n, k in ((2048, 2048), (11264, 2048), (2048, 5632), (3136, 2048), (64, 64)):
-        kept = decode_gemm._prune(configs, {"N": n, "K": k})
+        kept = decode_gemm._prune(configs, {"N": n}, K=k)  # as the autotuner calls it
         assert kept, (n, k)
         for c in kept:
             bn, bk, split = c.kwargs["BN"], c.kwargs["BK"], c.kwargs["SPLIT"]
             steps = -(-(k // bk) // split)
             assert k % bk == 0 and (split - 1) * steps * bk < k and -(-n // bn) * split <= decode_gemm.MAX_PROGRAMS
     # the 2048 x 2048 projection (16 to 64 output tiles) is also timed split, with a program for every SM
-    split = [c for c in decode_gemm._prune(configs, {"N": 2048, "K": 2048}) if c.kwargs["SPLIT"] > 1]
+    split = [c for c in decode_gemm._prune(configs, {"N": 2048}, K=2048) if c.kwargs["SPLIT"] > 1]
     assert split and all(2048 // c.kwargs["BN"] * c.kwargs["SPLIT"] >= 99 for c in split)
 
 
