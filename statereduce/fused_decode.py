@@ -43,14 +43,7 @@ import triton.language as tl
 from torch import nn
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from statereduce import decode_gemm
 from statereduce.decode import launch_options
-
-GEMMS = ("statereduce", "torch")
-"""Who computes the fused step's projections: :func:`statereduce.decode_gemm.linear` (split K, SwiGLU fused into the
-down projection) where it applies, or torch (cuBLAS)."""
-
-_GEMM = "statereduce"  # use_gemm's switch
 
 
 @triton.jit
@@ -209,56 +202,27 @@ def _mixer_plan(layer: nn.Module) -> dict[str, Any] | None:
 
 def pack_for_decode(model: nn.Module) -> int:
     """Pack the weights the fused step reads (each supported mixer's projections and conv filters, each SwiGLU MLP's
-    gate and up) into one tensor per group, rebinding the stock parameters as views (values unchanged), and allocate
-    :mod:`statereduce.decode_gemm`'s buffers. The fused step also packs on first use; calling this first keeps the
-    allocations out of a timed or captured region.
+    gate and up) into one tensor per group, rebinding the stock parameters as views (values unchanged). The fused
+    step also packs on first use; calling this first keeps the allocation out of a timed or captured region.
     Returns the number of modules packed."""
-    count, widest = 0, {}
+    count = 0
     for module in model.modules():
         plan = _mixer_plan(module)
         if plan is not None:
-            proj = _pack(module, "proj", [(getattr(module, r), "weight") for r in plan["rows"]], PROJ_ALIGN)
-            widest[proj.device] = max(widest.get(proj.device, 0), proj.shape[0], module.o_proj.weight.shape[0])
+            _pack(module, "proj", [(getattr(module, r), "weight") for r in plan["rows"]], PROJ_ALIGN)
             _pack(module, "conv", [(c, "weight") for c in (module.q_conv1d, module.k_conv1d, module.v_conv1d)])
             if module.q_conv1d.bias is not None:
                 _pack(module, "conv_bias", [(c, "bias") for c in (module.q_conv1d, module.k_conv1d, module.v_conv1d)])
             count += 1
         elif _mlp_fusable(module):
-            gate_up = _pack(module, "gate_up", [(module.gate_proj, "weight"), (module.up_proj, "weight")])
-            widest[gate_up.device] = max(widest.get(gate_up.device, 0), gate_up.shape[0])
+            _pack(module, "gate_up", [(module.gate_proj, "weight"), (module.up_proj, "weight")])
             count += 1
-    for device, n in widest.items():  # our GEMM's split-K buffers, for the largest decode batch
-        if device.type == "cuda":
-            decode_gemm.reserve(device, 64, n)
     return count
 
 
 # ---------------------------------------------------------------------------------------------
 # fused forwards
 # ---------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def use_gemm(name: str = "statereduce") -> Iterator[None]:
-    """Within the block the fused step's projections use ``name`` (one of :data:`GEMMS`; ``"statereduce"`` outside
-    any block)."""
-    global _GEMM
-    if name not in GEMMS:
-        raise ValueError(f"unknown fused-step GEMM {name!r}; valid: {', '.join(GEMMS)}")
-    before, _GEMM = _GEMM, name
-    try:
-        yield
-    finally:
-        _GEMM = before
-
-
-def _ours(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return _GEMM == "statereduce" and decode_gemm.supported(x, weight)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for the fused step, by :data:`_GEMM`."""
-    return decode_gemm.linear(x, weight) if _ours(x, weight) else F.linear(x, weight)
-
-
 def _mlp_fusable(module: nn.Module) -> bool:
     return (type(module).__name__ == "GatedMLP" and getattr(module, "hidden_act", None) == "swish"
             and module.gate_proj.bias is None and module.up_proj.bias is None)
@@ -285,7 +249,7 @@ def _mixer_forward(original, kernel: str, device_types: tuple[str, ...]):
         weight = _pack(self, "proj", [(getattr(self, r), "weight") for r in plan["rows"]], PROJ_ALIGN)
         conv_w = _pack(self, "conv", [(c, "weight") for c in convs])
         conv_b = _pack(self, "conv_bias", [(c, "bias") for c in convs]) if self.q_conv1d.bias is not None else None
-        y = _linear(hidden_states, weight)  # [N, 1, q | k | v | (g) | the adapter's rows]
+        y = F.linear(hidden_states, weight)  # [N, 1, q | k | v | (g) | the adapter's rows]
         ck, cv, dk, dv = self.key_dim, self.value_dim, self.head_k_dim, self.head_v_dim
         # PDL only before our recurrent kernel, which loads its state while the conv runs
         qkv = conv_step(y[..., :2 * ck + cv], tuple(last["conv_state"]), conv_w, conv_b, self.q_conv1d.activation,
@@ -298,9 +262,8 @@ def _mixer_forward(original, kernel: str, device_types: tuple[str, ...]):
         state = last["recurrent_state"]
         o = plan["adapter"].fused_recurrent_step(self, kernel, q, k, v, y[..., at:], state)
         update_layer_cache(self, past_key_values, recurrent_state=state, conv_state=last["conv_state"], offset=1)
-        o = (self.o_norm(o, gate) if gate is not None else self.o_norm(o)).reshape(n, 1, cv)
-        o = _linear(o, self.o_proj.weight) if self.o_proj.bias is None else self.o_proj(o)
-        return o, None, past_key_values
+        o = self.o_norm(o, gate) if gate is not None else self.o_norm(o)
+        return self.o_proj(o.reshape(n, 1, cv)), None, past_key_values
 
     return forward
 
@@ -310,9 +273,7 @@ def _mlp_forward(original, device_types: tuple[str, ...]):
         if not (_mlp_fusable(self) and _one_token(x, device_types)):
             return original(self, x, **kwargs)
         width = self.gate_proj.weight.shape[0]
-        gate_up = _linear(x, _pack(self, "gate_up", [(self.gate_proj, "weight"), (self.up_proj, "weight")]))
-        if self.down_proj.bias is None and _ours(gate_up[..., :width], self.down_proj.weight):
-            return decode_gemm.linear(gate_up, self.down_proj.weight, swiglu=True)  # SwiGLU in the down projection
+        gate_up = F.linear(x, _pack(self, "gate_up", [(self.gate_proj, "weight"), (self.up_proj, "weight")]))
         gate, up = gate_up[..., :width], gate_up[..., width:]
         if self.fuse_swiglu:
             return self.swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)

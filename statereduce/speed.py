@@ -50,7 +50,6 @@ DEFAULT_SPEED: dict[str, Any] = {
     "dtype": "bfloat16",
     "blas": None,
     "pdl": True,
-    "gemm": "statereduce",
     "decode": {"prompt": 512, "batches": [1, 2, 4, 8, 16, 32, 64], "warmup": 10, "steps": 100, "trials": 3,
                "kernels": ["fla", "statereduce", "fla_copy", "fla+fused", "statereduce+fused", "fla_copy+fused"],
                "check_steps": 3},
@@ -65,9 +64,7 @@ DEFAULT_SPEED: dict[str, Any] = {
 (``torch.backends.cuda.preferred_blas_library``: ``cublas`` or ``cublaslt``; ``None`` leaves torch's default): at one
 sequence the GEMV kernel chosen for a pruned projection can be slower than the unpruned one's (docs/speed_h200.md).
 ``pdl``: our decode kernels use programmatic dependent launch where the GPU has it
-(:func:`statereduce.decode.programmatic_launch`; the document's ``pdl`` says whether they did). ``gemm``: who
-computes the fused decode step's projections, ``statereduce`` (:mod:`statereduce.decode_gemm`: split K, SwiGLU in
-the down projection) or ``torch`` (cuBLAS); the ``+fused`` kernels only."""
+(:func:`statereduce.decode.programmatic_launch`; the document's ``pdl`` says whether they did)."""
 
 BLAS_LIBRARIES = (None, "cublas", "cublaslt")
 """Valid ``blas`` settings."""
@@ -95,10 +92,6 @@ def speed_settings(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]
         raise ValueError(f"unknown speed blas {out['blas']!r}; valid: cublas, cublaslt, or null for torch's default")
     if not isinstance(out["pdl"], bool):
         raise ValueError(f"speed pdl must be true or false; got {out['pdl']!r}")  # noqa: TRY004 (a setting's value)
-    from statereduce.fused_decode import GEMMS
-
-    if out["gemm"] not in GEMMS:
-        raise ValueError(f"unknown speed gemm {out['gemm']!r}; valid: {', '.join(GEMMS)}")
     for pct in out["pcts"]:
         if not 0 <= float(pct) < 100:
             raise ValueError(f"speed pct {pct} is outside [0, 100): it is the percent of key channels removed")
@@ -518,7 +511,6 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
     from statereduce.adapters import adapter_class
     from statereduce.decode import pdl_supported, programmatic_launch
     from statereduce.evaluate import versions
-    from statereduce.fused_decode import use_gemm
     from statereduce.runtime import write_json
 
     require_cuda()
@@ -549,7 +541,7 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
         doc["elapsed_s"] = round(time.perf_counter() - t0, 1)
         write_json(out_path, doc)
 
-    with programmatic_launch(settings["pdl"]), use_gemm(settings["gemm"]):
+    with programmatic_launch(settings["pdl"]):
         for pct in pcts:
             _speed_pct(family, arch, settings, parts, pct, dtype, adapter, doc, save)
     save()

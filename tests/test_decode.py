@@ -135,19 +135,15 @@ def _check_conv_step():
 
 
 def _check_fused_model_decode(family):
-    """The fused layer step (packed projections, one conv launch, the recurrent step on views, our split-K GEMM with
-    SwiGLU in the down projection) decodes the stock model like fla's own step, with our kernel and with fla's
-    function (here the torch fallback) plus a copy, and with torch's GEMM."""
-    from statereduce import decode_gemm, fused_decode
+    """The fused layer step (packed projections, one conv launch, the recurrent step on views) decodes the stock
+    model like fla's own step, with our kernel and with fla's function (here the torch fallback) plus a copy."""
+    from statereduce import fused_decode
 
-    conv_step, linear, calls, gemms = fused_decode.conv_step, decode_gemm.linear, [], []
+    conv_step, calls = fused_decode.conv_step, []
     fused_decode.conv_step = lambda *a, **k: calls.append(k.get("pdl")) or conv_step(*a, **k)
-    decode_gemm.linear = lambda x, w, **k: gemms.append((tuple(w.shape), k.get("swiglu", False))) or linear(x, w, **k)
     try:
-        for kernel, gemm in (("statereduce+fused", "statereduce"), ("fla_copy+fused", "statereduce"),
-                             ("statereduce+fused", "torch")):
-            with fused_decode.use_gemm(gemm):
-                ref, got, model = _routed_decoding(family, kernel, return_model=True)
+        for kernel in ("statereduce+fused", "fla_copy+fused"):
+            ref, got, model = _routed_decoding(family, kernel, return_model=True)
             for r, g in zip(ref, got):
                 torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
             # the fused step ran (one conv launch per layer and step) and packed every mixer and MLP
@@ -155,14 +151,6 @@ def _check_fused_model_decode(family):
             assert len(calls) == 4 * n_layers, (kernel, len(calls))
             assert set(calls) == {kernel == "statereduce+fused"}  # PDL only before our recurrent kernel
             calls.clear()
-            # our GEMM took the four projections of each layer (down with SwiGLU), or none with torch's
-            layer = model.model.layers[0]
-            want = [(tuple(layer.attn._statereduce_packed["proj"].shape), False),
-                    (tuple(layer.attn.o_proj.weight.shape), False),
-                    (tuple(layer.mlp._statereduce_packed["gate_up"].shape), False),
-                    (tuple(layer.mlp.down_proj.weight.shape), True)]
-            assert gemms == (want * n_layers * 4 if gemm == "statereduce" else []), (kernel, gemm, gemms[:5])
-            gemms.clear()
             for layer in model.model.layers:
                 packed = layer.attn._statereduce_packed["proj"]
                 assert layer.attn.q_proj.weight.data_ptr() == packed.data_ptr()
@@ -170,7 +158,7 @@ def _check_fused_model_decode(family):
                 assert layer.mlp.up_proj.weight.data_ptr() > layer.mlp.gate_proj.weight.data_ptr()
                 assert "gate_up" in layer.mlp._statereduce_packed
     finally:
-        fused_decode.conv_step, decode_gemm.linear = conv_step, linear
+        fused_decode.conv_step = conv_step
 
 
 def _check_all():
@@ -185,36 +173,6 @@ def _check_all():
     for h, hv, k, v in ((2, 2, 16, 8), (1, 2, 12, 24), (2, 4, 8, 40)):
         _check_gated_delta_rule(h, hv, k, v)
     _check_fixed_configs_agree()
-    _check_linear()
-
-
-def _check_linear():
-    """decode_gemm.linear against float64 products: row counts across the tile heights, splits 1-8 (each slice's
-    partial summed by the last program in), SwiGLU, the residual, strided rows, N not a multiple of the tile; a
-    second call gives the same bits and every tile counter is back at zero. (Half precision as float16: the
-    interpreter's bf16 dot is wrong in Triton 3.6.)"""
-    from statereduce import decode_gemm
-
-    g = torch.Generator().manual_seed(5)
-    cases = [(1, 96, 128, {"BN": 32, "BK": 64, "SPLIT": 1}), (5, 70, 256, {"BN": 32, "BK": 32, "SPLIT": 4}),
-             (17, 40, 512, {"BN": 64, "BK": 64, "SPLIT": 8}), (33, 64, 320, {"BN": 16, "BK": 64, "SPLIT": 3}),
-             (64, 48, 128, None)]
-    for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 2e-3)):
-        for (m, n, k, cfg), swiglu, residual in zip(cases * 2, [False] * 5 + [True] * 5, [False, True] * 5):
-            wide = torch.randn(m, 2 * k + 9 if swiglu else k + 9, generator=g).to(dtype)
-            x = wide[:, :2 * k if swiglu else k]  # rows at a stride wider than the row
-            w = torch.randn(n, k, generator=g).to(dtype)
-            r = torch.randn(m, n, generator=g).to(dtype) if residual else None
-            y = decode_gemm.linear(x, w, residual=r, swiglu=swiglu, config=cfg)
-            a = x.double()
-            if swiglu:
-                a = (torch.nn.functional.silu(a[:, :k]) * a[:, k:]).to(dtype).double()
-            ref = a @ w.double().T + (r.double() if residual else 0)
-            assert y.dtype == dtype and y.shape == (m, n)
-            err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-            assert err < tol, (dtype, m, n, k, cfg, swiglu, residual, err)
-            assert torch.equal(decode_gemm.linear(x, w, residual=r, swiglu=swiglu, config=cfg), y)
-            assert not decode_gemm._COUNTERS[torch.device("cpu")].any()
 
 
 def test_kernel_matches_reference_under_interpreter():
@@ -337,49 +295,6 @@ def test_pdl_kernels_load_state_before_the_wait_and_store_after():
     for fn, args, warps in ((step, step_args, 2), (_conv_kernel, conv_args, 4)):
         _check_pdl_order(_ptx(fn, {**args, "PDL": True}, {"num_warps": warps, "launch_pdl": True}))
         assert "griddepcontrol" not in _ptx(fn, {**args, "PDL": False}, {"num_warps": warps})
-
-
-def test_linear_stores_nothing_before_the_wait():
-    """Compiled for sm_90 with PDL, the decode GEMM stores (and counts) nothing before ``griddepcontrol.wait``,
-    lets its successor start, and without PDL carries no griddepcontrol."""
-    from statereduce import decode_gemm
-
-    args = {"x": "*bf16", "w": "*bf16", "y": "*bf16", "r": "*bf16", "ws": "*fp32", "counters": "*i32", "M": "i32",
-            "N": "i32", "s_x": "i32", "s_w": "i32", "s_y": "i32", "s_r": "i32", "K": 2048, "BM": 64, "BN": 64,
-            "BK": 128, "SPLIT": 4, "SWIGLU": True, "RESIDUAL": True, "PRECISION": "tf32"}
-    fn = decode_gemm._kernel().fn
-    ptx = _ptx(fn, {**args, "PDL": True}, {"num_warps": 4, "launch_pdl": True})
-    lines = [re.sub(r"^@!?%p\d+\s+", "", line.strip()) for line in ptx.splitlines()]
-    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
-    assert any(line.startswith("griddepcontrol.launch_dependents") for line in lines[:wait])
-    assert not any(line.startswith(("st.global", "atom.", "red.", "ld.global")) for line in lines[:wait])
-    assert any(line.startswith("atom.global") for line in lines[wait:])  # the split-K count
-    assert "griddepcontrol" not in _ptx(fn, {**args, "PDL": False}, {"num_warps": 4})
-
-
-def test_linear_bad_inputs_and_pruning():
-    from statereduce import decode_gemm
-
-    w = torch.zeros(32, 128)
-    with pytest.raises(ValueError, match=r"at most 64 rows \(decode batches\); got 65"):
-        decode_gemm.linear(torch.zeros(65, 128), w)
-    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 256\] in the weight's dtype"):
-        decode_gemm.linear(torch.zeros(2, 128), w, swiglu=True)
-    with pytest.raises(ValueError, match=r"does not split K = 128 \(BK must divide it, no slice empty\)"):
-        decode_gemm.linear(torch.zeros(2, 128), w, config={"BN": 32, "BK": 64, "SPLIT": 4})
-    assert not decode_gemm.supported(torch.zeros(2, 96), torch.zeros(8, 96))  # K not a multiple of 64
-    assert not decode_gemm.supported(torch.zeros(65, 128), w) and decode_gemm.supported(torch.zeros(64, 128), w)
-    configs = decode_gemm._kernel().configs
-    for n, k in ((2048, 2048), (11264, 2048), (2048, 5632), (3136, 2048), (64, 64)):
-        kept = decode_gemm._prune(configs, {"N": n}, K=k)  # as the autotuner calls it
-        assert kept, (n, k)
-        for c in kept:
-            bn, bk, split = c.kwargs["BN"], c.kwargs["BK"], c.kwargs["SPLIT"]
-            steps = -(-(k // bk) // split)
-            assert k % bk == 0 and (split - 1) * steps * bk < k and -(-n // bn) * split <= decode_gemm.MAX_PROGRAMS
-    # the 2048 x 2048 projection (16 to 64 output tiles) is also timed split, with a program for every SM
-    split = [c for c in decode_gemm._prune(configs, {"N": 2048}, K=2048) if c.kwargs["SPLIT"] > 1]
-    assert split and all(2048 // c.kwargs["BN"] * c.kwargs["SPLIT"] >= 99 for c in split)
 
 
 def test_programmatic_launch_switch():

@@ -27,8 +27,7 @@ def test_settings_defaults_are_the_papers_protocol():
 
 
 @pytest.mark.parametrize("over,msg", [
-    ({"decod": {}}, "unknown speed setting 'decod'; valid: pcts, dtype, blas, pdl, gemm, decode, prefill, mixer, profile"),
-    ({"gemm": "cublas"}, "unknown speed gemm 'cublas'; valid: statereduce, torch"),
+    ({"decod": {}}, "unknown speed setting 'decod'; valid: pcts, dtype, blas, pdl, decode, prefill, mixer, profile"),
     ({"pdl": "yes"}, "speed pdl must be true or false; got 'yes'"),
     ({"blas": "cuBLAS"}, "unknown speed blas 'cuBLAS'; valid: cublas, cublaslt, or null for torch's default"),
     ({"decode": {"batch": [1]}}, r"unknown speed.decode setting\(s\) \['batch'\]"),
