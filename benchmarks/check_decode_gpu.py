@@ -12,8 +12,11 @@
 3. Conv: the fused decode step's one-launch short convolution (``fused_decode.conv_step``) against fla's
    ``causal_conv1d_update`` run per q / k / v segment.
 4. PDL: our kernels with programmatic dependent launch off against on, in one run (``pdl_ab``).
+5. Floor: our step (autotuned, PDL as configured) against torch moving the same bytes in the same graph layout:
+   a copy of each state into a second buffer and an in-place ``mul_`` of each state (``floor_ab``). Says what
+   share of the copy bandwidth any kernel reaches at that size, so the step's share can be read against it.
 
-    python benchmarks/check_decode_gpu.py OUT.json [correctness,chunk,timing,conv,pdl]
+    python benchmarks/check_decode_gpu.py OUT.json [correctness,chunk,timing,conv,pdl,floor]
 """
 
 from __future__ import annotations
@@ -256,12 +259,44 @@ def _pdl_row(bw, name, h, hv, kd, vd, gated, layers, n, trials=7, reps=20):
     return row
 
 
-PARTS = {"correctness": correctness, "chunk": chunk_check, "timing": timing, "conv": conv_check, "pdl": pdl_ab}
+def floor_ab(out, layers=24, n=64, trials=7, reps=20):
+    """Our step against a copy and an in-place multiply of the same state bytes, each ``layers`` launches on distinct
+    buffers in one graph, trials interleaved; medians."""
+    bw = out["copy_bandwidth_Bps"]
+    shapes = [("dn", 16, 16, kd, 128, False) for kd in (128, 64, 32)]
+    shapes += [("gdn", 6, 6, kd, 512, True) for kd in (256, 128, 64)]
+    for name, h, hv, kd, vd, gated in shapes:
+        bufs = [inputs(n, h, hv, kd, vd, gated) for _ in range(layers)]
+        sinks = [torch.empty_like(b[-1]) for b in bufs]
+        state_bytes = bufs[0][-1].numel() * 4
+        step("statereduce", *bufs[0], gated)  # tunes outside the graph
+        graphs = {"ours": graphed(lambda bufs=bufs, gt=gated: [step("statereduce", *b, gt) for b in bufs]),
+                  "copy": graphed(lambda bufs=bufs, sinks=sinks: [d.copy_(b[-1]) for d, b in zip(sinks, bufs)]),
+                  "mul_inplace": graphed(lambda bufs=bufs: [b[-1].mul_(1.0) for b in bufs])}
+        ms = {k: [] for k in graphs}
+        for _ in range(trials):
+            for k, g in graphs.items():
+                ms[k] += time_ms(g, warmup=3, steps=reps, trials=1)
+        row = {"shape": name, "n": n, "h": hv, "k": kd, "v": vd, "layers": layers, "state_bytes_per_launch": state_bytes,
+               "floor_us": 2 * state_bytes / bw * 1e6, "pdl": decode._PDL}
+        for k, v in ms.items():
+            t = statistics.median(v) / layers
+            row[f"{k}_us"] = t * 1e3
+            row[f"{k}_of_copy"] = 2 * state_bytes / (t / 1e3) / bw
+        row["ours_over_copy"] = row["ours_us"] / row["copy_us"]
+        out["floor"].append(row)
+        print(name, kd, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        del bufs, sinks, graphs
+        torch.cuda.empty_cache()
+
+
+PARTS = {"correctness": correctness, "chunk": chunk_check, "timing": timing, "conv": conv_check, "pdl": pdl_ab,
+         "floor": floor_ab}
 
 
 def main(path, parts=tuple(PARTS)):
     out = {"device": torch.cuda.get_device_name(), "correctness": [], "chunk_vs_recurrent": [], "timing": [],
-           "conv": [], "pdl": []}
+           "conv": [], "pdl": [], "floor": []}
     out["copy_bandwidth_Bps"] = copy_bandwidth()
     print("copy bandwidth GB/s", out["copy_bandwidth_Bps"] / 1e9, flush=True)
     for part in (PARTS[p] for p in parts):
