@@ -69,30 +69,38 @@ def _conv_segment(x, y, cache, w, b, i_n, i_b, s_x, s_y, OFF: tl.constexpr, D: t
         b_y += tl.load(b + OFF + o_d, mask=m_d, other=0).to(tl.float32)
     if SILU:
         b_y = b_y * tl.sigmoid(b_y)
-    tl.store(y + i_n * s_y + OFF + o_d, b_y.to(y.dtype.element_ty), mask=m_d)
+    tl.store(y + i_n * s_y + o_d, b_y.to(y.dtype.element_ty), mask=m_d)  # y: this segment's first channel
     tl.store(p_c, b_c.to(cache.dtype.element_ty), mask=m_d[:, None] & m_w[None, :])
 
 
 @triton.jit
 def _conv_kernel(x, y, c0, c1, c2, w, b, s_x, s_y, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
                  NB0: tl.constexpr, NB1: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SEPARATE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the recurrent step may start loading its state now (it waits for our outputs)
         gdc_launch_dependents()
     # programs [0, NB0) update the first segment's channels, the next NB1 the second's, the rest the third's
     i_b = tl.program_id(0)
     i_n = tl.program_id(1).to(tl.int64)
+    # y holds the segments side by side in each sequence's row (stride s_y), or (SEPARATE) one after another, each
+    # a contiguous [N, Di] block
+    n = tl.num_programs(1).to(tl.int64)
     if i_b < NB0:
-        _conv_segment(x, y, c0, w, b, i_n, i_b, s_x, s_y, 0, D0, W, BD, BW, HAS_BIAS, SILU, PDL)
+        _conv_segment(x, y, c0, w, b, i_n, i_b, s_x, D0 if SEPARATE else s_y, 0, D0, W, BD, BW, HAS_BIAS, SILU,
+                      PDL)
     elif i_b < NB0 + NB1:
-        _conv_segment(x, y, c1, w, b, i_n, i_b - NB0, s_x, s_y, D0, D1, W, BD, BW, HAS_BIAS, SILU, PDL)
+        y1 = y + n * D0 if SEPARATE else y + D0
+        _conv_segment(x, y1, c1, w, b, i_n, i_b - NB0, s_x, D1 if SEPARATE else s_y, D0, D1, W, BD, BW, HAS_BIAS,
+                      SILU, PDL)
     else:
-        _conv_segment(x, y, c2, w, b, i_n, i_b - NB0 - NB1, s_x, s_y, D0 + D1, D2, W, BD, BW, HAS_BIAS, SILU, PDL)
+        y2 = y + n * (D0 + D1) if SEPARATE else y + D0 + D1
+        _conv_segment(x, y2, c2, w, b, i_n, i_b - NB0 - NB1, s_x, D2 if SEPARATE else s_y, D0 + D1, D2, W, BD, BW,
+                      HAS_BIAS, SILU, PDL)
 
 
 def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weight: torch.Tensor,
               bias: torch.Tensor | None = None, activation: str | None = "silu", block: int = 128,
-              pdl: bool = True) -> torch.Tensor:
+              pdl: bool = True, separate: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """One token of three depthwise causal convolutions (fla's ``ShortConvolution`` step) in one launch.
 
     Args:
@@ -105,9 +113,13 @@ def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.T
         pdl: launch with programmatic dependent launch where :func:`statereduce.decode.launch_options` allows it.
             Worth it only before a kernel of ours that waits on it: before fla's recurrent kernels a PDL-launched
             conv made the whole step up to 0.9 % slower on the H200 (docs/speed_h200.md, session 5).
+        separate: write the three segments to three contiguous tensors (one allocation) instead of one row each:
+            for consumers that need contiguous q, k and v (fla's functions copy strided views, three more launches
+            per layer).
 
     Returns:
-        ``[N, 1, D]`` (``[N, D]`` for a 2-D ``x``), contiguous, in x's dtype.
+        ``[N, 1, D]`` (``[N, D]`` for a 2-D ``x``), contiguous, in x's dtype; with ``separate`` a tuple of the three
+        segments ``[N, 1, Di]`` (``[N, Di]``), each contiguous.
     """
     n, d = x.shape[0], x.shape[-1]
     dims = [c.shape[1] for c in caches]
@@ -128,8 +140,12 @@ def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.T
     _conv_kernel[(sum(nb), n)](rows, y, *caches, weight, bias, rows.stride(0), y.stride(0), D0=dims[0],
                                  D1=dims[1], D2=dims[2], NB0=nb[0], NB1=nb[1], W=w, BD=block,
                                  BW=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
-                                 SILU=activation is not None, num_warps=4,
+                                 SILU=activation is not None, SEPARATE=separate, num_warps=4,
                                  **(launch_options(x.device) if pdl else {"PDL": False}))
+    if separate:
+        flat, offsets = y.view(-1), [0, n * dims[0], n * (dims[0] + dims[1]), n * d]
+        lead = (n, 1) if x.dim() == 3 else (n,)
+        return tuple(flat[a:b].view(*lead, di) for a, b, di in zip(offsets, offsets[1:], dims))
     return y.view(x.shape) if x.dim() == 3 else y
 
 
@@ -251,11 +267,13 @@ def _mixer_forward(original, kernel: str, device_types: tuple[str, ...]):
         conv_b = _pack(self, "conv_bias", [(c, "bias") for c in convs]) if self.q_conv1d.bias is not None else None
         y = F.linear(hidden_states, weight)  # [N, 1, q | k | v | (g) | the adapter's rows]
         ck, cv, dk, dv = self.key_dim, self.value_dim, self.head_k_dim, self.head_v_dim
-        # PDL only before our recurrent kernel, which loads its state while the conv runs
+        # PDL only before our recurrent kernel, which loads its state while the conv runs; fla's functions take
+        # q, k and v contiguous (they would copy views into one row)
+        ours = kernel == "statereduce"
         qkv = conv_step(y[..., :2 * ck + cv], tuple(last["conv_state"]), conv_w, conv_b, self.q_conv1d.activation,
-                        pdl=kernel == "statereduce")
-        q, k = qkv[..., :ck].unflatten(-1, (ck // dk, dk)), qkv[..., ck:2 * ck].unflatten(-1, (ck // dk, dk))
-        v = qkv[..., 2 * ck:].unflatten(-1, (cv // dv, dv))
+                        pdl=ours, separate=not ours)
+        q, k, v = (qkv[..., :ck], qkv[..., ck:2 * ck], qkv[..., 2 * ck:]) if ours else qkv
+        q, k, v = q.unflatten(-1, (ck // dk, dk)), k.unflatten(-1, (ck // dk, dk)), v.unflatten(-1, (cv // dv, dv))
         at = 2 * ck + cv
         gate = y[..., at:at + cv].unflatten(-1, (cv // dv, dv)) if self.use_gate else None
         at += cv if self.use_gate else 0

@@ -128,10 +128,19 @@ def _check_conv_step():
             state = torch.cat([c[..., 1:], x[:, 0, sl, None]], -1)
             refs.append((y, state))
             start += d
+        start_caches = [c.clone() for c in caches]
         got = fused_decode.conv_step(x, caches, weight, b, "silu", block=16)
         torch.testing.assert_close(got, torch.cat([r[0] for r in refs], -1), rtol=1e-5, atol=1e-6)
         for c, (_, state) in zip(caches, refs):
             torch.testing.assert_close(c, state, rtol=0, atol=0)  # shifted in place
+        # separate: the same values, each segment its own contiguous [N, 1, Di] tensor
+        for c, c0 in zip(caches, start_caches):
+            c.copy_(c0)
+        parts = fused_decode.conv_step(x, caches, weight, b, "silu", block=16, separate=True)
+        assert [p.shape for p in parts] == [(n, 1, d) for d in dims] and all(p.is_contiguous() for p in parts)
+        torch.testing.assert_close(torch.cat(parts, -1), got, rtol=0, atol=0)
+        for c, (_, state) in zip(caches, refs):
+            torch.testing.assert_close(c, state, rtol=0, atol=0)
 
 
 def _check_fused_model_decode(family):
@@ -140,7 +149,7 @@ def _check_fused_model_decode(family):
     from statereduce import fused_decode
 
     conv_step, calls = fused_decode.conv_step, []
-    fused_decode.conv_step = lambda *a, **k: calls.append(k.get("pdl")) or conv_step(*a, **k)
+    fused_decode.conv_step = lambda *a, **k: calls.append((k.get("pdl"), k.get("separate"))) or conv_step(*a, **k)
     try:
         for kernel in ("statereduce+fused", "fla_copy+fused"):
             ref, got, model = _routed_decoding(family, kernel, return_model=True)
@@ -149,7 +158,9 @@ def _check_fused_model_decode(family):
             # the fused step ran (one conv launch per layer and step) and packed every mixer and MLP
             n_layers = model.config.num_hidden_layers
             assert len(calls) == 4 * n_layers, (kernel, len(calls))
-            assert set(calls) == {kernel == "statereduce+fused"}  # PDL only before our recurrent kernel
+            # PDL only before our recurrent kernel; q, k, v in separate contiguous tensors for fla's function
+            ours = kernel == "statereduce+fused"
+            assert set(calls) == {(ours, not ours)}
             calls.clear()
             for layer in model.model.layers:
                 packed = layer.attn._statereduce_packed["proj"]
@@ -291,7 +302,7 @@ def test_pdl_kernels_load_state_before_the_wait_and_store_after():
                  "BETA_SIGMOID": False, "NEG_EIGVAL": False}
     conv_args = {"x": "*bf16", "y": "*bf16", "c0": "*bf16", "c1": "*bf16", "c2": "*bf16", "w": "*bf16",
                  "b": "*bf16", "s_x": "i32", "s_y": "i32", "D0": 512, "D1": 512, "D2": 2048, "NB0": 4, "NB1": 4,
-                 "W": 4, "BD": 128, "BW": 4, "HAS_BIAS": False, "SILU": True}
+                 "W": 4, "BD": 128, "BW": 4, "HAS_BIAS": False, "SILU": True, "SEPARATE": True}
     for fn, args, warps in ((step, step_args, 2), (_conv_kernel, conv_args, 4)):
         _check_pdl_order(_ptx(fn, {**args, "PDL": True}, {"num_warps": warps, "launch_pdl": True}))
         assert "griddepcontrol" not in _ptx(fn, {**args, "PDL": False}, {"num_warps": warps})
