@@ -286,16 +286,40 @@ def _mixer_forward(original, kernel: str, device_types: tuple[str, ...]):
     return forward
 
 
+def _gate_up_swiglu(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a SwiGLU MLP with gate and up computed by one packed projection."""
+    width = mlp.gate_proj.weight.shape[0]
+    gate_up = F.linear(x, _pack(mlp, "gate_up", [(mlp.gate_proj, "weight"), (mlp.up_proj, "weight")]))
+    return sys.modules["fla.modules.mlp"].swiglu(gate_up[..., :width], gate_up[..., width:])
+
+
 def _mlp_forward(original, device_types: tuple[str, ...]):
     def forward(self, x, **kwargs):
         if not (_mlp_fusable(self) and _one_token(x, device_types)):
             return original(self, x, **kwargs)
-        width = self.gate_proj.weight.shape[0]
-        gate_up = F.linear(x, _pack(self, "gate_up", [(self.gate_proj, "weight"), (self.up_proj, "weight")]))
-        gate, up = gate_up[..., :width], gate_up[..., width:]
-        if self.fuse_swiglu:
-            return self.swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)
-        return self.down_proj(sys.modules["fla.modules.mlp"].swiglu(gate, up))
+        return self.down_proj(_gate_up_swiglu(self, x))
+
+    return forward
+
+
+def _block_forward(original, device_types: tuple[str, ...]):
+    """A decoder block's one-token step with the residual added by the MLP's down projection (``addmm``: one
+    launch fewer per layer than the stock ``residual + mlp(x)``); other calls take the stock forward."""
+    def forward(self, hidden_states, *args, **kwargs):
+        mlp = getattr(self, "mlp", None)
+        if (args or getattr(self, "use_attnres", False) or not getattr(self.config, "fuse_norm", False)
+                or mlp is None or not _mlp_fusable(mlp) or mlp.down_proj.bias is not None
+                or not kwargs.get("use_cache") or kwargs.get("past_key_values") is None
+                or kwargs.get("attention_mask") is not None or not _one_token(hidden_states, device_types)):
+            return original(self, hidden_states, *args, **kwargs)
+        attnres_states = kwargs.pop("attnres_states", None)
+        residual = hidden_states
+        h, attentions, past_key_values = self.attn(hidden_states=self.attn_norm(hidden_states), **kwargs)
+        h, residual = self.mlp_norm(h, residual=residual, prenorm=True)
+        a = _gate_up_swiglu(mlp, h)
+        out = torch.addmm(residual.reshape(-1, residual.shape[-1]), a.reshape(-1, a.shape[-1]),
+                          mlp.down_proj.weight.t())
+        return out.view(residual.shape), attentions, past_key_values, attnres_states
 
     return forward
 
@@ -306,6 +330,8 @@ def fused_layers(kernel: str = "statereduce", device_types: tuple[str, ...] = ("
     take the fused step (module docstring). Use it inside :func:`statereduce.decode.inplace_decode` with the same
     ``kernel``: the fused step updates the recurrent state with ``kernel``'s in-place step."""
     targets = [(a.mixer_class, lambda f: _mixer_forward(f, kernel, device_types)) for a in _fusable_adapters()]
+    targets += [(a.block_class, lambda f: _block_forward(f, device_types)) for a in _fusable_adapters()
+                if a.block_class is not None]
     targets.append((importlib.import_module("fla.modules.mlp").GatedMLP, lambda f: _mlp_forward(f, device_types)))
     saved = []
     try:

@@ -148,8 +148,9 @@ def _check_fused_model_decode(family):
     model like fla's own step, with our kernel and with fla's function (here the torch fallback) plus a copy."""
     from statereduce import fused_decode
 
-    conv_step, calls = fused_decode.conv_step, []
+    conv_step, calls, addmm, adds = fused_decode.conv_step, [], torch.addmm, []
     fused_decode.conv_step = lambda *a, **k: calls.append((k.get("pdl"), k.get("separate"))) or conv_step(*a, **k)
+    torch.addmm = lambda *a, **k: adds.append(1) or addmm(*a, **k)  # the blocks' down projection with the residual
     try:
         for kernel in ("statereduce+fused", "fla_copy+fused"):
             ref, got, model = _routed_decoding(family, kernel, return_model=True)
@@ -161,7 +162,9 @@ def _check_fused_model_decode(family):
             # PDL only before our recurrent kernel; q, k, v in separate contiguous tensors for fla's function
             ours = kernel == "statereduce+fused"
             assert set(calls) == {(ours, not ours)}
+            assert len(adds) == 4 * n_layers, (kernel, len(adds))
             calls.clear()
+            adds.clear()
             for layer in model.model.layers:
                 packed = layer.attn._statereduce_packed["proj"]
                 assert layer.attn.q_proj.weight.data_ptr() == packed.data_ptr()
@@ -169,7 +172,7 @@ def _check_fused_model_decode(family):
                 assert layer.mlp.up_proj.weight.data_ptr() > layer.mlp.gate_proj.weight.data_ptr()
                 assert "gate_up" in layer.mlp._statereduce_packed
     finally:
-        fused_decode.conv_step = conv_step
+        fused_decode.conv_step, torch.addmm = conv_step, addmm
 
 
 def _check_all():

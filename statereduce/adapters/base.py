@@ -376,6 +376,8 @@ class LinearAttentionAdapter(ABC):
     # ---- fused one-token decode (statereduce.fused_decode) -----------------------------------------
     #: the family's fla layer class (a LazyImport) whose one-token decode the fused step may take over; None: none
     mixer_class: ClassVar[Any] = None
+    block_class: ClassVar[Any] = None
+    """The fla decoder block holding ``mixer_class`` (the fused decode step also takes over its one-token forward)."""
 
     @classmethod
     def fused_decode_rows(cls, layer: nn.Module) -> list[str] | None:

@@ -42,6 +42,7 @@ class DeltaNetAdapter(LinearAttentionAdapter):
     model_types = ("delta_net",)
     config_class = LazyImport("fla.models:DeltaNetConfig")
     mixer_class = LazyImport("fla.layers.delta_net:DeltaNet")
+    block_class = LazyImport("fla.models.delta_net.modeling_delta_net:DeltaNetBlock")
     # fla 0.6 DeltaNetConfig.__init__ keywords and defaults (pinned by tests/test_config.py)
     # fmt: off
     config_defaults: ClassVar[dict[str, Any]] = {

@@ -48,6 +48,7 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
     model_types = ("gated_deltanet",)
     config_class = LazyImport("fla.models:GatedDeltaNetConfig")
     mixer_class = LazyImport("fla.layers.gated_deltanet:GatedDeltaNet")
+    block_class = LazyImport("fla.models.gated_deltanet.modeling_gated_deltanet:GatedDeltaNetBlock")
     # fla 0.6 GatedDeltaNetConfig.__init__ keywords and defaults (pinned by tests/test_config.py)
     # fmt: off
     config_defaults: ClassVar[dict[str, Any]] = {
