@@ -74,12 +74,14 @@ def _conv_segment(x, y, cache, w, b, i_n, i_b, s_x, s_y, OFF: tl.constexpr, D: t
 
 
 @triton.jit
-def _conv_kernel(x, y, c0, c1, c2, w, b, s_x, s_y, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
-                 NB0: tl.constexpr, NB1: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SEPARATE: tl.constexpr, PDL: tl.constexpr):
+def _conv_kernel(x, y, c0, c1, c2, w, b, e, f, s_x, s_y, s_e, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+                 NB0: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr, E: tl.constexpr, EXTRA_ACT: tl.constexpr,
+                 W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                 SEPARATE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the recurrent step may start loading its state now (it waits for our outputs)
         gdc_launch_dependents()
-    # programs [0, NB0) update the first segment's channels, the next NB1 the second's, the rest the third's
+    # programs [0, NB0) update the first segment's channels, the next NB1 the second's, the next NB2 the third's;
+    # the rest (E > 0) write the extra columns e (EXTRA_ACT 1: sigmoid, 2: twice the sigmoid) to f, contiguous
     i_b = tl.program_id(0)
     i_n = tl.program_id(1).to(tl.int64)
     # y holds the segments side by side in each sequence's row (stride s_y), or (SEPARATE) one after another, each
@@ -92,15 +94,29 @@ def _conv_kernel(x, y, c0, c1, c2, w, b, s_x, s_y, D0: tl.constexpr, D1: tl.cons
         y1 = y + n * D0 if SEPARATE else y + D0
         _conv_segment(x, y1, c1, w, b, i_n, i_b - NB0, s_x, D1 if SEPARATE else s_y, D0, D1, W, BD, BW, HAS_BIAS,
                       SILU, PDL)
-    else:
+    elif i_b < NB0 + NB1 + NB2:
         y2 = y + n * (D0 + D1) if SEPARATE else y + D0 + D1
         _conv_segment(x, y2, c2, w, b, i_n, i_b - NB0 - NB1, s_x, D2 if SEPARATE else s_y, D0 + D1, D2, W, BD, BW,
                       HAS_BIAS, SILU, PDL)
+    else:
+        if PDL:
+            gdc_wait()
+        o_e = (i_b - NB0 - NB1 - NB2) * BD + tl.arange(0, BD)
+        b_e = tl.load(e + i_n * s_e + o_e, mask=o_e < E, other=0).to(tl.float32)
+        if EXTRA_ACT > 0:
+            b_e = tl.sigmoid(b_e) * EXTRA_ACT
+        tl.store(f + i_n * E + o_e, b_e.to(f.dtype.element_ty), mask=o_e < E)
+
+
+EXTRA_ACTIVATIONS = {None: 0, "sigmoid": 1, "2sigmoid": 2}
+"""``conv_step``'s ``extra_act`` values: none, ``sigmoid(x)``, ``2 * sigmoid(x)`` (DeltaNet's beta with negative
+eigenvalues allowed)."""
 
 
 def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weight: torch.Tensor,
               bias: torch.Tensor | None = None, activation: str | None = "silu", block: int = 128,
-              pdl: bool = True, separate: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+              pdl: bool = True, separate: bool = False, extra: torch.Tensor | None = None,
+              extra_act: str | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """One token of three depthwise causal convolutions (fla's ``ShortConvolution`` step) in one launch.
 
     Args:
@@ -116,10 +132,13 @@ def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.T
         separate: write the three segments to three contiguous tensors (one allocation) instead of one row each:
             for consumers that need contiguous q, k and v (fla's functions copy strided views, three more launches
             per layer).
+        extra, extra_act: ``[N, 1, E]`` (or ``[N, E]``) more columns (unit stride along a row, e.g. DeltaNet's beta
+            logits in the packed projection's output) that the same launch writes contiguous, through ``extra_act``
+            (:data:`EXTRA_ACTIVATIONS`); only with ``separate``.
 
     Returns:
         ``[N, 1, D]`` (``[N, D]`` for a 2-D ``x``), contiguous, in x's dtype; with ``separate`` a tuple of the three
-        segments ``[N, 1, Di]`` (``[N, Di]``), each contiguous.
+        segments ``[N, 1, Di]`` (``[N, Di]``), each contiguous, and the extra columns' output last if given.
     """
     n, d = x.shape[0], x.shape[-1]
     dims = [c.shape[1] for c in caches]
@@ -132,20 +151,30 @@ def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.T
                          f"{[(tuple(c.shape), c.is_contiguous()) for c in caches]}")
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"conv_step activation {activation!r} is not supported; valid: silu, swish, None")
+    if extra_act not in EXTRA_ACTIVATIONS:
+        raise ValueError(f"conv_step extra_act {extra_act!r} is not supported; valid: sigmoid, 2sigmoid, None")
+    if extra is not None and (not separate or extra.shape[0] != n or extra.stride(-1) != 1):
+        raise ValueError(f"conv_step extra columns need separate=True and [N={n}, 1, E] rows with unit stride; got "
+                         f"{tuple(extra.shape)} stride {tuple(extra.stride())}, separate={separate}")
     rows = x.reshape(n, d)
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     weight = weight.reshape(d, w).contiguous()
     y = torch.empty(n, d, dtype=x.dtype, device=x.device)
     nb = [triton.cdiv(di, block) for di in dims]
-    _conv_kernel[(sum(nb), n)](rows, y, *caches, weight, bias, rows.stride(0), y.stride(0), D0=dims[0],
-                                 D1=dims[1], D2=dims[2], NB0=nb[0], NB1=nb[1], W=w, BD=block,
-                                 BW=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
-                                 SILU=activation is not None, SEPARATE=separate, num_warps=4,
-                                 **(launch_options(x.device) if pdl else {"PDL": False}))
+    width = extra.shape[-1] if extra is not None else 0
+    e_in = extra.reshape(n, width) if extra is not None else None
+    e_out = torch.empty(n, width, dtype=extra.dtype, device=x.device) if extra is not None else None
+    _conv_kernel[(sum(nb) + triton.cdiv(width, block), n)](
+        rows, y, *caches, weight, bias, e_in, e_out, rows.stride(0), y.stride(0),
+        e_in.stride(0) if e_in is not None else 0, D0=dims[0], D1=dims[1], D2=dims[2], NB0=nb[0], NB1=nb[1],
+        NB2=nb[2], E=width, EXTRA_ACT=EXTRA_ACTIVATIONS[extra_act], W=w, BD=block, BW=triton.next_power_of_2(w),
+        HAS_BIAS=bias is not None, SILU=activation is not None, SEPARATE=separate, num_warps=4,
+        **(launch_options(x.device) if pdl else {"PDL": False}))
     if separate:
         flat, offsets = y.view(-1), [0, n * dims[0], n * (dims[0] + dims[1]), n * d]
         lead = (n, 1) if x.dim() == 3 else (n,)
-        return tuple(flat[a:b].view(*lead, di) for a, b, di in zip(offsets, offsets[1:], dims))
+        parts = tuple(flat[a:b].view(*lead, di) for a, b, di in zip(offsets, offsets[1:], dims))
+        return parts + ((e_out.view(*lead, width),) if extra is not None else ())
     return y.view(x.shape) if x.dim() == 3 else y
 
 
@@ -267,18 +296,22 @@ def _mixer_forward(original, kernel: str, device_types: tuple[str, ...]):
         conv_b = _pack(self, "conv_bias", [(c, "bias") for c in convs]) if self.q_conv1d.bias is not None else None
         y = F.linear(hidden_states, weight)  # [N, 1, q | k | v | (g) | the adapter's rows]
         ck, cv, dk, dv = self.key_dim, self.value_dim, self.head_k_dim, self.head_v_dim
-        # PDL only before our recurrent kernel, which loads its state while the conv runs; fla's functions take
-        # q, k and v contiguous (they would copy views into one row)
-        ours = kernel == "statereduce"
-        qkv = conv_step(y[..., :2 * ck + cv], tuple(last["conv_state"]), conv_w, conv_b, self.q_conv1d.activation,
-                        pdl=ours, separate=not ours)
-        q, k, v = (qkv[..., :ck], qkv[..., ck:2 * ck], qkv[..., 2 * ck:]) if ours else qkv
-        q, k, v = q.unflatten(-1, (ck // dk, dk)), k.unflatten(-1, (ck // dk, dk)), v.unflatten(-1, (cv // dv, dv))
         at = 2 * ck + cv
         gate = y[..., at:at + cv].unflatten(-1, (cv // dv, dv)) if self.use_gate else None
-        at += cv if self.use_gate else 0
+        tail = y[..., at + (cv if self.use_gate else 0):]
+        # PDL only before our recurrent kernel, which loads its state while the conv runs. fla's functions take q, k
+        # and v contiguous (they would copy views into one row), and the adapter may have the same launch write
+        # more of the tail's columns for them (DeltaNet: beta's sigmoid)
+        ours = kernel == "statereduce"
+        spec = None if ours else plan["adapter"].fused_conv_extra(self, kernel)
+        out = conv_step(y[..., :2 * ck + cv], tuple(last["conv_state"]), conv_w, conv_b, self.q_conv1d.activation,
+                        pdl=ours, separate=not ours, extra=tail[..., :spec[0]] if spec else None,
+                        extra_act=spec[1] if spec else None)
+        q, k, v = (out[..., :ck], out[..., ck:2 * ck], out[..., 2 * ck:]) if ours else out[:3]
+        q, k, v = q.unflatten(-1, (ck // dk, dk)), k.unflatten(-1, (ck // dk, dk)), v.unflatten(-1, (cv // dv, dv))
         state = last["recurrent_state"]
-        o = plan["adapter"].fused_recurrent_step(self, kernel, q, k, v, y[..., at:], state)
+        o = plan["adapter"].fused_recurrent_step(self, kernel, q, k, v, tail, state,
+                                                 extra=out[3] if spec else None)
         update_layer_cache(self, past_key_values, recurrent_state=state, conv_state=last["conv_state"], offset=1)
         o = self.o_norm(o, gate) if gate is not None else self.o_norm(o)
         return self.o_proj(o.reshape(n, 1, cv)), None, past_key_values

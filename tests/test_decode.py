@@ -141,6 +141,16 @@ def _check_conv_step():
         torch.testing.assert_close(torch.cat(parts, -1), got, rtol=0, atol=0)
         for c, (_, state) in zip(caches, refs):
             torch.testing.assert_close(c, state, rtol=0, atol=0)
+        # extra columns (here the row's last 7, strided): written contiguous by the same launch, through sigmoid
+        for act, ref in ((None, wide[..., -7:]), ("sigmoid", wide[..., -7:].sigmoid()),
+                         ("2sigmoid", 2 * wide[..., -7:].sigmoid())):
+            for c, c0 in zip(caches, start_caches):
+                c.copy_(c0)
+            *parts, e = fused_decode.conv_step(x, caches, weight, b, "silu", block=16, separate=True,
+                                               extra=wide[..., -7:], extra_act=act)
+            assert e.shape == (n, 1, 7) and e.is_contiguous()
+            torch.testing.assert_close(e, ref, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(torch.cat(parts, -1), got, rtol=0, atol=0)
 
 
 def _check_fused_model_decode(family):
@@ -149,7 +159,8 @@ def _check_fused_model_decode(family):
     from statereduce import fused_decode
 
     conv_step, calls, addmm, adds = fused_decode.conv_step, [], torch.addmm, []
-    fused_decode.conv_step = lambda *a, **k: calls.append((k.get("pdl"), k.get("separate"))) or conv_step(*a, **k)
+    fused_decode.conv_step = lambda *a, **k: (calls.append((k.get("pdl"), k.get("separate"), k.get("extra_act")))
+                                              or conv_step(*a, **k))
     torch.addmm = lambda *a, **k: adds.append(1) or addmm(*a, **k)  # the blocks' down projection with the residual
     try:
         for kernel in ("statereduce+fused", "fla_copy+fused"):
@@ -159,9 +170,11 @@ def _check_fused_model_decode(family):
             # the fused step ran (one conv launch per layer and step) and packed every mixer and MLP
             n_layers = model.config.num_hidden_layers
             assert len(calls) == 4 * n_layers, (kernel, len(calls))
-            # PDL only before our recurrent kernel; q, k, v in separate contiguous tensors for fla's function
+            # PDL only before our recurrent kernel; q, k, v in separate contiguous tensors for fla's function, and
+            # DeltaNet's beta through its sigmoid by the same launch
             ours = kernel == "statereduce+fused"
-            assert set(calls) == {(ours, not ours)}
+            extra = "sigmoid" if family == "delta_net" and not ours else None
+            assert set(calls) == {(ours, not ours, extra)}
             assert len(adds) == 4 * n_layers, (kernel, len(adds))
             calls.clear()
             adds.clear()
@@ -304,11 +317,22 @@ def test_pdl_kernels_load_state_before_the_wait_and_store_after():
                  "GATE_IN_KERNEL": False, "HAS_DT_BIAS": False, "L2NORM": True, "ROUND_QK": True,
                  "BETA_SIGMOID": False, "NEG_EIGVAL": False}
     conv_args = {"x": "*bf16", "y": "*bf16", "c0": "*bf16", "c1": "*bf16", "c2": "*bf16", "w": "*bf16",
-                 "b": "*bf16", "s_x": "i32", "s_y": "i32", "D0": 512, "D1": 512, "D2": 2048, "NB0": 4, "NB1": 4,
+                 "b": "*bf16", "e": "*bf16", "f": "*bf16", "s_x": "i32", "s_y": "i32", "s_e": "i32", "D0": 512,
+                 "D1": 512, "D2": 2048, "NB0": 4, "NB1": 4, "NB2": 16, "E": 16, "EXTRA_ACT": 1,
                  "W": 4, "BD": 128, "BW": 4, "HAS_BIAS": False, "SILU": True, "SEPARATE": True}
     for fn, args, warps in ((step, step_args, 2), (_conv_kernel, conv_args, 4)):
         _check_pdl_order(_ptx(fn, {**args, "PDL": True}, {"num_warps": warps, "launch_pdl": True}))
         assert "griddepcontrol" not in _ptx(fn, {**args, "PDL": False}, {"num_warps": warps})
+
+
+def test_conv_step_bad_extra_fails_with_one_line():
+    from statereduce import fused_decode
+
+    x, caches, w = torch.zeros(2, 1, 12), tuple(torch.zeros(2, 4, 4) for _ in range(3)), torch.zeros(12, 4)
+    with pytest.raises(ValueError, match="extra_act 'relu' is not supported; valid: sigmoid, 2sigmoid, None"):
+        fused_decode.conv_step(x, caches, w, extra=torch.zeros(2, 1, 3), extra_act="relu", separate=True)
+    with pytest.raises(ValueError, match=r"extra columns need separate=True and \[N=2, 1, E\] rows"):
+        fused_decode.conv_step(x, caches, w, extra=torch.zeros(2, 1, 3))
 
 
 def test_programmatic_launch_switch():

@@ -386,11 +386,19 @@ class LinearAttentionAdapter(ABC):
         return None
 
     @classmethod
+    def fused_conv_extra(cls, layer: nn.Module, kernel: str) -> tuple[int, str | None] | None:
+        """For fla's kernels: the first ``E`` columns of the tail that the fused step's conv launch should write
+        contiguous, and through which ``statereduce.fused_decode.EXTRA_ACTIVATIONS`` entry; None: none."""
+        return None
+
+    @classmethod
     def fused_recurrent_step(cls, layer: nn.Module, kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             tail: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+                             tail: torch.Tensor, state: torch.Tensor,
+                             extra: torch.Tensor | None = None) -> torch.Tensor:
         """One token's recurrent step of ``layer`` with ``kernel`` (``statereduce.decode.KERNELS``), ``state``
         updated in place; q, k ``[N, 1, H, d_k]`` and v ``[N, 1, HV, d_v]`` are views into the convolved rows,
-        ``tail`` the packed projection's columns of :meth:`fused_decode_rows`. Returns o ``[N, 1, HV, d_v]``."""
+        ``tail`` the packed projection's columns of :meth:`fused_decode_rows`, ``extra`` the conv launch's output for
+        :meth:`fused_conv_extra`. Returns o ``[N, 1, HV, d_v]``."""
         raise NotImplementedError(f"{cls.family} has no fused decode step")
 
 

@@ -128,7 +128,12 @@ class DeltaNetAdapter(LinearAttentionAdapter):
         return ["b_proj"]
 
     @classmethod
-    def fused_recurrent_step(cls, layer, kernel, q, k, v, tail, state):
+    def fused_conv_extra(cls, layer, kernel):
+        # beta's sigmoid, computed by the conv launch instead of a kernel of its own (fla's kernels take beta after it)
+        return layer.num_heads, "2sigmoid" if layer.allow_neg_eigval else "sigmoid"
+
+    @classmethod
+    def fused_recurrent_step(cls, layer, kernel, q, k, v, tail, state, extra=None):
         from statereduce.decode import recurrent_step
 
         beta, l2 = tail[..., :layer.num_heads], layer.qk_norm == "l2"
@@ -136,7 +141,10 @@ class DeltaNetAdapter(LinearAttentionAdapter):
             return recurrent_step(q, k, v, beta, state, l2norm=l2, round_qk=l2, beta_sigmoid=True,
                                   allow_neg_eigval=layer.allow_neg_eigval)
         # fla's function as inplace_decode routes it, with the inputs fla's kernels expect
-        beta = beta.sigmoid() * 2 if layer.allow_neg_eigval else beta.sigmoid()
+        if extra is not None:  # the sigmoid, from fused_conv_extra
+            beta = extra
+        else:
+            beta = beta.sigmoid() * 2 if layer.allow_neg_eigval else beta.sigmoid()
         step = importlib.import_module("fla.layers.delta_net").fused_recurrent_delta_rule
         o, _ = step(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), beta=beta, initial_state=state,
                     output_final_state=True, use_qk_l2norm_in_kernel=l2)

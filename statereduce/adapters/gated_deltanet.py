@@ -136,7 +136,7 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
         return ["a_proj", "b_proj"]
 
     @classmethod
-    def fused_recurrent_step(cls, layer, kernel, q, k, v, tail, state):
+    def fused_recurrent_step(cls, layer, kernel, q, k, v, tail, state, extra=None):
         from statereduce.decode import recurrent_step
 
         hv = layer.num_v_heads
