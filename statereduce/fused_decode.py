@@ -9,19 +9,22 @@ part does not shrink with the state, so it caps the speedup that state reduction
 
 Within :func:`fused_layers` the decode calls (one token, a cache, no mask, no autograd) of each supported layer run
 (what differs by family, the projections after q, k, v and g and the recurrent step, comes from the family's adapter:
-``mixer_class``, ``fused_decode_rows``, ``fused_recurrent_step``):
+``mixer_class``, ``block_class``, ``fused_decode_rows``, ``fused_conv_extra``, ``fused_recurrent_step``):
 
 1. one projection ``x @ [W_q; W_k; W_v; (W_g); (W_a); W_b]^T`` (the weights packed once into one tensor, padded
    with zero rows to an aligned width, the stock ``nn.Linear`` parameters rebound as views of it, so values and the
    stock forward are unchanged);
 2. one launch of :func:`conv_step`, the three short-convolution updates (and SiLU) over the q, k and v channels of
-   that output, each reading and writing its own cache tensor in place (fla's cache layout is kept);
+   that output, each reading and writing its own cache tensor in place (fla's cache layout is kept); for the fla
+   kernels it writes q, k and v as three contiguous tensors (fla's functions would copy views) and, where the
+   adapter asks, more of the row (DeltaNet's beta through its sigmoid);
 3. the recurrent step on views into those rows: :func:`statereduce.decode.recurrent_step` (L2 norms, beta's
    sigmoid and Gated DeltaNet's decay computed in the kernel), or, for the fla kernels, fla's function as routed
    by :func:`statereduce.decode.inplace_decode` with the inputs it expects;
 4. the stock output norm (gated by the packed projection's gate slice) and output projection;
 
-and each ``GatedMLP`` with SwiGLU computes gate and up with one packed projection. Layer configurations the fused
+each ``GatedMLP`` with SwiGLU computes gate and up with one packed projection, and the decoder block adds its
+residual in the down projection (``addmm``) instead of a separate add. Layer configurations the fused
 step does not cover (no short convolution, other activations or q/k norms) run the stock forward. The result equals
 the stock step up to rounding (beta's sigmoid is taken in float32 in the kernel, fla rounds it to the input dtype
 first), checked against fla's own decoding in tests and before every timed GPU run.
