@@ -101,7 +101,7 @@ def _conv_kernel(x, y, c0, c1, c2, w, b, e, f, s_x, s_y, s_e, D0: tl.constexpr, 
         y2 = y + n * (D0 + D1) if SEPARATE else y + D0 + D1
         _conv_segment(x, y2, c2, w, b, i_n, i_b - NB0 - NB1, s_x, D2 if SEPARATE else s_y, D0 + D1, D2, W, BD, BW,
                       HAS_BIAS, SILU, PDL)
-    else:
+    elif E > 0:  # a compile-time branch: without extra columns e and f are None
         if PDL:
             gdc_wait()
         o_e = (i_b - NB0 - NB1 - NB2) * BD + tl.arange(0, BD)

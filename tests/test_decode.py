@@ -323,6 +323,12 @@ def test_pdl_kernels_load_state_before_the_wait_and_store_after():
     for fn, args, warps in ((step, step_args, 2), (_conv_kernel, conv_args, 4)):
         _check_pdl_order(_ptx(fn, {**args, "PDL": True}, {"num_warps": warps, "launch_pdl": True}))
         assert "griddepcontrol" not in _ptx(fn, {**args, "PDL": False}, {"num_warps": warps})
+    # the convs the fused step launches (no bias: None pointers): before our kernel (one row, PDL), before fla's
+    # DeltaNet function (separate q, k, v and beta's sigmoid) and Gated DeltaNet's (separate, no extra columns)
+    plain = {**conv_args, "b": None, "e": None, "f": None, "E": 0, "EXTRA_ACT": 0, "SEPARATE": False}
+    _check_pdl_order(_ptx(_conv_kernel, {**plain, "PDL": True}, {"num_warps": 4, "launch_pdl": True}))
+    for variant in ({**conv_args, "b": None, "SEPARATE": True}, {**plain, "SEPARATE": True}):
+        assert "st.global" in _ptx(_conv_kernel, {**variant, "PDL": False}, {"num_warps": 4})
 
 
 def test_conv_step_bad_extra_fails_with_one_line():
