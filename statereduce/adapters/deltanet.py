@@ -140,12 +140,9 @@ class DeltaNetAdapter(LinearAttentionAdapter):
         if kernel == "statereduce":  # L2 norms (rounded as fla's DeltaNet does) and beta's sigmoid in the kernel
             return recurrent_step(q, k, v, beta, state, l2norm=l2, round_qk=l2, beta_sigmoid=True,
                                   allow_neg_eigval=layer.allow_neg_eigval)
-        # fla's function as inplace_decode routes it, with the inputs fla's kernels expect
-        if extra is not None:  # the sigmoid, from fused_conv_extra
-            beta = extra
-        else:
-            beta = beta.sigmoid() * 2 if layer.allow_neg_eigval else beta.sigmoid()
+        # fla's function as inplace_decode routes it: q, k, v contiguous and beta through its sigmoid, both written
+        # by the conv launch (fused_conv_extra)
         step = importlib.import_module("fla.layers.delta_net").fused_recurrent_delta_rule
-        o, _ = step(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), beta=beta, initial_state=state,
-                    output_final_state=True, use_qk_l2norm_in_kernel=l2)
+        o, _ = step(q=q, k=k, v=v, beta=extra, initial_state=state, output_final_state=True,
+                    use_qk_l2norm_in_kernel=l2)
         return o

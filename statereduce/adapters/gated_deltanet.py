@@ -145,9 +145,10 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
         if kernel == "statereduce":  # L2 norms, beta's sigmoid and the decay in the kernel
             return recurrent_step(q, k, v, beta, state, g=a, l2norm=True, beta_sigmoid=True, state_v_first=True,
                                   **opts)
-        # fla's function as inplace_decode routes it, with the inputs fla's kernels expect
+        # fla's function as inplace_decode routes it (q, k, v arrive contiguous from the conv launch; a and beta are
+        # views into the projection's rows)
         step = importlib.import_module("fla.layers.gated_deltanet").fused_recurrent_gated_delta_rule
-        o, _ = step(q.contiguous(), k.contiguous(), v.contiguous(), g=a.contiguous(), beta=beta.contiguous(),
+        o, _ = step(q, k, v, g=a.contiguous(), beta=beta.contiguous(),
                     initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
                     use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True, **opts)
         return o
