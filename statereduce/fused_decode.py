@@ -52,7 +52,7 @@ from statereduce.decode import launch_options
 @triton.jit
 def _conv_segment(x, y, cache, w, b, i_n, i_b, s_x, s_y, OFF: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
                   BD: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                  PDL: tl.constexpr):
+                  PDL: tl.constexpr, L2: tl.constexpr = 0):
     o_d = i_b * BD + tl.arange(0, BD)
     o_w = tl.arange(0, BW)
     m_d = o_d < D
@@ -72,6 +72,11 @@ def _conv_segment(x, y, cache, w, b, i_n, i_b, s_x, s_y, OFF: tl.constexpr, D: t
         b_y += tl.load(b + OFF + o_d, mask=m_d, other=0).to(tl.float32)
     if SILU:
         b_y = b_y * tl.sigmoid(b_y)
+    if L2 > 0:  # each head of L2 channels (BD holds whole heads) over its L2 norm, as fla's l2norm_fwd does on
+        # the conv output in y's dtype: x / sqrt(sum(x^2) + eps), in float32
+        b_h = tl.reshape(b_y.to(y.dtype.element_ty).to(tl.float32), (BD // L2, L2))
+        b_h = b_h * (1 / tl.sqrt(tl.sum(b_h * b_h, 1) + 1e-6))[:, None]  # fla's default eps
+        b_y = tl.reshape(b_h, (BD,))
     tl.store(y + i_n * s_y + o_d, b_y.to(y.dtype.element_ty), mask=m_d)  # y: this segment's first channel
     tl.store(p_c, b_c.to(cache.dtype.element_ty), mask=m_d[:, None] & m_w[None, :])
 
@@ -80,11 +85,12 @@ def _conv_segment(x, y, cache, w, b, i_n, i_b, s_x, s_y, OFF: tl.constexpr, D: t
 def _conv_kernel(x, y, c0, c1, c2, w, b, e, f, s_x, s_y, s_e, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
                  NB0: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr, E: tl.constexpr, EXTRA_ACT: tl.constexpr,
                  W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                 SEPARATE: tl.constexpr, PDL: tl.constexpr):
+                 SEPARATE: tl.constexpr, PDL: tl.constexpr, L2: tl.constexpr = 0):
     if PDL:  # the recurrent step may start loading its state now (it waits for our outputs)
         gdc_launch_dependents()
     # programs [0, NB0) update the first segment's channels, the next NB1 the second's, the next NB2 the third's;
-    # the rest (E > 0) write the extra columns e (EXTRA_ACT 1: sigmoid, 2: twice the sigmoid) to f, contiguous
+    # the rest (E > 0) write the extra columns e (EXTRA_ACT 1: sigmoid, 2: twice the sigmoid) to f, contiguous.
+    # L2 > 0: the first two segments (q and k) are L2-normalised per head of L2 channels
     i_b = tl.program_id(0)
     i_n = tl.program_id(1).to(tl.int64)
     # y holds the segments side by side in each sequence's row (stride s_y), or (SEPARATE) one after another, each
@@ -92,11 +98,11 @@ def _conv_kernel(x, y, c0, c1, c2, w, b, e, f, s_x, s_y, s_e, D0: tl.constexpr, 
     n = tl.num_programs(1).to(tl.int64)
     if i_b < NB0:
         _conv_segment(x, y, c0, w, b, i_n, i_b, s_x, D0 if SEPARATE else s_y, 0, D0, W, BD, BW, HAS_BIAS, SILU,
-                      PDL)
+                      PDL, L2)
     elif i_b < NB0 + NB1:
         y1 = y + n * D0 if SEPARATE else y + D0
         _conv_segment(x, y1, c1, w, b, i_n, i_b - NB0, s_x, D1 if SEPARATE else s_y, D0, D1, W, BD, BW, HAS_BIAS,
-                      SILU, PDL)
+                      SILU, PDL, L2)
     elif i_b < NB0 + NB1 + NB2:
         y2 = y + n * (D0 + D1) if SEPARATE else y + D0 + D1
         _conv_segment(x, y2, c2, w, b, i_n, i_b - NB0 - NB1, s_x, D2 if SEPARATE else s_y, D0 + D1, D2, W, BD, BW,
@@ -119,7 +125,7 @@ eigenvalues allowed)."""
 def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weight: torch.Tensor,
               bias: torch.Tensor | None = None, activation: str | None = "silu", block: int = 128,
               pdl: bool = True, separate: bool = False, extra: torch.Tensor | None = None,
-              extra_act: str | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+              extra_act: str | None = None, l2norm: int | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """One token of three depthwise causal convolutions (fla's ``ShortConvolution`` step) in one launch.
 
     Args:
@@ -138,6 +144,10 @@ def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.T
         extra, extra_act: ``[N, 1, E]`` (or ``[N, E]``) more columns (unit stride along a row, e.g. DeltaNet's beta
             logits in the packed projection's output) that the same launch writes contiguous, through ``extra_act``
             (:data:`EXTRA_ACTIVATIONS`); only with ``separate``.
+        l2norm: a head size (a power of two, dividing D0 and D1): the first two segments (q and k) come out
+            L2-normalised per head, ``x / sqrt(sum(x^2) + 1e-6)`` on the convolved values rounded to x's dtype, as
+            fla's ``l2norm_fwd`` does after the convolution (which takes two launches of its own). ``block`` is
+            raised to it where smaller.
 
     Returns:
         ``[N, 1, D]`` (``[N, D]`` for a 2-D ``x``), contiguous, in x's dtype; with ``separate`` a tuple of the three
@@ -159,6 +169,10 @@ def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.T
     if extra is not None and (not separate or extra.shape[0] != n or extra.stride(-1) != 1):
         raise ValueError(f"conv_step extra columns need separate=True and [N={n}, 1, E] rows with unit stride; got "
                          f"{tuple(extra.shape)} stride {tuple(extra.stride())}, separate={separate}")
+    if l2norm is not None and (l2norm < 1 or l2norm & (l2norm - 1) or dims[0] % l2norm or dims[1] % l2norm):
+        raise ValueError(f"conv_step l2norm head size {l2norm} must be a power of two dividing the q and k widths "
+                         f"{dims[0]} and {dims[1]}")
+    block = max(block, l2norm or 0)
     rows = x.reshape(n, d)
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     weight = weight.reshape(d, w).contiguous()
@@ -171,7 +185,7 @@ def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.T
         rows, y, *caches, weight, bias, e_in, e_out, rows.stride(0), y.stride(0),
         e_in.stride(0) if e_in is not None else 0, D0=dims[0], D1=dims[1], D2=dims[2], NB0=nb[0], NB1=nb[1],
         NB2=nb[2], E=width, EXTRA_ACT=EXTRA_ACTIVATIONS[extra_act], W=w, BD=block, BW=triton.next_power_of_2(w),
-        HAS_BIAS=bias is not None, SILU=activation is not None, SEPARATE=separate, num_warps=4,
+        HAS_BIAS=bias is not None, SILU=activation is not None, SEPARATE=separate, L2=l2norm or 0, num_warps=4,
         **(launch_options(x.device) if pdl else {"PDL": False}))
     if separate:
         flat, offsets = y.view(-1), [0, n * dims[0], n * (dims[0] + dims[1]), n * d]
@@ -304,12 +318,13 @@ def _mixer_forward(original, kernel: str, device_types: tuple[str, ...]):
         tail = y[..., at + (cv if self.use_gate else 0):]
         # PDL only before our recurrent kernel, which loads its state while the conv runs. fla's functions take q, k
         # and v contiguous (they would copy views into one row), and the adapter may have the same launch write
-        # more of the tail's columns for them (DeltaNet: beta's sigmoid)
+        # more of the tail's columns for them and normalise q and k (DeltaNet: beta's sigmoid, the L2 norms)
         ours = kernel == "statereduce"
         spec = None if ours else plan["adapter"].fused_conv_extra(self, kernel)
         out = conv_step(y[..., :2 * ck + cv], tuple(last["conv_state"]), conv_w, conv_b, self.q_conv1d.activation,
                         pdl=ours, separate=not ours, extra=tail[..., :spec[0]] if spec else None,
-                        extra_act=spec[1] if spec else None)
+                        extra_act=spec[1] if spec else None,
+                        l2norm=None if ours else plan["adapter"].fused_conv_l2norm(self, kernel))
         q, k, v = (out[..., :ck], out[..., ck:2 * ck], out[..., 2 * ck:]) if ours else out[:3]
         q, k, v = q.unflatten(-1, (ck // dk, dk)), k.unflatten(-1, (ck // dk, dk)), v.unflatten(-1, (cv // dv, dv))
         state = last["recurrent_state"]

@@ -151,6 +151,38 @@ def _check_conv_step():
             assert e.shape == (n, 1, 7) and e.is_contiguous()
             torch.testing.assert_close(e, ref, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(torch.cat(parts, -1), got, rtol=0, atol=0)
+    _check_conv_step_l2norm()
+
+
+def _check_conv_step_l2norm():
+    """conv_step's per-head L2 norm of q and k against fla_fallback's l2norm of the plain conv output (rounded to
+    the dtype first, as fla's DeltaNet does): heads smaller than the block, a head wider than the block (raised to
+    it), a width that is not a multiple of the block, float32 and bfloat16; v is left as it is."""
+    from statereduce import fused_decode
+
+    g = torch.Generator().manual_seed(12)
+    n, w = 3, 4
+    for dims, head, dtype in (((20, 20, 36), 4, torch.float32), ((64, 64, 40), 32, torch.float32),
+                              ((32, 32, 24), 8, torch.bfloat16)):
+        x = torch.randn(n, 1, sum(dims), generator=g).to(dtype)
+        weight = torch.randn(sum(dims), 1, w, generator=g).to(dtype)
+        caches = tuple(torch.randn(n, d, w, generator=g).to(dtype) for d in dims)
+        start = [c.clone() for c in caches]
+        plain = fused_decode.conv_step(x, caches, weight, None, "silu", block=16, separate=True)
+        after = [c.clone() for c in caches]
+        for c, c0 in zip(caches, start):
+            c.copy_(c0)
+        normed = fused_decode.conv_step(x, caches, weight, None, "silu", block=16, separate=True, l2norm=head)
+        for i, (a, b) in enumerate(zip(normed, plain)):
+            ref = fla_fallback.l2norm(b.unflatten(-1, (-1, head))).flatten(-2) if i < 2 else b
+            tol = {"rtol": 8e-3, "atol": 4e-3} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+            torch.testing.assert_close(a, ref, **tol)
+            assert a.dtype == dtype
+        if dtype == torch.float32:
+            heads = normed[0].unflatten(-1, (-1, head)).norm(dim=-1)
+            torch.testing.assert_close(heads, torch.ones_like(heads), rtol=1e-5, atol=1e-5)
+        for c, c1 in zip(caches, after):
+            torch.testing.assert_close(c, c1, rtol=0, atol=0)  # the caches move as without the norm
 
 
 def _check_fused_model_decode(family):
@@ -159,8 +191,8 @@ def _check_fused_model_decode(family):
     from statereduce import fused_decode
 
     conv_step, calls, addmm, adds = fused_decode.conv_step, [], torch.addmm, []
-    fused_decode.conv_step = lambda *a, **k: (calls.append((k.get("pdl"), k.get("separate"), k.get("extra_act")))
-                                              or conv_step(*a, **k))
+    fused_decode.conv_step = lambda *a, **k: (calls.append((k.get("pdl"), k.get("separate"), k.get("extra_act"),
+                                                            k.get("l2norm"))) or conv_step(*a, **k))
     torch.addmm = lambda *a, **k: adds.append(1) or addmm(*a, **k)  # the blocks' down projection with the residual
     try:
         for kernel in ("statereduce+fused", "fla_copy+fused"):
@@ -171,10 +203,11 @@ def _check_fused_model_decode(family):
             n_layers = model.config.num_hidden_layers
             assert len(calls) == 4 * n_layers, (kernel, len(calls))
             # PDL only before our recurrent kernel; q, k, v in separate contiguous tensors for fla's function, and
-            # DeltaNet's beta through its sigmoid by the same launch
+            # DeltaNet's beta through its sigmoid and q, k through their L2 norms by the same launch
             ours = kernel == "statereduce+fused"
-            extra = "sigmoid" if family == "delta_net" and not ours else None
-            assert set(calls) == {(ours, not ours, extra)}
+            fla_dn = family == "delta_net" and not ours
+            dk = model.model.layers[0].attn.head_k_dim
+            assert set(calls) == {(ours, not ours, "sigmoid" if fla_dn else None, dk if fla_dn else None)}
             assert len(adds) == 4 * n_layers, (kernel, len(adds))
             calls.clear()
             adds.clear()
@@ -319,19 +352,20 @@ def test_pdl_kernels_load_state_before_the_wait_and_store_after():
     conv_args = {"x": "*bf16", "y": "*bf16", "c0": "*bf16", "c1": "*bf16", "c2": "*bf16", "w": "*bf16",
                  "b": "*bf16", "e": "*bf16", "f": "*bf16", "s_x": "i32", "s_y": "i32", "s_e": "i32", "D0": 512,
                  "D1": 512, "D2": 2048, "NB0": 4, "NB1": 4, "NB2": 16, "E": 16, "EXTRA_ACT": 1,
-                 "W": 4, "BD": 128, "BW": 4, "HAS_BIAS": False, "SILU": True, "SEPARATE": True}
+                 "W": 4, "BD": 128, "BW": 4, "HAS_BIAS": False, "SILU": True, "SEPARATE": True, "L2": 32}
     for fn, args, warps in ((step, step_args, 2), (_conv_kernel, conv_args, 4)):
         _check_pdl_order(_ptx(fn, {**args, "PDL": True}, {"num_warps": warps, "launch_pdl": True}))
         assert "griddepcontrol" not in _ptx(fn, {**args, "PDL": False}, {"num_warps": warps})
     # the convs the fused step launches (no bias: None pointers): before our kernel (one row, PDL), before fla's
-    # DeltaNet function (separate q, k, v and beta's sigmoid) and Gated DeltaNet's (separate, no extra columns)
-    plain = {**conv_args, "b": None, "e": None, "f": None, "E": 0, "EXTRA_ACT": 0, "SEPARATE": False}
+    # DeltaNet function (separate q, k, v, beta's sigmoid, q and k L2-normalised: heads of 32 and 128) and Gated
+    # DeltaNet's (separate, no extra columns, no norm)
+    plain = {**conv_args, "b": None, "e": None, "f": None, "E": 0, "EXTRA_ACT": 0, "SEPARATE": False, "L2": 0}
     _check_pdl_order(_ptx(_conv_kernel, {**plain, "PDL": True}, {"num_warps": 4, "launch_pdl": True}))
-    for variant in ({**conv_args, "b": None, "SEPARATE": True}, {**plain, "SEPARATE": True}):
+    for variant in ({**conv_args, "b": None}, {**conv_args, "b": None, "L2": 128}, {**plain, "SEPARATE": True}):
         assert "st.global" in _ptx(_conv_kernel, {**variant, "PDL": False}, {"num_warps": 4})
 
 
-def test_conv_step_bad_extra_fails_with_one_line():
+def test_conv_step_bad_extra_or_l2norm_fails_with_one_line():
     from statereduce import fused_decode
 
     x, caches, w = torch.zeros(2, 1, 12), tuple(torch.zeros(2, 4, 4) for _ in range(3)), torch.zeros(12, 4)
@@ -339,6 +373,10 @@ def test_conv_step_bad_extra_fails_with_one_line():
         fused_decode.conv_step(x, caches, w, extra=torch.zeros(2, 1, 3), extra_act="relu", separate=True)
     with pytest.raises(ValueError, match=r"extra columns need separate=True and \[N=2, 1, E\] rows"):
         fused_decode.conv_step(x, caches, w, extra=torch.zeros(2, 1, 3))
+    for head in (3, 8, 0):
+        with pytest.raises(ValueError, match=f"l2norm head size {head} must be a power of two dividing the q and k "
+                                             "widths 4 and 4"):
+            fused_decode.conv_step(x, caches, w, l2norm=head)
 
 
 def test_programmatic_launch_switch():

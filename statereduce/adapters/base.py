@@ -392,13 +392,21 @@ class LinearAttentionAdapter(ABC):
         return None
 
     @classmethod
+    def fused_conv_l2norm(cls, layer: nn.Module, kernel: str) -> int | None:
+        """For fla's kernels: the head size over which the fused step's conv launch should L2-normalise q and k
+        (``statereduce.fused_decode.conv_step``'s ``l2norm``), for a function that would normalise them in launches
+        of its own; None: the conv leaves them as they are (the default)."""
+        return None
+
+    @classmethod
     def fused_recurrent_step(cls, layer: nn.Module, kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              tail: torch.Tensor, state: torch.Tensor,
                              extra: torch.Tensor | None = None) -> torch.Tensor:
         """One token's recurrent step of ``layer`` with ``kernel`` (``statereduce.decode.KERNELS``), ``state``
         updated in place; q, k ``[N, 1, H, d_k]`` and v ``[N, 1, HV, d_v]`` are views into the convolved rows,
         ``tail`` the packed projection's columns of :meth:`fused_decode_rows`, ``extra`` the conv launch's output for
-        :meth:`fused_conv_extra`. Returns o ``[N, 1, HV, d_v]``."""
+        :meth:`fused_conv_extra`; q and k come L2-normalised where :meth:`fused_conv_l2norm` asked for it. Returns o
+        ``[N, 1, HV, d_v]``."""
         raise NotImplementedError(f"{cls.family} has no fused decode step")
 
 

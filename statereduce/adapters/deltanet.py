@@ -133,6 +133,13 @@ class DeltaNetAdapter(LinearAttentionAdapter):
         return layer.num_heads, "2sigmoid" if layer.allow_neg_eigval else "sigmoid"
 
     @classmethod
+    def fused_conv_l2norm(cls, layer, kernel):
+        # fla's function normalises q and k in two launches of their own (l2norm_fwd); the conv launch does it for
+        # heads of a power-of-two width (pruned widths that are not keep fla's path)
+        dk = layer.head_k_dim
+        return dk if kernel != "statereduce" and layer.qk_norm == "l2" and dk & (dk - 1) == 0 else None
+
+    @classmethod
     def fused_recurrent_step(cls, layer, kernel, q, k, v, tail, state, extra=None):
         from statereduce.decode import recurrent_step
 
@@ -140,9 +147,9 @@ class DeltaNetAdapter(LinearAttentionAdapter):
         if kernel == "statereduce":  # L2 norms (rounded as fla's DeltaNet does) and beta's sigmoid in the kernel
             return recurrent_step(q, k, v, beta, state, l2norm=l2, round_qk=l2, beta_sigmoid=True,
                                   allow_neg_eigval=layer.allow_neg_eigval)
-        # fla's function as inplace_decode routes it: q, k, v contiguous and beta through its sigmoid, both written
-        # by the conv launch (fused_conv_extra)
+        # fla's function as inplace_decode routes it: q, k, v contiguous, beta through its sigmoid and (where
+        # fused_conv_l2norm says so) q and k L2-normalised, all written by the conv launch
         step = importlib.import_module("fla.layers.delta_net").fused_recurrent_delta_rule
         o, _ = step(q=q, k=k, v=v, beta=extra, initial_state=state, output_final_state=True,
-                    use_qk_l2norm_in_kernel=l2)
+                    use_qk_l2norm_in_kernel=l2 and cls.fused_conv_l2norm(layer, kernel) is None)
         return o
