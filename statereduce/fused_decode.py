@@ -354,8 +354,9 @@ def _mlp_forward(original, device_types: tuple[str, ...]):
 
 
 def _block_forward(original, device_types: tuple[str, ...]):
-    """A decoder block's one-token step with the residual added by the MLP's down projection (``addmm``: one
-    launch fewer per layer than the stock ``residual + mlp(x)``); other calls take the stock forward."""
+    """A decoder block's one-token step with the residual added by the MLP's down projection (``addmm_`` into the
+    residual sum: one launch fewer per layer than the stock ``residual + mlp(x)``); other calls take the stock
+    forward."""
     def forward(self, hidden_states, *args, **kwargs):
         mlp = getattr(self, "mlp", None)
         if (args or getattr(self, "use_attnres", False) or not getattr(self.config, "fuse_norm", False)
@@ -368,8 +369,12 @@ def _block_forward(original, device_types: tuple[str, ...]):
         h, attentions, past_key_values = self.attn(hidden_states=self.attn_norm(hidden_states), **kwargs)
         h, residual = self.mlp_norm(h, residual=residual, prenorm=True)
         a = _gate_up_swiglu(mlp, h)
-        out = torch.addmm(residual.reshape(-1, residual.shape[-1]), a.reshape(-1, a.shape[-1]),
-                          mlp.down_proj.weight.t())
+        a = a.reshape(-1, a.shape[-1])
+        r, w = residual.reshape(-1, residual.shape[-1]), mlp.down_proj.weight.t()
+        # into the norm's new residual sum where nothing else reads it: an addmm into a new tensor first copies
+        # the residual there (a memcpy launch per layer)
+        fresh = not r.requires_grad and r.data_ptr() != hidden_states.data_ptr()
+        out = r.addmm_(a, w) if fresh else torch.addmm(r, a, w)
         return out.view(residual.shape), attentions, past_key_values, attnres_states
 
     return forward

@@ -193,7 +193,10 @@ def _check_fused_model_decode(family):
     conv_step, calls, addmm, adds = fused_decode.conv_step, [], torch.addmm, []
     fused_decode.conv_step = lambda *a, **k: (calls.append((k.get("pdl"), k.get("separate"), k.get("extra_act"),
                                                             k.get("l2norm"))) or conv_step(*a, **k))
-    torch.addmm = lambda *a, **k: adds.append(1) or addmm(*a, **k)  # the blocks' down projection with the residual
+    # the blocks' down projection adds the residual in place (addmm_ into the norm's residual sum)
+    addmm_ = torch.Tensor.addmm_
+    torch.addmm = lambda *a, **k: adds.append("addmm") or addmm(*a, **k)
+    torch.Tensor.addmm_ = lambda *a, **k: adds.append("addmm_") or addmm_(*a, **k)
     try:
         for kernel in ("statereduce+fused", "fla_copy+fused"):
             ref, got, model = _routed_decoding(family, kernel, return_model=True)
@@ -208,7 +211,7 @@ def _check_fused_model_decode(family):
             fla_dn = family == "delta_net" and not ours
             dk = model.model.layers[0].attn.head_k_dim
             assert set(calls) == {(ours, not ours, "sigmoid" if fla_dn else None, dk if fla_dn else None)}
-            assert len(adds) == 4 * n_layers, (kernel, len(adds))
+            assert adds == ["addmm_"] * (4 * n_layers), (kernel, adds)
             calls.clear()
             adds.clear()
             for layer in model.model.layers:
@@ -218,7 +221,7 @@ def _check_fused_model_decode(family):
                 assert layer.mlp.up_proj.weight.data_ptr() > layer.mlp.gate_proj.weight.data_ptr()
                 assert "gate_up" in layer.mlp._statereduce_packed
     finally:
-        fused_decode.conv_step, torch.addmm = conv_step, addmm
+        fused_decode.conv_step, torch.addmm, torch.Tensor.addmm_ = conv_step, addmm, addmm_
 
 
 def _check_all():
