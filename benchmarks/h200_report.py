@@ -4,9 +4,9 @@ Each model's cells come from several runs (one GPU call cannot measure everythin
 within one run: the runs below measure disjoint batch sizes (decode) or disjoint parts, and `speed_ratios` matches a
 pruned cell only with the baseline cell of the same batch and kernel.
 
-The fused decode kernels come from one run per model of session 7's call 2 (every batch; PDL on, the conv
+The fused decode kernels come from one run per model of session 7's call 3 (every batch; PDL on, the conv
 PDL-launched only before our recurrent kernel; q, k, v contiguous for fla's functions, DeltaNet's beta sigmoid and
-q, k L2 norms in the conv launch; the residual added by the down projection). The mixer's time and peak
+q, k L2 norms in the conv launch; the residual added in place by the down projection). The mixer's time and peak
 memory come from one run of session 4 (`speed._time_call`: memory around one eager call,
 then graph timing; one warm-up stream for every capture, so cuBLAS workspaces do not pile up across cells).
 
@@ -28,7 +28,7 @@ ALL = lambda c: True
 
 def _runs(model: str, decode: list[tuple]) -> list[tuple]:
     """``model``'s runs: its stock decode runs, then those every model has (fla copy, fused, prefill, mixer)."""
-    common = [("copy", "decode"), ("s7b_fused", "decode"), ("prefill", "prefill"),
+    common = [("copy", "decode"), ("s7c_fused", "decode"), ("prefill", "prefill"),
               ("prefill16k", "prefill"), ("mixer_s4", "mixer")]
     return [*decode, *((f"speed_{model}_h200_{name}.json", part,
                         (lambda c: c["kernel"] == "fla_copy") if name == "copy" else ALL) for name, part in common)]
