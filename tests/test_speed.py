@@ -225,3 +225,34 @@ def test_prune_triton_cache_keeps_loadable_kernels_and_drops_broken_groups(tmp_p
     assert prune.prune(tmp_path) == (1, 1)
     assert sorted(p.name for p in whole.iterdir()) == ["__grp__k.json", "k.autotune.json", "k.cubin", "k.json"]
     assert sorted(p.name for p in broken.iterdir()) == ["k.json"]
+
+
+def test_interleaved_prefill_rotates_the_order_and_takes_per_round_ratios():
+    """benchmarks/prefill_interleaved.py: every round times each model once, the order rotated every round, and
+    the speedup is the median of per-round ratios, so a drift that slows every model alike cancels."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "prefill_interleaved.py"
+    spec = importlib.util.spec_from_file_location("prefill_interleaved", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    order, clock = [], iter(range(100))
+    cost = {0: 2.0, 50: 1.6, 75: 1.25}
+
+    def timer(fn, *, warmup, steps, trials):
+        order.append(fn())
+        return [cost[order[-1]] * (1 + next(clock) / 10)]  # the device slows down call after call
+
+    ms = mod.rounds_of({p: (lambda p=p: p) for p in cost}, rounds=6, steps=5, timer=timer)
+    assert order[:9] == [0, 50, 75, 50, 75, 0, 75, 0, 50]
+    assert all(len(v) == 6 for v in ms.values())
+    got = mod.speedups(ms, 0)
+    assert set(got) == {50, 75}
+    # a drift of 10 % per call: per-round ratios stay within the drift of two neighbouring calls of the true
+    # 1.25 and 1.6, and their median is closer than the sequential order's (all baseline calls first) would be
+    assert abs(got[50]["speedup"] - 1.25) < 0.1 and abs(got[75]["speedup"] - 1.6) < 0.16
+    sequential = mod.speedups({p: [cost[p] * (1 + (i * 6 + r) / 10) for r in range(6)]
+                               for i, p in enumerate(cost)}, 0)
+    assert sequential[75]["speedup"] < got[75]["speedup"] - 0.3

@@ -1,0 +1,105 @@
+"""Prefill speedup with the baseline and pruned models timed in alternation (a cross-check of ``statereduce.speed``).
+
+``statereduce.speed`` measures one ratio's model after the other (baseline first), three trials each. On the lent H200
+the prefill trials of one cell spread by up to 6 %, more than the 0.01-0.02 the paper's prefill ratios leave to
+discuss. Here every model of a cell stays resident with its captured CUDA graph and the timing goes round by round:
+each round times every model once (``steps`` replays), in an order rotated every round, so a drift of the clock or
+temperature during the cell hits every model alike. The speedup is the median over rounds of the per-round ratio;
+the ratio of the medians is recorded beside it.
+
+    python benchmarks/prefill_interleaved.py OUT.json MODEL[,MODEL] [BxT,...] [--rounds 15] [--steps 5]
+
+e.g. ``python benchmarks/prefill_interleaved.py $OUT/prefill_ab.json gdn1.3b,dn1.3b 8x2048,4x2048,16x2048``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from statereduce.config import model_speed, validate_config
+from statereduce.runtime import write_json
+from statereduce.speed import _free, build_model, graphed, model_config, require_cuda, speed_settings, time_ms
+
+log = logging.getLogger("prefill_interleaved")
+CONFIG = Path(__file__).resolve().parent.parent / "config.yaml"
+
+
+def rounds_of(calls: dict, rounds: int, steps: int, timer=time_ms) -> dict:
+    """Per-key milliseconds of ``calls`` (key -> zero-argument callable), one value per round; round ``r`` times the
+    keys in their order rotated by ``r``."""
+    keys, out = list(calls), {k: [] for k in calls}
+    for r in range(rounds):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            out[k].append(timer(calls[k], warmup=1, steps=steps, trials=1)[0])
+    return out
+
+
+def speedups(ms: dict, base) -> dict:
+    """Each non-baseline key's median per-round speedup over ``base`` and the ratio of the medians."""
+    return {k: {"speedup": statistics.median(b / p for b, p in zip(ms[base], v)),
+                "speedup_of_medians": statistics.median(ms[base]) / statistics.median(v)}
+            for k, v in ms.items() if k != base}
+
+
+def measure(name: str, cells: list[tuple[int, int]], rounds: int, steps: int) -> dict:
+    cfg = validate_config(yaml.safe_load(CONFIG.read_text()))
+    plan = model_speed(cfg, name)
+    settings = speed_settings(plan["settings"])
+    pcts = [0, *[p for p in settings["pcts"] if float(p) != 0]]
+    dtype = getattr(torch, settings["dtype"])
+    models = {p: build_model(model_config(plan["family"], plan["arch"], p), dtype) for p in pcts}
+    doc = {"model": name, "family": plan["family"], "arch": plan["arch"], "pcts": pcts, "rounds": rounds,
+           "steps": steps, "device": torch.cuda.get_device_name(), "cells": []}
+    vocab = models[0].config.vocab_size
+    for batch, length in cells:
+        ids = torch.randint(vocab, (batch, length), device="cuda")
+        calls = {}
+        with torch.no_grad():
+            for p, model in models.items():
+                def fn(model=model):
+                    return model(ids, use_cache=True, logits_to_keep=1)
+                for _ in range(2):  # autotuning happens here, outside the timing
+                    fn()
+                calls[p] = graphed(fn)
+            ms = rounds_of(calls, rounds, steps)
+        cell = {"batch": batch, "length": length, "ms": {str(p): v for p, v in ms.items()},
+                "median_ms": {str(p): statistics.median(v) for p, v in ms.items()},
+                "speedup": {str(p): s for p, s in speedups(ms, 0).items()}}
+        log.info("%s %dx%d %s", name, batch, length, cell["speedup"])
+        doc["cells"].append(cell)
+        calls, ids = None, None
+        _free()
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out")
+    p.add_argument("models", help="comma-separated models of config.yaml")
+    p.add_argument("cells", nargs="?", default="8x2048", help="comma-separated BxT (default 8x2048)")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    require_cuda()
+    cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
+    out = {"command": " ".join(sys.argv), "runs": []}
+    for name in args.models.split(","):
+        out["runs"].append(measure(name, cells, args.rounds, args.steps))
+        write_json(args.out, out)
+        _free()
+    print(json.dumps([{r["model"]: [(c["batch"], c["length"], c["speedup"]) for c in r["cells"]]}
+                      for r in out["runs"]]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
