@@ -64,7 +64,7 @@ def measure(name: str, cells: list[tuple[int, int]], rounds: int, steps: int) ->
         calls = {}
         with torch.no_grad():
             for p, model in models.items():
-                def fn(model=model):
+                def fn(model=model, ids=ids):
                     return model(ids, use_cache=True, logits_to_keep=1)
                 for _ in range(2):  # autotuning happens here, outside the timing
                     fn()
