@@ -7,7 +7,7 @@ each round times every model once (``steps`` replays), in an order rotated every
 temperature during the cell hits every model alike. The speedup is the median over rounds of the per-round ratio;
 the ratio of the medians is recorded beside it.
 
-    python benchmarks/prefill_interleaved.py OUT.json MODEL[,MODEL] [BxT,...] [--rounds 15] [--steps 5]
+    python benchmarks/prefill_interleaved.py OUT.json MODEL[,MODEL] [BxT,...] [--rounds 15] [--steps 5] [--profile]
 
 e.g. ``python benchmarks/prefill_interleaved.py $OUT/prefill_ab.json gdn1.3b,dn1.3b 8x2048,4x2048,16x2048``.
 """
@@ -49,7 +49,19 @@ def speedups(ms: dict, base) -> dict:
             for k, v in ms.items() if k != base}
 
 
-def measure(name: str, cells: list[tuple[int, int]], rounds: int, steps: int) -> dict:
+def kernel_times(fn, top: int = 25) -> list[dict]:
+    """Device time per kernel name of one call of ``fn`` (``torch.profiler``), the ``top`` names by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+                   if e.self_device_time_total > 0), key=lambda r: -r[1])
+    return [{"name": n[:120], "ms": round(t, 3), "count": c} for n, t, c in rows[:top]]
+
+
+def measure(name: str, cells: list[tuple[int, int]], rounds: int, steps: int, profile: bool = False) -> dict:
     cfg = validate_config(yaml.safe_load(CONFIG.read_text()))
     plan = model_speed(cfg, name)
     settings = speed_settings(plan["settings"])
@@ -61,18 +73,20 @@ def measure(name: str, cells: list[tuple[int, int]], rounds: int, steps: int) ->
     vocab = models[0].config.vocab_size
     for batch, length in cells:
         ids = torch.randint(vocab, (batch, length), device="cuda")
-        calls = {}
+        calls, kernels = {}, {}
         with torch.no_grad():
             for p, model in models.items():
                 def fn(model=model, ids=ids):
                     return model(ids, use_cache=True, logits_to_keep=1)
                 for _ in range(2):  # autotuning happens here, outside the timing
                     fn()
+                if profile:
+                    kernels[str(p)] = kernel_times(fn)
                 calls[p] = graphed(fn)
             ms = rounds_of(calls, rounds, steps)
         cell = {"batch": batch, "length": length, "ms": {str(p): v for p, v in ms.items()},
                 "median_ms": {str(p): statistics.median(v) for p, v in ms.items()},
-                "speedup": {str(p): s for p, s in speedups(ms, 0).items()}}
+                "speedup": {str(p): s for p, s in speedups(ms, 0).items()}, **({"kernels": kernels} if profile else {})}
         log.info("%s %dx%d %s", name, batch, length, cell["speedup"])
         doc["cells"].append(cell)
         calls, ids = None, None
@@ -87,13 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("cells", nargs="?", default="8x2048", help="comma-separated BxT (default 8x2048)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--profile", action="store_true", help="also record each model's device time per kernel")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     require_cuda()
     cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
     out = {"command": " ".join(sys.argv), "runs": []}
     for name in args.models.split(","):
-        out["runs"].append(measure(name, cells, args.rounds, args.steps))
+        out["runs"].append(measure(name, cells, args.rounds, args.steps, args.profile))
         write_json(args.out, out)
         _free()
     print(json.dumps([{r["model"]: [(c["batch"], c["length"], c["speedup"]) for c in r["cells"]]}
