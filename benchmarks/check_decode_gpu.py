@@ -30,6 +30,10 @@ import torch
 from statereduce import decode
 from statereduce.speed import copy_bandwidth, graphed, time_ms
 
+# (name, heads, value heads, d_k, d_v, gated): the 1.3B models' layers at 0 / 50 / 75 %
+SHAPES = [*(("dn", 16, 16, kd, 128, False) for kd in (128, 64, 32)),
+          *(("gdn", 6, 6, kd, 512, True) for kd in (256, 128, 64))]
+
 
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
@@ -120,9 +124,7 @@ def graph_time(fn_list, trials=5, reps=20):
 
 
 def timing(out, layers=24, n=64):
-    shapes = [("dn", 16, 16, kd, 128, False) for kd in (128, 64, 32)]
-    shapes += [("gdn", 6, 6, kd, 512, True) for kd in (256, 128, 64)]
-    shapes += [("gdn_mixer", 16, 16, kd, 128, True) for kd in (128, 64, 32)]
+    shapes = [*SHAPES, *(("gdn_mixer", 16, 16, kd, 128, True) for kd in (128, 64, 32))]
     bw = out["copy_bandwidth_Bps"]
     for name, h, hv, kd, vd, gated in shapes:
         bufs = [inputs(n, h, hv, kd, vd, gated) for _ in range(layers)]
@@ -201,9 +203,7 @@ def pdl_ab(out, layers=24, n=64):
     The two graphs of each row are captured first and their trials interleaved. With PDL each step loads its state
     before waiting for the previous kernel. Outputs and states after one replay from the same start must be equal
     bit for bit."""
-    shapes = [("dn", 16, 16, kd, 128, False) for kd in (128, 64, 32)]
-    shapes += [("gdn", 6, 6, kd, 512, True) for kd in (256, 128, 64)]
-    for shape in shapes:
+    for shape in SHAPES:
         row = _pdl_row(out["copy_bandwidth_Bps"], *shape, layers=layers, n=n)
         out["pdl"].append(row)
         print("pdl", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
@@ -263,9 +263,7 @@ def floor_ab(out, layers=24, n=64, trials=7, reps=20):
     """Our step against a copy and an in-place multiply of the same state bytes, each ``layers`` launches on distinct
     buffers in one graph, trials interleaved; medians."""
     bw = out["copy_bandwidth_Bps"]
-    shapes = [("dn", 16, 16, kd, 128, False) for kd in (128, 64, 32)]
-    shapes += [("gdn", 6, 6, kd, 512, True) for kd in (256, 128, 64)]
-    for name, h, hv, kd, vd, gated in shapes:
+    for name, h, hv, kd, vd, gated in SHAPES:
         bufs = [inputs(n, h, hv, kd, vd, gated) for _ in range(layers)]
         sinks = [torch.empty_like(b[-1]) for b in bufs]
         state_bytes = bufs[0][-1].numel() * 4

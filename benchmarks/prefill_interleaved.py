@@ -19,17 +19,23 @@ import json
 import logging
 import statistics
 import sys
-from pathlib import Path
 
 import torch
-import yaml
 
-from statereduce.config import model_speed, validate_config
 from statereduce.runtime import write_json
-from statereduce.speed import _free, build_model, graphed, model_config, require_cuda, speed_settings, time_ms
+from statereduce.speed import (
+    _free,
+    build_model,
+    graphed,
+    kernel_rows,
+    model_config,
+    require_cuda,
+    speed_pcts,
+    time_ms,
+    workflow_model,
+)
 
 log = logging.getLogger("prefill_interleaved")
-CONFIG = Path(__file__).resolve().parent.parent / "config.yaml"
 
 
 def rounds_of(calls: dict, rounds: int, steps: int, timer=time_ms) -> dict:
@@ -56,19 +62,15 @@ def kernel_times(fn, top: int = 25) -> list[dict]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    rows = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
-                   if e.self_device_time_total > 0), key=lambda r: -r[1])
-    return [{"name": n[:120], "ms": round(t, 3), "count": c} for n, t, c in rows[:top]]
+    return [{"name": n[:120], "ms": round(t / 1e3, 3), "count": c} for n, t, c in kernel_rows(prof)[:top]]
 
 
 def measure(name: str, cells: list[tuple[int, int]], rounds: int, steps: int, profile: bool = False) -> dict:
-    cfg = validate_config(yaml.safe_load(CONFIG.read_text()))
-    plan = model_speed(cfg, name)
-    settings = speed_settings(plan["settings"])
-    pcts = [0, *[p for p in settings["pcts"] if float(p) != 0]]
+    family, arch, settings = workflow_model(name)
+    pcts = speed_pcts(settings)
     dtype = getattr(torch, settings["dtype"])
-    models = {p: build_model(model_config(plan["family"], plan["arch"], p), dtype) for p in pcts}
-    doc = {"model": name, "family": plan["family"], "arch": plan["arch"], "pcts": pcts, "rounds": rounds,
+    models = {p: build_model(model_config(family, arch, p), dtype) for p in pcts}
+    doc = {"model": name, "family": family, "arch": arch, "pcts": pcts, "rounds": rounds,
            "steps": steps, "device": torch.cuda.get_device_name(), "cells": []}
     vocab = models[0].config.vocab_size
     for batch, length in cells:

@@ -102,6 +102,26 @@ def speed_settings(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]
     return out
 
 
+def speed_pcts(settings: Mapping[str, Any]) -> list:
+    """The ratios a run measures: the baseline (0) first, then ``settings["pcts"]``."""
+    return [0, *[p for p in settings["pcts"] if float(p) != 0]]
+
+
+WORKFLOW_CONFIG = Path(__file__).resolve().parent.parent / "config.yaml"
+"""The repo's workflow config, where ``--model`` names are looked up by default."""
+
+
+def workflow_model(name: str, config: str | Path = WORKFLOW_CONFIG,
+                   overrides: Mapping[str, Any] | None = None) -> tuple[str, dict, dict[str, Any]]:
+    """``(family, arch, settings)`` of the workflow config's model ``name``: its speed block, then ``overrides``."""
+    import yaml
+
+    from statereduce.config import model_speed, validate_config
+
+    plan = model_speed(validate_config(yaml.safe_load(Path(config).read_text())), name)
+    return plan["family"], plan["arch"], speed_settings({**plan["settings"], **(overrides or {})})
+
+
 def require_cuda() -> None:
     """Raise a one-line RuntimeError unless a CUDA device is present."""
     if not torch.cuda.is_available():
@@ -452,6 +472,14 @@ def mixer_cells(config, settings: Mapping[str, Any], dtype: torch.dtype, on_cell
     _free()
 
 
+def kernel_rows(prof, calls: int = 1) -> list[tuple[str, float, int]]:
+    """``(name, device µs, launches)`` per kernel name of a ``torch.profiler`` run over ``calls`` calls, per call,
+    the most time first."""
+    rows = [(e.key, e.self_device_time_total / calls, e.count // calls)
+            for e in prof.key_averages() if e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def profile_cells(model, settings: Mapping[str, Any], kernels: Iterable[str], on_cell: Callable[[dict], None],
                   prompt: int = 64) -> None:
     """Device time per kernel over ``steps`` eager decode steps (``torch.profiler``), the ``top`` kernels by time.
@@ -477,9 +505,7 @@ def profile_cells(model, settings: Mapping[str, Any], kernels: Iterable[str], on
                     for _ in range(settings["steps"]):
                         model(tok, past_key_values=cache, use_cache=True)
                     torch.cuda.synchronize()
-            rows = [(e.key, e.self_device_time_total / settings["steps"], e.count // settings["steps"])
-                    for e in prof.key_averages() if e.self_device_time_total > 0]
-            rows.sort(key=lambda r: -r[1])
+            rows = kernel_rows(prof, settings["steps"])
             on_cell({"batch": batch, "kernel": kernel, "total_us": sum(r[1] for r in rows),
                      "launches": sum(r[2] for r in rows),
                      "top": [{"name": n[:120], "us": round(t, 2), "count": c} for n, t, c in rows[:settings["top"]]]})
@@ -519,7 +545,7 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
     if bad:
         raise ValueError(f"unknown speed part(s) {bad}; valid: {', '.join(PARTS)}")
     dtype = getattr(torch, settings["dtype"])
-    pcts = [0, *[p for p in settings["pcts"] if float(p) != 0]]
+    pcts = speed_pcts(settings)
     adapter = adapter_class(family)
     doc: dict[str, Any] = {
         "model": model_name, "family": family, "arch": dict(arch), "settings": settings, "parts": parts,
@@ -623,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a model of the workflow config (its family and speed.arch)")
     src.add_argument("--family", help="adapter family, with --arch")
-    p.add_argument("--config", default=str(Path(__file__).resolve().parent.parent / "config.yaml"),
+    p.add_argument("--config", default=str(WORKFLOW_CONFIG),
                    help="workflow config for --model (default: the repo's config.yaml)")
     p.add_argument("--arch", type=json.loads, default={}, help="JSON of fla config keywords (with --family)")
     p.add_argument("--settings", type=json.loads, default={}, help="JSON overriding speed settings, e.g. "
@@ -634,14 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         require_cuda()
         if args.model:
-            import yaml
-
-            from statereduce.config import model_speed, validate_config
-
-            cfg = validate_config(yaml.safe_load(Path(args.config).read_text()))
-            plan = model_speed(cfg, args.model)
-            family, arch = plan["family"], plan["arch"]
-            settings = speed_settings({**plan["settings"], **args.settings})
+            family, arch, settings = workflow_model(args.model, args.config, args.settings)
         else:
             family, arch = args.family, args.arch
             settings = speed_settings(args.settings)

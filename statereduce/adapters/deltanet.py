@@ -137,7 +137,7 @@ class DeltaNetAdapter(LinearAttentionAdapter):
         # fla's function normalises q and k in two launches of their own (l2norm_fwd); the conv launch does it for
         # heads of a power-of-two width (pruned widths that are not keep fla's path)
         dk = layer.head_k_dim
-        return dk if kernel != "statereduce" and layer.qk_norm == "l2" and dk & (dk - 1) == 0 else None
+        return dk if layer.qk_norm == "l2" and dk & (dk - 1) == 0 else None
 
     @classmethod
     def fused_recurrent_step(cls, layer, kernel, q, k, v, tail, state, extra=None):
