@@ -1,15 +1,20 @@
 # Config validation, wildcard constraints and every input function. Stage files hold only rules.
+import os
 import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, workflow.basedir)  # the package next to this Snakefile wins over an installed copy
+# The package next to this Snakefile wins over an installed copy, here and in every job's script (conda envs
+# included, which do not install the package).
+sys.path.insert(0, workflow.basedir)
+if workflow.basedir not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [workflow.basedir, os.environ.get("PYTHONPATH")]))
 
 from snakemake.exceptions import WorkflowError
 
 from statereduce import config as srconfig
 from statereduce.selectors import METHOD_REGEX, parse_method
-from statereduce.selection import selector_code_files
+from statereduce.select import selector_code_files
 
 try:
     CFG = srconfig.validate_config(config)

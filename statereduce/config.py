@@ -63,11 +63,11 @@ def model_calibration(config: dict, model: str, calib: str = "default") -> dict:
 def model_eval(config: dict, model: str) -> dict:
     """The eval settings of ``model``: ``EVAL_DEFAULTS`` updated by ``models.<model>.eval``, suites expanded.
 
-    ``suites`` (:mod:`statereduce.suites`) add their lm-eval tasks to ``tasks`` and, where needed, task
+    ``suites`` (:mod:`statereduce.eval.suites`) add their lm-eval tasks to ``tasks`` and, where needed, task
     ``metadata``, per-task windows (``task_max_length``) and ``recall_probe`` settings; without suites
     the settings are exactly the configured ones. Raises ConfigError (one line) for an unknown suite.
     """
-    from statereduce.suites import expand_eval
+    from statereduce.eval.suites import expand_eval
 
     ev = dict(EVAL_DEFAULTS)
     ev.update(config["models"][model].get("eval", {}))
@@ -83,7 +83,7 @@ def check_eval(config: dict, model: str) -> dict:
     if not ev["tasks"] and not ev.get("suites"):
         raise ConfigError(f"models.{model}.eval: nothing to evaluate; give tasks (e.g. [heldout]) or suites")
     if "recall_probe" in ev:
-        from statereduce.recall import RecallLevel
+        from statereduce.eval.recall import RecallLevel
 
         try:
             names = [RecallLevel.parse(lv).task_name for lv in ev["recall_probe"]["levels"]]
@@ -121,8 +121,8 @@ def model_rft(config: dict, model: str) -> dict:
 
 
 def check_rft(config: dict, model: str) -> dict:
-    """Validate the RFT plan of ``model`` (settings through :func:`statereduce.finetune.rft_settings`)."""
-    from statereduce.finetune import rft_settings
+    """Validate the RFT plan of ``model`` (settings through :func:`statereduce.rft.rft_settings`)."""
+    from statereduce.rft import rft_settings
 
     plan = model_rft(config, model)
     if not plan["activate"]:

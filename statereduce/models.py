@@ -137,7 +137,7 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
             ``source.json`` (hub model: ``from_pretrained(hub_id, revision=...)``; weights come from
             the HF cache or the hub).
         dtype: float32 / bfloat16 / float16; None uses ``source.json``'s dtype, else float32.
-        device: where to put the model. On CPU, :func:`statereduce.fla_fallback.install` is called so
+        device: where to put the model. On CPU, :func:`statereduce.kernels.fla_fallback.install` is called so
             fla's Triton-only layers run in PyTorch.
 
     Always imports ``fla`` (which registers its models with the Auto classes) and, for configs that
@@ -164,7 +164,7 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     device = torch.device(device)
     if device.type == "cpu":
-        from statereduce import fla_fallback
+        from statereduce.kernels import fla_fallback
 
         fla_fallback.install()
     config = AutoConfig.from_pretrained(model_id, revision=revision)

@@ -4,7 +4,7 @@ The workflow's default models are stock fla DeltaNet / Gated DeltaNet language m
 byte-level tokenizer, trained here on the ``train`` split of a corpus (by default the embedded
 Python-stdlib corpus, :mod:`statereduce.data`) so that every later stage (calibration, selection,
 slicing, recovery fine-tuning, evaluation) has a model that has actually learned something. On CPU the
-fla layers run through :mod:`statereduce.fla_fallback`.
+fla layers run through :mod:`statereduce.kernels.fla_fallback`.
 
 Paper: Nazari & Rusch (2026), "On State Reduction in Linear Attention", Sec. 4 (the pretrained DeltaNet
 and Gated DeltaNet models that are pruned); the tiny models stand in for them offline.
@@ -138,7 +138,7 @@ def pretrain(
     with ``seed`` (so the batch order is fixed by the seed); loss = the model's next-token cross entropy;
     AdamW (weight decay on matrices only), linear warmup then cosine decay to ``min_lr`` (default lr/10),
     gradient-norm clipping. Deterministic on CPU for a given seed and thread count. With ``recall_mix``,
-    synthetic recall documents (:func:`statereduce.recall.mix_recall_docs`, the format of the offline
+    synthetic recall documents (:func:`statereduce.eval.recall.mix_recall_docs`, the format of the offline
     recall probe) are inserted among the training documents before they are joined; the calib/heldout
     blocks (and the workflow's held-out evaluation) stay pure corpus text. With ``recall_mix.pure_steps``
     a first phase of that many steps trains on recall documents only, with its own AdamW and schedule
@@ -160,7 +160,7 @@ def pretrain(
         log_path: optional extra JSONL file receiving the training log lines (the checkpoint always holds
             ``train_log.jsonl``).
         recall_mix: optional ``{fraction, n_pairs, seed, pure_steps, pure_lr}``
-            (:func:`statereduce.recall.recall_mix_settings`); ``None`` trains on the corpus alone.
+            (:func:`statereduce.eval.recall.recall_mix_settings`); ``None`` trains on the corpus alone.
 
     Returns:
         The ``pretrain.json`` record: arch, train config, corpus provenance, final train loss (mean of the
@@ -172,11 +172,11 @@ def pretrain(
     cfg = _train_cfg(train_cfg)
     mix = None
     if recall_mix is not None:
-        from statereduce.recall import recall_mix_settings
+        from statereduce.eval.recall import recall_mix_settings
 
         mix = recall_mix_settings(recall_mix)
     out_dir = Path(out_dir)
-    from statereduce import fla_fallback
+    from statereduce.kernels import fla_fallback
 
     fla_fallback.install()
     torch.set_num_threads(int(cfg["threads"]))
@@ -188,7 +188,7 @@ def pretrain(
     config = tiny_config(family, arch)
     docs = load_split(corpus_spec, "train")
     if mix is not None:
-        from statereduce.recall import joined_bytes, mix_recall_docs
+        from statereduce.eval.recall import joined_bytes, mix_recall_docs
 
         corpus_bytes = sum(map(joined_bytes, docs))
         docs, n_recall = mix_recall_docs(docs, mix["fraction"], mix["n_pairs"], mix["seed"])
@@ -198,7 +198,7 @@ def pretrain(
     pure = None
     n_pure = 0 if mix is None else int(mix["pure_steps"])
     if n_pure > 0:
-        from statereduce.recall import recall_stream_docs
+        from statereduce.eval.recall import recall_stream_docs
 
         pure_cfg = {
             **cfg,

@@ -2,7 +2,7 @@
 
 ``tiny_model("delta_net")`` / ``tiny_model("gated_deltanet", num_v_heads=4)``: hidden 64, 2 layers,
 2 heads of d_k = 32, vocab 300, ``fuse_cross_entropy=False``; keyword overrides go to the family's
-config class. ``statereduce.fla_fallback.install()`` is called first so the models run on CPU.
+config class. ``statereduce.kernels.fla_fallback.install()`` is called first so the models run on CPU.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def tiny_model(family: str, seed: int = 0, conv_std: float | None = 0.3, **overr
     """
     from transformers import AutoModelForCausalLM
 
-    from statereduce import fla_fallback
+    from statereduce.kernels import fla_fallback
 
     fla_fallback.install()
     torch.manual_seed(seed)

@@ -16,8 +16,8 @@ from _models import tiny_inputs, tiny_model
 from statereduce.adapters import get_adapter
 from statereduce.capture import BottomKReservoir, capture_activations, export_qk_weights, grad_scores
 from statereduce.h5files import H5Artifact
-from statereduce.selection import read_selection, run_selection, write_selection
-from statereduce.slicing import prune_model
+from statereduce.select import read_selection, run_selection, write_selection
+from statereduce.prune import prune_model
 
 FAMILIES = ["delta_net", "gated_deltanet"]
 

@@ -85,7 +85,7 @@ def test_shipped_config_is_valid(base_config):
 
 
 def test_recall_mix_optional(base_config):
-    """pretrain.recall_mix is optional; given, it passes validation unchanged (statereduce.recall fills defaults)."""
+    """pretrain.recall_mix is optional; given, it passes validation unchanged (statereduce.eval.recall fills defaults)."""
     cfg = copy.deepcopy(base_config)
     for m in ("tiny-dn", "tiny-gdn"):
         cfg["models"][m]["pretrain"].pop("recall_mix", None)
@@ -161,7 +161,7 @@ def test_validation_does_not_import_fla():
     transformers' model code (importing fla costs ~15 s on every snakemake call)."""
     code = (
         "import sys, yaml\n"
-        "from statereduce import config, selection, selectors\n"
+        "from statereduce import config, select, selectors\n"
         f"cfg = config.validate_config(yaml.safe_load(open({str(ROOT / 'config.yaml')!r})))\n"
         "for model in cfg['targets']['models']:\n"
         "    config.model_dims(cfg, model)\n"
@@ -254,7 +254,7 @@ def test_studies_cells(base_config):
     assert check_studies(validate_config(cfg)) == {}
 
 
-# evaluation suites (statereduce.suites): case -> (eval block of tiny-dn, one-line message regex)
+# evaluation suites (statereduce.eval.suites): case -> (eval block of tiny-dn, one-line message regex)
 EVAL_CASES = {
     "unknown_suite": (
         {"suites": ["lm", "ruler"]},

@@ -1,6 +1,6 @@
-"""The in-place decode step (statereduce.decode) against the torch reference, run by Triton's interpreter on CPU.
+"""The in-place decode step (statereduce.speed.inplace) against the torch reference, run by Triton's interpreter on CPU.
 
-The GPU side (fla's kernels in place, autotuned configs, CUDA graphs) is checked by benchmarks/check_decode_gpu.py.
+The GPU side (fla's kernels in place, autotuned configs, CUDA graphs) is checked by scripts/check_decode_gpu.py.
 """
 
 import os
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from statereduce import decode, fla_fallback
+from statereduce.kernels import conv, fla_fallback, recurrent
+from statereduce.speed import inplace
 
 
 def _inputs(n, h, hv, k, v, gated, seed):
@@ -31,7 +32,7 @@ def _check_delta_rule(k, v):
         x["q"].double(), x["k"].double(), x["v"].double(), x["beta"].double(), initial_state=x["state"].double(),
         output_final_state=True, use_qk_l2norm_in_kernel=True)
     state = x["state"].clone()
-    o = decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], state, l2norm=True)
+    o = recurrent.recurrent_step(x["q"], x["k"], x["v"], x["beta"], state, l2norm=True)
     assert o.shape == o_ref.shape
     torch.testing.assert_close(o.double(), o_ref.double(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state.double(), s_ref.double(), rtol=1e-5, atol=1e-5)  # updated in place
@@ -45,7 +46,7 @@ def _check_gated_delta_rule(h, hv, k, v):
         use_gate_in_kernel=True, A_log=x["A_log"].double(), dt_bias=x["dt_bias"].double(),
         use_beta_sigmoid_in_kernel=True, state_v_first=True)
     state = x["state"].clone()
-    o = decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], state, g=x["g"], A_log=x["A_log"],
+    o = recurrent.recurrent_step(x["q"], x["k"], x["v"], x["beta"], state, g=x["g"], A_log=x["A_log"],
                               dt_bias=x["dt_bias"], l2norm=True, beta_sigmoid=True, state_v_first=True)
     torch.testing.assert_close(o.double(), o_ref.double(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state.double(), s_ref.double(), rtol=1e-5, atol=1e-5)
@@ -56,7 +57,7 @@ def _check_fixed_configs_agree():
     outs = []
     for bv, w, stream in ((8, 1, False), (16, 4, True), (64, 2, False)):
         state = x["state"].clone()
-        outs.append((decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], state, block_v=bv, num_warps=w,
+        outs.append((recurrent.recurrent_step(x["q"], x["k"], x["v"], x["beta"], state, block_v=bv, num_warps=w,
                                            stream=stream), state))
     for o, s in outs[1:]:
         torch.testing.assert_close(o, outs[0][0])
@@ -75,7 +76,7 @@ def _routed_decoding(family, kernel, return_model=False):
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values
         ref = [model(steps[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(4)]
-        with decode.inplace_decode(kernel, device_types=("cpu",)):
+        with inplace.inplace_decode(kernel, device_types=("cpu",)):
             cache = model(ids, use_cache=True).past_key_values
             states = [cache[i]["recurrent_state"] for i in range(len(cache))]
             before = [s.clone() for s in states]
@@ -100,17 +101,17 @@ def _check_strided_inputs():
     v, g, beta = wide[..., 32:80].unflatten(-1, (4, 12)), wide[..., 80:84], wide[..., 84:88]
     opts = {"A_log": x["A_log"], "dt_bias": x["dt_bias"], "l2norm": True, "beta_sigmoid": True, "state_v_first": True}
     s1, s2 = x["state"].clone(), x["state"].clone()
-    o1 = decode.recurrent_step(q, k, v, beta, s1, g=g, **opts)
-    o2 = decode.recurrent_step(q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), s2,
+    o1 = recurrent.recurrent_step(q, k, v, beta, s1, g=g, **opts)
+    o2 = recurrent.recurrent_step(q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), s2,
                                g=g.contiguous(), **opts)
     torch.testing.assert_close(o1, o2, rtol=0, atol=0)
     torch.testing.assert_close(s1, s2, rtol=0, atol=0)
 
 
 def _check_conv_step():
-    """fused_decode.conv_step (three segments, one launch) against fla_fallback's one-segment update, with a strided
+    """conv.conv_step (three segments, one launch) against fla_fallback's one-segment update, with a strided
     input row, with and without bias, and a width that is not a multiple of the block."""
-    from statereduce import fused_decode
+    from statereduce.speed import fused as fused_decode
 
     g = torch.Generator().manual_seed(11)
     n, w, dims = 3, 4, (20, 20, 36)
@@ -129,14 +130,14 @@ def _check_conv_step():
             refs.append((y, state))
             start += d
         start_caches = [c.clone() for c in caches]
-        got = fused_decode.conv_step(x, caches, weight, b, "silu", block=16)
+        got = conv.conv_step(x, caches, weight, b, "silu", block=16)
         torch.testing.assert_close(got, torch.cat([r[0] for r in refs], -1), rtol=1e-5, atol=1e-6)
         for c, (_, state) in zip(caches, refs):
             torch.testing.assert_close(c, state, rtol=0, atol=0)  # shifted in place
         # separate: the same values, each segment its own contiguous [N, 1, Di] tensor
         for c, c0 in zip(caches, start_caches):
             c.copy_(c0)
-        parts = fused_decode.conv_step(x, caches, weight, b, "silu", block=16, separate=True)
+        parts = conv.conv_step(x, caches, weight, b, "silu", block=16, separate=True)
         assert [p.shape for p in parts] == [(n, 1, d) for d in dims] and all(p.is_contiguous() for p in parts)
         torch.testing.assert_close(torch.cat(parts, -1), got, rtol=0, atol=0)
         for c, (_, state) in zip(caches, refs):
@@ -146,7 +147,7 @@ def _check_conv_step():
                          ("2sigmoid", 2 * wide[..., -7:].sigmoid())):
             for c, c0 in zip(caches, start_caches):
                 c.copy_(c0)
-            *parts, e = fused_decode.conv_step(x, caches, weight, b, "silu", block=16, separate=True,
+            *parts, e = conv.conv_step(x, caches, weight, b, "silu", block=16, separate=True,
                                                extra=wide[..., -7:], extra_act=act)
             assert e.shape == (n, 1, 7) and e.is_contiguous()
             torch.testing.assert_close(e, ref, rtol=1e-6, atol=1e-6)
@@ -158,7 +159,7 @@ def _check_conv_step_l2norm():
     """conv_step's per-head L2 norm of q and k against fla_fallback's l2norm of the plain conv output (rounded to
     the dtype first, as fla's DeltaNet does): heads smaller than the block, a head wider than the block (raised to
     it), a width that is not a multiple of the block, float32 and bfloat16; v is left as it is."""
-    from statereduce import fused_decode
+    from statereduce.speed import fused as fused_decode
 
     g = torch.Generator().manual_seed(12)
     n, w = 3, 4
@@ -168,11 +169,11 @@ def _check_conv_step_l2norm():
         weight = torch.randn(sum(dims), 1, w, generator=g).to(dtype)
         caches = tuple(torch.randn(n, d, w, generator=g).to(dtype) for d in dims)
         start = [c.clone() for c in caches]
-        plain = fused_decode.conv_step(x, caches, weight, None, "silu", block=16, separate=True)
+        plain = conv.conv_step(x, caches, weight, None, "silu", block=16, separate=True)
         after = [c.clone() for c in caches]
         for c, c0 in zip(caches, start):
             c.copy_(c0)
-        normed = fused_decode.conv_step(x, caches, weight, None, "silu", block=16, separate=True, l2norm=head)
+        normed = conv.conv_step(x, caches, weight, None, "silu", block=16, separate=True, l2norm=head)
         for i, (a, b) in enumerate(zip(normed, plain)):
             ref = fla_fallback.l2norm(b.unflatten(-1, (-1, head))).flatten(-2) if i < 2 else b
             tol = {"rtol": 8e-3, "atol": 4e-3} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
@@ -188,10 +189,10 @@ def _check_conv_step_l2norm():
 def _check_fused_model_decode(family):
     """The fused layer step (packed projections, one conv launch, the recurrent step on views) decodes the stock
     model like fla's own step, with our kernel and with fla's function (here the torch fallback) plus a copy."""
-    from statereduce import fused_decode
+    from statereduce.speed import fused as fused_decode
 
-    conv_step, calls, addmm, adds = fused_decode.conv_step, [], torch.addmm, []
-    fused_decode.conv_step = lambda *a, **k: (calls.append((k.get("pdl"), k.get("separate"), k.get("extra_act"),
+    conv_step, calls, addmm, adds = conv.conv_step, [], torch.addmm, []
+    conv.conv_step = lambda *a, **k: (calls.append((k.get("pdl"), k.get("separate"), k.get("extra_act"),
                                                             k.get("l2norm"))) or conv_step(*a, **k))
     # the blocks' down projection adds the residual in place (addmm_ into the norm's residual sum)
     addmm_ = torch.Tensor.addmm_
@@ -221,7 +222,7 @@ def _check_fused_model_decode(family):
                 assert layer.mlp.up_proj.weight.data_ptr() > layer.mlp.gate_proj.weight.data_ptr()
                 assert "gate_up" in layer.mlp._statereduce_packed
     finally:
-        fused_decode.conv_step, torch.addmm, torch.Tensor.addmm_ = conv_step, addmm, addmm_
+        conv.conv_step, torch.addmm, torch.Tensor.addmm_ = conv_step, addmm, addmm_
 
 
 def _check_all():
@@ -251,13 +252,13 @@ def test_kernel_matches_reference_under_interpreter():
 def test_bad_inputs_fail_with_one_line():
     x = _inputs(2, 2, 2, 8, 8, gated=False, seed=0)
     with pytest.raises(ValueError, match=r"state must be a contiguous float32 tensor of shape \(2, 2, 8, 8\)"):
-        decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"].double())
+        recurrent.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"].double())
     with pytest.raises(ValueError, match="one token"):
-        decode.recurrent_step(x["q"].repeat(1, 2, 1, 1), x["k"], x["v"], x["beta"], x["state"])
+        recurrent.recurrent_step(x["q"].repeat(1, 2, 1, 1), x["k"], x["v"], x["beta"], x["state"])
     with pytest.raises(ValueError, match="both block_v and num_warps"):
-        decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"], block_v=8)
+        recurrent.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"], block_v=8)
     with pytest.raises(ValueError, match="unknown decode kernel 'cuda'; valid: fla, statereduce, fla_copy, fla[+]fused"), \
-            decode.inplace_decode("cuda"):
+            inplace.inplace_decode("cuda"):
         pass
 
 
@@ -268,12 +269,12 @@ def test_inplace_decode_restores_fla_functions():
 
     before = dn.fused_recurrent_delta_rule, gdn.fused_recurrent_gated_delta_rule
     forwards = dn.DeltaNet.forward, gdn.GatedDeltaNet.forward, mlp.GatedMLP.forward
-    with decode.inplace_decode("statereduce"):
+    with inplace.inplace_decode("statereduce"):
         assert dn.fused_recurrent_delta_rule is not before[0]
         assert gdn.fused_recurrent_gated_delta_rule is not before[1]
         assert (dn.DeltaNet.forward, gdn.GatedDeltaNet.forward, mlp.GatedMLP.forward) == forwards  # not fused
     assert (dn.fused_recurrent_delta_rule, gdn.fused_recurrent_gated_delta_rule) == before
-    with pytest.raises(RuntimeError, match="boom"), decode.inplace_decode("fla+fused"):
+    with pytest.raises(RuntimeError, match="boom"), inplace.inplace_decode("fla+fused"):
         assert all(f is not g for f, g in zip((dn.DeltaNet.forward, gdn.GatedDeltaNet.forward,
                                                mlp.GatedMLP.forward), forwards))
         raise RuntimeError("boom")
@@ -297,7 +298,7 @@ def test_packing_keeps_the_stock_forward_and_is_done_once(family):
     sys.path.insert(0, str(Path(__file__).parent))
     from _models import tiny_inputs, tiny_model
 
-    from statereduce.fused_decode import pack_for_decode
+    from statereduce.speed.fused import pack_for_decode
 
     model = tiny_model(family)
     ids = tiny_inputs(batch=2, length=6)
@@ -343,9 +344,9 @@ def _check_pdl_order(ptx: str) -> None:
 def test_pdl_kernels_load_state_before_the_wait_and_store_after():
     """Compiled for sm_90 with PDL, our two decode kernels load the state (the conv cache) before
     ``griddepcontrol.wait`` and store nothing before it; without PDL they carry no griddepcontrol."""
-    from statereduce.fused_decode import _conv_kernel
+    from statereduce.kernels.conv import _conv_kernel
 
-    step = decode._kernel().fn
+    step = recurrent._kernel().fn
     step_args = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*bf16", "A_log": "*fp32",
                  "dt_bias": "*fp32", "h": "*fp32", "o": "*bf16", "scale": "fp32", "NHB": "i32", "s_q": "i32",
                  "s_k": "i32", "s_v": "i32", "s_b": "i32", "s_g": "i32", "H": 16, "HV": 16, "K": 32, "V": 128,
@@ -369,28 +370,26 @@ def test_pdl_kernels_load_state_before_the_wait_and_store_after():
 
 
 def test_conv_step_bad_extra_or_l2norm_fails_with_one_line():
-    from statereduce import fused_decode
-
     x, caches, w = torch.zeros(2, 1, 12), tuple(torch.zeros(2, 4, 4) for _ in range(3)), torch.zeros(12, 4)
     with pytest.raises(ValueError, match="extra_act 'relu' is not supported; valid: sigmoid, 2sigmoid, None"):
-        fused_decode.conv_step(x, caches, w, extra=torch.zeros(2, 1, 3), extra_act="relu", separate=True)
+        conv.conv_step(x, caches, w, extra=torch.zeros(2, 1, 3), extra_act="relu", separate=True)
     with pytest.raises(ValueError, match=r"extra columns need separate=True and \[N=2, 1, E\] rows"):
-        fused_decode.conv_step(x, caches, w, extra=torch.zeros(2, 1, 3))
+        conv.conv_step(x, caches, w, extra=torch.zeros(2, 1, 3))
     for head in (3, 8, 0):
         with pytest.raises(ValueError, match=f"l2norm head size {head} must be a power of two dividing the q and k "
                                              "widths 4 and 4"):
-            fused_decode.conv_step(x, caches, w, l2norm=head)
+            conv.conv_step(x, caches, w, l2norm=head)
 
 
 def test_programmatic_launch_switch():
     cpu = torch.device("cpu")
-    assert decode.launch_options(cpu) == {"PDL": False} and not decode.pdl_supported(cpu)
-    with decode.programmatic_launch(False):
-        assert not decode._PDL
-        with decode.programmatic_launch(True):
-            assert decode._PDL
-        assert not decode._PDL
-    assert decode._PDL
+    assert recurrent.launch_options(cpu) == {"PDL": False} and not recurrent.pdl_supported(cpu)
+    with recurrent.programmatic_launch(False):
+        assert not recurrent._PDL
+        with recurrent.programmatic_launch(True):
+            assert recurrent._PDL
+        assert not recurrent._PDL
+    assert recurrent._PDL
 
 
 def test_first_autotuned_launch_of_a_key_goes_without_pdl(monkeypatch):
@@ -403,34 +402,32 @@ def test_first_autotuned_launch_of_a_key_goes_without_pdl(monkeypatch):
             return lambda *args, **kw: launches.append((kw["K"], kw["PDL"], kw.get("launch_pdl", False)))
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(decode, "_STEP", Recorder())
-    monkeypatch.setattr(decode, "_TUNED", set())
-    monkeypatch.setattr(decode, "pdl_supported", lambda device: True)
+    monkeypatch.setattr(recurrent, "_STEP", Recorder())
+    monkeypatch.setattr(recurrent, "_TUNED", set())
+    monkeypatch.setattr(recurrent, "pdl_supported", lambda device: True)
     for kd in (8, 8, 8, 16, 16):
         x = _inputs(2, 2, 2, kd, 8, gated=False, seed=0)
-        decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"])
+        recurrent.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"])
     assert launches == [(8, False, False), (8, True, True), (8, True, True), (16, False, False), (16, True, True)]
     launches.clear()
-    with decode.programmatic_launch(False):
-        decode.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"])
+    with recurrent.programmatic_launch(False):
+        recurrent.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"])
     assert launches == [(16, False, False)]
 
 
 def test_conv_step_uses_pdl_only_when_asked(monkeypatch):
-    from statereduce import fused_decode
-
     launches = []
 
     class Recorder:  # stands in for the conv kernel: records each launch's PDL options
         def __getitem__(self, grid):
             return lambda *args, **kw: launches.append((kw["PDL"], kw.get("launch_pdl", False)))
 
-    monkeypatch.setattr(fused_decode, "_conv_kernel", Recorder())
-    monkeypatch.setattr(decode, "pdl_supported", lambda device: True)
+    monkeypatch.setattr(conv, "_conv_kernel", Recorder())
+    monkeypatch.setattr(recurrent, "pdl_supported", lambda device: True)
     x, w = torch.randn(2, 1, 24), torch.randn(24, 4)
     caches = tuple(torch.zeros(2, 8, 4) for _ in range(3))
-    fused_decode.conv_step(x, caches, w)
-    fused_decode.conv_step(x, caches, w, pdl=False)
-    with decode.programmatic_launch(False):
-        fused_decode.conv_step(x, caches, w)
+    conv.conv_step(x, caches, w)
+    conv.conv_step(x, caches, w, pdl=False)
+    with recurrent.programmatic_launch(False):
+        conv.conv_step(x, caches, w)
     assert launches == [(True, True), (False, False), (False, False)]

@@ -1,4 +1,4 @@
-"""Evaluation through lm-eval (statereduce.evaluate): local perplexity tasks, metrics, eval.json, summary.
+"""Evaluation through lm-eval (statereduce.eval.harness): local perplexity tasks, metrics, eval.json, summary.
 
 The perplexity checks compare lm-eval's numbers with an independent computation: a plain forward pass
 per rolling window, the window layout written out here (first window conditioned on the prefix token,
@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from statereduce import evaluate as ev
+from statereduce.eval import harness as ev
 from statereduce.tokenizer import byte_level_tokenizer
 
 EOS = 256
@@ -39,7 +39,7 @@ def _wait_for_fla_fallback(timeout_s: float = 1800.0):
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            from statereduce import fla_fallback
+            from statereduce.kernels import fla_fallback
 
             return fla_fallback
         except ImportError:

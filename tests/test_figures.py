@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from statereduce.figures import markdown_html, spectrum_figure, utilization_histograms, write_markdown_html
+from statereduce.analysis.figures import markdown_html, spectrum_figure, utilization_histograms, write_markdown_html
 from statereduce.runtime import jsonable
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

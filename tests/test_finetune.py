@@ -1,4 +1,4 @@
-"""Recovery fine-tuning (statereduce.finetune): LoRA + distillation, merge, resume, reload.
+"""Recovery fine-tuning (statereduce.rft): LoRA + distillation, merge, resume, reload.
 
 The fixtures pretrain one tiny model per family for a few dozen steps on the embedded corpus (so that
 pruning does measurable damage), prune 75% of its key channels at random and save both checkpoints.
@@ -21,11 +21,11 @@ import torch
 from _models import random_keep, tiny_inputs, tiny_model
 from safetensors.torch import load_file
 
-from statereduce import finetune as ft
+from statereduce import rft as ft
 from statereduce.data import load_split
 from statereduce.models import load_model
 from statereduce.pretrain import _eval_blocks, mean_loss, pretrain
-from statereduce.slicing import prune_model, save_pruned
+from statereduce.prune import prune_model, save_pruned
 from statereduce.tokenizer import byte_level_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,7 +212,7 @@ def test_rft_checkpoint_reloads_in_fresh_process(pairs, tmp_path):
         expected = kept["model"](input_ids=x).logits
     torch.save(x, tmp_path / "x.pt")
     code = (
-        "import sys, torch; torch.set_num_threads(1); sys.path.insert(0, sys.argv[1]); import fla; from statereduce import fla_fallback; "
+        "import sys, torch; torch.set_num_threads(1); sys.path.insert(0, sys.argv[1]); import fla; from statereduce.kernels import fla_fallback; "
         "fla_fallback.install(); from transformers import AutoModelForCausalLM; "
         "m = AutoModelForCausalLM.from_pretrained(sys.argv[2], fuse_cross_entropy=False).eval(); "
         "x = torch.load(sys.argv[3]); torch.set_grad_enabled(False); torch.save(m(input_ids=x).logits, sys.argv[4])"
@@ -247,7 +247,7 @@ def test_resume_after_interrupt_equals_uninterrupted_run(pairs, tmp_path):
 
 
 def test_killed_process_resumes_and_finishes(pairs, tmp_path):
-    """SIGKILL a ``python -m statereduce.finetune`` run after its first checkpoint; the rerun finishes from it."""
+    """SIGKILL a ``python -m statereduce.rft`` run after its first checkpoint; the rerun finishes from it."""
     base, pruned = pairs["delta_net"]
     job = tmp_path / "job.json"
     cfg = {**RFT, "n_samples": 80, "save_every": 1, "log_every": 1}  # 20 steps (~0.3 s each): longer than the wait
@@ -267,7 +267,7 @@ def test_killed_process_resumes_and_finishes(pairs, tmp_path):
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "statereduce.finetune", *args],
+        [sys.executable, "-m", "statereduce.rft", *args],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -1,4 +1,4 @@
-"""Tests for statereduce.fla_fallback: the pure-PyTorch versions of fla's DeltaNet / Gated DeltaNet kernels.
+"""Tests for statereduce.kernels.fla_fallback: the pure-PyTorch versions of fla's DeltaNet / Gated DeltaNet kernels.
 
 The delta-rule ops are checked against an independent token-by-token recurrence written here from the paper's
 equations (Nazari & Rusch 2026, Sec. 2), in float64, in the paper's ``[V, K]`` state layout, with GVA done by
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from statereduce import fla_fallback as ff
+from statereduce.kernels import fla_fallback as ff
 
 ff.install()
 

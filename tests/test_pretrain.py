@@ -184,7 +184,7 @@ def test_pretrain_recall_mix(checkpoints, tmp_path, monkeypatch):
     pretrain("delta_net", ARCH["delta_net"], CORPUS, TRAIN, tmp_path / "b", recall_mix=mix)
     plain, mixed = calls[0]["stream"], calls[1]["stream"]
     assert mixed.numel() >= 2 * plain.numel() - 1000
-    from statereduce.recall import recall_train_docs
+    from statereduce.eval.recall import recall_train_docs
 
     assert recall_train_docs(1, [2, 4], seed=3)[0].encode() in bytes(mixed[mixed < 256].tolist())
     assert (

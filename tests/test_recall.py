@@ -1,4 +1,4 @@
-"""The offline recall probe (statereduce.recall): generator invariants, task files, and lm-eval scoring.
+"""The offline recall probe (statereduce.eval.recall): generator invariants, task files, and lm-eval scoring.
 
 lm-eval's ``acc`` is checked against an independent computation (one plain forward pass per
 candidate, the sum of the candidate's token log-probs, argmax against the gold index) on tiny random
@@ -22,7 +22,7 @@ import yaml
 from _models import tiny_model
 from torch import nn
 
-from statereduce import recall as rc
+from statereduce.eval import recall as rc
 from statereduce.tokenizer import byte_level_tokenizer
 
 
@@ -328,11 +328,11 @@ def test_evaluate_recall_rejects_short_max_length(tok, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# the recall_probe suite in the workflow's eval path (stages.evaluate_loaded)
+# the recall_probe suite in the workflow's eval path (eval.run.evaluate_loaded)
 # ---------------------------------------------------------------------------------------------
 def test_evaluate_loaded_recall_probe_suite_without_heldout(tok, tmp_path):
     """tasks=[] and suites=[recall_probe]: the levels are written next to eval.json and scored by lm-eval."""
-    from statereduce.stages import evaluate_loaded
+    from statereduce.eval.run import evaluate_loaded
 
     model = tiny_model("delta_net", vocab_size=257)
     with torch.no_grad():

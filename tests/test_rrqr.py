@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import scipy.linalg as sla
 
-from statereduce.rrqr import DEFAULT_F, _recompute, _swap, _swap_loop, strong_rrqr
+from statereduce.selectors.rrqr import DEFAULT_F, _recompute, _swap, _swap_loop, strong_rrqr
 
 
 def kahan(n: int, c: float, tau: float = 1e-10) -> np.ndarray:

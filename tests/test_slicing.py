@@ -21,7 +21,7 @@ import torch
 
 from _models import random_keep, tiny_inputs, tiny_model
 from statereduce.adapters import adapter_class, get_adapter
-from statereduce.slicing import (
+from statereduce.prune import (
     RECORD_NAME,
     PruneRecord,
     head_rows,
@@ -60,7 +60,7 @@ def zero_dropped(model, keep: dict[int, torch.Tensor]) -> None:
 _RELOAD_SCRIPT = """
 import sys, torch
 torch.set_num_threads(1)
-from statereduce import fla_fallback
+from statereduce.kernels import fla_fallback
 fla_fallback.install()
 from transformers import AutoModelForCausalLM
 for ckpt in sys.argv[1:]:

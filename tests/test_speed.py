@@ -1,6 +1,6 @@
 """Speed benchmarks without a GPU: settings, shapes, byte floors, ratios, tables, and the one-line no-CUDA error.
 
-The measurements themselves run on a GPU (benchmarks/check_decode_gpu.py, python -m statereduce.speed; results
+The measurements themselves run on a GPU (scripts/check_decode_gpu.py, python -m statereduce.speed; results
 in docs/speed_h200.md).
 """
 
@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from statereduce import speed
-from statereduce.tables import speed_markdown
+from statereduce.speed import bench as speed
+from statereduce.analysis.tables import speed_markdown
 
 DN = {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "vocab_size": 97}
 GDN = {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32, "expand_v": 2.0, "vocab_size": 97}
@@ -175,7 +175,7 @@ def test_time_call_measures_memory_eagerly_before_the_graph(monkeypatch):
 def test_cli_without_cuda_fails_with_one_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    out = subprocess.run([sys.executable, "-m", "statereduce.speed", str(tmp_path / "s.json"), "--family",
+    out = subprocess.run([sys.executable, "-m", "statereduce.speed.bench", str(tmp_path / "s.json"), "--family",
                           "delta_net"], check=False, capture_output=True, text=True)
     assert out.returncode == 2
     err = [line for line in out.stderr.splitlines() if line.startswith("error:")]
@@ -185,7 +185,7 @@ def test_cli_without_cuda_fails_with_one_line(tmp_path):
 
 
 def test_speedup_figure_writes_png(tmp_path):
-    from statereduce.figures import speedup_figure
+    from statereduce.analysis.figures import speedup_figure
 
     doc = _doc()
     doc["ratios"] = speed.speed_ratios(doc)
@@ -228,7 +228,7 @@ def test_prune_triton_cache_keeps_loadable_kernels_and_drops_broken_groups(tmp_p
 
 
 def test_interleaved_prefill_rotates_the_order_and_takes_per_round_ratios():
-    """benchmarks/prefill_interleaved.py: every round times each model once, the order rotated every round, and
+    """scripts/prefill_interleaved.py: every round times each model once, the order rotated every round, and
     the speedup is the median of per-round ratios, so a drift that slows every model alike cancels."""
     import importlib.util
     from pathlib import Path

@@ -1,4 +1,4 @@
-"""Evaluation suites (statereduce.suites): expansion into lm-eval tasks, errors, and the suite averages.
+"""Evaluation suites (statereduce.eval.suites): expansion into lm-eval tasks, errors, and the suite averages.
 
 The ``lm`` average is checked against the paper itself (Table 10's baseline row: the six accuracies
 average to the printed 64.4) and against a hand computation; a task that was not evaluated gives
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from statereduce import suites as su
+from statereduce.eval import suites as su
 
 LM_TASKS = ["wikitext", "lambada_openai", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "piqa"]
 RECALL_TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "squad_completion", "swde"]
@@ -97,7 +97,7 @@ def test_conflicting_metadata():
 
 def test_suites_import_neither_lm_eval_nor_torch():
     code = (
-        "import sys\nimport statereduce.suites\n"
+        "import sys\nimport statereduce.eval.suites\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('lm_eval', 'torch', 'fla'))\n"
         "assert not bad, bad[:5]\n"
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from statereduce.tables import comparison_frame, write_comparison
+from statereduce.analysis.tables import comparison_frame, write_comparison
 
 BPB = "heldout/bits_per_byte"
 WPPL = "heldout/word_perplexity"
@@ -176,7 +176,7 @@ def _rank_doc(model, method, pct, d_k, u, rho=None, cond=None):
 
 
 def test_rank_tables_from_synthetic_documents(tmp_path):
-    from statereduce.tables import write_rank_tables
+    from statereduce.analysis.tables import write_rank_tables
 
     baselines = {"m": _rank_doc("m", "baseline", 0, 8, (0.1, 0.02, 0.05, 0.2), cond=(0.1, 10.0, 100.0))}
     ranks = {
@@ -207,7 +207,7 @@ SCORING_STUDY = {"models": ["m1", "m2"], "selectors": ["l1", "drrqr"], "pct": 75
 
 @pytest.fixture
 def studies_written(tmp_path):
-    from statereduce.tables import write_study_tables
+    from statereduce.analysis.tables import write_study_tables
 
     summaries = [
         _summary("m1", "grad", 75, 1.5, rft_bpb=1.25),
@@ -301,7 +301,7 @@ def test_study_csv_long_with_missing_cells(studies_written):
 
 def test_study_primary_metric_per_model(tmp_path):
     """Each model shows the comparison table's first metric it has (bits per byte, else WikiText-2 perplexity)."""
-    from statereduce.tables import write_study_tables
+    from statereduce.analysis.tables import write_study_tables
 
     hub = {
         "model": "hub",
@@ -329,7 +329,7 @@ def test_study_primary_metric_per_model(tmp_path):
 def test_suite_averages_become_table_columns(tmp_path):
     """The eval.json ``suites`` blocks (e.g. the paper's "LM Evals avg") appear as ``suite/summary`` columns, and a
     suite average that could not be computed (None) stays missing."""
-    from statereduce.tables import comparison_frame, write_comparison
+    from statereduce.analysis.tables import comparison_frame, write_comparison
 
     base = {"metrics": {"wikitext": {"word_perplexity": 20.0}}, "suites": {"lm": {"lm_avg": 0.5}},
             "state": {"state_bytes_per_sequence": 8}}

@@ -1,9 +1,7 @@
 """rule base_source: write results/{model}/base/source.json for a hub or local checkpoint."""
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
-from statereduce.runtime import start  # noqa: E402
+from statereduce.runtime import start
 
 log = start(snakemake.log[0], torch_threads=False)
 from statereduce.models import write_hub_source  # noqa: E402

@@ -1,9 +1,7 @@
 """rule calibrate: results/{model}/calib/{calib}/activations.h5."""
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
-from statereduce.runtime import start  # noqa: E402
+from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
 from statereduce.capture import capture_activations  # noqa: E402

@@ -1,12 +1,10 @@
 """rule comparison_table: results/tables/comparison.{md,csv} from every targeted summary."""
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
 from statereduce.runtime import read_json, start  # noqa: E402
 
 log = start(snakemake.log[0], torch_threads=False)
-from statereduce.tables import write_comparison  # noqa: E402
+from statereduce.analysis.tables import write_comparison  # noqa: E402
 
 summaries = [read_json(p) for p in snakemake.input.summaries]
 baselines = {Path(p).parts[-3]: read_json(p) for p in snakemake.input.baselines}

@@ -1,12 +1,8 @@
 """rule figures: results/figures/{model}_{utilization,spectrum}_{pct}.png (paper Figs. 3 and 2/5, pre-RFT)."""
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
 from statereduce.runtime import read_json, start  # noqa: E402
 
 log = start(snakemake.log[0], torch_threads=False)
-from statereduce.figures import spectrum_figure, utilization_histograms  # noqa: E402
+from statereduce.analysis.figures import spectrum_figure, utilization_histograms  # noqa: E402
 
 wc = snakemake.wildcards
 baseline = read_json(snakemake.input.baseline)

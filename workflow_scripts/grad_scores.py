@@ -1,9 +1,7 @@
 """rule grad_scores: results/{model}/calib/{calib}/grad_scores.h5 (Grad saliency)."""
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
-from statereduce.runtime import start  # noqa: E402
+from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
 from statereduce.capture import grad_scores  # noqa: E402

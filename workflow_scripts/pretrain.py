@@ -1,9 +1,7 @@
 """rule pretrain: train an embedded tiny model into results/{model}/base/."""
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
-from statereduce.runtime import start  # noqa: E402
+from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
 from statereduce.pretrain import pretrain  # noqa: E402

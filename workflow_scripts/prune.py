@@ -1,15 +1,13 @@
 """rule prune: results/{model}/{method}_{pct}/pruned/ (HF checkpoint + prune_record.json + eval.json)."""
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
-from statereduce.runtime import start  # noqa: E402
+from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
 from statereduce.models import load_model  # noqa: E402
-from statereduce.selection import read_selection  # noqa: E402
-from statereduce.slicing import prune_model, save_pruned  # noqa: E402
-from statereduce.stages import evaluate_loaded  # noqa: E402
+from statereduce.select import read_selection  # noqa: E402
+from statereduce.prune import prune_model, save_pruned  # noqa: E402
+from statereduce.eval.run import evaluate_loaded  # noqa: E402
 
 info, wc = snakemake.params.info, snakemake.wildcards
 model, tokenizer = load_model(Path(snakemake.input.base).parent, dtype=info["dtype"], device="cpu")

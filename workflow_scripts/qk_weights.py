@@ -1,9 +1,7 @@
 """rule qk_weights: results/{model}/weights/qk.h5 (head rows of the q/k projections)."""
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
-from statereduce.runtime import start  # noqa: E402
+from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
 from statereduce.capture import export_qk_weights  # noqa: E402

@@ -1,12 +1,10 @@
 """rule rank: results/{model}/{method}_{pct}/rank.json (rank utilization, correlation with the baseline, conditioning)."""
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
-from statereduce.runtime import start  # noqa: E402
+from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
-from statereduce.stages import rank_analysis  # noqa: E402
+from statereduce.analysis.rank import rank_analysis  # noqa: E402
 
 inp, wc = snakemake.input, snakemake.wildcards
 doc = rank_analysis(Path(inp.pruned).parent, snakemake.params.rank, snakemake.params.info, snakemake.output[0],

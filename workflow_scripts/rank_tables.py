@@ -1,13 +1,11 @@
 """rule rank_tables: results/tables/{rank_utilization,conditioning,overlap}.{md,csv} (paper Tables 5, 6, App. C.2)."""
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
 from statereduce.runtime import read_json, start  # noqa: E402
 
 log = start(snakemake.log[0], torch_threads=False)
-from statereduce.selection import read_selection  # noqa: E402
-from statereduce.tables import write_rank_tables  # noqa: E402
+from statereduce.select import read_selection  # noqa: E402
+from statereduce.analysis.tables import write_rank_tables  # noqa: E402
 
 ranks, selections = {}, {}
 for rank_path, sel_path in zip(snakemake.input.ranks, snakemake.input.selections):

@@ -1,15 +1,13 @@
 """rule rft: results/{model}/{method}_{pct}/rft/ (RFT checkpoint, rft_record.json, train_log.jsonl, eval.json)."""
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
-from statereduce.runtime import start  # noqa: E402
+from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
-from statereduce.stages import recover  # noqa: E402
+from statereduce.rft import run_rft  # noqa: E402
 
 wc, out = snakemake.wildcards, snakemake.output
-doc = recover(Path(snakemake.input.pruned).parent, Path(snakemake.input.base).parent, Path(out.config).parent,
+doc = run_rft(Path(snakemake.input.pruned).parent, Path(snakemake.input.base).parent, Path(out.config).parent,
               snakemake.params.rft, snakemake.params.corpus, snakemake.params.eval, snakemake.params.info, out.eval,
               resume_dir=snakemake.params.resume, log_jsonl=f"{snakemake.log[0]}.jsonl",
               extra={"method": wc.method, "pct": float(wc.pct), "stage": "rft"})

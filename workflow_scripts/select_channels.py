@@ -1,12 +1,8 @@
 """rule select_channels: results/{model}/select/{method}_{pct}.parquet (reads HDF5 artifacts only)."""
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
-from statereduce.runtime import start  # noqa: E402
+from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads, torch_threads=False)
-from statereduce.selection import run_selection, write_selection  # noqa: E402
+from statereduce.select import run_selection, write_selection  # noqa: E402
 
 rows, meta = run_selection(
     snakemake.input.weights, snakemake.wildcards.method, float(snakemake.wildcards.pct),

@@ -1,12 +1,10 @@
 """rules speed / speed_baseline: results/{model}/.../speed.json (GPU; random weights of the model's shape)."""
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
-from statereduce.runtime import start  # noqa: E402
+from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
-from statereduce.speed import require_cuda, run_speed, speed_settings  # noqa: E402
+from statereduce.speed.bench import require_cuda, run_speed, speed_settings  # noqa: E402
 
 try:
     require_cuda()

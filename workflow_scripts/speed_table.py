@@ -1,14 +1,10 @@
 """rule speed_table: results/tables/speed.md and results/figures/speedup.png from the baselines' speed.json."""
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
-from statereduce.runtime import start  # noqa: E402
+from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads, torch_threads=False)
-from statereduce.figures import speedup_figure  # noqa: E402
+from statereduce.analysis.figures import speedup_figure  # noqa: E402
 from statereduce.runtime import read_json, write_text_atomic  # noqa: E402
-from statereduce.tables import speed_markdown  # noqa: E402
+from statereduce.analysis.tables import speed_markdown  # noqa: E402
 
 docs = [read_json(p) for p in snakemake.input]
 write_text_atomic(snakemake.output.md, speed_markdown(docs))

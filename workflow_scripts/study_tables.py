@@ -1,13 +1,11 @@
 """rule study_tables: results/tables/{calibration_study,scoring_ablation}.{md,csv,html} (paper Tables 2/7, 16)."""
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
 from statereduce.runtime import read_json, start  # noqa: E402
 
 log = start(snakemake.log[0], torch_threads=False)
-from statereduce.figures import write_markdown_html  # noqa: E402
-from statereduce.tables import write_study_tables  # noqa: E402
+from statereduce.analysis.figures import write_markdown_html  # noqa: E402
+from statereduce.analysis.tables import write_study_tables  # noqa: E402
 
 summaries = [read_json(p) for p in snakemake.input.summaries]
 out_dir = Path(snakemake.output.calibration).parent

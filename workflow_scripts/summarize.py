@@ -1,12 +1,8 @@
 """rule summarize: results/{model}/{method}_{pct}/eval.json from the baseline, pruned and RFT evaluations."""
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
 from statereduce.runtime import read_json, start, write_json  # noqa: E402
 
 log = start(snakemake.log[0], torch_threads=False)
-from statereduce.evaluate import summarize  # noqa: E402
+from statereduce.eval.harness import summarize  # noqa: E402
 
 record = read_json(snakemake.input.record)
 meta = {"model": snakemake.wildcards.model, "method": snakemake.wildcards.method,

@@ -1,12 +1,8 @@
 """rule tables_html: results/tables/{comparison,rank_utilization,conditioning,overlap}.html for the report."""
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent))
-from statereduce.runtime import start  # noqa: E402
+from statereduce.runtime import start
 
 log = start(snakemake.log[0], torch_threads=False)
-from statereduce.figures import write_markdown_html  # noqa: E402
+from statereduce.analysis.figures import write_markdown_html  # noqa: E402
 
 for name, md_path in snakemake.input.items():
     write_markdown_html(md_path, snakemake.output[name])

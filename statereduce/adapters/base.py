@@ -4,7 +4,7 @@ An adapter wraps one loaded causal-LM and answers, in fla's slot names, where th
 channels of each linear-attention head live, how to capture K and Q as they enter the recurrence,
 which modules to slice, and how to write the reduced config. Nothing outside ``statereduce/adapters``
 may branch on ``model_type``. Adapters are pure mapping: the slicing itself is done by the verb
-functions of :mod:`statereduce.slicing`, driven by the modules and sizes an adapter hands out.
+functions of :mod:`statereduce.prune`, driven by the modules and sizes an adapter hands out.
 
 Everything that depends only on the config is a classmethod (``dims``, ``reduced_config``,
 ``mixer_layer_indices``, ``config_state_shape``), so the workflow can validate a run before any
@@ -292,7 +292,7 @@ class LinearAttentionAdapter(ABC):
 
         ``"all"``: every decoder block and the decoder's final norm (the paper's RFT of DeltaNet / Gated
         DeltaNet). ``"recurrent"``: only the linear-attention mixers (:meth:`mixer_layers`). Embeddings and
-        the LM head are never included. :mod:`statereduce.finetune` puts LoRA on the ``nn.Linear`` modules of
+        the LM head are never included. :mod:`statereduce.rft` puts LoRA on the ``nn.Linear`` modules of
         these subtrees and trains their convolutions and norms fully.
         """
         if scope not in RFT_SCOPES:
@@ -373,7 +373,7 @@ class LinearAttentionAdapter(ABC):
             states[layer] = state if v_first else state.transpose(-1, -2)
         return states
 
-    # ---- fused one-token decode (statereduce.fused_decode) -----------------------------------------
+    # ---- fused one-token decode (statereduce.speed.fused) -----------------------------------------
     #: the family's fla layer class (a LazyImport) whose one-token decode the fused step may take over; None: none
     mixer_class: ClassVar[Any] = None
     block_class: ClassVar[Any] = None
@@ -388,13 +388,13 @@ class LinearAttentionAdapter(ABC):
     @classmethod
     def fused_conv_extra(cls, layer: nn.Module, kernel: str) -> tuple[int, str | None] | None:
         """For fla's kernels: the first ``E`` columns of the tail that the fused step's conv launch should write
-        contiguous, and through which ``statereduce.fused_decode.EXTRA_ACTIVATIONS`` entry; None: none."""
+        contiguous, and through which ``statereduce.kernels.conv.EXTRA_ACTIVATIONS`` entry; None: none."""
         return None
 
     @classmethod
     def fused_conv_l2norm(cls, layer: nn.Module, kernel: str) -> int | None:
         """For fla's kernels: the head size over which the fused step's conv launch should L2-normalise q and k
-        (``statereduce.fused_decode.conv_step``'s ``l2norm``), for a function that would normalise them in launches
+        (``statereduce.kernels.conv.conv_step``'s ``l2norm``), for a function that would normalise them in launches
         of its own; None: the conv leaves them as they are (the default)."""
         return None
 
@@ -402,7 +402,7 @@ class LinearAttentionAdapter(ABC):
     def fused_recurrent_step(cls, layer: nn.Module, kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              tail: torch.Tensor, state: torch.Tensor,
                              extra: torch.Tensor | None = None) -> torch.Tensor:
-        """One token's recurrent step of ``layer`` with ``kernel`` (``statereduce.decode.KERNELS``), ``state``
+        """One token's recurrent step of ``layer`` with ``kernel`` (``statereduce.speed.inplace.KERNELS``), ``state``
         updated in place; q, k ``[N, 1, H, d_k]`` and v ``[N, 1, HV, d_v]`` are views into the convolved rows,
         ``tail`` the packed projection's columns of :meth:`fused_decode_rows`, ``extra`` the conv launch's output for
         :meth:`fused_conv_extra`; q and k come L2-normalised where :meth:`fused_conv_l2norm` asked for it. Returns o
@@ -439,7 +439,7 @@ def capture_kernel_calls(
 
     Rebinds each ``kernel_module.<name>`` in ``kernel_names`` (the module globals a layer calls, e.g.
     ``fla.layers.gated_deltanet.chunk_gated_delta_rule``) to a wrapper around whatever object is bound
-    there at enter time (fla's kernel, or a CPU dispatcher installed by ``statereduce.fla_fallback``),
+    there at enter time (fla's kernel, or a CPU dispatcher installed by ``statereduce.kernels.fla_fallback``),
     and restores that object on exit. The current layer is known through a forward pre-hook on each
     mixer, so calls from other models or untracked layers pass straight through. Hooking the kernel
     rather than the conv modules also covers fused conv paths whose conv modules never run.

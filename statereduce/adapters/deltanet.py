@@ -141,7 +141,7 @@ class DeltaNetAdapter(LinearAttentionAdapter):
 
     @classmethod
     def fused_recurrent_step(cls, layer, kernel, q, k, v, tail, state, extra=None):
-        from statereduce.decode import recurrent_step
+        from statereduce.kernels.recurrent import recurrent_step
 
         beta, l2 = tail[..., :layer.num_heads], layer.qk_norm == "l2"
         if kernel == "statereduce":  # L2 norms (rounded as fla's DeltaNet does) and beta's sigmoid in the kernel

@@ -137,7 +137,7 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
 
     @classmethod
     def fused_recurrent_step(cls, layer, kernel, q, k, v, tail, state, extra=None):
-        from statereduce.decode import recurrent_step
+        from statereduce.kernels.recurrent import recurrent_step
 
         hv = layer.num_v_heads
         a, beta = tail[..., :hv], tail[..., hv:2 * hv]

@@ -3,14 +3,14 @@
 M = [K_cal; Q_cal] (2N x d_k, keys and queries as they enter the recurrence); the kept channels are the
 first d_k' pivots of a strong RRQR (Gu & Eisenstat 1996) of M, started from column-pivoted QR. The
 selected columns keep every singular value of M up to the factor ``sqrt(1 + f^2 k (n - k))``
-(see :mod:`statereduce.rrqr`). Variant "k" ("q") factors K_cal (Q_cal) alone (paper Table 16).
+(see :mod:`statereduce.selectors.rrqr`). Variant "k" ("q") factors K_cal (Q_cal) alone (paper Table 16).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from statereduce.rrqr import DEFAULT_F, strong_rrqr
+from statereduce.selectors.rrqr import DEFAULT_F, strong_rrqr
 from statereduce.selectors.registry import HeadData, HeadSelection, register_selector, require
 
 
@@ -35,9 +35,9 @@ def drrqr(
         n_keep: channels to keep.
         variant: "kq" (M = [K; Q]), "k" (M = K) or "q" (M = Q).
         rng: unused (deterministic).
-        f: Gu-Eisenstat swap tolerance (> 1); see :data:`statereduce.rrqr.DEFAULT_F`.
-        reduction: "auto", "gram" or "qr"; see :func:`statereduce.rrqr.strong_rrqr`.
-        rtol: numerical-rank tolerance; see :func:`statereduce.rrqr.strong_rrqr`.
+        f: Gu-Eisenstat swap tolerance (> 1); see :data:`statereduce.selectors.rrqr.DEFAULT_F`.
+        reduction: "auto", "gram" or "qr"; see :func:`statereduce.selectors.rrqr.strong_rrqr`.
+        rtol: numerical-rank tolerance; see :func:`statereduce.selectors.rrqr.strong_rrqr`.
     """
     sides = "kq" if variant == "kq" else variant
     fields = {"k": "K", "q": "Q"}

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root
-from statereduce import fla_fallback  # noqa: E402
-from statereduce import recall as rc  # noqa: E402
+from statereduce.kernels import fla_fallback  # noqa: E402
+from statereduce.eval import recall as rc  # noqa: E402
 from statereduce.data import load_split, token_stream  # noqa: E402
 from statereduce.models import tiny_config  # noqa: E402
 from statereduce.pretrain import _eval_blocks, _train_cfg, mean_loss, seed_everything, train_loop  # noqa: E402
@@ -127,7 +127,7 @@ _HELD = None
 def heldout_bpb(model) -> float:
     """lm-eval loglikelihood_rolling bits/byte over the eval task's heldout docs (32 docs, 2048 bytes)."""
     global _HELD
-    from statereduce.stages import heldout_docs
+    from statereduce.eval.run import heldout_docs
 
     if _HELD is None:
         _HELD = heldout_docs(CORPUS, 32, 2048)
@@ -146,7 +146,7 @@ def keep_sets(model, name: str, methods=("drrqr", "rand"), pct=75):
     """Selections of the package's selectors: qk weights + calibration activations (config's calib settings)."""
     from statereduce.capture import capture_activations, export_qk_weights
     from statereduce.data import token_blocks
-    from statereduce.selection import run_selection
+    from statereduce.select import run_selection
 
     d = ROOT / name
     tok = byte_level_tokenizer()
@@ -167,7 +167,7 @@ def keep_sets(model, name: str, methods=("drrqr", "rand"), pct=75):
 
 
 def evaluate_all(name: str, family: str, pct: int = 75) -> dict:
-    from statereduce.slicing import prune_model
+    from statereduce.prune import prune_model
 
     res_path = ROOT / name / f"eval_{pct}.json"
     if res_path.exists():

@@ -16,14 +16,14 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from statereduce import fla_fallback
-from statereduce import recall as rc
+from statereduce.kernels import fla_fallback
+from statereduce.eval import recall as rc
 from statereduce.capture import capture_activations, export_qk_weights
 from statereduce.data import load_split, token_blocks
 from statereduce.pretrain import pretrain
-from statereduce.selection import run_selection
-from statereduce.slicing import prune_model
-from statereduce.stages import heldout_docs
+from statereduce.select import run_selection
+from statereduce.prune import prune_model
+from statereduce.eval.run import heldout_docs
 from statereduce.tokenizer import byte_level_tokenizer
 
 ROOT = Path(__file__).resolve().parent / "runs"  # git-ignored (docs/experiments/*/runs/)

@@ -15,8 +15,8 @@ import run
 from statereduce.data import load_split, token_stream
 from statereduce.models import tiny_config
 from statereduce.pretrain import _train_cfg, seed_everything, train_loop
-from statereduce.recall import mix_recall_docs, recall_stream_docs
-from statereduce.slicing import prune_model
+from statereduce.eval.recall import mix_recall_docs, recall_stream_docs
+from statereduce.prune import prune_model
 
 name, family, pure, mix = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 d = run.ROOT / name

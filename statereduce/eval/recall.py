@@ -25,9 +25,9 @@ number of characters, so it would always equal ``acc``.
 Each difficulty level (context size ``n_pairs``; needle depth; ``n_choices``; ``n_queries``) is a
 separate local-file task, ``recall_mqar_{n_pairs}`` by default, tagged ``recall_mqar``.
 :func:`write_recall_tasks` writes JSONL + YAML into a task folder exactly as
-:func:`statereduce.evaluate.write_perplexity_task` does, so the same folder can hold both and be
+:func:`statereduce.eval.harness.write_perplexity_task` does, so the same folder can hold both and be
 passed once as ``include_path``; :func:`evaluate_recall` runs them through
-:func:`statereduce.evaluate.evaluate_model`.
+:func:`statereduce.eval.harness.evaluate_model`.
 
 Training documents: a tiny model trained only on source code has never seen the lookup this probe
 asks for. :func:`recall_train_docs` generates documents of the same format (context lines, then
@@ -52,8 +52,8 @@ from typing import Any
 
 from torch import nn
 
-from statereduce.evaluate import TASK_NAME_RE, evaluate_model, write_multiple_choice_task
-from statereduce.suites import RECALL_PROBE_DEFAULTS, recall_probe_settings
+from statereduce.eval.harness import TASK_NAME_RE, evaluate_model, write_multiple_choice_task
+from statereduce.eval.suites import RECALL_PROBE_DEFAULTS, recall_probe_settings
 
 TASK_PREFIX = "recall_mqar"
 """Prefix of the task names and the lm-eval tag that selects every written level."""
@@ -178,7 +178,7 @@ def generate_recall_docs(
         raise ValueError(f"n_docs must be an int >= 1, got {n_docs!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
-    rng = random.Random(f"statereduce.recall:{seed}:{n_pairs}:{n_choices}:{depth!r}:{n_queries}")
+    rng = random.Random(f"statereduce.eval.recall:{seed}:{n_pairs}:{n_choices}:{depth!r}:{n_queries}")
     return [_one_doc(rng, level) for _ in range(n_docs)]
 
 
@@ -280,9 +280,9 @@ def recall_train_doc(rng: random.Random, n_pairs: int) -> str:
 
 
 def _train_doc_stream(seed: int, n_pairs: Sequence[int]) -> tuple[random.Random, Iterator[str]]:
-    """The seeded stream of training documents (``"statereduce.recall.train:{seed}"``, separate from the probe's)
+    """The seeded stream of training documents (``"statereduce.eval.recall.train:{seed}"``, separate from the probe's)
     and its random generator; a consumer that draws from the generator between documents shares the stream."""
-    rng = random.Random(f"statereduce.recall.train:{seed}")
+    rng = random.Random(f"statereduce.eval.recall.train:{seed}")
     sizes = list(n_pairs)
 
     def docs() -> Iterator[str]:
@@ -299,7 +299,7 @@ def joined_bytes(doc: str) -> int:
 
 def recall_train_docs(n_docs: int, n_pairs: Sequence[int], seed: int = 0) -> list[str]:
     """``n_docs`` seeded training documents (:func:`recall_train_doc`), each of a context size drawn from
-    ``n_pairs``. The stream (``"statereduce.recall.train:{seed}"``) is separate from the probe's."""
+    ``n_pairs``. The stream (``"statereduce.eval.recall.train:{seed}"``) is separate from the probe's."""
     return list(itertools.islice(_train_doc_stream(seed, n_pairs)[1], n_docs))
 
 
@@ -359,8 +359,8 @@ def write_recall_tasks(
 
     Args:
         task_dir: folder for the files (created); pass it as ``include_path`` (it may also hold the
-            held-out perplexity task of :func:`statereduce.evaluate.write_perplexity_task`). Each task is
-            a :func:`statereduce.evaluate.write_multiple_choice_task` with ``doc_to_text: prompt``, an
+            held-out perplexity task of :func:`statereduce.eval.harness.write_perplexity_task`). Each task is
+            a :func:`statereduce.eval.harness.write_multiple_choice_task` with ``doc_to_text: prompt``, an
             empty ``target_delimiter`` (the value follows ``=`` directly), metric ``acc`` only (every
             candidate has two characters, so ``acc_norm`` would equal it) and the level's parameters,
             ``seed`` and ``chance`` in its ``metadata``.
@@ -404,7 +404,7 @@ def write_recall_tasks(
 def recall_probe_writer(
     settings: Mapping[str, Any] | None = None, tokenizer=None, max_length: int | None = None
 ) -> Callable[[str | Path], list[str]]:
-    """A local-task writer for :func:`statereduce.evaluate.evaluate_and_write` (the ``recall_probe`` suite).
+    """A local-task writer for :func:`statereduce.eval.harness.evaluate_and_write` (the ``recall_probe`` suite).
 
     Args:
         settings: ``eval.recall_probe`` (``levels``, ``n_docs``, ``seed``; defaults filled).
@@ -439,7 +439,7 @@ def evaluate_recall(
 ) -> dict[str, dict[str, float]]:
     """Write the recall tasks into ``task_dir`` and evaluate ``model`` on them through lm-eval.
 
-    Same path as every other metric: :func:`statereduce.evaluate.evaluate_model` (``HFLM`` on the
+    Same path as every other metric: :func:`statereduce.eval.harness.evaluate_model` (``HFLM`` on the
     in-memory model, ``TaskManager`` with ``include_path=task_dir``).
 
     Args:
@@ -447,7 +447,7 @@ def evaluate_recall(
         tokenizer: its tokenizer.
         task_dir: folder for the task files.
         levels, n_docs, seed: see :func:`write_recall_tasks`.
-        batch_size, max_length, device, limit: see :func:`statereduce.evaluate.evaluate_model`. A
+        batch_size, max_length, device, limit: see :func:`statereduce.eval.harness.evaluate_model`. A
             ``max_length`` shorter than a document (prompt + answer) is an error: lm-eval would cut
             the context from the left, needle included.
 

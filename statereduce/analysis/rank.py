@@ -2,7 +2,7 @@
 
 * Metrics: stable rank ``er(S) = ||S||_F^2 / ||S||_2^2`` and rank utilization ``u(S) = er(S) / min(d_v, d_k)``
   of a state S [d_v, d_k] (paper Eq. 3 and Sec. 2.2.1; d is the smaller side, the largest rank S can have).
-* States come from the model's own forward pass (fla's kernels, or :mod:`statereduce.fla_fallback` on CPU):
+* States come from the model's own forward pass (fla's kernels, or :mod:`statereduce.kernels.fla_fallback` on CPU):
   the input is fed in segments of ``stride`` tokens with the HF cache carried over, and after each segment
   every linear-attention layer's recurrent state is read from the cache (:meth:`LinearAttentionAdapter.
   recurrent_states`). States whose last token lies before position ``skip`` are not scored.
@@ -319,7 +319,7 @@ def selected_conditioning(K, Q, keep=None) -> dict:
         K, Q: calibration keys / queries as stored in ``activations.h5``, [H, N, d_k] for one layer, or
             {layer: [H, N, d_k]} for several.
         keep: the selection: per-head kept indices [H][d_k'] (one layer) or {layer: [H][d_k']} (as
-            :func:`statereduce.selection.read_selection` returns); None keeps every channel (the baseline).
+            :func:`statereduce.select.read_selection` returns); None keeps every channel (the baseline).
     Returns:
         {"per_head": {(layer, head): {"sigma_min", "sigma_max", "kappa"}}, "median": {"sigma_min",
         "sigma_max", "kappa"}, "n_heads"}; a single layer is reported as layer 0.
@@ -361,7 +361,7 @@ def keep_overlap(keep_a, keep_b, d_k: int) -> dict:
 
     Args:
         keep_a, keep_b: per-head kept indices [H][d_k'] of one layer, or {layer: [H][d_k']} (as
-            :func:`statereduce.selection.read_selection` returns); both must cover the same heads with the same d_k'.
+            :func:`statereduce.select.read_selection` returns); both must cover the same heads with the same d_k'.
         d_k: channels per head before pruning.
     Returns:
         {"per_head": {(layer, head): {"shared", "fraction"}}, "median_shared", "median_fraction",
@@ -477,3 +477,43 @@ def rank_report(
         layer, head = samples.spectrum_head
         doc["spectrum"] = {"layer": layer, "head": head, **_spectrum_summary(samples.spectrum)}
     return jsonable(doc)
+
+
+def rank_analysis(checkpoint: str | Path, settings: dict[str, Any], info: dict[str, Any], out_path: str | Path, *,
+                  baseline: str | Path | None = None, selection: str | Path | None = None,
+                  activations: str | Path | None = None, extra: dict[str, Any] | None = None) -> dict:
+    """The ``rank.json`` of one checkpoint (paper Sec. 2.2, App. C.1, C.5; Tables 5 and 6).
+
+    Rank utilization of the recurrent state of every head over ``n_samples`` held-out blocks of ``seq_len``
+    tokens (:func:`statereduce.analysis.rank.rank_report`: states from the model's own forward pass, positions before
+    ``skip`` left out, one sample every ``stride`` tokens), the singular values of ``spectrum_head``, the
+    Pearson correlation of per-head utilization with the baseline's ``rank.json`` when given, and the
+    conditioning of the selected [Q; K] calibration columns when ``activations`` is given (every channel for
+    the baseline, the ``selection``'s for a pruned model).
+    """
+    from statereduce.data import load_split, token_blocks
+    from statereduce.h5files import H5Artifact
+    from statereduce.models import load_model
+    from statereduce.runtime import jsonable, read_json, write_json
+    from statereduce.select import read_selection
+
+    model, tokenizer = load_model(checkpoint, dtype=info["dtype"], device=info["device"])
+    docs = load_split(settings["corpus_spec"], "heldout")
+    ids = token_blocks(tokenizer, docs, int(settings["n_samples"]), int(settings["seq_len"]), int(settings["seed"]))
+    head = settings.get("spectrum_head")
+    doc = rank_report(model, ids.to(info["device"]), skip=int(settings["skip"]), stride=int(settings["stride"]),
+                           spectrum_head=tuple(head) if head is not None else None,
+                           baseline=read_json(baseline) if baseline is not None else None)
+    if activations is not None:
+        acts = H5Artifact(Path(activations))
+        layers = acts.layers()
+        data = {layer: acts.read(layer, ["K", "Q"]) for layer in layers}
+        keep = read_selection(selection)[0] if selection is not None else None
+        cond = selected_conditioning({lay: d["K"] for lay, d in data.items()},
+                                          {lay: d["Q"] for lay, d in data.items()}, keep)
+        cond["per_head"] = [{"layer": lay, "head": h, **v} for (lay, h), v in sorted(cond["per_head"].items())]
+        doc["conditioning"] = {**cond, "activations": str(activations), "selection": str(selection)}
+    doc["provenance"] = {"checkpoint": str(checkpoint), "model": info["model"], "corpus": settings["corpus_spec"],
+                         "split": "heldout", **(extra or {})}
+    write_json(out_path, jsonable(doc))
+    return doc

@@ -1,6 +1,6 @@
 """Benchmark DRRQR channel selection: reduce-then-swap strong RRQR vs. a naive full-matrix routine.
 
-Times :func:`statereduce.rrqr.strong_rrqr` over a model's worth of heads (default 24 layers x 16 heads,
+Times :func:`statereduce.selectors.rrqr.strong_rrqr` over a model's worth of heads (default 24 layers x 16 heads,
 M = [K; Q] of 5,000 x 128 float32 per head, as DRRQR sees them with 2,500 + 2,500 calibration rows),
 at k = 64 and k = 32, and side by side a naive routine that runs QRCP on the full M and re-factorises
 the full permuted M after every swap. Prints both totals, their ratio, the per-head mean number of
@@ -9,7 +9,7 @@ swaps and how often both routines keep the same channel set. DRRQR is timed twic
 pool with single-threaded BLAS per worker). Data generation is not timed; CPU load from other processes
 is printed because it changes the timings by large factors.
 
-Usage: ``.venv/bin/python benchmarks/bench_drrqr.py [--layers 24 --heads 16 --rows 5000 --dk 128 --workers 2]``
+Usage: ``.venv/bin/python scripts/bench_drrqr.py [--layers 24 --heads 16 --rows 5000 --dk 128 --workers 2]``
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 import numpy as np
 import scipy.linalg as sla
 
-from statereduce.rrqr import DEFAULT_F, strong_rrqr
+from statereduce.selectors.rrqr import DEFAULT_F, strong_rrqr
 from statereduce.selectors import HeadData, select_heads
 
 

@@ -1,4 +1,4 @@
-"""GPU check and kernel-level timing of the in-place one-token decode steps (statereduce.decode), on one device.
+"""GPU check and kernel-level timing of the in-place one-token decode steps (statereduce.speed.inplace), on one device.
 
 1. Correctness: statereduce's ``recurrent_step`` and fla's kernels run in place against fla's own
    ``fused_recurrent_*`` (new-state) functions on fresh random inputs: DeltaNet layout ([N, H, K, V]) and
@@ -16,7 +16,7 @@
    a copy of each state into a second buffer and an in-place ``mul_`` of each state (``floor_ab``). Says what
    share of the copy bandwidth any kernel reaches at that size, so the step's share can be read against it.
 
-    python benchmarks/check_decode_gpu.py OUT.json [correctness,chunk,timing,conv,pdl,floor]
+    python scripts/check_decode_gpu.py OUT.json [correctness,chunk,timing,conv,pdl,floor]
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import sys
 
 import torch
 
-from statereduce import decode
-from statereduce.speed import copy_bandwidth, graphed, time_ms
+from statereduce.speed import inplace as decode
+from statereduce.speed.bench import copy_bandwidth, graphed, time_ms
 
 # (name, heads, value heads, d_k, d_v, gated): the 1.3B models' layers at 0 / 50 / 75 %
 SHAPES = [*(("dn", 16, 16, kd, 128, False) for kd in (128, 64, 32)),
@@ -169,7 +169,7 @@ def conv_check(out):
     bf16, with the row a slice of a wider projection output (the fused step's layout)."""
     from fla.modules.causal_conv1d.ops import causal_conv1d_update
 
-    from statereduce.fused_decode import conv_step
+    from statereduce.kernels.conv import conv_step
 
     for n, dims in ((1, (2048, 2048, 2048)), (64, (2048, 2048, 2048)), (64, (512, 512, 2048)),
                     (64, (1536, 1536, 3072)), (3, (40, 40, 72))):
@@ -211,7 +211,7 @@ def pdl_ab(out, layers=24, n=64):
 
 
 def _pdl_row(bw, name, h, hv, kd, vd, gated, layers, n, trials=7, reps=20):
-    from statereduce.fused_decode import conv_step
+    from statereduce.kernels.conv import conv_step
 
     torch.manual_seed(kd * 7 + vd)
     bufs = [inputs(n, h, hv, kd, vd, gated) for _ in range(layers)]
@@ -309,6 +309,6 @@ def main(path, parts=tuple(PARTS)):
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and set(sys.argv[2].split(",")) - set(PARTS)):
-        sys.exit(f"usage: python benchmarks/check_decode_gpu.py OUT.json [PARTS]; PARTS: comma-separated of "
+        sys.exit(f"usage: python scripts/check_decode_gpu.py OUT.json [PARTS]; PARTS: comma-separated of "
                  f"{','.join(PARTS)} (default all)")
     main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) == 3 else tuple(PARTS))

@@ -18,7 +18,7 @@ PRIMARY = ("heldout", "bits_per_byte")  # (task, metric) shown first when presen
 TABLE_METRICS = ("heldout/bits_per_byte", "heldout/word_perplexity", "wikitext/word_perplexity",
                  "lambada_openai/perplexity", "lm/lm_avg", "recall/niah_2048", "recall/niah_4096", "recall/squad",
                  "recall/swde", "recall_probe/recall_mqar_avg")
-# Suite averages (eval.json "suites" blocks, statereduce.suites) enter the frame as "<suite>/<summary>" columns:
+# Suite averages (eval.json "suites" blocks, statereduce.eval.suites) enter the frame as "<suite>/<summary>" columns:
 # "lm/lm_avg" is the paper's "LM Evals avg" (Table 20), the recall ones its Table 4/11 columns.
 # Metric names (the part after "task/") ending in one of these are lower-is-better; "acc*" higher-is-better.
 LOWER_IS_BETTER = ("perplexity", "bits_per_byte", "loss")
@@ -278,14 +278,14 @@ def overlap_frame(selections: dict[tuple[str, str, float], dict], d_k: dict[str,
     """Median per-head overlap of kept channels between every two methods of a (model, pct) (paper App. C.2).
 
     Args:
-        selections: (model, method, pct) -> {layer: [H][d_k']} kept indices (:func:`statereduce.selection.read_selection`).
+        selections: (model, method, pct) -> {layer: [H][d_k']} kept indices (:func:`statereduce.select.read_selection`).
         d_k: model -> head size before pruning.
 
     Returns:
         One row per (model, pct, method_a, method_b): d_k', median shared channels, median fraction and the
         random-selection expectation d_k'^2 / d_k.
     """
-    from statereduce.rank import keep_overlap
+    from statereduce.analysis.rank import keep_overlap
 
     rows = []
     groups: dict[tuple[str, float], dict[str, dict]] = {}
@@ -635,7 +635,7 @@ def _decode_table(doc: dict, pcts: list, ratio: dict, suffix: str) -> list[str]:
              f"{doc.get('settings', {}).get('decode', {}).get('prompt')})")
     if suffix:
         title += ("; fused layers: packed projections and one conv launch per layer around the same state update "
-                  "(statereduce.fused_decode)")
+                  "(statereduce.speed.fused)")
     lines = [title + ":", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for b in batches:
         ref = base.get((b, fla))

@@ -10,16 +10,16 @@ q, k L2 norms in the conv launch; the residual added in place by the down projec
 memory come from one run of session 4 (`speed._time_call`: memory around one eager call,
 then graph timing; one warm-up stream for every capture, so cuBLAS workspaces do not pile up across cells).
 
-    python benchmarks/h200_report.py docs/speedup_h200.png > /tmp/tables.md
+    python scripts/h200_report.py docs/speedup_h200.png > /tmp/tables.md
 """
 
 import json
 import sys
 from pathlib import Path
 
-from statereduce.figures import speedup_figure
-from statereduce.speed import speed_ratios
-from statereduce.tables import speed_markdown
+from statereduce.analysis.figures import speedup_figure
+from statereduce.speed.bench import speed_ratios
+from statereduce.analysis.tables import speed_markdown
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 

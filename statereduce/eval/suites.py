@@ -15,7 +15,7 @@ config validation (``snakemake -n``) stays fast.
   length, ``"2048"``/``"4096"``), SQuAD- and SWDE-completion (``contains``). Needs network (datasets
   and the tokenizer by name). The NIAH tasks run with an lm-eval window of at least 4096 + 128
   tokens so no 4K prompt is cut; SQuAD/SWDE keep the configured ``max_length``.
-- ``recall_probe``: the offline synthetic MQAR probe of :mod:`statereduce.recall`, written as local
+- ``recall_probe``: the offline synthetic MQAR probe of :mod:`statereduce.eval.recall`, written as local
   tasks next to the held-out perplexity task (levels from ``eval.recall_probe``); ``recall_mqar_avg``
   is the mean ``acc`` over its levels.
 
@@ -44,7 +44,7 @@ generation prefix, so a window of ``length + 128`` never cuts one."""
 NIAH_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
 
 RECALL_PROBE_DEFAULTS = {"levels": [4, 16, 64], "n_docs": 100, "seed": 0}
-"""``eval.recall_probe`` defaults (the same as :mod:`statereduce.recall`'s ``DEFAULT_LEVELS``, ``DEFAULT_N_DOCS``)."""
+"""``eval.recall_probe`` defaults (the same as :mod:`statereduce.eval.recall`'s ``DEFAULT_LEVELS``, ``DEFAULT_N_DOCS``)."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ SUITES: dict[str, Suite] = {
     ),
     "recall_probe": Suite(
         name="recall_probe",
-        description="offline synthetic MQAR recall probe (statereduce.recall), written as local tasks",
+        description="offline synthetic MQAR recall probe (statereduce.eval.recall), written as local tasks",
         network=False,
         local_metric="acc",
         local_average="recall_mqar_avg",

@@ -7,7 +7,7 @@
 * :func:`markdown_html`: a standalone HTML page from one of the workflow's Markdown tables (the report shows
   HTML inline; Markdown only as a download).
 
-The figures read ``rank.json`` documents (:func:`statereduce.rank.rank_report`, also after a JSON round trip,
+The figures read ``rank.json`` documents (:func:`statereduce.analysis.rank.rank_report`, also after a JSON round trip,
 where non-finite floats are strings). They use matplotlib's object API on an Agg canvas (no pyplot, no global
 backend state) and are written atomically: a temporary file next to the target, then ``os.replace``.
 """
@@ -305,7 +305,7 @@ def _table_html(lines: list[str]) -> str:
 def markdown_html(text: str, title: str | None = None) -> str:
     """A standalone HTML page from the Markdown the workflow writes (headings, paragraphs, pipe tables).
 
-    Covers the subset used by :mod:`statereduce.tables`: ``#``-headings, paragraphs, pipe tables with a
+    Covers the subset used by :mod:`statereduce.analysis.tables`: ``#``-headings, paragraphs, pipe tables with a
     ``---`` separator row, `code`, **bold** and _emphasis_; everything else is kept as escaped text.
 
     Args:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Check statereduce.fla_fallback's pure-PyTorch kernels against fla's Triton kernels on a CUDA GPU.
+"""Check statereduce.kernels.fla_fallback's pure-PyTorch kernels against fla's Triton kernels on a CUDA GPU.
 
 Standalone (no snakemake, no pytest). Needs a CUDA GPU with fla 0.6.0 and Triton. For every op it builds random
 inputs on the GPU, runs fla's kernel (bf16, and fp32 where fla accepts it) and our torch implementation (called
@@ -14,7 +14,7 @@ bf16 rows measure bf16 rounding of fla's kernels (expect rel_l2 ~1e-2); fp32 row
 
 Usage::
 
-    python benchmarks/check_fallback_gpu.py results/check_fallback_gpu.json [--seed 0] [--quick]
+    python scripts/check_fallback_gpu.py results/check_fallback_gpu.json [--seed 0] [--quick]
 
 Paper: Nazari & Rusch (2026), "On State Reduction in Linear Attention", Sec. 2 (the recurrences checked here).
 """
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from statereduce import fla_fallback as ours
+from statereduce.kernels import fla_fallback as ours
 
 Record = dict[str, Any]
 

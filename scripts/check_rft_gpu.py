@@ -2,15 +2,15 @@
 """Recovery fine-tuning on a CUDA GPU with fla's Triton kernels (no snakemake, no lm-eval needed).
 
 Builds a random fla DeltaNet (the teacher), prunes 50% of its key channels at random (the student), runs
-:func:`statereduce.finetune.run_rft` on the GPU (bf16 autocast, fp32 master weights, saved in bf16), and
+:func:`statereduce.rft.run_rft` on the GPU (bf16 autocast, fp32 master weights, saved in bf16), and
 checks what the CPU tests cannot: the distillation KL falls, the merged checkpoint reloads with
 ``from_pretrained`` in a fresh process with the same logits on the GPU, and the run's throughput. With
-``--gpus N`` (N > 1) it also runs the same job through :func:`statereduce.finetune.launch` (accelerate,
+``--gpus N`` (N > 1) it also runs the same job through :func:`statereduce.rft.launch` (accelerate,
 DDP) and compares the two logs.
 
 Usage::
 
-    python benchmarks/check_rft_gpu.py OUT.json [--gpus 2] [--steps 40]
+    python scripts/check_rft_gpu.py OUT.json [--gpus 2] [--steps 40]
 
 Paper: Nazari & Rusch (2026), App. A (RFT). Gated DeltaNet is not run here: fla 0.6.0 refuses its chunk
 backward on Hopper with Triton < 3.7.1 (docs/gpu_fallback_check.md).
@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from statereduce import finetune
+from statereduce import rft as finetune
 
 ARCH = {"hidden_size": 512, "num_hidden_layers": 4, "num_heads": 4, "expand_k": 0.5, "expand_v": 1.0}  # d_k 64
 
@@ -56,7 +56,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from statereduce.models import tiny_config
-    from statereduce.slicing import prune_model, save_pruned
+    from statereduce.prune import prune_model, save_pruned
     from statereduce.tokenizer import byte_level_tokenizer
 
     sys.path.insert(0, str(ROOT / "tests"))

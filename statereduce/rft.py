@@ -21,7 +21,7 @@ folder, and a rerun with the same inputs and settings continues from there.
 
 Training runs through ``accelerate``: a single process by default; under ``torchrun`` with
 several GPUs each process trains on its share of every batch (DDP), and only the main process writes.
-Run it on its own with ``python -m statereduce.finetune --help``.
+Run it on its own with ``python -m statereduce.rft --help``.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ DEFAULT_RFT: dict[str, Any] = {
     "betas": [0.9, 0.999],
     "grad_clip": 1.0,
     "precision": "auto",  # auto: bf16 autocast on CUDA, fp32 on CPU
-    "kernels": "fla",  # torch: statereduce.fla_fallback on CUDA too (where fla's backward is refused or faults)
+    "kernels": "fla",  # torch: statereduce.kernels.fla_fallback on CUDA too (where fla's backward is refused or faults)
     "seed": 0,
     "log_every": 10,
     "save_every": 100,  # optimizer steps between resume checkpoints
@@ -480,7 +480,7 @@ def fingerprint(pruned_dir: str | Path, base_dir: str | Path, cfg: dict[str, Any
     return h.hexdigest()[:16]
 
 
-def run_rft(
+def fine_tune(
     pruned_dir: str | Path,
     base_dir: str | Path,
     out_dir: str | Path,
@@ -533,7 +533,7 @@ def run_rft(
     teacher, tokenizer = load_model(base_dir, dtype="float32" if cpu else "bfloat16", device=here)
     student, _ = load_model(pruned_dir, dtype="float32", device=here)
     if cfg["kernels"] == "torch":  # after load_model, which routes only CPU tensors to the fallback
-        from statereduce import fla_fallback
+        from statereduce.kernels import fla_fallback
 
         fla_fallback.install(torch_device_types=("cpu", "cuda"))
     corpus_spec = dict(corpus_spec)
@@ -621,7 +621,7 @@ def launch(
     resume_dir: str | Path | None = None,
     log_path: str | Path | None = None,
 ) -> None:
-    """Run :func:`run_rft` in ``gpus`` processes, one per GPU: ``torchrun --standalone`` of this module's
+    """Run :func:`fine_tune` in ``gpus`` processes, one per GPU: ``torchrun --standalone`` of this module's
     :func:`main`; in each process ``accelerate.Accelerator`` joins the process group and wraps the student in DDP
     (NCCL on CUDA; with ``device="cpu"``, gloo, which the tests use).
 
@@ -646,7 +646,7 @@ def launch(
     )
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(int(gpus)),
-        "-m", "statereduce.finetune", "--pruned", str(pruned_dir), "--base", str(base_dir), "--out", str(out_dir),
+        "-m", "statereduce.rft", "--pruned", str(pruned_dir), "--base", str(base_dir), "--out", str(out_dir),
         "--job", str(job),
     ]  # fmt: skip
     cmd += ["--resume-dir", str(resume_dir)] if resume_dir is not None else []
@@ -661,8 +661,8 @@ def launch(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m statereduce.finetune``: one RFT run (also under ``torchrun``, one process per GPU)."""
-    p = argparse.ArgumentParser(prog="python -m statereduce.finetune", description=main.__doc__)
+    """``python -m statereduce.rft``: one RFT run (also under ``torchrun``, one process per GPU)."""
+    p = argparse.ArgumentParser(prog="python -m statereduce.rft", description=main.__doc__)
     p.add_argument("--pruned", required=True, help="pruned checkpoint folder (student)")
     p.add_argument("--base", required=True, help="base artifact of the unpruned model (teacher)")
     p.add_argument("--out", required=True, help="RFT checkpoint folder to write")
@@ -673,7 +673,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--log", default=None, help="extra copy of the JSONL training log")
     args = p.parse_args(argv)
     job = read_json(args.job)
-    run_rft(
+    fine_tune(
         args.pruned,
         args.base,
         args.out,
@@ -689,3 +689,37 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def run_rft(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, plan: dict[str, Any],
+            corpus_spec: dict, eval_settings: dict[str, Any], info: dict[str, Any], eval_out: str | Path, *,
+            resume_dir: str | Path | None = None, log_jsonl: str | Path | None = None,
+            extra: dict[str, Any] | None = None) -> dict:
+    """The ``rft`` stage: fine-tune the pruned checkpoint (:mod:`statereduce.rft`), save it, evaluate it.
+
+    The held-out documents of the ``heldout`` evaluation task are excluded from the training data. With
+    ``plan["gpus"] > 1`` training runs under ``torchrun`` (one process per GPU, DDP through accelerate) and the saved
+    checkpoint is then loaded for evaluation; otherwise everything runs in this process and the merged model
+    is evaluated in memory.
+
+    Returns:
+        The ``eval.json`` document of the RFT checkpoint.
+    """
+    from statereduce.data import load_split
+    from statereduce.eval.run import HELDOUT, evaluate_checkpoint, evaluate_loaded
+
+    exclude = load_split(eval_settings["corpus_spec"], "heldout") if HELDOUT in eval_settings["tasks"] else []
+    out: dict[str, Any] = {}
+
+    def evaluate(model, tokenizer, saved: Path) -> None:
+        out["doc"] = evaluate_loaded(model.to(info["device"]), tokenizer, saved, eval_settings, info, eval_out, extra)
+
+    if int(plan.get("gpus", 1)) > 1:
+        launch(int(plan["gpus"]), pruned_dir, base_dir, out_dir, plan["settings"], corpus_spec,
+                        exclude_docs=exclude, dtype=info["dtype"], device=info["device"], resume_dir=resume_dir,
+                        log_path=log_jsonl)
+        return evaluate_checkpoint(out_dir, eval_settings, info, eval_out, extra)
+    fine_tune(pruned_dir, base_dir, out_dir, plan["settings"], corpus_spec, exclude_docs=exclude,
+                     dtype=info["dtype"], device=info["device"], resume_dir=resume_dir, log_path=log_jsonl,
+                     on_saved=evaluate)
+    return out["doc"]

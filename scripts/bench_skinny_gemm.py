@@ -3,7 +3,7 @@ kernel over a small tile sweep, each timed as 24 launches on distinct weights in
 step: every layer's weights come from HBM). Prints, per shape, µs per launch and TB/s of weight bytes, and writes
 JSON. A question for issue 5: do the fused decode step's projections leave bandwidth to a better kernel?
 
-    python benchmarks/bench_skinny_gemm.py OUT.json
+    python scripts/bench_skinny_gemm.py OUT.json
 """
 
 import itertools
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from statereduce.speed import graphed, time_ms
+from statereduce.speed.bench import graphed, time_ms
 
 
 @triton.jit

@@ -6,9 +6,9 @@ and, for each ratio, the adapter's ``reduced_config`` with ``d_k' = n_keep_for(d
 pruned checkpoint has. Every measurement of one run shares the device, so each speedup is a ratio from one job.
 
 - **Decode** (Table 17): a prompt of ``prompt`` tokens is prefilled, then the one-token step is captured in a CUDA
-  graph over static buffers (the recurrent state is updated in place by :mod:`statereduce.decode`, with fla's own
+  graph over static buffers (the recurrent state is updated in place by :mod:`statereduce.speed.inplace`, with fla's own
   kernel or ours, or, as ``fla_copy``, by fla's unmodified function plus a copy back; each also as ``+fused``, with
-  :mod:`statereduce.fused_decode`'s leaner layer step around it) and replayed: ``warmup``
+  :mod:`statereduce.speed.fused`'s leaner layer step around it) and replayed: ``warmup``
   replays, then ``trials`` x ``steps`` timed replays; the median trial gives ms/token and tokens/s. Each cell
   records peak memory and its *byte floor*: the bytes one step must move (every weight once, the embedding rows of
   the batch, the recurrent state (float32) and conv state read and written per sequence, the logits written) over
@@ -64,7 +64,7 @@ DEFAULT_SPEED: dict[str, Any] = {
 (``torch.backends.cuda.preferred_blas_library``: ``cublas`` or ``cublaslt``; ``None`` leaves torch's default): at one
 sequence the GEMV kernel chosen for a pruned projection can be slower than the unpruned one's (docs/speed_h200.md).
 ``pdl``: our decode kernels use programmatic dependent launch where the GPU has it
-(:func:`statereduce.decode.programmatic_launch`; the document's ``pdl`` says whether they did)."""
+(:func:`statereduce.kernels.recurrent.programmatic_launch`; the document's ``pdl`` says whether they did)."""
 
 BLAS_LIBRARIES = (None, "cublas", "cublaslt")
 """Valid ``blas`` settings."""
@@ -95,7 +95,7 @@ def speed_settings(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]
     for pct in out["pcts"]:
         if not 0 <= float(pct) < 100:
             raise ValueError(f"speed pct {pct} is outside [0, 100): it is the percent of key channels removed")
-    from statereduce.decode import parse_kernel
+    from statereduce.speed.inplace import parse_kernel
 
     for kernel in out["decode"]["kernels"]:
         parse_kernel(kernel)
@@ -268,13 +268,13 @@ class GraphDecoder:
     Args:
         model: an fla causal LM in eval mode on CUDA.
         batch, prompt: sequences and prompt tokens prefilled before capture.
-        kernel: the in-place recurrent step (:data:`statereduce.decode.KERNELS`), ``+fused`` for the leaner layer
-            step of :mod:`statereduce.fused_decode` around it (its packed weights are laid out before capture).
+        kernel: the in-place recurrent step (:data:`statereduce.speed.inplace.KERNELS`), ``+fused`` for the leaner layer
+            step of :mod:`statereduce.speed.fused` around it (its packed weights are laid out before capture).
     """
 
     def __init__(self, model, batch: int, prompt: int, kernel: str, seed: int = 0):
-        from statereduce.decode import FUSED, inplace_decode
-        from statereduce.fused_decode import pack_for_decode
+        from statereduce.speed.inplace import FUSED, inplace_decode
+        from statereduce.speed.fused import pack_for_decode
 
         self.model, self.kernel = model, kernel
         vocab = model.config.vocab_size
@@ -326,8 +326,8 @@ def check_decoder(model, decoder: GraphDecoder, steps: int) -> float:
 def decode_cells(model, config, family: str, settings: Mapping[str, Any], bandwidth: float,
                  on_cell: Callable[[dict], None]) -> None:
     """Time the decode step of ``model`` for every batch and kernel of ``settings`` (``speed.decode``)."""
-    from statereduce.decode import FUSED
-    from statereduce.fused_decode import pack_for_decode
+    from statereduce.speed.inplace import FUSED
+    from statereduce.speed.fused import pack_for_decode
 
     for batch in settings["batches"]:
         bytes_ = step_bytes(model, config, family, batch)
@@ -489,7 +489,7 @@ def profile_cells(model, settings: Mapping[str, Any], kernels: Iterable[str], on
     """
     from torch.profiler import ProfilerActivity, profile
 
-    from statereduce.decode import inplace_decode
+    from statereduce.speed.inplace import inplace_decode
 
     vocab = model.config.vocab_size
     for batch in settings["batches"]:
@@ -535,8 +535,8 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
         the measured copy bandwidth, device and versions.
     """
     from statereduce.adapters import adapter_class
-    from statereduce.decode import pdl_supported, programmatic_launch
-    from statereduce.evaluate import versions
+    from statereduce.kernels.recurrent import pdl_supported, programmatic_launch
+    from statereduce.eval.harness import versions
     from statereduce.runtime import write_json
 
     require_cuda()
@@ -613,7 +613,7 @@ def speed_ratios(doc: Mapping[str, Any]) -> dict[str, list[dict]]:
     kernel against the baseline with fla's kernel, fused layers against fused) and ``ideal_speedup`` (ratio of the
     byte floors). Cells profiled at both (``device_ms``) get ``device_speedup``, the same ratio of summed kernel time.
     """
-    from statereduce.decode import FUSED
+    from statereduce.speed.inplace import FUSED
 
     out: dict[str, list[dict]] = {"decode": [], "prefill": [], "mixer": []}
     keys = {"decode": ("batch", "kernel"), "prefill": ("batch", "length"), "mixer": ("batch", "seq_len")}

@@ -1,15 +1,15 @@
-"""Prefill speedup with the baseline and pruned models timed in alternation (a cross-check of ``statereduce.speed``).
+"""Prefill speedup with the baseline and pruned models timed in alternation (a cross-check of ``statereduce.speed.bench``).
 
-``statereduce.speed`` measures one ratio's model after the other (baseline first), three trials each. On the lent H200
+``statereduce.speed.bench`` measures one ratio's model after the other (baseline first), three trials each. On the lent H200
 the prefill trials of one cell spread by up to 6 %, more than the 0.01-0.02 the paper's prefill ratios leave to
 discuss. Here every model of a cell stays resident with its captured CUDA graph and the timing goes round by round:
 each round times every model once (``steps`` replays), in an order rotated every round, so a drift of the clock or
 temperature during the cell hits every model alike. The speedup is the median over rounds of the per-round ratio;
 the ratio of the medians is recorded beside it.
 
-    python benchmarks/prefill_interleaved.py OUT.json MODEL[,MODEL] [BxT,...] [--rounds 15] [--steps 5] [--profile]
+    python scripts/prefill_interleaved.py OUT.json MODEL[,MODEL] [BxT,...] [--rounds 15] [--steps 5] [--profile]
 
-e.g. ``python benchmarks/prefill_interleaved.py $OUT/prefill_ab.json gdn1.3b,dn1.3b 8x2048,4x2048,16x2048``.
+e.g. ``python scripts/prefill_interleaved.py $OUT/prefill_ab.json gdn1.3b,dn1.3b 8x2048,4x2048,16x2048``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import torch
 
 from statereduce.runtime import write_json
-from statereduce.speed import (
+from statereduce.speed.bench import (
     _free,
     build_model,
     graphed,

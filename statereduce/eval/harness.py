@@ -9,7 +9,7 @@ held-out documents to JSONL plus an lm-eval task YAML that mirrors lm-eval's ``w
 aggregations), :func:`write_multiple_choice_task` mirrors lm-eval's zero-shot accuracy tasks
 (``multiple_choice``; ``acc``, ``acc_norm``), and :func:`evaluate_model` is pointed at that folder
 with ``include_path``. Which lm-eval tasks a model runs comes from its ``eval.tasks`` and named
-``eval.suites`` (:mod:`statereduce.suites`, paper Sec. 5 and App. C.4).
+``eval.suites`` (:mod:`statereduce.eval.suites`, paper Sec. 5 and App. C.4).
 
 Documents:
 - :func:`evaluate_model` returns ``{"metrics": {task: {metric: value}}, "lm_eval": {...raw...},
@@ -295,7 +295,7 @@ def evaluate_model(
 
     Args:
         model: a loaded ``PreTrainedModel`` (fla DeltaNet/GatedDeltaNet, transformers Mamba2/Qwen3.5, ...).
-            On CPU, call ``statereduce.fla_fallback.install()`` first for fla models.
+            On CPU, call ``statereduce.kernels.fla_fallback.install()`` first for fla models.
         tokenizer: its tokenizer (instance or name/path).
         tasks: lm-eval task, group or tag names (``"wikitext"``, ``"lambada_openai"``, ...) and/or
             local task names written by :func:`write_perplexity_task`.
@@ -615,7 +615,7 @@ def evaluate_and_write(
             ``limit`` (None), ``bootstrap_iters`` (100000), ``heldout_task`` (``statereduce_heldout``),
             ``metadata`` (task metadata, see :func:`evaluate_model`), ``task_max_length``
             (``{task: smallest window}``), ``suites`` (suite names whose averages go into the
-            document's ``suites`` block, see :mod:`statereduce.suites`).
+            document's ``suites`` block, see :mod:`statereduce.eval.suites`).
         heldout_docs: held-out documents; when given, a local perplexity task is written to
             ``task_dir`` and evaluated first.
         local_tasks: ``{label: writer}``; each ``writer(task_dir)`` writes local tasks and returns their
@@ -628,7 +628,7 @@ def evaluate_and_write(
         The written document: :func:`eval_record` plus ``suites`` (``{suite: {summary: value or None}}``)
         when ``eval_cfg["suites"]`` is non-empty.
     """
-    from statereduce.suites import summarize_suites
+    from statereduce.eval.suites import summarize_suites
 
     unknown = sorted(set(eval_cfg) - set(EVAL_CFG_KEYS))
     if unknown:

@@ -6,7 +6,7 @@ results), its ``*.cubin`` and the compiled launchers (``*.so``). Dropped: the in
 hit loads only the cubin. A group whose metadata or cubin is missing (say, a truncated transfer) is removed so that
 its kernel is recompiled instead of failing to load.
 
-    python3 benchmarks/prune_triton_cache.py .triton_cache
+    python3 dev/prune_triton_cache.py .triton_cache
 """
 
 import json

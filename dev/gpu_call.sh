@@ -4,7 +4,7 @@
 # return the Triton cache (pruned to metadata and binaries by prune_triton_cache.py) in parts under 16 MB so the next
 # call (often on a fresh machine) skips the autotuning.
 #
-#   benchmarks/gpu_call.sh DEADLINE_S 'name:command' ['name:command' ...]
+#   dev/gpu_call.sh DEADLINE_S 'name:command' ['name:command' ...]
 #
 # Each job's output goes to <name>.log, returned in $OUT/logs.tgz (at most 8 files come back); a job gets what is
 # left of the deadline less 30 s for the cache.
@@ -28,7 +28,7 @@ for job in "$@"; do
   grep -v Warning "$OUT/$name.log" | tail -4
 done
 mkdir -p .triton_cache
-python3 benchmarks/prune_triton_cache.py .triton_cache
+python3 dev/prune_triton_cache.py .triton_cache
 tar czf - .triton_cache | split -b 15m - "$OUT/tc.tgz.part_"
 # at most 8 files come back: the logs travel as one archive
 (cd "$OUT" && compgen -G "*.log" >/dev/null && tar czf logs.tgz ./*.log && rm ./*.log)

@@ -1,0 +1,73 @@
+"""Evaluating a checkpoint as the workflow does: the model's ``eval`` settings in, ``eval.json`` out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from statereduce.data import load_split
+
+HELDOUT = "heldout"  # the task name of the local-file perplexity task on a corpus's held-out split
+
+
+def heldout_docs(corpus_spec: dict, max_docs: int | None, max_doc_bytes: int | None) -> list[str]:
+    """The first ``max_docs`` held-out documents, each cut to at most ``max_doc_bytes`` UTF-8 bytes."""
+    docs = load_split(corpus_spec, "heldout")
+    if not docs:
+        raise ValueError(f"corpus {corpus_spec} has an empty heldout split")
+    docs = docs[:max_docs] if max_docs else docs
+    if max_doc_bytes:
+        docs = [d.encode("utf-8")[:max_doc_bytes].decode("utf-8", errors="ignore") for d in docs]
+    return [d for d in docs if d.strip()]
+
+
+def evaluate_checkpoint(checkpoint: str | Path, settings: dict[str, Any], info: dict[str, Any], out_path: str | Path,
+                        extra: dict[str, Any] | None = None) -> dict:
+    """Load a checkpoint (or base artifact), run its lm-eval tasks and write ``eval.json``.
+
+    Args:
+        checkpoint: HF checkpoint folder, or a base folder holding ``source.json``.
+        settings: the model's ``eval`` config (tasks, corpus_spec for ``heldout``, max_docs, ...).
+        info: model name, dtype, device.
+        out_path: the ``eval.json`` to write.
+        extra: further provenance (e.g. the prune record's method and pct).
+    """
+    from statereduce.models import load_model
+
+    model, tokenizer = load_model(checkpoint, dtype=info["dtype"], device=info["device"])
+    return evaluate_loaded(model, tokenizer, checkpoint, settings, info, out_path, extra)
+
+
+def evaluate_loaded(model, tokenizer, checkpoint: str | Path, settings: dict[str, Any], info: dict[str, Any],
+                    out_path: str | Path, extra: dict[str, Any] | None = None) -> dict:
+    """Run the lm-eval tasks and suites of ``settings`` on an already loaded model and write ``eval.json``.
+
+    ``settings`` is a model's ``eval`` config (:func:`statereduce.config.model_eval`); its ``suites`` are
+    expanded here too (idempotent), so plain ``{"tasks": [...], "suites": [...]}`` works as well. Local
+    tasks (the ``heldout`` perplexity task, the ``recall_probe`` suite's MQAR levels from
+    :mod:`statereduce.eval.recall`) are written to ``.lm_eval_tasks/`` next to ``out_path`` and scored in the
+    same lm-eval call as the other tasks; the document gets a ``suites`` block of suite averages.
+    """
+    from statereduce.eval.harness import evaluate_and_write
+    from statereduce.eval.suites import expand_eval
+
+    settings = expand_eval(settings)
+    tasks = list(settings["tasks"])
+    docs = None
+    if HELDOUT in tasks:
+        tasks.remove(HELDOUT)
+        docs = heldout_docs(settings["corpus_spec"], settings.get("max_docs"), settings.get("max_doc_bytes"))
+    suites = list(settings.get("suites") or [])
+    local = {}
+    if "recall_probe" in suites:
+        from statereduce.eval.recall import recall_probe_writer
+
+        local["recall_probe"] = recall_probe_writer(settings.get("recall_probe"), tokenizer, settings.get("max_length"))
+    cfg = {"tasks": tasks, "batch_size": settings.get("batch_size", 1), "max_length": settings.get("max_length"),
+           "limit": settings.get("limit"), "heldout_task": HELDOUT}
+    cfg.update({k: settings[k] for k in ("metadata", "task_max_length") if settings.get(k)})
+    if suites:
+        cfg["suites"] = suites
+    return evaluate_and_write(model, tokenizer, out_path, eval_cfg=cfg, heldout_docs=docs, local_tasks=local,
+                              task_dir=Path(out_path).parent / ".lm_eval_tasks", checkpoint=str(checkpoint),
+                              model_id=info["model"], extra_provenance=extra)
