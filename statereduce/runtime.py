@@ -130,3 +130,9 @@ def jsonable(obj: Any) -> Any:
     if callable(obj):
         return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
     return str(obj)
+
+
+def json_number(v: Any) -> float:
+    """A float from a value :func:`jsonable` wrote (non-finite floats are the strings ``"nan"``, ``"inf"``,
+    ``"-inf"`` there); None is NaN."""
+    return math.nan if v is None else float(v)

@@ -25,7 +25,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FormatStrFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from statereduce.runtime import atomic_file
+from statereduce.config import format_pct
+from statereduce.runtime import atomic_file, json_number
 
 DPI = 150
 BASELINE_COLOR = "0.25"
@@ -44,11 +45,6 @@ SPECTRUM_KEYS = ("layer", "head", "mean", "q10", "q90")
 
 
 # ---- document access ------------------------------------------------------------------------------------------
-def _num(v) -> float:
-    """A float from a rank.json value (non-finite floats are stored as strings there); None is NaN."""
-    return math.nan if v is None else float(v)
-
-
 def _check_docs(baseline_doc: Mapping, method_docs: Mapping[str, Mapping], key: str) -> dict[str, Mapping]:
     """{label: doc} with the baseline first; every doc must be a mapping with ``key``."""
     if not isinstance(method_docs, Mapping):
@@ -70,7 +66,7 @@ def _head_utilization(label: str, doc: Mapping) -> np.ndarray:
     records = doc["per_head"]
     if not isinstance(records, Sequence) or not all(isinstance(r, Mapping) and "u_mean" in r for r in records):
         raise ValueError(f"rank document {label!r}: 'per_head' must be a list of records with 'u_mean'")
-    u = np.array([_num(r["u_mean"]) for r in records], dtype=np.float64)
+    u = np.array([json_number(r["u_mean"]) for r in records], dtype=np.float64)
     return u[np.isfinite(u) & (u > 0)]
 
 
@@ -90,15 +86,11 @@ def _title(baseline_doc: Mapping, method_docs: Mapping[str, Mapping], model: str
         prov = baseline_doc.get("provenance") or {}
         model = prov.get("model") or (baseline_doc.get("model") or {}).get("family") or "unknown model"
     if pct is None:
-        pcts = {_num((d.get("provenance") or {}).get("pct")) for d in method_docs.values()}
-        text = ", ".join(_pct(p) for p in sorted(p for p in pcts if math.isfinite(p))) or "?"
+        pcts = {json_number((d.get("provenance") or {}).get("pct")) for d in method_docs.values()}
+        text = ", ".join(format_pct(p) for p in sorted(p for p in pcts if math.isfinite(p))) or "?"
     else:
-        text = _pct(pct)
+        text = format_pct(pct)
     return f"{model}, {text}% of key channels removed"
-
-
-def _pct(p: float) -> str:
-    return str(int(p)) if float(p).is_integer() else str(p)
 
 
 def _colors(labels) -> dict[str, str]:
@@ -187,7 +179,7 @@ def _spectrum(label: str, doc: Mapping) -> dict[str, object]:
     if not isinstance(spec, Mapping) or any(k not in spec for k in SPECTRUM_KEYS):
         got = sorted(spec) if isinstance(spec, Mapping) else type(spec).__name__
         raise ValueError(f"rank document {label!r}: 'spectrum' must have keys {list(SPECTRUM_KEYS)}, got {got}")
-    arrays = {k: np.array([_num(v) for v in spec[k]], dtype=np.float64) for k in ("mean", "q10", "q90")}
+    arrays = {k: np.array([json_number(v) for v in spec[k]], dtype=np.float64) for k in ("mean", "q10", "q90")}
     if not arrays["mean"].size == arrays["q10"].size == arrays["q90"].size:
         sizes = {k: int(v.size) for k, v in arrays.items()}
         raise ValueError(f"rank document {label!r}: spectrum mean/q10/q90 differ in length: {sizes}")
@@ -400,7 +392,7 @@ def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
         ax_d.set_title(f"{doc.get('model') or doc.get('family')}: decode (grey: byte-ratio ideal)", fontsize=9)
         handles = [Line2D([], [], color=colors[k], linewidth=2, label=kernels[k]) for k in kernels if k in shown]
         handles += [Line2D([], [], color="0.3", linestyle=pct_styles[i % len(pct_styles)][0],
-                           marker=pct_styles[i % len(pct_styles)][1], markersize=4, label=f"{_pct(p)}% removed")
+                           marker=pct_styles[i % len(pct_styles)][1], markersize=4, label=f"{format_pct(p)}% removed")
                     for i, p in enumerate(pcts)]
         if shown:
             ax_d.legend(handles=handles, fontsize=7, loc="upper left")
@@ -417,7 +409,7 @@ def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
     for k, ((name, pct), values) in enumerate(series.items()):
         xs = [i + (k - (len(series) - 1) / 2) * width for i, c in enumerate(cells) if c in values]
         ax_p.bar(xs, [values[c] for c in cells if c in values], width, color=METHOD_COLORS[k % len(METHOD_COLORS)],
-                 label=f"{name} {_pct(pct)}%")
+                 label=f"{name} {format_pct(pct)}%")
     ax_p.set_xticks(range(len(cells)), [f"{b}×{t // 1024}K" for t, b in cells], fontsize=7)
     ax_p.axhline(1.0, color="0.6", linewidth=0.8)
     if series:

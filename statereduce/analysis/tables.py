@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from statereduce.config import format_pct
+from statereduce.runtime import json_number
+
 PRIMARY = ("heldout", "bits_per_byte")  # (task, metric) shown first when present
 # Metrics the Markdown table shows, when present: byte-level models on the embedded corpus are compared
 # in bits per byte (word perplexity of source code is dominated by rare long "words"); WikiText-2 word
@@ -155,7 +158,7 @@ def ratios_markdown(df: pd.DataFrame, metric: str, model: str) -> str:
     _, methods, pcts = _layout(df[df["model"] == model], metric)
     base = values.get((model, "baseline", 0.0, "unpruned"))
     lines = [f"baseline (0% removed): {_fmt(base)}\n"]
-    lines.append("| RFT | method | " + " | ".join(f"{_pct(p)}% removed" for p in pcts) + " |")
+    lines.append("| RFT | method | " + " | ".join(f"{format_pct(p)}% removed" for p in pcts) + " |")
     lines.append("|" + " --- |" * (len(pcts) + 2))
     for stage, label in zip(STAGES, ("pre", "post")):
         for method in methods.get(model, []):
@@ -181,14 +184,10 @@ def comparison_markdown(df: pd.DataFrame, metric: str = "/".join(PRIMARY)) -> st
     models, _, pcts = _layout(df, metric)
     parts = [head]
     for pct in pcts:
-        parts.append(f"### {_pct(pct)}% of key channels removed\n\n{stage_markdown(df, metric, pct)}\n")
+        parts.append(f"### {format_pct(pct)}% of key channels removed\n\n{stage_markdown(df, metric, pct)}\n")
     for model in models:
         parts.append(f"### {model}, every ratio\n\n{ratios_markdown(df, metric, model)}\n")
     return "".join(parts)
-
-
-def _pct(p) -> str:
-    return str(int(p)) if float(p).is_integer() else str(p)
 
 
 def _fmt(v) -> str:
@@ -236,13 +235,6 @@ def write_comparison(
 
 
 # ---- rank analysis (paper Tables 5 and 6, App. C.2) ----------------------------------------------------------
-def _num(v) -> float:
-    """A number from a rank.json value (non-finite floats are stored as strings there)."""
-    if v is None:
-        return float("nan")
-    return float(v)
-
-
 def rank_frames(
     ranks: dict[tuple[str, str, float], dict], baselines: dict[str, dict]
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -262,11 +254,11 @@ def rank_frames(
     items = [((m, "baseline", 0.0), doc) for m, doc in baselines.items()] + list(ranks.items())
     for (model, method, pct), doc in items:
         u = (doc.get("summary") or {}).get("u") or {}
-        rho = 1.0 if method == "baseline" else _num(doc.get("pearson_u"))
+        rho = 1.0 if method == "baseline" else json_number(doc.get("pearson_u"))
         key = {"model": model, "method": method, "pct": pct, "d_k": (doc.get("model") or {}).get("d_k")}
-        util.append({**key, **{s: _num(u.get(s)) for s in ("mean", "std", "min", "max")}, "rho": rho})
+        util.append({**key, **{s: json_number(u.get(s)) for s in ("mean", "std", "min", "max")}, "rho": rho})
         med = (doc.get("conditioning") or {}).get("median") or {}
-        cond.append({**key, **{s: _num(med.get(s)) for s in ("sigma_min", "sigma_max", "kappa")}})
+        cond.append({**key, **{s: json_number(med.get(s)) for s in ("sigma_min", "sigma_max", "kappa")}})
     order = ["model", "pct", "method"]
     return (
         pd.DataFrame(util).sort_values(order, kind="stable").reset_index(drop=True),
@@ -314,7 +306,7 @@ def _md_table(df: pd.DataFrame, cols: list[str]) -> list[str]:
         cells = [
             str(r[c])
             if isinstance(r[c], str)
-            else (_pct(r[c]) if c in ("pct", "d_k", "d_k_new") and not pd.isna(r[c]) else _fmt(r[c]))
+            else (format_pct(r[c]) if c in ("pct", "d_k", "d_k_new") and not pd.isna(r[c]) else _fmt(r[c]))
             for c in cols
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -509,7 +501,7 @@ def calibration_study_markdown(df: pd.DataFrame, study: dict) -> str:
     Returns:
         Markdown with a ``## model: metric`` section per model; ``–`` where a value was never computed.
     """
-    pct = _pct(study["pct"])
+    pct = format_pct(study["pct"])
     parts = [
         "# Calibration sensitivity (paper Tables 2 and 7)\n\n",
         (
@@ -552,7 +544,7 @@ def scoring_ablation_markdown(df: pd.DataFrame, study: dict) -> str:
     parts = [
         "# Scoring from keys only, queries only, or both (paper Table 16)\n\n",
         (
-            f"Channels selected at {_pct(study['pct'])}% of key channels removed from scores of keys and queries "
+            f"Channels selected at {format_pct(study['pct'])}% of key channels removed from scores of keys and queries "
             "(K,Q; the default), keys only (K, method token `<selector>-k`) or queries only (Q, `<selector>-q`). "
             f"Metric: {metric_line}. {MISSING} = not computed.\n"
         ),
@@ -628,9 +620,9 @@ def _decode_table(doc: dict, pcts: list, ratio: dict, suffix: str) -> list[str]:
     tag = " " + suffix.lstrip("+") if suffix else ""
     copy_ = any(c["kernel"] == copy_k for c in cells)
     head = ["B", f"base ms (fla{tag})", "base floor %", *([f"base ms (fla copy{tag})"] if copy_ else [])]
-    for p in pcts:
-        head += [*([f"{_pct(p)}% fla copy{tag}"] if copy_ else []), f"{_pct(p)}% fla{tag}", f"{_pct(p)}% ours{tag}",
-                 f"{_pct(p)}% ours vs fla base{tag}", f"{_pct(p)}% ideal", f"{_pct(p)}% floor % (ours{tag})"]
+    for p in map(format_pct, pcts):
+        head += [*([f"{p}% fla copy{tag}"] if copy_ else []), f"{p}% fla{tag}", f"{p}% ours{tag}",
+                 f"{p}% ours vs fla base{tag}", f"{p}% ideal", f"{p}% floor % (ours{tag})"]
     title = ("Decode (Table 17; speedup = baseline ms / pruned ms, prompt "
              f"{doc.get('settings', {}).get('decode', {}).get('prompt')})")
     if suffix:
@@ -681,7 +673,7 @@ def speed_markdown(docs: list[dict]) -> str:
             base_p = {(c["batch"], c["length"]): c for c in doc["prefill"] if c["pct"] == 0}
             dev = any("device_ms" in c for c in doc["prefill"])
             head = ["B × T", "base ms", *(["base device ms"] if dev else [])]
-            head += [h for p in pcts for h in ([f"{_pct(p)}%", f"{_pct(p)}% device"] if dev else [f"{_pct(p)}%"])]
+            head += [h for p in map(format_pct, pcts) for h in ([f"{p}%", f"{p}% device"] if dev else [f"{p}%"])]
             note = "; device: the ratio of summed kernel time, which the wall ratio matches unless host-bound"
             note = note if dev else ""
             lines += [f"Prefill (Table 18; speedup{note}):", "", "| " + " | ".join(head) + " |",
@@ -699,7 +691,7 @@ def speed_markdown(docs: list[dict]) -> str:
         mix = sorted({(c["batch"], c["seq_len"]) for c in doc.get("mixer", [])})
         if mix:
             base_m = {(c["batch"], c["seq_len"]): c for c in doc["mixer"] if c["pct"] == 0}
-            head = ["B", "T", "base ms"] + [f"{_pct(p)}% {w}" for p in pcts for w in ("speedup", "memory")]
+            head = ["B", "T", "base ms"] + [f"{format_pct(p)}% {w}" for p in pcts for w in ("speedup", "memory")]
             lines += ["Mixer only (Table 19; memory = peak-memory ratio):", "", "| " + " | ".join(head) + " |",
                       "|" + " --- |" * len(head)]
             for b, t in mix:
