@@ -2,7 +2,8 @@
 
 ``tiny_model("delta_net")`` / ``tiny_model("gated_deltanet", num_v_heads=4)``: hidden 64, 2 layers,
 2 heads of d_k = 32, vocab 300, ``fuse_cross_entropy=False``; keyword overrides go to the family's
-config class. ``statereduce.kernels.fla_fallback.install()`` is called first so the models run on CPU.
+config class through :func:`statereduce.models.tiny_config`. ``statereduce.kernels.fla_fallback.install()``
+is called first so the models run on CPU.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from statereduce.adapters import adapter_class
+from statereduce.models import tiny_config
 
 VOCAB = 300
 
@@ -24,11 +25,12 @@ TINY: dict[str, dict[str, Any]] = {
 COMMON: dict[str, Any] = {"vocab_size": VOCAB, "fuse_cross_entropy": False, "bos_token_id": 1, "eos_token_id": 2}
 
 
-def tiny_config(family: str, **overrides: Any):
-    """The tiny config of ``family`` (``TINY`` + ``COMMON``), with ``overrides`` applied."""
+def tiny_arch(family: str, **overrides: Any) -> dict[str, Any]:
+    """The arch dict of the test model of ``family`` (``COMMON`` + ``TINY``, with ``overrides`` applied), for
+    :func:`statereduce.models.tiny_config`."""
     if family not in TINY:
         raise ValueError(f"no tiny config for family {family!r}; valid: {', '.join(sorted(TINY))}")
-    return adapter_class(family).config_class(**{**COMMON, **TINY[family], **overrides})
+    return {**COMMON, **TINY[family], **overrides}
 
 
 def tiny_model(family: str, seed: int = 0, conv_std: float | None = 0.3, **overrides: Any) -> nn.Module:
@@ -47,7 +49,7 @@ def tiny_model(family: str, seed: int = 0, conv_std: float | None = 0.3, **overr
 
     fla_fallback.install()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    model = AutoModelForCausalLM.from_config(tiny_config(family, tiny_arch(family, **overrides)))
     if conv_std is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from _models import tiny_config, tiny_inputs, tiny_model
+from _models import tiny_arch, tiny_inputs, tiny_model
 from statereduce.adapters import (
     DeltaNetAdapter,
     GatedDeltaNetAdapter,
@@ -25,6 +25,7 @@ from statereduce.adapters import (
     adapter_for_config,
     get_adapter,
 )
+from statereduce.models import tiny_config
 
 
 class AdapterContract:
@@ -43,7 +44,7 @@ class AdapterContract:
 
     @pytest.fixture
     def config(self):
-        return tiny_config(self.family, **self.overrides)
+        return tiny_config(self.family, tiny_arch(self.family, **self.overrides))
 
     # ---- registry and config-only facts ---------------------------------------------------------
     def test_registry(self, model, config):
@@ -206,7 +207,8 @@ class TestDeltaNet(AdapterContract):
 
     def test_reduced_config_rejects_unrepresentable_expand_k(self):
         # hidden 49, one head of d_k 49: expand_k = 1/49 and int(49 * (1/49)) == 0 != 1
-        config = tiny_config("delta_net", hidden_size=49, num_heads=1, expand_k=1.0, expand_v=1.0)
+        arch = tiny_arch("delta_net", hidden_size=49, num_heads=1, expand_k=1.0, expand_v=1.0)
+        config = tiny_config("delta_net", arch)
         msg = r"d_k'=1: expand_k=0\.02040816326530612 .*hidden_size=49 \* expand_k\)=0 != num_heads \* d_k' = 1"
         with pytest.raises(ValueError, match=msg):
             DeltaNetAdapter.reduced_config(config, 1)
@@ -245,7 +247,7 @@ class TestGatedDeltaNet(AdapterContract):
 
     def test_reduced_config_rejects_truncating_value_dim(self):
         # d_v = 128, d_k' = 49: expand_v = 128/49 and int(49 * (128/49)) == 127
-        config = tiny_config("gated_deltanet", head_dim=64, expand_v=2.0)
+        config = tiny_config("gated_deltanet", tiny_arch("gated_deltanet", head_dim=64, expand_v=2.0))
         with pytest.raises(ValueError, match=r"d_k'=49 with d_v=128.*int\(d_k' \* expand_v\)=127 != d_v=128") as exc:
             GatedDeltaNetAdapter.reduced_config(config, 49)
         assert "\n" not in str(exc.value)
