@@ -116,19 +116,6 @@ def write_hub_source(
     return record
 
 
-def _model_class(config):
-    """The causal-LM class to load: an adapter may name one (``causal_lm_class``), else the Auto class."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        from statereduce.adapters import adapter_for_config
-
-        cls = getattr(adapter_for_config(config), "causal_lm_class", None)
-    except ValueError:  # no adapter for this model type: plain Auto loading
-        cls = None
-    return cls or AutoModelForCausalLM
-
-
 def load_model(base: str | Path, *, dtype: str | None = None, device: str | torch.device = "cpu"):
     """Load a base model artifact: ``(model in eval mode, tokenizer)``.
 
@@ -144,7 +131,7 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     have it, sets ``fuse_cross_entropy=False`` (fla's fused loss is CUDA-only; the plain loss is exact).
     """
     import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     base = Path(base)
     source_file = base / SOURCE_FILE
@@ -171,7 +158,7 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     kwargs: dict[str, Any] = {"revision": revision, "dtype": DTYPES[dtype]}
     if hasattr(config, "fuse_cross_entropy"):
         kwargs["fuse_cross_entropy"] = False
-    model = _model_class(config).from_pretrained(model_id, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
     model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(tok_id, revision=revision if tok_id == model_id else None)
     return model, tokenizer
