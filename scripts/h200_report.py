@@ -1,14 +1,14 @@
-"""The tables and figure of docs/speed_h200.md from the recorded H200 runs in docs/results/.
+"""The tables and figure of docs/speed.md ("All cells") from the recorded H200 runs in docs/results/.
 
 Each model's cells come from several runs (one GPU call cannot measure everything); every ratio is still taken
 within one run: the runs below measure disjoint batch sizes (decode) or disjoint parts, and `speed_ratios` matches a
 pruned cell only with the baseline cell of the same batch and kernel.
 
-The fused decode kernels come from one run per model of session 7's call 3 (every batch; PDL on, the conv
+The fused decode kernels come from one run per model (`speed_*_h200_fused.json`: every batch; PDL on, the conv
 PDL-launched only before our recurrent kernel; q, k, v contiguous for fla's functions, DeltaNet's beta sigmoid and
 q, k L2 norms in the conv launch; the residual added in place by the down projection). The mixer's time and peak
-memory come from one run of session 4 (`speed._time_call`: memory around one eager call,
-then graph timing; one warm-up stream for every capture, so cuBLAS workspaces do not pile up across cells).
+memory come from one run per model (`speed._time_call`: memory around one eager call, then graph timing; one
+warm-up stream for every capture, so cuBLAS workspaces do not pile up across cells).
 
     python scripts/h200_report.py docs/speedup_h200.png > /tmp/tables.md
 """
@@ -28,18 +28,18 @@ ALL = lambda c: True
 
 def _runs(model: str, decode: list[tuple]) -> list[tuple]:
     """``model``'s runs: its stock decode runs, then those every model has (fla copy, fused, prefill, mixer)."""
-    common = [("copy", "decode"), ("s7c_fused", "decode"), ("prefill", "prefill"),
-              ("prefill16k", "prefill"), ("mixer_s4", "mixer")]
+    common = [("fla_copy", "decode"), ("fused", "decode"), ("prefill", "prefill"),
+              ("prefill_16k", "prefill"), ("mixer", "mixer")]
     return [*decode, *((f"speed_{model}_h200_{name}.json", part,
-                        (lambda c: c["kernel"] == "fla_copy") if name == "copy" else ALL) for name, part in common)]
+                        (lambda c: c["kernel"] == "fla_copy") if name == "fla_copy" else ALL) for name, part in common)]
 
 
 # model -> [(file, part, keep(cell) -> bool)]
 SOURCES = {
-    "dn1.3b": _runs("dn1.3b", [("speed_dn1.3b_h200_run3.json", "decode", lambda c: c["batch"] <= 8),
-                               ("speed_dn1.3b_h200_run4.json", "decode", lambda c: c["batch"] >= 16)]),
-    "gdn1.3b": _runs("gdn1.3b", [("speed_gdn1.3b_h200_run2.json", "decode", ALL),
-                                 ("speed_gdn1.3b_h200_mid.json", "decode", ALL)]),
+    "dn1.3b": _runs("dn1.3b", [("speed_dn1.3b_h200_stock.json", "decode", lambda c: c["batch"] <= 8),
+                               ("speed_dn1.3b_h200_stock_b16-64.json", "decode", lambda c: c["batch"] >= 16)]),
+    "gdn1.3b": _runs("gdn1.3b", [("speed_gdn1.3b_h200_stock.json", "decode", ALL),
+                                 ("speed_gdn1.3b_h200_stock_b2-32.json", "decode", ALL)]),
 }
 
 
