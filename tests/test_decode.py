@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from statereduce.adapters import fla_layers
 from statereduce.kernels import conv, fla_fallback, recurrent
 from statereduce.speed import inplace
 
@@ -111,8 +112,6 @@ def _check_strided_inputs():
 def _check_conv_step():
     """conv.conv_step (three segments, one launch) against fla_fallback's one-segment update, with a strided
     input row, with and without bias, and a width that is not a multiple of the block."""
-    from statereduce.speed import fused as fused_decode
-
     g = torch.Generator().manual_seed(11)
     n, w, dims = 3, 4, (20, 20, 36)
     for bias in (False, True):
@@ -159,8 +158,6 @@ def _check_conv_step_l2norm():
     """conv_step's per-head L2 norm of q and k against fla_fallback's l2norm of the plain conv output (rounded to
     the dtype first, as fla's DeltaNet does): heads smaller than the block, a head wider than the block (raised to
     it), a width that is not a multiple of the block, float32 and bfloat16; v is left as it is."""
-    from statereduce.speed import fused as fused_decode
-
     g = torch.Generator().manual_seed(12)
     n, w = 3, 4
     for dims, head, dtype in (((20, 20, 36), 4, torch.float32), ((64, 64, 40), 32, torch.float32),
@@ -189,8 +186,6 @@ def _check_conv_step_l2norm():
 def _check_fused_model_decode(family):
     """The fused layer step (packed projections, one conv launch, the recurrent step on views) decodes the stock
     model like fla's own step, with our kernel and with fla's function (here the torch fallback) plus a copy."""
-    from statereduce.speed import fused as fused_decode
-
     conv_step, calls, addmm, adds = conv.conv_step, [], torch.addmm, []
     conv.conv_step = lambda *a, **k: (calls.append((k.get("pdl"), k.get("separate"), k.get("extra_act"),
                                                             k.get("l2norm"))) or conv_step(*a, **k))
@@ -218,7 +213,7 @@ def _check_fused_model_decode(family):
             for layer in model.model.layers:
                 packed = layer.attn._statereduce_packed["proj"]
                 assert layer.attn.q_proj.weight.data_ptr() == packed.data_ptr()
-                assert packed.shape[0] % fused_decode.PROJ_ALIGN == 0 and not packed[-1].any()  # zero padding rows
+                assert packed.shape[0] % fla_layers.PROJ_ALIGN == 0 and not packed[-1].any()  # zero padding rows
                 assert layer.mlp.up_proj.weight.data_ptr() > layer.mlp.gate_proj.weight.data_ptr()
                 assert "gate_up" in layer.mlp._statereduce_packed
     finally:
@@ -298,7 +293,7 @@ def test_packing_keeps_the_stock_forward_and_is_done_once(family):
     sys.path.insert(0, str(Path(__file__).parent))
     from _models import tiny_inputs, tiny_model
 
-    from statereduce.speed.fused import pack_for_decode
+    from statereduce.speed.inplace import pack_for_decode
 
     model = tiny_model(family)
     ids = tiny_inputs(batch=2, length=6)

@@ -184,6 +184,34 @@ def test_cli_without_cuda_fails_with_one_line(tmp_path):
     assert not (tmp_path / "s.json").exists()
 
 
+def test_cli_reads_the_config_of_the_current_directory_or_of_config(tmp_path):
+    """``--model`` names come from ``config.yaml`` in the current directory, or the file ``--config`` names; a
+    missing file or an unknown model fails with one line before any GPU is needed."""
+    import shutil
+    from pathlib import Path
+
+    repo_config = Path(__file__).resolve().parent.parent / "config.yaml"
+    cli = [sys.executable, "-m", "statereduce.speed", str(tmp_path / "s.json"), "--model", "tiny-dn"]
+
+    def errors(*extra):
+        out = subprocess.run([*cli, *extra], cwd=tmp_path, check=False, capture_output=True, text=True)
+        assert out.returncode == 2
+        return [line for line in out.stderr.splitlines() if line.startswith("error:")]
+
+    assert errors() == ["error: workflow config 'config.yaml' not found; pass the workflow's config.yaml as "
+                        "--config PATH"]
+    assert errors("--config", "nowhere.yaml") == ["error: workflow config 'nowhere.yaml' not found; pass the "
+                                                  "workflow's config.yaml as --config PATH"]
+    shutil.copy(repo_config, tmp_path / "config.yaml")
+    bad = errors("--model", "tiny-xx")[0]
+    assert bad.startswith("error: unknown model 'tiny-xx' in 'config.yaml'; valid: ") and "tiny-dn" in bad
+    if not torch.cuda.is_available():  # the config was read: the next thing missing is the GPU
+        assert errors() == errors("--config", str(repo_config)) != []
+        assert "CUDA" in errors()[0]
+    family, arch, settings = speed.workflow_model("tiny-dn", repo_config, {"pcts": [50]})
+    assert family == "delta_net" and arch["hidden_size"] > 0 and settings["pcts"] == [50]
+
+
 def test_speedup_figure_writes_png(tmp_path):
     from statereduce.analysis.figures import speedup_figure
 
@@ -206,7 +234,7 @@ def test_prune_triton_cache_keeps_loadable_kernels_and_drops_broken_groups(tmp_p
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "prune_triton_cache.py"
+    path = Path(__file__).resolve().parent.parent / "dev" / "prune_triton_cache.py"
     spec = importlib.util.spec_from_file_location("prune_triton_cache", path)
     prune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prune)
@@ -233,7 +261,7 @@ def test_interleaved_prefill_rotates_the_order_and_takes_per_round_ratios():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "prefill_interleaved.py"
+    path = Path(__file__).resolve().parent.parent / "scripts" / "prefill_interleaved.py"
     spec = importlib.util.spec_from_file_location("prefill_interleaved", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -256,3 +284,19 @@ def test_interleaved_prefill_rotates_the_order_and_takes_per_round_ratios():
     sequential = mod.speedups({p: [cost[p] * (1 + (i * 6 + r) / 10) for r in range(6)]
                                for i, p in enumerate(cost)}, 0)
     assert sequential[75]["speedup"] < got[75]["speedup"] - 0.3
+
+
+def test_interleaved_prefill_reads_the_config_it_is_given(tmp_path, capsys):
+    """scripts/prefill_interleaved.py looks its models up in ``--config`` and fails with one line without it."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "prefill_interleaved.py"
+    spec = importlib.util.spec_from_file_location("prefill_interleaved", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    missing = tmp_path / "none.yaml"
+    assert mod.main([str(tmp_path / "p.json"), "tiny-dn", "--config", str(missing)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert err == [f"error: workflow config {str(missing)!r} not found; pass the workflow's config.yaml as --config PATH"]
+    assert not (tmp_path / "p.json").exists()

@@ -373,7 +373,38 @@ class LinearAttentionAdapter(ABC):
             states[layer] = state if v_first else state.transpose(-1, -2)
         return states
 
-    # ---- fused one-token decode (statereduce.speed.fused) -----------------------------------------
+    # ---- decoding with the state updated in place (statereduce.speed) --------------------------------
+    @classmethod
+    def decode_patches(cls, kernel: str, device_types: tuple[str, ...]) -> list[tuple[Any, str, Callable]]:
+        """Patches ``(owner, attribute, make)`` that route the family's one-token recurrent calls on
+        ``device_types`` to ``kernel``'s in-place step (``statereduce.speed.inplace.KERNELS``): while applied,
+        ``owner.attribute`` is ``make(original)``. The default, none: the family decodes as it does."""
+        return []
+
+    @classmethod
+    def fused_patches(cls, kernel: str, device_types: tuple[str, ...]) -> list[tuple[Any, str, Callable]]:
+        """Patches (as :meth:`decode_patches`) that give the family's layers a leaner one-token step around
+        ``kernel``'s in-place state update (``inplace_decode`` with a ``+fused`` kernel). The default: none."""
+        return []
+
+    def pack_for_decode(self) -> int:
+        """Lay out the weights the fused step reads (values unchanged); the number of modules packed."""
+        return 0
+
+    def cache_tensors(self, cache) -> list[torch.Tensor]:
+        """Every state tensor (recurrent and conv) of the model's decoding cache ``cache``, for static CUDA-graph
+        buffers. The default reads fla's per-layer ``recurrent_state`` / ``conv_state`` entries."""
+        out = []
+        for i in range(len(cache)):
+            layer = cache[i]
+            for key in ("recurrent_state", "conv_state"):
+                value = layer.get(key) if isinstance(layer, dict) else None
+                for t in value if isinstance(value, (tuple, list)) else [value]:
+                    if isinstance(t, torch.Tensor):
+                        out.append(t)
+        return out
+
+    # ---- facts the fused one-token step of fla's layers reads (statereduce.adapters.fla_layers) ---------
     #: the family's fla layer class (a LazyImport) whose one-token decode the fused step may take over; None: none
     mixer_class: ClassVar[Any] = None
     block_class: ClassVar[Any] = None

@@ -17,8 +17,11 @@ import importlib
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
+from statereduce.adapters import fla_layers
+from statereduce.adapters.fla_layers import one_token_call
 from statereduce.adapters.base import (
     Dims,
     LazyImport,
@@ -120,6 +123,19 @@ class DeltaNetAdapter(LinearAttentionAdapter):
         with capture_kernel_calls(self.mixer_layers(), fla_delta_net, KERNELS, self.q_proj, on_qk, on_x):
             yield
 
+    # ---- decoding with the state updated in place (statereduce.speed) --------------------------
+    @classmethod
+    def decode_patches(cls, kernel: str, device_types: tuple[str, ...]) -> list[fla_layers.Patch]:
+        return [fla_layers.decode_patch("fla.layers.delta_net", "fused_recurrent_delta_rule",
+                                        lambda original: _inplace_delta_rule(original, kernel, device_types))]
+
+    @classmethod
+    def fused_patches(cls, kernel: str, device_types: tuple[str, ...]) -> list[fla_layers.Patch]:
+        return fla_layers.fused_patches(cls, kernel, device_types)
+
+    def pack_for_decode(self) -> int:
+        return fla_layers.pack_for_decode(type(self), self.model)
+
     # ---- fused one-token decode ---------------------------------------------------------------
     @classmethod
     def fused_decode_rows(cls, layer: nn.Module) -> list[str] | None:
@@ -153,3 +169,28 @@ class DeltaNetAdapter(LinearAttentionAdapter):
         o, _ = step(q=q, k=k, v=v, beta=extra, initial_state=state, output_final_state=True,
                     use_qk_l2norm_in_kernel=l2 and cls.fused_conv_l2norm(layer, kernel) is None)
         return o
+
+
+def _inplace_delta_rule(original, kernel: str, device_types: tuple[str, ...]):
+    """fla's one-token recurrent function, routed to ``kernel``'s in-place step (speed.inplace)."""
+    from statereduce.kernels.recurrent import fla_delta_rule_step, recurrent_step
+
+    def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None, output_final_state=False,
+                                   use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        if not one_token_call(q, initial_state, cu_seqlens, device_types):
+            return original(q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                            cu_seqlens)
+        if kernel == "fla_copy":
+            o, final = original(q, k, v, beta, scale, initial_state, True, use_qk_l2norm_in_kernel, cu_seqlens)
+            initial_state.copy_(final)
+            return o, (initial_state if output_final_state else None)
+        if beta is None:
+            beta = torch.ones_like(q[..., 0])
+        if kernel == "fla":
+            o = fla_delta_rule_step(q, k, v, beta, initial_state, scale=scale, l2norm=use_qk_l2norm_in_kernel)
+        else:
+            o = recurrent_step(q, k, v, beta, initial_state, scale=scale, l2norm=use_qk_l2norm_in_kernel,
+                               round_qk=True)
+        return o, (initial_state if output_final_state else None)
+
+    return fused_recurrent_delta_rule

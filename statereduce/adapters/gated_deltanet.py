@@ -22,8 +22,11 @@ import importlib
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
+from statereduce.adapters import fla_layers
+from statereduce.adapters.fla_layers import one_token_call
 from statereduce.adapters.base import (
     Dims,
     LazyImport,
@@ -130,6 +133,19 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
         with capture_kernel_calls(self.mixer_layers(), fla_gated_deltanet, KERNELS, self.q_proj, on_qk, on_x):
             yield
 
+    # ---- decoding with the state updated in place (statereduce.speed) --------------------------
+    @classmethod
+    def decode_patches(cls, kernel: str, device_types: tuple[str, ...]) -> list[fla_layers.Patch]:
+        return [fla_layers.decode_patch("fla.layers.gated_deltanet", "fused_recurrent_gated_delta_rule",
+                                        lambda original: _inplace_gated_delta_rule(original, kernel, device_types))]
+
+    @classmethod
+    def fused_patches(cls, kernel: str, device_types: tuple[str, ...]) -> list[fla_layers.Patch]:
+        return fla_layers.fused_patches(cls, kernel, device_types)
+
+    def pack_for_decode(self) -> int:
+        return fla_layers.pack_for_decode(type(self), self.model)
+
     # ---- fused one-token decode ---------------------------------------------------------------
     @classmethod
     def fused_decode_rows(cls, layer: nn.Module) -> list[str] | None:
@@ -152,3 +168,35 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
                     initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
                     use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True, **opts)
         return o
+
+
+def _inplace_gated_delta_rule(original, kernel: str, device_types: tuple[str, ...]):
+    """fla's one-token recurrent function, routed to ``kernel``'s in-place step (speed.inplace)."""
+    from statereduce.kernels.recurrent import fla_gated_delta_rule_step, recurrent_step
+
+    def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
+                                         initial_state=None, output_final_state=False,
+                                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+        simple = gk is None and gv is None and beta is not None and (beta.ndim != v.ndim)
+        extra = set(kwargs) - {"use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel",
+                               "allow_neg_eigval", "state_v_first"}
+        if not (simple and not extra and one_token_call(q, initial_state, cu_seqlens, device_types)):
+            return original(q, k, v, g=g, gk=gk, gv=gv, beta=beta, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            cu_seqlens=cu_seqlens, **kwargs)
+        if kernel == "fla_copy":
+            o, final = original(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                                output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+            initial_state.copy_(final)
+            return o, (initial_state if output_final_state else None)
+        in_kernel = kwargs.get("use_gate_in_kernel", False)
+        opts = {"g": g, "A_log": kwargs.get("A_log") if in_kernel else None,
+                "dt_bias": kwargs.get("dt_bias") if in_kernel else None, "scale": scale,
+                "l2norm": use_qk_l2norm_in_kernel, "beta_sigmoid": kwargs.get("use_beta_sigmoid_in_kernel", False),
+                "allow_neg_eigval": kwargs.get("allow_neg_eigval", False),
+                "state_v_first": kwargs.get("state_v_first", False)}
+        step = fla_gated_delta_rule_step if kernel == "fla" else recurrent_step
+        o = step(q, k, v, beta, initial_state, **opts)
+        return o, (initial_state if output_final_state else None)
+
+    return fused_recurrent_gated_delta_rule

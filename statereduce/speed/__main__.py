@@ -1,4 +1,5 @@
-"""``python -m statereduce.speed OUT.json --model NAME``: the speed benchmark without Snakemake."""
+"""``python -m statereduce.speed OUT.json --model NAME [--config config.yaml]``: the speed benchmark without
+Snakemake."""
 
 import sys
 

@@ -8,7 +8,7 @@ pruned checkpoint has. Every measurement of one run shares the device, so each s
 - **Decode** (Table 17): a prompt of ``prompt`` tokens is prefilled, then the one-token step is captured in a CUDA
   graph over static buffers (the recurrent state is updated in place by :mod:`statereduce.speed.inplace`, with fla's own
   kernel or ours, or, as ``fla_copy``, by fla's unmodified function plus a copy back; each also as ``+fused``, with
-  :mod:`statereduce.speed.fused`'s leaner layer step around it) and replayed: ``warmup``
+  the adapters' leaner one-token layer step around it) and replayed: ``warmup``
   replays, then ``trials`` x ``steps`` timed replays; the median trial gives ms/token and tokens/s. Each cell
   records peak memory and its *byte floor*: the bytes one step must move (every weight once, the embedding rows of
   the batch, the recurrent state (float32) and conv state read and written per sequence, the logits written) over
@@ -107,18 +107,20 @@ def speed_pcts(settings: Mapping[str, Any]) -> list:
     return [0, *[p for p in settings["pcts"] if float(p) != 0]]
 
 
-WORKFLOW_CONFIG = Path(__file__).resolve().parent.parent / "config.yaml"
-"""The repo's workflow config, where ``--model`` names are looked up by default."""
-
-
-def workflow_model(name: str, config: str | Path = WORKFLOW_CONFIG,
+def workflow_model(name: str, config: str | Path,
                    overrides: Mapping[str, Any] | None = None) -> tuple[str, dict, dict[str, Any]]:
-    """``(family, arch, settings)`` of the workflow config's model ``name``: its speed block, then ``overrides``."""
+    """``(family, arch, settings)`` of model ``name`` of the workflow config file ``config``: its speed block, then
+    ``overrides``. Raises ValueError (one line) for a missing file or an unknown model."""
     import yaml
 
     from statereduce.config import model_speed, validate_config
 
-    plan = model_speed(validate_config(yaml.safe_load(Path(config).read_text())), name)
+    if not Path(config).is_file():
+        raise ValueError(f"workflow config {str(config)!r} not found; pass the workflow's config.yaml as --config PATH")
+    cfg = validate_config(yaml.safe_load(Path(config).read_text()))
+    if name not in cfg["models"]:
+        raise ValueError(f"unknown model {name!r} in {str(config)!r}; valid: {', '.join(sorted(cfg['models']))}")
+    plan = model_speed(cfg, name)
     return plan["family"], plan["arch"], speed_settings({**plan["settings"], **(overrides or {})})
 
 
@@ -147,8 +149,7 @@ def model_config(family: str, arch: Mapping[str, Any], pct: float = 0):
 
 def build_model(config, dtype: torch.dtype, device: str = "cuda"):
     """A randomly initialised causal LM of ``config`` on ``device`` in ``dtype``, in eval mode."""
-    import fla  # noqa: F401  (registers fla's models with transformers' Auto classes)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # the config came from its adapter, which registered the family
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -249,19 +250,6 @@ def _free() -> None:
 # ---------------------------------------------------------------------------------------------
 # decode
 # ---------------------------------------------------------------------------------------------
-def _cache_tensors(cache) -> list[torch.Tensor]:
-    """Every state tensor held by an fla cache (recurrent and conv)."""
-    out = []
-    for i in range(len(cache)):
-        layer = cache[i]
-        for key in ("recurrent_state", "conv_state"):
-            value = layer.get(key) if isinstance(layer, dict) else None
-            for t in value if isinstance(value, (tuple, list)) else [value]:
-                if isinstance(t, torch.Tensor):
-                    out.append(t)
-    return out
-
-
 class GraphDecoder:
     """One-token decode step of ``model`` captured in a CUDA graph, state updated in place.
 
@@ -269,12 +257,12 @@ class GraphDecoder:
         model: an fla causal LM in eval mode on CUDA.
         batch, prompt: sequences and prompt tokens prefilled before capture.
         kernel: the in-place recurrent step (:data:`statereduce.speed.inplace.KERNELS`), ``+fused`` for the leaner layer
-            step of :mod:`statereduce.speed.fused` around it (its packed weights are laid out before capture).
+            step of the family's adapter around it (its packed weights are laid out before capture).
     """
 
     def __init__(self, model, batch: int, prompt: int, kernel: str, seed: int = 0):
-        from statereduce.speed.inplace import FUSED, inplace_decode
-        from statereduce.speed.fused import pack_for_decode
+        from statereduce.adapters import get_adapter
+        from statereduce.speed.inplace import FUSED, inplace_decode, pack_for_decode
 
         self.model, self.kernel = model, kernel
         vocab = model.config.vocab_size
@@ -287,7 +275,7 @@ class GraphDecoder:
             pack_for_decode(model)
         with torch.no_grad(), self._decode:
             self.cache = model(self.prompt_ids, use_cache=True, logits_to_keep=1).past_key_values
-            self.states = _cache_tensors(self.cache)
+            self.states = get_adapter(model).cache_tensors(self.cache)
             snapshot = [t.clone() for t in self.states]
 
             def forward():  # the captured call's logits stay in the graph's static output buffer
@@ -326,8 +314,7 @@ def check_decoder(model, decoder: GraphDecoder, steps: int) -> float:
 def decode_cells(model, config, family: str, settings: Mapping[str, Any], bandwidth: float,
                  on_cell: Callable[[dict], None]) -> None:
     """Time the decode step of ``model`` for every batch and kernel of ``settings`` (``speed.decode``)."""
-    from statereduce.speed.inplace import FUSED
-    from statereduce.speed.fused import pack_for_decode
+    from statereduce.speed.inplace import FUSED, pack_for_decode
 
     for batch in settings["batches"]:
         bytes_ = step_bytes(model, config, family, batch)
@@ -455,7 +442,9 @@ def mixer_cells(config, settings: Mapping[str, Any], dtype: torch.dtype, on_cell
     """Time one linear-attention layer's forward (the first mixer of a one-layer model of ``config``)."""
     one = copy.deepcopy(config)
     one.num_hidden_layers = 1
-    layer = build_model(one, dtype).model.layers[0].attn  # the rest of the model (embeddings, head) is freed here
+    from statereduce.adapters import get_adapter
+
+    layer = get_adapter(build_model(one, dtype)).mixer_layers()[0][1]  # the rest of the model is freed here
     _free()
     for batch in settings["batches"]:
         cell: dict[str, Any] = {"batch": batch, "seq_len": settings["seq_len"]}
@@ -536,8 +525,7 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
     """
     from statereduce.adapters import adapter_class
     from statereduce.kernels.recurrent import pdl_supported, programmatic_launch
-    from statereduce.eval.harness import versions
-    from statereduce.runtime import write_json
+    from statereduce.runtime import versions, write_json
 
     require_cuda()
     parts = list(parts)
@@ -649,8 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a model of the workflow config (its family and speed.arch)")
     src.add_argument("--family", help="adapter family, with --arch")
-    p.add_argument("--config", default=str(WORKFLOW_CONFIG),
-                   help="workflow config for --model (default: the repo's config.yaml)")
+    p.add_argument("--config", default="config.yaml",
+                   help="workflow config for --model (default: config.yaml in the current directory)")
     p.add_argument("--arch", type=json.loads, default={}, help="JSON of fla config keywords (with --family)")
     p.add_argument("--settings", type=json.loads, default={}, help="JSON overriding speed settings, e.g. "
                    '\'{"pcts": [50], "decode": {"batches": [64]}}\'')
@@ -658,12 +646,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
-        require_cuda()
         if args.model:
             family, arch, settings = workflow_model(args.model, args.config, args.settings)
         else:
             family, arch = args.family, args.arch
             settings = speed_settings(args.settings)
+        require_cuda()
         run_speed(family, arch, settings, args.out, model_name=args.model, parts=args.parts.split(","))
     except (RuntimeError, ValueError) as e:
         if isinstance(e, torch.cuda.OutOfMemoryError):
