@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine (see docs/speed_h200.md): install the carried wheels, restore the carried Triton
+# One call on a lent GPU machine (see dev/README.md, docs/speed.md): install the carried wheels, restore the carried Triton
 # cache (compiled kernels and fla's autotuning results), run named jobs one after another within a deadline, and
 # return the Triton cache (pruned to metadata and binaries by prune_triton_cache.py) in parts under 16 MB so the next
 # call (often on a fresh machine) skips the autotuning.
