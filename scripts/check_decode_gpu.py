@@ -3,13 +3,13 @@
 1. Correctness: statereduce's ``recurrent_step`` and fla's kernels run in place against fla's own
    ``fused_recurrent_*`` (new-state) functions on fresh random inputs: DeltaNet layout ([N, H, K, V]) and
    Gated DeltaNet layout ([N, HV, V, K], gate and beta sigmoid in the kernel, grouped value heads), d_k from 32 to
-   256, d_k not a power of two. Also fla's ``chunk_delta_rule`` against ``fused_recurrent_delta_rule`` (a helper
-   saw wrong outputs at d_k = 32, d_v = 64 once).
+   256, d_k not a power of two. Also fla's ``chunk_delta_rule`` against ``fused_recurrent_delta_rule`` (on an H200
+   it gave wrong outputs at d_k = 32, d_v = 64 in one of two processes; docs/speed.md).
 2. Timing: ``layers`` launches (one state buffer each, far more than L2) captured in a CUDA graph, batch 64:
    fla's function (new state), fla's kernel in place, ours (autotuned) and a sweep of every tile config the
-   autotuner tries (``decode.TILE_CONFIGS``, each with and without streaming cache hints);
+   autotuner tries (``statereduce.kernels.recurrent.TILE_CONFIGS``, each with and without streaming cache hints);
    bandwidth = state bytes read + written / time, against the measured copy bandwidth.
-3. Conv: the fused decode step's one-launch short convolution (``fused_decode.conv_step``) against fla's
+3. Conv: the fused decode step's one-launch short convolution (``statereduce.kernels.conv.conv_step``) against fla's
    ``causal_conv1d_update`` run per q / k / v segment.
 4. PDL: our kernels with programmatic dependent launch off against on, in one run (``pdl_ab``).
 5. Floor: our step (autotuned, PDL as configured) against torch moving the same bytes in the same graph layout:
@@ -165,7 +165,7 @@ def timing(out, layers=24, n=64):
 
 
 def conv_check(out):
-    """fused_decode.conv_step (q, k and v channels in one launch) against fla's causal_conv1d_update per segment,
+    """conv_step (q, k and v channels in one launch) against fla's causal_conv1d_update per segment,
     bf16, with the row a slice of a wider projection output (the fused step's layout)."""
     from fla.modules.causal_conv1d.ops import causal_conv1d_update
 

@@ -13,7 +13,7 @@ Usage::
     python scripts/check_rft_gpu.py OUT.json [--gpus 2] [--steps 40]
 
 Paper: Nazari & Rusch (2026), App. A (RFT). Gated DeltaNet is not run here: fla 0.6.0 refuses its chunk
-backward on Hopper with Triton < 3.7.1 (docs/gpu_fallback_check.md).
+backward on Hopper with Triton < 3.7.1 (docs/gpu_checks.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Calibration statistics: K/Q activations (HDF5) and Grad saliency scores.
 
-``activations.h5`` (design.md): for every linear-attention layer, a uniform sample of token rows of
+``activations.h5``: for every linear-attention layer, a uniform sample of token rows of
 K and Q per head as they enter the recurrence (after conv and activation, before the in-kernel L2
 norm), and the column L2 norms of the q/k projection input X over *all* calibration tokens (the
 S-Wanda statistic). Rows are drawn by bottom-k sampling (each token gets a random priority from the

@@ -1,4 +1,4 @@
-"""Pruning invariants (design.md "Pruning invariants", arch_map §6), on every family, tiny random CPU models.
+"""Pruning invariants (paper Sec. 3.3-3.4), on every family, tiny random CPU models.
 
 1. keeping every channel reproduces the logits exactly;
 2. the pruned model equals the original with the dropped q/k channels zeroed (zeroed here independently, through

@@ -101,9 +101,9 @@ def conv_step(x: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.T
             ``[0, D0)``, ``[D0, D0 + D1)`` and ``[D0 + D1, D)``; each is shifted by one and updated in place.
         weight: ``[D, W]`` or ``[D, 1, W]`` filters of all channels, contiguous; bias: ``[D]`` or None.
         activation: ``"silu"`` / ``"swish"`` or None.
-        pdl: launch with programmatic dependent launch where :func:`statereduce.decode.launch_options` allows it.
-            Worth it only before a kernel of ours that waits on it: before fla's recurrent kernels a PDL-launched
-            conv made the whole step up to 0.9 % slower on the H200 (docs/speed_h200.md, session 5).
+        pdl: launch with programmatic dependent launch where :func:`statereduce.kernels.recurrent.launch_options`
+            allows it. Worth it only before a kernel of ours that waits on it: before fla's recurrent kernels a
+            PDL-launched conv makes the whole step up to 0.9 % slower on an H200 (docs/speed.md).
         separate: write the three segments to three contiguous tensors (one allocation) instead of one row each:
             for consumers that need contiguous q, k and v (fla's functions copy strided views, three more launches
             per layer).

@@ -45,7 +45,7 @@ def pdl_supported(device: torch.device) -> bool:
 
 @contextlib.contextmanager
 def programmatic_launch(enabled: bool = True) -> Iterator[None]:
-    """Within the block our decode kernels (:func:`recurrent_step`, :func:`statereduce.fused_decode.conv_step`) use
+    """Within the block our decode kernels (:func:`recurrent_step`, :func:`statereduce.kernels.conv.conv_step`) use
     programmatic dependent launch (PDL) where :func:`pdl_supported` (``enabled=True``, the default outside any
     block) or never (``False``).
 
