@@ -1,6 +1,6 @@
 """Prefill speedup with the baseline and pruned models timed in alternation (a cross-check of ``statereduce.speed.bench``).
 
-``statereduce.speed.bench`` measures one ratio's model after the other (baseline first), three trials each. On the lent H200
+``statereduce.speed.bench`` measures one ratio's model after the other (baseline first), three trials each. On an H200
 the prefill trials of one cell spread by up to 6 %, more than the 0.01-0.02 the paper's prefill ratios leave to
 discuss. Here every model of a cell stays resident with its captured CUDA graph and the timing goes round by round:
 each round times every model once (``steps`` replays), in an order rotated every round, so a drift of the clock or

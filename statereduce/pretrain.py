@@ -24,10 +24,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from statereduce import __version__
 from statereduce.data import corpus_provenance, load_split, token_stream
 from statereduce.models import tiny_config
-from statereduce.runtime import atomic_dir
+from statereduce.runtime import atomic_dir, versions
 from statereduce.tokenizer import byte_level_tokenizer
 
 # Defaults, tuned for the embedded tiny models (hidden 128, 4 layers, 2 heads, d_k = d_v = 64, ~1.1M parameters)
@@ -242,7 +241,7 @@ def pretrain(
             "eval_loss": eval_losses,
             "eval_blocks": {"n": int(cfg["eval_blocks"]), "seq_len": int(cfg["seq_len"]), "seed": seed},
             "loss_unit": "nats per token (byte-level tokenizer: nats per byte)",
-            "versions": _versions(),
+            "versions": versions(),
         }
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -325,16 +324,4 @@ def train_loop(
         "train_seconds": train_s,
         "train_cpu_seconds": time.process_time() - cpu_start,
         "tokens_per_s": steps * batch_size * seq_len / train_s,
-    }
-
-
-def _versions() -> dict[str, str]:
-    import fla
-    import transformers
-
-    return {
-        "statereduce": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "fla": fla.__version__,
     }

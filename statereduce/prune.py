@@ -27,14 +27,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import fla
+import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
 import torch
-import transformers
 from torch import nn
 
 from statereduce import __version__
 from statereduce.adapters import LinearAttentionAdapter, get_adapter
-from statereduce.runtime import atomic_dir
+from statereduce.runtime import atomic_dir, versions
 
 RECORD_NAME = "prune_record.json"
 RECORD_FORMAT = 1
@@ -154,7 +153,7 @@ class PruneRecord:
     config_changes: dict[str, list[Any]]  # field -> [old, new]
     kernel_scale: dict[str, Any]
     package_version: str = __version__
-    versions: dict[str, str] = field(default_factory=dict)
+    versions: dict[str, str | None] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     format: int = RECORD_FORMAT
 
@@ -303,7 +302,7 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
         keep={layer: idx.tolist() for layer, idx in keep_t.items()},
         config_changes=changes,
         kernel_scale=kernel_scale_note(d_k, d_k_new),
-        versions={"torch": torch.__version__, "transformers": transformers.__version__, "fla": fla.__version__},
+        versions=versions(),
         extra=extra,
     )
 

@@ -706,7 +706,8 @@ def run_rft(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, p
         The ``eval.json`` document of the RFT checkpoint.
     """
     from statereduce.data import load_split
-    from statereduce.eval.run import HELDOUT, evaluate_checkpoint, evaluate_loaded
+    from statereduce.eval.run import evaluate_checkpoint, evaluate_loaded
+    from statereduce.eval.tasks import HELDOUT
 
     exclude = load_split(eval_settings["corpus_spec"], "heldout") if HELDOUT in eval_settings["tasks"] else []
     out: dict[str, Any] = {}

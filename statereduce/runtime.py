@@ -1,8 +1,9 @@
-"""Process set-up shared by the workflow scripts: logs, threads, determinism."""
+"""Process set-up shared by the workflow scripts: logs, threads, determinism, atomic files, the version record."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -136,3 +137,32 @@ def json_number(v: Any) -> float:
     """A float from a value :func:`jsonable` wrote (non-finite floats are the strings ``"nan"``, ``"inf"``,
     ``"-inf"`` there); None is NaN."""
     return math.nan if v is None else float(v)
+
+
+VERSIONED_PACKAGES = {
+    "torch": "torch",
+    "triton": "triton",
+    "transformers": "transformers",
+    "fla": "flash-linear-attention",
+    "datasets": "datasets",
+    "lm_eval": "lm_eval",
+}
+"""The libraries whose versions every artifact records: ``{record key: distribution name}``."""
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of statereduce and the libraries its results depend on: ``{"statereduce", "torch", ...}``.
+
+    The one version record of every artifact (``pretrain.json``, ``prune_record.json``, ``eval.json``
+    provenance, the summary and speed documents). Read from the installed distributions' metadata, so nothing
+    heavy is imported; a library that is not installed is ``None``.
+    """
+    from statereduce import __version__
+
+    out: dict[str, str | None] = {"statereduce": __version__}
+    for key, dist in VERSIONED_PACKAGES.items():
+        try:
+            out[key] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[key] = None
+    return out

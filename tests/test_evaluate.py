@@ -1,4 +1,4 @@
-"""Evaluation through lm-eval (statereduce.eval.harness): local perplexity tasks, metrics, eval.json, summary.
+"""Evaluation through lm-eval (statereduce.eval: harness, tasks, documents): local tasks, metrics, eval.json, summary.
 
 The perplexity checks compare lm-eval's numbers with an independent computation: a plain forward pass
 per rolling window, the window layout written out here (first window conditioned on the prefix token,
@@ -21,7 +21,9 @@ import pytest
 import torch
 import yaml
 
+from statereduce.eval import documents as ed
 from statereduce.eval import harness as ev
+from statereduce.eval import tasks as et
 from statereduce.tokenizer import byte_level_tokenizer
 
 EOS = 256
@@ -120,7 +122,7 @@ def single_window(model, tok, tmp_path_factory):
 
 # ---------------------------------------------------------------------------------------------
 def test_write_perplexity_task_files(tmp_path):
-    name = ev.write_perplexity_task(DOCS, tmp_path / "tasks", "my_ppl")
+    name = et.write_perplexity_task(DOCS, tmp_path / "tasks", "my_ppl")
     assert name == "my_ppl"
     cfg = yaml.safe_load((tmp_path / "tasks" / "my_ppl.yaml").read_text())
     assert cfg["task"] == "my_ppl"
@@ -143,15 +145,15 @@ def test_write_perplexity_task_files(tmp_path):
 )
 def test_write_perplexity_task_rejects(tmp_path, docs, name, match):
     with pytest.raises(ValueError, match=match):
-        ev.write_perplexity_task(docs, tmp_path, name)
+        et.write_perplexity_task(docs, tmp_path, name)
 
 
 def test_local_perplexity_matches_independent(model, tok, single_window):
     _, doc = single_window
-    m = doc["metrics"][ev.HELDOUT_TASK]
+    m = doc["metrics"][et.HELDOUT_TASK]
     assert set(m) == {"word_perplexity", "byte_perplexity", "bits_per_byte"}
     assert all(math.isfinite(v) and v > 0 for v in m.values())
-    assert doc["lm_eval"]["n-samples"][ev.HELDOUT_TASK]["effective"] == len(DOCS)
+    assert doc["lm_eval"]["n-samples"][et.HELDOUT_TASK]["effective"] == len(DOCS)
     assert all(len(tok.encode(d)) < 256 for d in DOCS)
 
     nll = sum(_independent_nll(model, tok, d, 256) for d in DOCS)
@@ -163,12 +165,12 @@ def test_local_perplexity_matches_independent(model, tok, single_window):
     # a random model is near uniform over 257 tokens but must not be exactly uniform
     assert 100 < m["byte_perplexity"] < 1000 and m["byte_perplexity"] != pytest.approx(257.0, rel=1e-3)
     # raw lm-eval keys are kept in the raw part
-    assert "word_perplexity,none" in doc["lm_eval"]["results"][ev.HELDOUT_TASK]
+    assert "word_perplexity,none" in doc["lm_eval"]["results"][et.HELDOUT_TASK]
 
 
 def test_rolling_windows_and_padded_batches_match_independent(model, tok, tmp_path):
     docs = [DOCS[1], DOCS[3] * 2, DOCS[0]]  # 92, ~120, 44 tokens: 3, 4 and 2 windows of 32, mixed lengths
-    name = ev.write_perplexity_task(docs, tmp_path, "rolling_ppl")
+    name = et.write_perplexity_task(docs, tmp_path, "rolling_ppl")
     res = ev.evaluate_model(model, tok, [name], include_path=tmp_path, batch_size=3, max_length=32, device="cpu")
     m = res["metrics"][name]
     nll = sum(_independent_nll(model, tok, d, 32) for d in docs)
@@ -181,7 +183,7 @@ def test_rolling_windows_and_padded_batches_match_independent(model, tok, tmp_pa
 
 
 def test_unknown_task_is_a_clear_error(tmp_path):
-    ev.write_perplexity_task(["a b"], tmp_path, "present_ppl")
+    et.write_perplexity_task(["a b"], tmp_path, "present_ppl")
     with pytest.raises(
         ValueError, match=r"unknown lm-eval task 'presnt_ppl' \(searched .*\); close matches: present_ppl"
     ):
@@ -191,13 +193,13 @@ def test_unknown_task_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 def test_unknown_task_is_a_clear_error_with_lm_eval_index(tmp_path):
     """Scans lm-eval's ~15k task YAMLs (15-70 s on 2 cores)."""
-    ev.write_perplexity_task(["a b"], tmp_path, "present_ppl")
+    et.write_perplexity_task(["a b"], tmp_path, "present_ppl")
     with pytest.raises(ValueError, match=r"unknown lm-eval task 'wikitextt'.*close matches: .*\bwikitext\b"):
         ev.build_task_manager(["present_ppl", "wikitextt"], tmp_path)
 
 
 def test_task_manager_skips_builtin_index_for_local_tasks(tmp_path):
-    ev.write_perplexity_task(["a b"], tmp_path, "only_local_ppl")
+    et.write_perplexity_task(["a b"], tmp_path, "only_local_ppl")
     tm = ev.build_task_manager(["only_local_ppl"], tmp_path)
     assert "only_local_ppl" in tm.all_tasks and "wikitext" not in tm.all_tasks
 
@@ -216,9 +218,10 @@ def test_eval_json_written_with_state_and_provenance(single_window):
     )
     p = doc["provenance"]
     assert p["checkpoint"] == "results/tiny/l1_50/pruned" and p["model_id"] == "tiny" and p["stage"] == "pruned"
-    assert p["tasks"] == [ev.HELDOUT_TASK] and p["settings"]["max_length"] == 256
-    for key in ("statereduce_version", "lm_eval_version", "torch_version", "date"):
-        assert p[key]
+    assert p["tasks"] == [et.HELDOUT_TASK] and p["settings"]["max_length"] == 256
+    for key in ("statereduce", "lm_eval", "torch"):
+        assert p["versions"][key]
+    assert p["date"]
     assert not [f for f in os.listdir(out.parent) if f.endswith(".tmp")]
 
 
@@ -242,7 +245,7 @@ def test_write_json_atomic_keeps_old_file_on_failure(tmp_path, monkeypatch):
 def test_write_eval_json_requires_state(tmp_path):
     result = {"metrics": {}, "settings": {"tasks": []}}
     with pytest.raises(ValueError, match="state"):
-        ev.write_eval_json(tmp_path / "e.json", result, {"checkpoint": "x"})
+        ed.write_eval_json(tmp_path / "e.json", result, {"checkpoint": "x"})
     assert not (tmp_path / "e.json").exists()
 
 
@@ -277,7 +280,7 @@ def _fake_eval(ppl: float, state_bytes: int, d_k: int, tasks=("statereduce_heldo
 
 def test_summarize_synthetic():
     base, pruned = _fake_eval(20.0, 16384, 32), _fake_eval(25.0, 8192, 16)
-    s = ev.summarize(base, pruned, None, {"model": "tiny", "method": "l1", "pct": 50, "selection": "x.parquet"})
+    s = ed.summarize(base, pruned, None, {"model": "tiny", "method": "l1", "pct": 50, "selection": "x.parquet"})
     assert (s["model"], s["method"], s["pct"]) == ("tiny", "l1", 50)
     assert s["metrics"]["baseline"]["statereduce_heldout"]["word_perplexity"] == 20.0
     assert s["metrics"]["pruned"]["statereduce_heldout"]["word_perplexity"] == 25.0
@@ -288,7 +291,7 @@ def test_summarize_synthetic():
     json.dumps(s, allow_nan=False)
 
     rft = _fake_eval(21.0, 8192, 16)
-    s2 = ev.summarize(base, pruned, rft, {"model": "tiny", "method": "l1", "pct": 50})
+    s2 = ed.summarize(base, pruned, rft, {"model": "tiny", "method": "l1", "pct": 50})
     assert s2["metrics"]["rft"]["statereduce_heldout"]["word_perplexity"] == 21.0
 
 
@@ -304,7 +307,7 @@ def test_summarize_synthetic():
 )
 def test_summarize_rejects(pruned, rft, meta, match):
     with pytest.raises(ValueError, match=match):
-        ev.summarize(_fake_eval(20.0, 16384, 32), pruned, rft, meta)
+        ed.summarize(_fake_eval(20.0, 16384, 32), pruned, rft, meta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,7 +338,7 @@ def _choice_lls(model, tok, doc: dict) -> list[float]:
 
 def test_write_multiple_choice_task_files(tmp_path):
     docs = [{**d, "extra": i} for i, d in enumerate(MC_DOCS)]
-    name = ev.write_multiple_choice_task(docs, tmp_path / "tasks", "my_mc", tag="mirror", metadata={"source": "t"})
+    name = et.write_multiple_choice_task(docs, tmp_path / "tasks", "my_mc", tag="mirror", metadata={"source": "t"})
     cfg = yaml.safe_load((tmp_path / "tasks" / "my_mc.yaml").read_text())
     assert name == "my_mc" and cfg["task"] == "my_mc" and cfg["tag"] == ["mirror"]
     assert (cfg["output_type"], cfg["test_split"], cfg["target_delimiter"]) == ("multiple_choice", "test", " ")
@@ -365,13 +368,13 @@ def test_write_multiple_choice_task_files(tmp_path):
 def test_write_multiple_choice_task_rejects(tmp_path, docs, kwargs, match):
     kwargs = {"name": "mc", **kwargs}
     with pytest.raises(ValueError, match=match):
-        ev.write_multiple_choice_task(docs, tmp_path, **kwargs)
+        et.write_multiple_choice_task(docs, tmp_path, **kwargs)
 
 
 def test_mirror_multiple_choice_matches_hand_argmax(model, tok, tmp_path):
     """lm-eval's acc / acc_norm on the local mirror task equal the argmax of hand-computed log-likelihoods
     (acc_norm: divided by the choice's length in characters, lm-eval's definition); task metadata is passed."""
-    name = ev.write_multiple_choice_task(MC_DOCS, tmp_path, "mc_mirror")
+    name = et.write_multiple_choice_task(MC_DOCS, tmp_path, "mc_mirror")
     res = ev.evaluate_model(
         model, tok, [name], include_path=tmp_path, batch_size=4, device="cpu", metadata={"max_seq_lengths": [64]}
     )
@@ -429,18 +432,18 @@ def test_evaluate_and_write_local_writers_and_two_windows(model, tok, tmp_path):
             "suites": ["lm"],
         },
         heldout_docs=docs,
-        local_tasks={"mirror": lambda d: [ev.write_multiple_choice_task(MC_DOCS, d, "mc_mirror")]},
+        local_tasks={"mirror": lambda d: [et.write_multiple_choice_task(MC_DOCS, d, "mc_mirror")]},
         model_id="tiny",
     )
     assert doc["settings"]["runs"] == [
-        {"tasks": [ev.HELDOUT_TASK], "max_length": 32},
+        {"tasks": [et.HELDOUT_TASK], "max_length": 32},
         {"tasks": ["mc_mirror"], "max_length": 256},
     ]
-    assert doc["settings"]["tasks"] == [ev.HELDOUT_TASK, "mc_mirror"] and doc["settings"]["max_length"] == 32
-    assert doc["provenance"]["tasks"] == [ev.HELDOUT_TASK, "mc_mirror"]
-    assert set(doc["lm_eval"]["results"]) == set(doc["metrics"]) == {ev.HELDOUT_TASK, "mc_mirror"}
+    assert doc["settings"]["tasks"] == [et.HELDOUT_TASK, "mc_mirror"] and doc["settings"]["max_length"] == 32
+    assert doc["provenance"]["tasks"] == [et.HELDOUT_TASK, "mc_mirror"]
+    assert set(doc["lm_eval"]["results"]) == set(doc["metrics"]) == {et.HELDOUT_TASK, "mc_mirror"}
     nll = sum(_independent_nll(model, tok, d, 32) for d in docs)
-    m = doc["metrics"][ev.HELDOUT_TASK]
+    m = doc["metrics"][et.HELDOUT_TASK]
     assert math.log(m["word_perplexity"]) == pytest.approx(nll / sum(_words(d) for d in docs), rel=1e-5)
     pred = [int(np.argmax(_choice_lls(model, tok, d))) for d in MC_DOCS]
     assert doc["metrics"]["mc_mirror"]["acc"] == np.mean([p == d["gold"] for p, d in zip(pred, MC_DOCS)])
@@ -451,9 +454,9 @@ def test_evaluate_and_write_local_writers_and_two_windows(model, tok, tmp_path):
 def test_summarize_carries_suite_averages():
     base, pruned = _fake_eval(20.0, 16384, 32), _fake_eval(25.0, 8192, 16)
     base["suites"], pruned["suites"] = {"lm": {"lm_avg": 0.6}}, {"lm": {"lm_avg": 0.55}}
-    s = ev.summarize(base, pruned, None, {"model": "tiny", "method": "l1", "pct": 50})
+    s = ed.summarize(base, pruned, None, {"model": "tiny", "method": "l1", "pct": 50})
     assert s["suites"] == {"baseline": {"lm": {"lm_avg": 0.6}}, "pruned": {"lm": {"lm_avg": 0.55}}, "rft": None}
-    s = ev.summarize(
+    s = ed.summarize(
         _fake_eval(20.0, 16384, 32), _fake_eval(25.0, 8192, 16), None, {"model": "t", "method": "l1", "pct": 5}
     )
     assert "suites" not in s

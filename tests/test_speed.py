@@ -1,7 +1,7 @@
 """Speed benchmarks without a GPU: settings, shapes, byte floors, ratios, tables, and the one-line no-CUDA error.
 
 The measurements themselves run on a GPU (scripts/check_decode_gpu.py, python -m statereduce.speed; results
-in docs/speed_h200.md).
+in docs/speed.md).
 """
 
 import contextlib

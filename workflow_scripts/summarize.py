@@ -2,7 +2,7 @@
 from statereduce.runtime import read_json, start, write_json  # noqa: E402
 
 log = start(snakemake.log[0], torch_threads=False)
-from statereduce.eval.harness import summarize  # noqa: E402
+from statereduce.eval.documents import summarize  # noqa: E402
 
 record = read_json(snakemake.input.record)
 meta = {"model": snakemake.wildcards.model, "method": snakemake.wildcards.method,

@@ -1,6 +1,6 @@
 """Adapter for fla DeltaNet (``fla/layers/delta_net.py``, ``fla/models/delta_net/``).
 
-Layout (arch_map §a): ``key_dim = round(hidden_size * expand_k)``, ``head_k_dim = key_dim // num_heads``;
+Layout: ``key_dim = round(hidden_size * expand_k)``, ``head_k_dim = key_dim // num_heads``;
 ``q_proj``/``k_proj`` are ``[H*d_k, hidden]`` and ``q_conv1d``/``k_conv1d`` ``[H*d_k, 1, W]``, head h
 in rows ``h*d_k + j``. The value side (``v_proj``, ``v_conv1d``, ``b_proj``, ``o_norm``, ``o_proj``) is
 untouched by key/query pruning. d_k is global through ``expand_k``: per-layer d_k' is not expressible.

@@ -1,6 +1,6 @@
 """Adapter for fla Gated DeltaNet (``fla/layers/gated_deltanet.py``, ``fla/models/gated_deltanet/``).
 
-Layout (arch_map §b): ``head_k_dim = head_dim``, ``head_v_dim = int(head_dim * expand_v)``;
+Layout: ``head_k_dim = head_dim``, ``head_v_dim = int(head_dim * expand_v)``;
 ``q_proj``/``k_proj`` are ``[H*d_k, hidden]`` and ``q_conv1d``/``k_conv1d`` ``[H*d_k, 1, W]``, head h in
 rows ``h*d_k + j``. Everything per value head (``v_proj``, ``g_proj``, ``a_proj``, ``b_proj``, ``A_log``,
 ``dt_bias``, ``o_norm``, ``o_proj``) is untouched. Under GVA (``num_v_heads = r * num_heads``) value

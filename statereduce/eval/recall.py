@@ -25,7 +25,7 @@ number of characters, so it would always equal ``acc``.
 Each difficulty level (context size ``n_pairs``; needle depth; ``n_choices``; ``n_queries``) is a
 separate local-file task, ``recall_mqar_{n_pairs}`` by default, tagged ``recall_mqar``.
 :func:`write_recall_tasks` writes JSONL + YAML into a task folder exactly as
-:func:`statereduce.eval.harness.write_perplexity_task` does, so the same folder can hold both and be
+:func:`statereduce.eval.tasks.write_perplexity_task` does, so the same folder can hold both and be
 passed once as ``include_path``; :func:`evaluate_recall` runs them through
 :func:`statereduce.eval.harness.evaluate_model`.
 
@@ -52,8 +52,9 @@ from typing import Any
 
 from torch import nn
 
-from statereduce.eval.harness import TASK_NAME_RE, evaluate_model, write_multiple_choice_task
+from statereduce.eval.harness import evaluate_model
 from statereduce.eval.suites import RECALL_PROBE_DEFAULTS, recall_probe_settings
+from statereduce.eval.tasks import TASK_NAME_RE, write_multiple_choice_task
 
 TASK_PREFIX = "recall_mqar"
 """Prefix of the task names and the lm-eval tag that selects every written level."""
@@ -359,8 +360,8 @@ def write_recall_tasks(
 
     Args:
         task_dir: folder for the files (created); pass it as ``include_path`` (it may also hold the
-            held-out perplexity task of :func:`statereduce.eval.harness.write_perplexity_task`). Each task is
-            a :func:`statereduce.eval.harness.write_multiple_choice_task` with ``doc_to_text: prompt``, an
+            held-out perplexity task of :func:`statereduce.eval.tasks.write_perplexity_task`). Each task is
+            a :func:`statereduce.eval.tasks.write_multiple_choice_task` with ``doc_to_text: prompt``, an
             empty ``target_delimiter`` (the value follows ``=`` directly), metric ``acc`` only (every
             candidate has two characters, so ``acc_norm`` would equal it) and the level's parameters,
             ``seed`` and ``chance`` in its ``metadata``.

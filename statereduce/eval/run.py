@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from statereduce.data import load_split
-
-HELDOUT = "heldout"  # the task name of the local-file perplexity task on a corpus's held-out split
+from statereduce.eval.tasks import HELDOUT
 
 
 def heldout_docs(corpus_spec: dict, max_docs: int | None, max_doc_bytes: int | None) -> list[str]:
@@ -64,7 +63,7 @@ def evaluate_loaded(model, tokenizer, checkpoint: str | Path, settings: dict[str
 
         local["recall_probe"] = recall_probe_writer(settings.get("recall_probe"), tokenizer, settings.get("max_length"))
     cfg = {"tasks": tasks, "batch_size": settings.get("batch_size", 1), "max_length": settings.get("max_length"),
-           "limit": settings.get("limit"), "heldout_task": HELDOUT}
+           "limit": settings.get("limit")}
     cfg.update({k: settings[k] for k in ("metadata", "task_max_length") if settings.get(k)})
     if suites:
         cfg["suites"] = suites

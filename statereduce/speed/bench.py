@@ -62,7 +62,7 @@ DEFAULT_SPEED: dict[str, Any] = {
 """The paper's protocol (App. G.1). ``mixer.arch`` overrides the model's arch for the one-layer measurement
 (the paper's Table 19 uses hidden 2048, 16 heads, d_v = 128). ``blas`` picks torch's GEMM library
 (``torch.backends.cuda.preferred_blas_library``: ``cublas`` or ``cublaslt``; ``None`` leaves torch's default): at one
-sequence the GEMV kernel chosen for a pruned projection can be slower than the unpruned one's (docs/speed_h200.md).
+sequence the GEMV kernel chosen for a pruned projection can be slower than the unpruned one's (docs/speed.md).
 ``pdl``: our decode kernels use programmatic dependent launch where the GPU has it
 (:func:`statereduce.kernels.recurrent.programmatic_launch`; the document's ``pdl`` says whether they did)."""
 
@@ -359,7 +359,7 @@ def capture_stream() -> torch.cuda.Stream:
     """The one side stream every graph of this process warms up and is captured on, with its cuBLAS workspace made.
 
     cuBLAS keeps a workspace (32 MiB on an H200) for every stream it has run on. With a new stream per capture, every
-    measured cell held one more workspace than the one before (session 4's first mixer run: pruned cells had 100-170
+    measured cell would hold one more workspace than the one before (on an H200 the pruned mixer cells had 100-170
     MB more allocated before the call than the baseline's). With one stream, made with its workspace before the first
     measurement (:func:`run_speed` calls this first), every cell starts from the same allocations.
     """

@@ -1,0 +1,191 @@
+"""The ``eval.json`` documents of the workflow: one checkpoint's evaluation, and the per-method summary.
+
+- :func:`eval_record` / :func:`write_eval_json`: one checkpoint's ``eval.json``, the result of
+  :func:`statereduce.eval.harness.evaluate_model` plus a ``state`` block (recurrent-state size, from the
+  adapter, :func:`state_record`) and ``provenance`` (checkpoint, model, settings, ``versions``, date).
+- :func:`summarize`: ``results/{model}/{method}_{pct}/eval.json`` from the baseline, pruned and (later) RFT
+  documents: metrics per stage, suite averages, state size before and after.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from statereduce.runtime import jsonable, versions, write_json
+
+if TYPE_CHECKING:
+    from torch import nn
+
+_STAGES = ("baseline", "pruned", "rft")
+
+
+def state_record(model: nn.Module, dtype_bytes: int = 4) -> dict:
+    """The recurrent-state block of ``eval.json``, from the model's adapter (paper Sec. 2: state d_k x d_v per head).
+
+    Args:
+        model: a loaded model whose family has an adapter.
+        dtype_bytes: bytes per state element (fp32 state by default, as fla keeps it).
+    """
+    import statereduce.adapters  # noqa: F401  (registers the family adapters)
+    from statereduce.adapters.base import get_adapter
+
+    adapter = get_adapter(model)
+    shape = adapter.state_shape()
+    return {
+        "state_bytes_per_sequence": int(adapter.state_bytes(dtype_bytes)),
+        "dtype_bytes": int(dtype_bytes),
+        "d_k": int(shape.d_k),
+        "d_v": int(shape.d_v),
+        "num_heads": int(shape.num_heads),
+        "layers": int(adapter.num_mixer_layers()),
+        "conv_elems_per_layer": int(shape.conv_elems),
+    }
+
+
+def eval_record(
+    result: Mapping[str, Any],
+    state: Mapping[str, Any],
+    *,
+    checkpoint: str | Path | None = None,
+    model_id: str | None = None,
+    extra_provenance: Mapping[str, Any] | None = None,
+) -> dict:
+    """The ``eval.json`` document of one checkpoint: ``result`` + ``state`` + ``provenance``.
+
+    Args:
+        result: the output of :func:`statereduce.eval.harness.evaluate_model`.
+        state: the output of :func:`state_record` (must hold ``state_bytes_per_sequence``).
+        checkpoint: path of the evaluated checkpoint (or hub id).
+        model_id: the workflow's model name (``{model}`` wildcard).
+        extra_provenance: more provenance fields (stage, method, pct, revision, ...).
+    """
+    for key in ("metrics", "settings"):
+        if key not in result:
+            raise ValueError(f"result lacks {key!r}; pass the output of evaluate_model (keys: {sorted(result)})")
+    if "state_bytes_per_sequence" not in state:
+        raise ValueError(f"state lacks 'state_bytes_per_sequence' (keys: {sorted(state)}); use state_record(model)")
+    provenance = {
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "model_id": model_id,
+        "tasks": list(result["settings"].get("tasks", [])),
+        "settings": dict(result["settings"]),
+        "versions": versions(),
+        "date": _now(),
+    }
+    provenance.update(extra_provenance or {})
+    return jsonable({**result, "state": dict(state), "provenance": provenance})
+
+
+def write_eval_json(path: str | Path, result: Mapping[str, Any], extra: Mapping[str, Any]) -> dict:
+    """Write a checkpoint's ``eval.json`` atomically and return the document.
+
+    Args:
+        path: output file.
+        result: the output of :func:`statereduce.eval.harness.evaluate_model`.
+        extra: ``{"state": state_record(model), "checkpoint": ..., "model_id": ..., <more provenance>}``;
+            ``state`` is required, every other key goes into ``provenance``.
+    """
+    if "state" not in extra:
+        raise ValueError(f"extra lacks 'state' (keys: {sorted(extra)}); pass {{'state': state_record(model), ...}}")
+    rest = {k: v for k, v in extra.items() if k not in ("state", "checkpoint", "model_id")}
+    doc = eval_record(
+        result,
+        extra["state"],
+        checkpoint=extra.get("checkpoint"),
+        model_id=extra.get("model_id"),
+        extra_provenance=rest,
+    )
+    write_json(path, doc)
+    return doc
+
+
+def summarize(
+    baseline_eval: Mapping[str, Any],
+    pruned_eval: Mapping[str, Any],
+    rft_eval: Mapping[str, Any] | None,
+    meta: Mapping[str, Any],
+) -> dict:
+    """The summary ``eval.json`` the user asks for: metrics before/after pruning (and after RFT), state size.
+
+    Args:
+        baseline_eval: ``eval.json`` document of the unpruned model.
+        pruned_eval: ``eval.json`` of the pruned checkpoint.
+        rft_eval: ``eval.json`` of the recovery-fine-tuned checkpoint, or ``None`` (slot stays null).
+        meta: ``model``, ``method``, ``pct`` (percent of key channels removed, paper's "compression");
+            any other keys go into ``provenance``.
+
+    Returns:
+        ``{"model", "method", "pct", "metrics": {"baseline", "pruned", "rft"}, "state": {"bytes_before",
+        "bytes_after", "ratio"}, "provenance"}``, plus ``"suites": {"baseline", "pruned", "rft"}`` (the
+        documents' suite averages) when any document has them. Raises ``ValueError`` if the documents were evaluated
+        on different tasks or windows (their metrics would not be comparable).
+    """
+    missing = [k for k in ("model", "method", "pct") if k not in meta]
+    if missing:
+        raise ValueError(f"meta lacks {missing}; required: model, method, pct")
+    docs = {"baseline": baseline_eval, "pruned": pruned_eval}
+    if rft_eval is not None:
+        docs["rft"] = rft_eval
+    for stage, doc in docs.items():
+        for key in ("metrics", "state"):
+            if key not in doc:
+                raise ValueError(f"{stage} eval lacks {key!r} (keys: {sorted(doc)}); pass an eval.json document")
+    ref = _comparable(baseline_eval)
+    for stage, doc in docs.items():
+        if _comparable(doc) != ref:
+            raise ValueError(f"{stage} eval settings {_comparable(doc)} differ from baseline's {ref}; not comparable")
+    before = int(baseline_eval["state"]["state_bytes_per_sequence"])
+    after = int(pruned_eval["state"]["state_bytes_per_sequence"])
+    if rft_eval is not None and int(rft_eval["state"]["state_bytes_per_sequence"]) != after:
+        raise ValueError(
+            f"RFT state bytes {rft_eval['state']['state_bytes_per_sequence']} != pruned state bytes {after}; "
+            "RFT must not change shapes"
+        )
+    provenance = {
+        "evals": {stage: _brief_provenance(doc) for stage, doc in docs.items()},
+        **{k: v for k, v in meta.items() if k not in ("model", "method", "pct")},
+        "versions": versions(),
+        "date": _now(),
+    }
+    return jsonable(
+        {
+            "model": meta["model"],
+            "method": meta["method"],
+            "pct": meta["pct"],
+            "metrics": {
+                "baseline": baseline_eval["metrics"],
+                "pruned": pruned_eval["metrics"],
+                "rft": rft_eval["metrics"] if rft_eval is not None else None,
+            },
+            **(
+                {"suites": {stage: docs[stage].get("suites") if stage in docs else None for stage in _STAGES}}
+                if any(doc.get("suites") for doc in docs.values())
+                else {}
+            ),
+            "state": {
+                "bytes_before": before,
+                "bytes_after": after,
+                "ratio": after / before if before else None,
+                "d_k_before": baseline_eval["state"].get("d_k"),
+                "d_k_after": pruned_eval["state"].get("d_k"),
+            },
+            "provenance": provenance,
+        }
+    )
+
+
+def _comparable(doc: Mapping[str, Any]) -> dict:
+    s = doc.get("settings") or doc.get("provenance", {}).get("settings") or {}
+    return {"tasks": sorted(doc["metrics"]), "max_length": s.get("max_length"), "limit": s.get("limit")}
+
+
+def _brief_provenance(doc: Mapping[str, Any]) -> dict:
+    p = doc.get("provenance", {})
+    return {k: p.get(k) for k in ("checkpoint", "model_id", "date", "versions")}
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
