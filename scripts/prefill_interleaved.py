@@ -8,6 +8,10 @@ temperature during the cell hits every model alike. The speedup is the median ov
 the ratio of the medians is recorded beside it.
 
     python scripts/prefill_interleaved.py OUT.json MODEL[,MODEL] [BxT,...] [--rounds 15] [--steps 5] [--profile]
+        [--config config.yaml]
+
+MODEL names a model of the workflow config (``--config``, default ``config.yaml`` in the current directory), as
+for ``python -m statereduce.speed``.
 
 e.g. ``python scripts/prefill_interleaved.py $OUT/prefill_ab.json gdn1.3b,dn1.3b 8x2048,4x2048,16x2048``.
 """
@@ -65,8 +69,11 @@ def kernel_times(fn, top: int = 25) -> list[dict]:
     return [{"name": n[:120], "ms": round(t / 1e3, 3), "count": c} for n, t, c in kernel_rows(prof)[:top]]
 
 
-def measure(name: str, cells: list[tuple[int, int]], rounds: int, steps: int, profile: bool = False) -> dict:
-    family, arch, settings = workflow_model(name)
+def measure(name: str, plan: tuple[str, dict, dict], cells: list[tuple[int, int]], rounds: int, steps: int,
+            profile: bool = False) -> dict:
+    """Time every ratio of model ``name`` (``plan``: its ``(family, arch, settings)`` from :func:`workflow_model`)
+    round by round on each ``(batch, length)`` of ``cells``."""
+    family, arch, settings = plan
     pcts = speed_pcts(settings)
     dtype = getattr(torch, settings["dtype"])
     models = {p: build_model(model_config(family, arch, p), dtype) for p in pcts}
@@ -99,18 +106,25 @@ def measure(name: str, cells: list[tuple[int, int]], rounds: int, steps: int, pr
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
-    p.add_argument("models", help="comma-separated models of config.yaml")
+    p.add_argument("models", help="comma-separated models of the workflow config")
     p.add_argument("cells", nargs="?", default="8x2048", help="comma-separated BxT (default 8x2048)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="also record each model's device time per kernel")
+    p.add_argument("--config", default="config.yaml",
+                   help="workflow config naming the models (default: config.yaml in the current directory)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    require_cuda()
+    try:
+        plans = {name: workflow_model(name, args.config) for name in args.models.split(",")}
+        require_cuda()
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
     out = {"command": " ".join(sys.argv), "runs": []}
-    for name in args.models.split(","):
-        out["runs"].append(measure(name, cells, args.rounds, args.steps, args.profile))
+    for name, plan in plans.items():
+        out["runs"].append(measure(name, plan, cells, args.rounds, args.steps, args.profile))
         write_json(args.out, out)
         _free()
     print(json.dumps([{r["model"]: [(c["batch"], c["length"], c["speedup"]) for c in r["cells"]]}

@@ -298,5 +298,6 @@ def test_interleaved_prefill_reads_the_config_it_is_given(tmp_path, capsys):
     missing = tmp_path / "none.yaml"
     assert mod.main([str(tmp_path / "p.json"), "tiny-dn", "--config", str(missing)]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert err == [f"error: workflow config {str(missing)!r} not found; pass the workflow's config.yaml as --config PATH"]
+    assert err == [f"error: workflow config {str(missing)!r} not found; pass the workflow's config.yaml as "
+                   "--config PATH"]
     assert not (tmp_path / "p.json").exists()
