@@ -84,9 +84,29 @@ def get_grad_settings(wildcards):
 
 
 def get_corpus_spec(name):
+    """The corpus spec ``corpora.<name>``. A ``files`` corpus's relative paths (under ``paths`` or ``splits``)
+    become paths under the workflow directory, so jobs read the same files whatever their working directory,
+    and a missing file fails when the jobs are planned, not when one of them runs."""
     spec = dict(CFG["corpora"][name])
-    if spec["source"] == "files":  # relative paths are relative to the workflow directory
-        spec["paths"] = [str(Path(workflow.basedir, p)) if not Path(p).is_absolute() else p for p in spec["paths"]]
+    if spec["source"] != "files":
+        return spec
+    if ("paths" in spec) == ("splits" in spec):
+        raise WorkflowError(f"corpora.{name}: a files corpus needs exactly one of 'paths' (split by fractions) "
+                            "or 'splits' (files per split)")
+
+    def resolve(where, paths):
+        out = []
+        for p in [paths] if isinstance(paths, str) else paths:
+            path = Path(workflow.basedir, Path(p).expanduser())  # an absolute path stays as it is
+            if not path.is_file():
+                raise WorkflowError(f"corpora.{name}.{where}: corpus file {str(path)!r} does not exist")
+            out.append(str(path))
+        return out
+
+    if "paths" in spec:
+        spec["paths"] = resolve("paths", spec["paths"])
+    else:
+        spec["splits"] = {split: resolve(f"splits.{split}", paths) for split, paths in spec["splits"].items()}
     return spec
 
 

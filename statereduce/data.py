@@ -3,7 +3,7 @@
 A corpus is described by a small spec dict (the ``corpus`` entries of ``config.yaml``) and read as a
 list of documents (``str``) per split: ``"train"`` (pretraining the embedded tiny models),
 ``"calib"`` (calibration activations / gradient scores, paper Sec. 3.4 and App. B.2) and
-``"heldout"`` (loss/perplexity on text the model never saw). Three sources:
+``"heldout"`` (loss/perplexity on text the model never saw). Four sources:
 
 ``embedded``
     An offline corpus that exists on every machine with Python installed: the Python source files
@@ -13,6 +13,14 @@ list of documents (``str``) per split: ``"train"`` (pretraining the embedded tin
     lumpy, and 5% gave the calibration split only 3 files on CPython 3.11), ``packages`` (stdlib
     packages read after the top-level modules, default :data:`EMBEDDED_PACKAGES`). See
     :func:`embedded_corpus` and :func:`embedded_provenance`.
+``pydoc_topics``
+    Offline English prose that exists on every machine with Python installed: the help texts of the
+    Python documentation that CPython ships for ``help("TOPIC")`` (``pydoc_data.topics.topics``, about
+    80 topics such as ``assert``, ``lists``, ``formatstrings``; 466,117 bytes on CPython 3.11.7). One topic
+    = one document, in sorted topic order; the split is the same stable hash as ``embedded``'s, of the
+    topic name. Keys (all optional): ``fractions`` (as for ``embedded``) and ``max_bytes`` (corpus byte
+    budget before splitting, default: all topics). See :func:`pydoc_topics_corpus` and
+    :func:`pydoc_topics_provenance`.
 ``files``
     Local UTF-8 text files. Either ``paths: [...]`` (all files cut into documents, then split by
     ``fractions`` with the same stable hash as ``embedded``) or ``splits: {"train": [...],
@@ -51,7 +59,7 @@ from typing import Any
 import torch
 
 SPLITS = ("train", "calib", "heldout")
-SOURCES = ("embedded", "files", "hf")
+SOURCES = ("embedded", "pydoc_topics", "files", "hf")
 DOC_MODES = ("paragraphs", "wikitext", "file")
 HF_DOC_MODES = ("rows", "paragraphs", "wikitext")
 
@@ -283,6 +291,82 @@ def embedded_provenance(spec: dict | None = None) -> dict[str, Any]:
     }
 
 
+# ---- pydoc_topics: the Python documentation's help topics ------------------------------------------
+def pydoc_topics_corpus(max_bytes: int | None = None) -> list[tuple[str, str]]:
+    """The pydoc-topics corpus: ``[(topic name, text)]`` sorted by topic name.
+
+    The texts are ``pydoc_data.topics.topics`` (the reference-manual sections behind ``help("assert")``,
+    ``help("lists")``, ...), which CPython ships with its standard library. Topics are taken in sorted
+    order while the total UTF-8 bytes stay within ``max_bytes``; the first topic that would cross the
+    budget ends the corpus. Empty texts are skipped.
+
+    Args:
+        max_bytes: byte budget of the whole corpus (UTF-8 bytes); None reads every topic.
+    """
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as e:  # some distributions package pydoc_data separately
+        raise ValueError(
+            f"corpus source 'pydoc_topics' needs the standard library's pydoc_data package, which this "
+            f"interpreter lacks ({e}); use source 'embedded' instead"
+        ) from None
+    docs = [(name, topics[name]) for name in sorted(topics) if topics[name].strip()]
+    out, total = [], 0
+    for name, text in docs:
+        n = len(text.encode("utf-8"))
+        if max_bytes is not None and total + n > max_bytes:
+            break
+        out.append((name, text))
+        total += n
+    if not out:
+        smallest = min((len(t.encode("utf-8")) for _, t in docs), default=0)
+        raise ValueError(f"pydoc_topics corpus is empty within max_bytes={max_bytes} (smallest topic: {smallest} B)")
+    return out
+
+
+_PYDOC_KEYS = ("fractions", "max_bytes")
+
+
+def _pydoc_topics_split(spec: dict, split: str) -> list[str]:
+    _check_keys(spec, _PYDOC_KEYS)
+    fr = _fractions(spec)
+    return [text for name, text in pydoc_topics_corpus(spec.get("max_bytes")) if split_of(name, fr) == split]
+
+
+def pydoc_topics_provenance(spec: dict | None = None) -> dict[str, Any]:
+    """What the pydoc-topics corpus is, exactly: interpreter, topic count, bytes, SHA-256, split sizes.
+
+    The SHA-256 is over the UTF-8 bytes of all documents concatenated in corpus order (no separators).
+    """
+    spec = dict(spec or {"source": "pydoc_topics"})
+    _check_keys(spec, _PYDOC_KEYS)
+    fr = _fractions(spec)
+    max_bytes = spec.get("max_bytes")
+    docs = pydoc_topics_corpus(max_bytes)
+    per_split = {s: {"n_docs": 0, "bytes": 0} for s in SPLITS}
+    for name, text in docs:
+        s = per_split[split_of(name, fr)]
+        s["n_docs"] += 1
+        s["bytes"] += len(text.encode("utf-8"))
+    return {
+        "source": "pydoc_topics",
+        "python_version": platform.python_version(),
+        "python_implementation": platform.python_implementation(),
+        "module": "pydoc_data.topics.topics",
+        "max_bytes": max_bytes,
+        "n_docs": len(docs),
+        "total_bytes": sum(len(t.encode("utf-8")) for _, t in docs),
+        "sha256": _sha256_docs([t for _, t in docs]),
+        "first_topic": docs[0][0],
+        "last_topic": docs[-1][0],
+        "fractions": fr,
+        "splits": per_split,
+        "split_hash": "sha1(topic name)[:15 hex] / 16**15, cumulative over train, calib, heldout",
+    }
+
+
 # ---- files: local text files ----------------------------------------------------------------------
 _FILES_KEYS = ("paths", "splits", "doc_mode", "doc_bytes", "fractions", "max_docs", "max_bytes", "encoding")
 
@@ -431,15 +515,15 @@ def _hf_rows(ds, field: str):
 
 
 # ---- public entry points --------------------------------------------------------------------------
-_LOADERS = {"embedded": _embedded_split, "files": _files_split, "hf": _hf_split}
+_LOADERS = {"embedded": _embedded_split, "pydoc_topics": _pydoc_topics_split, "files": _files_split, "hf": _hf_split}
 
 
 def load_split(spec: dict, split: str) -> list[str]:
     """Documents of one split of a corpus.
 
     Args:
-        spec: corpus spec; ``spec["source"]`` is one of ``embedded``, ``files``, ``hf`` and the other
-            keys are those of that source (module docstring).
+        spec: corpus spec; ``spec["source"]`` is one of ``embedded``, ``pydoc_topics``, ``files``, ``hf``
+            and the other keys are those of that source (module docstring).
         split: ``"train"``, ``"calib"`` or ``"heldout"``.
 
     Returns:
@@ -455,12 +539,15 @@ def load_split(spec: dict, split: str) -> list[str]:
 def corpus_provenance(spec: dict) -> dict[str, Any]:
     """A JSON-serialisable record of what a corpus spec reads (for artifact metadata and the README).
 
-    ``embedded``: :func:`embedded_provenance`. ``files``: the spec plus size and SHA-256 of every file.
+    ``embedded``: :func:`embedded_provenance`. ``pydoc_topics``: :func:`pydoc_topics_provenance`. ``files``: the
+    spec plus size and SHA-256 of every file.
     ``hf``: the spec (dataset id, config name, revision, split mapping) and the ``datasets`` version.
     """
     source = spec.get("source")
     if source == "embedded":
         return embedded_provenance(spec)
+    if source == "pydoc_topics":
+        return pydoc_topics_provenance(spec)
     if source == "files":
         _check_keys(spec, _FILES_KEYS)
         paths = (
@@ -543,6 +630,8 @@ __all__ = [
     "embedded_corpus",
     "embedded_provenance",
     "load_split",
+    "pydoc_topics_corpus",
+    "pydoc_topics_provenance",
     "split_documents",
     "split_of",
     "token_blocks",

@@ -83,7 +83,7 @@ def run_selection(
 
     Args:
         weights: the model's ``qk.h5`` (head rows of the q/k projections; also gives H, d_k, layers).
-        method: method token, e.g. ``drrqr``, ``l1-q``, ``grad.shakespeare`` (see ``parse_method``).
+        method: method token, e.g. ``drrqr``, ``l1-q``, ``grad.prose`` (see ``parse_method``).
         pct: percent of key channels removed.
         activations: ``activations.h5`` (needed by activation/xnorm-based selectors).
         grads: ``grad_scores.h5`` (needed by ``grad``).

@@ -220,7 +220,7 @@ STUDY_CASES = {
     ),
     "unknown_variant": (
         lambda s: s["calibration"]["variants"].append("pg19"),
-        r"^studies\.calibration\.variants: unknown calibration 'pg19'; valid: default, n16, seed1, shakespeare$",
+        r"^studies\.calibration\.variants: unknown calibration 'pg19'; valid: default, n16, prose, seed1$",
     ),
     "pct_leaves_no_channel": (lambda s: s["scoring"].update(pct=99.5), r"^studies\.scoring: .*99\.5.*d_k=64"),
     "pct_out_of_range": (lambda s: s["calibration"].update(pct=100), r"studies\.calibration\.pct: 100 is"),
@@ -246,7 +246,7 @@ def test_studies_cells(base_config):
 
     cells = check_studies(validate_config(base_config))
     assert len(cells["calibration"]) == 2 * 2 * 4 and len(cells["scoring"]) == 2 * 4 * 3
-    assert ("tiny-dn", "grad.shakespeare", 75.0) in cells["calibration"]
+    assert ("tiny-dn", "grad.prose", 75.0) in cells["calibration"]
     assert ("tiny-dn", "drrqr", 75.0) in cells["calibration"]  # the default variant is the plain token
     assert [c[1] for c in cells["scoring"][:3]] == ["l1", "l1-k", "l1-q"]
     cfg = copy.deepcopy(base_config)

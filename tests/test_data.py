@@ -1,4 +1,4 @@
-"""Corpus sources (embedded / files / hf) and token blocks."""
+"""Corpus sources (embedded / pydoc_topics / files / hf) and token blocks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from statereduce import data
 from statereduce.tokenizer import byte_level_tokenizer
 
-SHARED_DATA = Path(__file__).parents[1].parent / "shared" / "data"
+# Real text files next to the repository (not part of it): the tests that read them skip without them.
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SMALL_EMBEDDED = {"source": "embedded", "max_bytes": 600_000}
 
 
@@ -24,7 +25,7 @@ def tok():
 def need_shared(name: str) -> Path:
     p = SHARED_DATA / name
     if not p.is_file():
-        pytest.skip(f"{p} not available")
+        pytest.skip(f"needs the text file {p}, which lies outside the repository and is absent on this machine")
     return p
 
 
@@ -81,7 +82,7 @@ def test_embedded_budget_and_packages():
 def test_fractions_and_source_errors():
     with pytest.raises(ValueError, match="sum to 1"):
         data.load_split({"source": "embedded", "fractions": {"train": 0.5, "calib": 0.1, "heldout": 0.1}}, "train")
-    with pytest.raises(ValueError, match="unknown corpus source 'nope'; valid: embedded, files, hf"):
+    with pytest.raises(ValueError, match="unknown corpus source 'nope'; valid: embedded, pydoc_topics, files, hf"):
         data.load_split({"source": "nope"}, "train")
     with pytest.raises(ValueError, match="unknown split 'test'"):
         data.load_split(SMALL_EMBEDDED, "test")
@@ -89,6 +90,44 @@ def test_fractions_and_source_errors():
         data.load_split({"source": "embedded", "max_byte": 5}, "train")
     only_train = {"source": "embedded", "max_bytes": 200_000, "fractions": {"train": 1.0}}
     assert data.load_split(only_train, "calib") == [] and len(data.load_split(only_train, "train")) > 0
+
+
+# ---- pydoc_topics -----------------------------------------------------------------------------------
+PYDOC = {"source": "pydoc_topics"}
+
+
+def test_pydoc_topics_are_the_help_texts_split_by_topic_name():
+    from pydoc_data.topics import topics
+
+    docs = data.pydoc_topics_corpus()
+    assert [name for name, _ in docs] == sorted(n for n, t in topics.items() if t.strip()) and len(docs) > 50
+    assert all(text == topics[name] for name, text in docs)
+    splits = {s: data.load_split(PYDOC, s) for s in data.SPLITS}
+    assert all(splits.values()), {s: len(d) for s, d in splits.items()}
+    fr = data._fractions(PYDOC)
+    for s in data.SPLITS:  # the split of a topic is a pure function of its name; corpus order is kept
+        assert splits[s] == [t for name, t in docs if data.split_of(name, fr) == s]
+    assert splits == {s: data.load_split(dict(PYDOC), s) for s in data.SPLITS}
+    assert data.load_split({**PYDOC, "fractions": {"calib": 1.0}}, "calib") == [t for _, t in docs]
+    capped = data.pydoc_topics_corpus(max_bytes=50_000)
+    assert capped == docs[: len(capped)] and 0 < sum(len(t.encode()) for _, t in capped) <= 50_000
+    with pytest.raises(ValueError, match="unknown key"):
+        data.load_split({**PYDOC, "packages": ["json"]}, "train")
+    with pytest.raises(ValueError, match="pydoc_topics corpus is empty within max_bytes=10"):
+        data.load_split({**PYDOC, "max_bytes": 10}, "train")
+
+
+def test_pydoc_topics_provenance_matches_corpus():
+    docs = data.pydoc_topics_corpus()
+    prov = data.corpus_provenance(PYDOC)
+    texts = [t for _, t in docs]
+    assert prov["source"] == "pydoc_topics" and prov["python_version"] == platform.python_version()
+    assert prov["n_docs"] == len(docs) and prov["total_bytes"] == sum(len(t.encode()) for t in texts)
+    assert prov["sha256"] == hashlib.sha256("".join(texts).encode()).hexdigest()
+    assert (prov["first_topic"], prov["last_topic"]) == (docs[0][0], docs[-1][0])
+    for s in data.SPLITS:
+        split = data.load_split(PYDOC, s)
+        assert prov["splits"][s] == {"n_docs": len(split), "bytes": sum(len(t.encode()) for t in split)}
 
 
 # ---- files ------------------------------------------------------------------------------------------

@@ -288,13 +288,13 @@ GOOD = {
     "grad-k": MethodSpec("grad", "k", "default"),
     "rand": MethodSpec("rand", "kq", "default"),
     "swanda-k": MethodSpec("swanda", "k", "default"),
-    "drrqr.shakespeare": MethodSpec("drrqr", "kq", "shakespeare"),
-    "grad-q.shakespeare": MethodSpec("grad", "q", "shakespeare"),
+    "drrqr.prose": MethodSpec("drrqr", "kq", "prose"),
+    "grad-q.prose": MethodSpec("grad", "q", "prose"),
     "rand.c4": MethodSpec("rand", "kq", "c4"),
     "l1.defaults": MethodSpec("l1", "kq", "defaults"),
 }
 BAD = [
-    "", "drqr", "DRRQR", "drrqr-kq", "drrqr-x", "rand-k", "rand-q", "drrqr-k-q", "drrqr.", "drrqr.Shakespeare",
+    "", "drqr", "DRRQR", "drrqr-kq", "drrqr-x", "rand-k", "rand-q", "drrqr-k-q", "drrqr.", "drrqr.Prose",
     "drrqr.default", "grad-k.default", "drrqr.a_b", "drrqr.a.b", "l1_q", "-k", ".c4", "drrqr-",
 ]  # fmt: skip
 
@@ -319,8 +319,8 @@ def test_bad_tokens_rejected_by_parser_and_regex(token):
 
 def test_regex_in_a_snakemake_path():
     pattern = re.compile(rf"results/(?P<model>[^/]+)/(?P<method>{METHOD_REGEX})_(?P<pct>\d+)/eval\.json")
-    m = pattern.fullmatch("results/gdn1.3b/grad-q.shakespeare_50/eval.json")
-    assert m and m["method"] == "grad-q.shakespeare" and m["pct"] == "50"
+    m = pattern.fullmatch("results/gdn1.3b/grad-q.prose_50/eval.json")
+    assert m and m["method"] == "grad-q.prose" and m["pct"] == "50"
     assert pattern.fullmatch("results/tiny/drrqr.default_50/eval.json") is None
     assert pattern.fullmatch("results/tiny/rand-k_50/eval.json") is None
 

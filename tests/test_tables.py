@@ -201,7 +201,7 @@ def test_rank_tables_from_synthetic_documents(tmp_path):
 
 
 # ---- study tables (paper Tables 2/7 and 16) -------------------------------------------------------------------
-CAL_STUDY = {"models": ["m1"], "selectors": ["grad", "drrqr"], "variants": ["default", "shakespeare", "n16"], "pct": 75}
+CAL_STUDY = {"models": ["m1"], "selectors": ["grad", "drrqr"], "variants": ["default", "prose", "n16"], "pct": 75}
 SCORING_STUDY = {"models": ["m1", "m2"], "selectors": ["l1", "drrqr"], "pct": 75}
 
 
@@ -211,9 +211,9 @@ def studies_written(tmp_path):
 
     summaries = [
         _summary("m1", "grad", 75, 1.5, rft_bpb=1.25),
-        _summary("m1", "grad.shakespeare", 75, 1.75),  # RFT not run
+        _summary("m1", "grad.prose", 75, 1.75),  # RFT not run
         _summary("m1", "drrqr", 75, 1.375, rft_bpb=1.125),
-        _summary("m1", "drrqr.shakespeare", 75, 1.4, rft_bpb=1.2),
+        _summary("m1", "drrqr.prose", 75, 1.4, rft_bpb=1.2),
         _summary("m1", "drrqr.n16", 75, 1.38, rft_bpb=1.13),  # grad.n16 never computed
         _summary("m1", "l1-q", 75, 2.5, rft_bpb=1.5),  # l1 and l1-k of m1 never computed
         _summary("m1", "drrqr-k", 75, 3.0, rft_bpb=2.0),
@@ -225,7 +225,7 @@ def studies_written(tmp_path):
     calibrations = {
         "m1": {
             "default": {"corpus": "embedded", "n_samples": 32, "seed": 0, "seq_len": 256, "batch_size": 8},
-            "shakespeare": {"corpus": "shakespeare", "n_samples": 32, "seed": 0, "seq_len": 256, "batch_size": 8},
+            "prose": {"corpus": "pydoc-topics", "n_samples": 32, "seed": 0, "seq_len": 256, "batch_size": 8},
             "n16": {"corpus": "embedded", "n_samples": 16, "seed": 0, "seq_len": 128, "batch_size": 4},
         }
     }
@@ -238,19 +238,19 @@ def studies_written(tmp_path):
 
 def test_calibration_study_layout(studies_written):
     """Tables 2/7: per model, rows calibration variant (labelled corpus, n, seed), columns selector; pre-RFT and
-    post-RFT blocks; a result never computed (grad.n16, grad.shakespeare after RFT) is missing, not filled in."""
+    post-RFT blocks; a result never computed (grad.n16, grad.prose after RFT) is missing, not filled in."""
     _, md, _ = studies_written
     t = _tables(md["calibration_study"])
     h2 = f"m1: {BPB} (lower is better)"
     assert t[(h2, "pre-RFT")] == [
         ["variant", "calibration", "grad", "drrqr"],
         ["default", "embedded, n=32, seed 0", "1.500", "1.375"],
-        ["shakespeare", "shakespeare, n=32, seed 0", "1.750", "1.400"],
+        ["prose", "pydoc-topics, n=32, seed 0", "1.750", "1.400"],
         ["n16", "embedded, n=16, seed 0, seq_len=128", "–", "1.380"],  # seq_len differs from default: shown
     ]
     assert t[(h2, "post-RFT")][1:] == [
         ["default", "embedded, n=32, seed 0", "1.250", "1.125"],
-        ["shakespeare", "shakespeare, n=32, seed 0", "–", "1.200"],
+        ["prose", "pydoc-topics, n=32, seed 0", "–", "1.200"],
         ["n16", "embedded, n=16, seed 0, seq_len=128", "–", "1.130"],
     ]
     assert "baseline (unpruned): 1.000" in _lead(md["calibration_study"], h2, None)
@@ -285,10 +285,10 @@ def test_study_csv_long_with_missing_cells(studies_written):
     assert set(cal["method"]) == {
         "baseline",
         "grad",
-        "grad.shakespeare",
+        "grad.prose",
         "grad.n16",
         "drrqr",
-        "drrqr.shakespeare",
+        "drrqr.prose",
         "drrqr.n16",
     }
     sc = csv["scoring_ablation"]

@@ -203,13 +203,13 @@ def test_all_paper_plans_study_tables(tmp_path):
         for ext in ("md", "csv", "html")
     }
     summaries = set(jobs["summarize"])
-    for cell in ("grad.shakespeare", "drrqr.n16", "grad.seed1", "l1-k", "swanda-q", "drrqr-k", "grad-q"):
+    for cell in ("grad.prose", "drrqr.n16", "grad.seed1", "l1-k", "swanda-q", "drrqr-k", "grad-q"):
         for model in ("tiny-dn", "tiny-gdn"):
             assert f"results/{model}/{cell}_75/eval.json" in summaries, (model, cell)
     n_targets = len(cfg["targets"]["models"]) * len(cfg["targets"]["methods"]) * len(cfg["targets"]["pcts"])
     assert len(summaries) == n_targets + 2 * (2 * 3 + 4 * 2)  # targets + new calibration and scoring cells
     calibrations = {p.split("/")[3] for p in jobs["calibrate"]}
-    assert calibrations == {"default", "shakespeare", "n16", "seed1"}
+    assert calibrations == {"default", "prose", "n16", "seed1"}
     assert "study_tables" not in _dry_run_shipped(tmp_path / "all", cfg, "all")
     del cfg["studies"]
     assert "study_tables" not in _dry_run_shipped(tmp_path / "none", cfg, "all_paper")

@@ -14,7 +14,7 @@ Method tokens name a selection in result paths ``results/{model}/{method}_{pct}/
 from both (the default, "kq"). ``.<calib>`` (``[a-z0-9]+``) names a non-default calibration set
 (paper Tables 2 and 7); the default calibration has no suffix, so ``drrqr`` and ``drrqr.default`` are
 not both valid: only the plain token is. Examples: ``drrqr``, ``l1-q``, ``grad-k``,
-``drrqr.shakespeare``, ``grad-q.shakespeare``.
+``drrqr.prose``, ``grad-q.prose``.
 """
 
 from __future__ import annotations
