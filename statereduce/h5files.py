@@ -19,6 +19,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
+
 
 def layer_group(layer: int) -> str:
     return f"layer_{layer:03d}"
@@ -47,22 +49,52 @@ def write_attrs(f: h5py.File, attrs: Mapping) -> None:
 
 @dataclass
 class H5Artifact:
-    """Read access to a per-layer HDF5 artifact (weights, activations or gradient scores)."""
+    """Read access to a per-layer HDF5 artifact (weights, activations or gradient scores).
+
+    A file that does not exist, is truncated or is not HDF5, or lacks a dataset that is read, fails in one line
+    naming the file and the rule that rebuilds it (:mod:`statereduce.artifacts`); :meth:`expect` checks its
+    recorded provenance against what the reading job expects.
+    """
 
     path: Path
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
 
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[h5py.File]:
+        if not self.path.exists():
+            raise missing(self.path)
+        try:
+            with h5py.File(self.path, "r") as f:
+                yield f
+        except OSError as err:
+            raise unreadable(self.path, "HDF5", err) from None
+        except KeyError as err:
+            detail = str(err.args[0]) if err.args else "a missing entry"
+            raise ArtifactError(f"{self.path} is incomplete ({detail}); {remedy(self.path)}") from None
+
     def attrs(self) -> dict:
-        with h5py.File(self.path, "r") as f:
+        with self._open() as f:
             return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in f.attrs.items()}
 
+    def expect(self, expected: Mapping | None) -> dict:
+        """The attributes, after checking that the file was written for a job expecting ``expected``
+        (:func:`statereduce.artifacts.check_provenance`: model, family, calibration, head sizes)."""
+        attrs = self.attrs()
+        check_provenance(self.path, attrs, expected)
+        return attrs
+
     def layers(self) -> list[int]:
-        with h5py.File(self.path, "r") as f:
+        with self._open() as f:
             return sorted(int(f[name].attrs["layer"]) for name in f)
 
     def read(self, layer: int, names: Iterable[str]) -> dict[str, np.ndarray]:
-        with h5py.File(self.path, "r") as f:
-            g = f[layer_group(layer)]
+        names = list(names)
+        with self._open() as f:
+            group = layer_group(layer)
+            absent = [n for n in names if f"{group}/{n}" not in f]
+            if absent:
+                raise ArtifactError(f"{self.path} has no dataset {group}/{absent[0]}; {remedy(self.path)}")
+            g = f[group]
             return {n: g[n][()] for n in names}

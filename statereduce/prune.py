@@ -33,6 +33,7 @@ from torch import nn
 
 from statereduce import __version__
 from statereduce.adapters import LinearAttentionAdapter, get_adapter
+from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
 from statereduce.runtime import atomic_dir, versions
 
 RECORD_NAME = "prune_record.json"
@@ -182,6 +183,31 @@ def load_prune_record(path: str | os.PathLike) -> PruneRecord:
     """Read a record from a checkpoint directory or a ``prune_record.json`` path."""
     path = Path(path)
     return PruneRecord.from_json((path / RECORD_NAME if path.is_dir() else path).read_text())
+
+
+def check_prune_record(checkpoint: str | os.PathLike, expected: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``prune_record.json`` of a pruned (or RFT) checkpoint as a dict, checked against a job's expectations.
+
+    Args:
+        checkpoint: the checkpoint folder.
+        expected: what the reading job expects (``params.info`` with the ``method`` and ``pct`` of its path);
+            the record's model (recorded in ``extra`` from the selection file), family, method and pct must agree
+            (:func:`statereduce.artifacts.check_provenance`).
+    Raises:
+        ArtifactError: one line, for a record that is not JSON or was written for another job.
+    """
+    path = Path(checkpoint) / RECORD_NAME
+    if not path.is_file():
+        raise missing(path)
+    try:
+        record = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise unreadable(path, "JSON", err) from None
+    if not isinstance(record, dict):
+        raise ArtifactError(f"{path} is not a prune record (not a JSON object); {remedy(path)}")
+    extra = record.get("extra") if isinstance(record.get("extra"), dict) else {}
+    check_provenance(path, {**record, "model": extra.get("model")}, expected)
+    return record
 
 
 def kernel_scale_note(d_k: int, d_k_new: int) -> dict[str, Any]:

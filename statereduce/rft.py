@@ -700,7 +700,8 @@ def run_rft(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, p
     The held-out documents of the ``heldout`` evaluation task are excluded from the training data. With
     ``plan["gpus"] > 1`` training runs under ``torchrun`` (one process per GPU, DDP through accelerate) and the saved
     checkpoint is then loaded for evaluation; otherwise everything runs in this process and the merged model
-    is evaluated in memory.
+    is evaluated in memory. First the pruned checkpoint's ``prune_record.json`` must have been written for this
+    job: ``info``'s model and family, ``extra``'s method and pct (:func:`statereduce.prune.check_prune_record`).
 
     Returns:
         The ``eval.json`` document of the RFT checkpoint.
@@ -708,7 +709,9 @@ def run_rft(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, p
     from statereduce.data import load_split
     from statereduce.eval.run import evaluate_checkpoint, evaluate_loaded
     from statereduce.eval.tasks import HELDOUT
+    from statereduce.prune import check_prune_record
 
+    check_prune_record(pruned_dir, {**info, **(extra or {})})
     exclude = load_split(eval_settings["corpus_spec"], "heldout") if HELDOUT in eval_settings["tasks"] else []
     out: dict[str, Any] = {}
 

@@ -5,7 +5,11 @@ the model, so it needs neither torch nor fla.
 
 ``results/{model}/select/{method}_{pct}.parquet`` holds one row per (layer, head) with the kept
 channel indices (sorted) and, where the selector has scores, their scores. The file's key/value
-metadata records selector, variant, pct, d_k, d_k', calibration id, seed, options and version.
+metadata records model, family, selector, variant, pct, d_k, d_k', calibration id, seed, options and version.
+
+Both ends check provenance (:mod:`statereduce.artifacts`): :func:`run_selection` that its HDF5 inputs were
+written for the job's model and calibration (and agree on the head sizes), :func:`read_selection` that the
+selection was written for the reading job's model, method and pct.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from statereduce import __version__
+from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
 from statereduce.h5files import H5Artifact
 from statereduce.selectors import HeadData, get_selector, n_keep_for, parse_method, select_heads
 
@@ -78,6 +83,7 @@ def run_selection(
     seed: int = 0,
     options: dict | None = None,
     workers: int = 1,
+    expect: dict | None = None,
 ) -> tuple[list[tuple[int, int, object]], dict]:
     """Select channels for every (layer, head) of a model.
 
@@ -90,13 +96,20 @@ def run_selection(
         seed: selection seed (``rand``; tie-breaking elsewhere is deterministic).
         options: selector options from the config (e.g. DRRQR's ``f``).
         workers: heads selected in parallel (threads, single-threaded BLAS each).
+        expect: what the job expects of its inputs (e.g. the rule's ``params.info``: ``model``, ``family``).
+            ``weights`` must have been written for it, and ``activations``/``grads`` for it, for the method's
+            calibration id and for the weights' head sizes (:func:`statereduce.artifacts.check_provenance`).
 
     Returns:
-        (rows, meta): rows of (layer, head, HeadSelection) and the file metadata.
+        (rows, meta): rows of (layer, head, HeadSelection) and the file metadata (with the model and family).
+
+    Raises:
+        ArtifactError: one line, for an input written for another model, family, calibration or head size, or
+            one that cannot be read.
     """
     spec = parse_method(method)
     selector = get_selector(spec.selector)
-    wattrs = H5Artifact(weights).attrs()
+    wattrs = H5Artifact(weights).expect(expect)
     d_k = int(wattrs["head_k_dim"])
     n_keep = n_keep_for(d_k, pct)
     needs = set(selector.needs)
@@ -104,6 +117,11 @@ def run_selection(
         raise ValueError(f"selector {spec.selector!r} needs calibration activations (activations.h5)")
     if "grad" in needs and grads is None:
         raise ValueError(f"selector {spec.selector!r} needs gradient scores (grad_scores.h5)")
+    calib_expect = {**(expect or {}), "calibration": spec.calib, "num_heads": wattrs["num_heads"], "head_k_dim": d_k}
+    if activations is not None and needs & {"activations", "xnorm"}:
+        H5Artifact(activations).expect(calib_expect)
+    if grads is not None and "grad" in needs:
+        H5Artifact(grads).expect(calib_expect)
     heads = _head_data_iter(
         Path(weights),
         needs,
@@ -111,7 +129,9 @@ def run_selection(
         Path(grads) if grads and "grad" in needs else None,
     )
     rows = select_heads(selector, heads, n_keep, spec.variant, seed, options or {}, workers=workers)
+    provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": wattrs.get("family")}
     meta = {
+        **{k: v for k, v in provenance.items() if v is not None},
         "method": method,
         "selector": spec.selector,
         "variant": spec.variant,
@@ -153,11 +173,34 @@ def write_selection(path: str | Path, rows, meta: dict) -> Path:
     return path
 
 
-def read_selection(path: str | Path) -> tuple[dict[int, list[list[int]]], dict]:
-    """Read a selection file: ({layer: [kept indices of head 0, head 1, ...]}, metadata)."""
-    table = pq.read_table(path)
-    meta = json.loads(table.schema.metadata[b"statereduce"])
+def read_selection(path: str | Path, expect: dict | None = None) -> tuple[dict[int, list[list[int]]], dict]:
+    """Read a selection file: ({layer: [kept indices of head 0, head 1, ...]}, metadata).
+
+    Args:
+        path: the Parquet file :func:`write_selection` wrote.
+        expect: what the reading job expects (e.g. ``params.info`` with the ``method`` and ``pct`` of its path);
+            the file must have been written for it (:func:`statereduce.artifacts.check_provenance`).
+
+    Raises:
+        ArtifactError: one line naming the file and the rule that rebuilds it, for a file that is not a
+            selection file or was written for another model, method or pct.
+    """
+    if not Path(path).exists():
+        raise missing(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:
+        raise unreadable(path, "Parquet", err) from None
+    absent = [c for c in ("layer", "head", "keep") if c not in table.column_names]
+    if b"statereduce" not in (table.schema.metadata or {}) or absent:
+        what = f"column {absent[0]!r}" if absent else "statereduce metadata"
+        raise ArtifactError(f"{path} is not a selection file (it has no {what}); {remedy(path)}")
+    try:
+        meta = json.loads(table.schema.metadata[b"statereduce"])
+    except ValueError as err:
+        raise unreadable(path, "selection", err) from None
     df = table.to_pydict()
+    check_provenance(path, meta, expect)
     by_layer: dict[int, dict[int, list[int]]] = {}
     for layer, head, keep in zip(df["layer"], df["head"], df["keep"]):
         by_layer.setdefault(layer, {})[head] = keep

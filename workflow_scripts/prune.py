@@ -11,7 +11,7 @@ from statereduce.eval.run import evaluate_loaded  # noqa: E402
 
 info, wc = snakemake.params.info, snakemake.wildcards
 model, tokenizer = load_model(Path(snakemake.input.base).parent, dtype=info["dtype"], device="cpu")
-keep, meta = read_selection(snakemake.input.selection)
+keep, meta = read_selection(snakemake.input.selection, expect={**info, "method": wc.method, "pct": float(wc.pct)})
 meta.update(source=str(Path(snakemake.input.base).parent), selection=snakemake.input.selection)
 record = prune_model(model, keep, meta)
 out_dir = save_pruned(model, tokenizer, record, Path(snakemake.output.record).parent)

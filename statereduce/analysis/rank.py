@@ -490,6 +490,10 @@ def rank_analysis(checkpoint: str | Path, settings: dict[str, Any], info: dict[s
     Pearson correlation of per-head utilization with the baseline's ``rank.json`` when given, and the
     conditioning of the selected [Q; K] calibration columns when ``activations`` is given (every channel for
     the baseline, the ``selection``'s for a pruned model).
+
+    Before the model is loaded, the artifacts must have been written for this job (``info``'s model and family,
+    ``extra``'s method and pct): a pruned checkpoint's ``prune_record.json`` and the ``selection``, and the
+    ``activations`` for the selection's calibration id and head sizes (:mod:`statereduce.artifacts`).
     """
     from statereduce.data import load_split, token_blocks
     from statereduce.h5files import H5Artifact
@@ -497,6 +501,17 @@ def rank_analysis(checkpoint: str | Path, settings: dict[str, Any], info: dict[s
     from statereduce.runtime import jsonable, read_json, write_json
     from statereduce.select import read_selection
 
+    expected = {**info, **(extra or {})}
+    keep = None
+    if selection is not None:
+        from statereduce.prune import check_prune_record
+
+        check_prune_record(checkpoint, expected)
+        keep, sel_meta = read_selection(selection, expect=expected)
+        expected.update(calibration=sel_meta.get("calibration"), num_heads=sel_meta.get("num_heads"),
+                        head_k_dim=sel_meta.get("d_k"))
+    if activations is not None:
+        H5Artifact(activations).expect({k: v for k, v in expected.items() if k not in ("method", "pct")})
     model, tokenizer = load_model(checkpoint, dtype=info["dtype"], device=info["device"])
     docs = load_split(settings["corpus_spec"], "heldout")
     ids = token_blocks(tokenizer, docs, int(settings["n_samples"]), int(settings["seq_len"]), int(settings["seed"]))
@@ -505,10 +520,9 @@ def rank_analysis(checkpoint: str | Path, settings: dict[str, Any], info: dict[s
                            spectrum_head=tuple(head) if head is not None else None,
                            baseline=read_json(baseline) if baseline is not None else None)
     if activations is not None:
-        acts = H5Artifact(Path(activations))
+        acts = H5Artifact(activations)
         layers = acts.layers()
         data = {layer: acts.read(layer, ["K", "Q"]) for layer in layers}
-        keep = read_selection(selection)[0] if selection is not None else None
         cond = selected_conditioning({lay: d["K"] for lay, d in data.items()},
                                           {lay: d["Q"] for lay, d in data.items()}, keep)
         cond["per_head"] = [{"layer": lay, "head": h, **v} for (lay, h), v in sorted(cond["per_head"].items())]

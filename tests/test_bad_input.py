@@ -1,0 +1,212 @@
+"""Bad input between jobs and on the command line fails in one line naming the bad value and the remedy.
+
+- An artifact written for another job (another model, family, calibration, head size, method or pct) is refused
+  by every reader that knows what its job expects (selection, pruning, RFT, rank analysis), instead of giving a
+  silently wrong result; the error names the file, what it was written for, what the job is for, and the rule
+  that rebuilds it.
+- An artifact that cannot be read (a truncated HDF5 file, a file that is not Parquet or not a selection file, a
+  prune record that is not JSON) fails the same way: its path, what is wrong, and the rule that rebuilds it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from _models import tiny_inputs, tiny_model
+
+from statereduce.artifacts import ArtifactError
+from statereduce.capture import capture_activations, export_qk_weights, grad_scores
+from statereduce.select import read_selection, run_selection, write_selection
+
+DN = {"model": "tiny-dn", "family": "delta_net", "dtype": "float32", "device": "cpu"}  # a job's params.info
+GDN = {"model": "tiny-gdn", "family": "gated_deltanet", "dtype": "float32", "device": "cpu"}
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    text = str(err.value)
+    assert "\n" not in text
+    return text
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> dict[str, Path]:
+    """qk.h5 and activations.h5 of a tiny DeltaNet ('tiny-dn') and a tiny Gated DeltaNet ('tiny-gdn') of the same
+    head sizes (2 heads of d_k = 32, hidden 64), written as the workflow's rules write them."""
+    root = tmp_path_factory.mktemp("artifacts")
+    out = {}
+    blocks = tiny_inputs(batch=2, length=16)
+    for info in (DN, GDN):
+        model = tiny_model(info["family"])
+        folder = root / info["model"]
+        out[f"{info['model']}/qk"] = export_qk_weights(model, folder / "weights" / "qk.h5", attrs={"model": info["model"]})
+        out[f"{info['model']}/acts"] = capture_activations(
+            model, blocks, folder / "calib" / "default" / "activations.h5", rows_per_head=40,
+            attrs={"model": info["model"], "calibration": "default"})
+    return out
+
+
+# ---- 1. provenance: artifacts written for another job --------------------------------------------------------
+def test_activations_of_another_model_are_refused(artifacts):
+    """tiny-gdn's activations.h5 in place of tiny-dn's (same shapes): the selection fails instead of succeeding."""
+    acts = artifacts["tiny-gdn/acts"]
+    with pytest.raises(ArtifactError) as err:
+        run_selection(artifacts["tiny-dn/qk"], "drrqr", 50, activations=acts, expect=DN)
+    assert _one_line(err) == (
+        f"{acts} was written for model 'tiny-gdn' (gated_deltanet); this job is for 'tiny-dn' (delta_net); "
+        "delete it and rerun (rule calibrate rebuilds it)"
+    )
+
+
+def test_weights_of_another_model_are_refused(artifacts):
+    with pytest.raises(ArtifactError, match=r"qk\.h5 was written for model 'tiny-gdn' \(gated_deltanet\); this job "
+                       r"is for 'tiny-dn' \(delta_net\); delete it and rerun \(rule qk_weights rebuilds it\)$"):
+        run_selection(artifacts["tiny-gdn/qk"], "l1", 50, expect=DN)
+
+
+def test_matching_artifacts_pass_and_the_selection_records_model_and_family(artifacts, tmp_path):
+    rows, meta = run_selection(artifacts["tiny-dn/qk"], "drrqr", 50, activations=artifacts["tiny-dn/acts"], expect=DN)
+    assert meta["model"] == "tiny-dn" and meta["family"] == "delta_net"
+    sel = write_selection(tmp_path / "drrqr_50.parquet", rows, meta)
+    keep, meta2 = read_selection(sel, expect={**DN, "method": "drrqr", "pct": 50})
+    assert meta2 == meta and len(keep) == 2
+
+
+def test_calibration_and_head_size_are_checked(artifacts, tmp_path):
+    """grad_scores.h5 of another calibration id, and activations of a model with other head sizes (no model
+    name recorded) are refused, naming the facts that differ."""
+    model = tiny_model("delta_net")
+    grads = grad_scores(model, tiny_inputs(batch=2, length=16), tmp_path / "grad_scores.h5",
+                        attrs={"model": "tiny-dn", "calibration": "prose"})
+    with pytest.raises(ArtifactError) as err:
+        run_selection(artifacts["tiny-dn/qk"], "grad", 50, grads=grads, expect=DN)
+    assert _one_line(err) == (f"{grads} was written with calibration='prose'; this job expects calibration='default'; "
+                              "delete it and rerun (rule grad_scores rebuilds it)")
+    run_selection(artifacts["tiny-dn/qk"], "grad.prose", 50, grads=grads, expect=DN)  # the job of that calibration
+
+    small = tiny_model("delta_net", expand_k=0.5)  # d_k = 16
+    acts = capture_activations(small, tiny_inputs(batch=1, length=8), tmp_path / "activations.h5", rows_per_head=4)
+    with pytest.raises(ArtifactError, match=r"was written with head_k_dim=16; this job expects head_k_dim=32; .*calibrate"):
+        run_selection(artifacts["tiny-dn/qk"], "swanda", 50, activations=acts, expect=DN)
+
+
+def test_selection_of_another_model_method_or_pct_is_refused(artifacts, tmp_path):
+    rows, meta = run_selection(artifacts["tiny-gdn/qk"], "l1", 50, expect=GDN)
+    sel = write_selection(tmp_path / "l1_50.parquet", rows, meta)
+    with pytest.raises(ArtifactError) as err:
+        read_selection(sel, expect={**DN, "method": "l1", "pct": 50.0})
+    assert _one_line(err) == (f"{sel} was written for model 'tiny-gdn' (gated_deltanet); this job is for 'tiny-dn' "
+                              "(delta_net); delete it and rerun (rule select_channels rebuilds it)")
+    with pytest.raises(ArtifactError, match=r"was written with method='l1', pct=50; this job expects "
+                                            r"method='drrqr', pct=75\.0; .*select_channels"):
+        read_selection(sel, expect={**GDN, "method": "drrqr", "pct": 75.0})
+
+
+def _fake_record(folder: Path, model: str, family: str, method: str, pct: float) -> Path:
+    """A pruned checkpoint folder holding only the provenance part of its prune_record.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"family": family, "method": method, "pct": pct, "d_k": 32, "num_heads": 2, "extra": {"model": model}}
+    (folder / "prune_record.json").write_text(json.dumps(record))
+    return folder
+
+
+def test_rft_refuses_a_checkpoint_pruned_for_another_job(tmp_path):
+    from statereduce.rft import run_rft
+
+    pruned = _fake_record(tmp_path / "pruned", "tiny-gdn", "gated_deltanet", "drrqr", 75.0)
+    with pytest.raises(ArtifactError) as err:  # before any model, corpus or evaluation is touched
+        run_rft(pruned, tmp_path / "base", tmp_path / "rft", {}, {}, {}, DN, tmp_path / "eval.json",
+                extra={"method": "drrqr", "pct": 75.0, "stage": "rft"})
+    assert _one_line(err) == (f"{pruned / 'prune_record.json'} was written for model 'tiny-gdn' (gated_deltanet); "
+                              "this job is for 'tiny-dn' (delta_net); delete it and rerun (rule prune rebuilds it)")
+    with pytest.raises(ArtifactError, match=r"with method='drrqr'; this job expects method='l1'"):
+        run_rft(pruned, tmp_path / "base", tmp_path / "rft", {}, {}, {}, GDN, tmp_path / "eval.json",
+                extra={"method": "l1", "pct": 75.0, "stage": "rft"})
+
+
+def test_rank_refuses_artifacts_of_another_job(artifacts, tmp_path):
+    from statereduce.analysis.rank import rank_analysis
+
+    rows, meta = run_selection(artifacts["tiny-dn/qk"], "l1", 50, expect=DN)
+    sel = write_selection(tmp_path / "l1_50.parquet", rows, meta)
+    job = {"method": "l1", "pct": 50.0, "stage": "pruned"}
+    gdn_pruned = _fake_record(tmp_path / "gdn", "tiny-gdn", "gated_deltanet", "l1", 50.0)
+    with pytest.raises(ArtifactError, match=re.escape(f"{gdn_pruned / 'prune_record.json'} was written for model "
+                                                      "'tiny-gdn'")):
+        rank_analysis(gdn_pruned, {}, DN, tmp_path / "rank.json", selection=sel, activations=artifacts["tiny-dn/acts"],
+                      extra=job)
+    dn_pruned = _fake_record(tmp_path / "dn", "tiny-dn", "delta_net", "l1", 50.0)
+    acts = artifacts["tiny-gdn/acts"]
+    with pytest.raises(ArtifactError, match=re.escape(f"{acts} was written for model 'tiny-gdn'")):
+        rank_analysis(dn_pruned, {}, DN, tmp_path / "rank.json", selection=sel, activations=acts, extra=job)
+
+
+# ---- 4. artifacts that cannot be read ----------------------------------------------------------------------------
+def _truncate(src: Path, dest: Path, n: int = 100) -> Path:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_bytes(src.read_bytes()[:n])
+    return dest
+
+
+@pytest.mark.parametrize("name, rule", [("qk.h5", "qk_weights"), ("activations.h5", "calibrate"),
+                                        ("grad_scores.h5", "grad_scores")])
+@pytest.mark.parametrize("keep_bytes", [100, 5000])
+def test_truncated_hdf5_names_the_rule_that_rebuilds_it(artifacts, tmp_path, name, rule, keep_bytes):
+    from statereduce.h5files import H5Artifact
+
+    bad = _truncate(artifacts["tiny-dn/acts"], tmp_path / name, keep_bytes)
+    for read in (lambda a: a.attrs(), lambda a: a.layers(), lambda a: a.read(0, ["K"])):
+        with pytest.raises(ArtifactError) as err:
+            read(H5Artifact(bad))
+        assert re.fullmatch(rf"{re.escape(str(bad))} is not a readable HDF5 file \(.+\); delete it and rerun "
+                            rf"\(rule {rule} rebuilds it\)", _one_line(err))
+
+
+def test_selection_job_reports_a_truncated_input(artifacts, tmp_path):
+    bad = _truncate(artifacts["tiny-dn/acts"], tmp_path / "calib" / "default" / "activations.h5")
+    with pytest.raises(ArtifactError, match=r"activations\.h5 is not a readable HDF5 file .*rule calibrate rebuilds"):
+        run_selection(artifacts["tiny-dn/qk"], "drrqr", 50, activations=bad, expect=DN)
+    bad = _truncate(artifacts["tiny-dn/qk"], tmp_path / "weights" / "qk.h5")
+    with pytest.raises(ArtifactError, match=r"qk\.h5 is not a readable HDF5 file .*rule qk_weights rebuilds"):
+        run_selection(bad, "l1", 50, expect=DN)
+
+
+def test_missing_dataset_and_missing_file(artifacts, tmp_path):
+    from statereduce.h5files import H5Artifact
+
+    with pytest.raises(ArtifactError, match=r"qk\.h5 has no dataset layer_000/K; delete it and rerun \(rule qk_weights"):
+        H5Artifact(artifacts["tiny-dn/qk"]).read(0, ["K"])
+    with pytest.raises(FileNotFoundError, match=r"activations\.h5 does not exist; rule calibrate builds it$"):
+        H5Artifact(tmp_path / "activations.h5").attrs()
+
+
+def test_unreadable_selection_names_select_channels(artifacts, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows, meta = run_selection(artifacts["tiny-dn/qk"], "l1", 50, expect=DN)
+    good = write_selection(tmp_path / "good.parquet", rows, meta)
+    text = tmp_path / "l1_50.parquet"
+    text.write_text("layer,head,keep\n0,0,[1, 2]\n")
+    cut = _truncate(good, tmp_path / "l1_75.parquet")
+    for bad in (text, cut):
+        with pytest.raises(ArtifactError) as err:
+            read_selection(bad)
+        assert re.fullmatch(rf"{re.escape(str(bad))} is not a readable Parquet file \(.+\); delete it and rerun "
+                            r"\(rule select_channels rebuilds it\)", _one_line(err))
+    plain = tmp_path / "rand_50.parquet"
+    pq.write_table(pa.table({"layer": [0], "head": [0], "keep": [[1, 2]]}), plain)
+    with pytest.raises(ArtifactError, match=r"rand_50\.parquet is not a selection file \(it has no statereduce "
+                                            r"metadata\); delete it and rerun \(rule select_channels"):
+        read_selection(plain)
+
+
+def test_unreadable_prune_record(tmp_path):
+    from statereduce.prune import check_prune_record
+
+    (tmp_path / "prune_record.json").write_text('{"family": "delta_net", ')
+    with pytest.raises(ArtifactError, match=r"prune_record\.json is not a readable JSON file \(.+\); delete it and "
+                                            r"rerun \(rule prune rebuilds it\)$"):
+        check_prune_record(tmp_path, DN)
