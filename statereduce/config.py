@@ -313,6 +313,25 @@ def check_studies(config: dict) -> dict[str, list[tuple[str, str, float]]]:
     return cells
 
 
+def check_local(model: str, path: str | None) -> None:
+    """Check ``models.<model>.local``: a folder holding ``config.json`` (an HF checkpoint), or None (no checkpoint
+    yet). A relative path is relative to the working directory, as the jobs resolve it.
+
+    Raises:
+        ConfigError: one line naming the model, the path and what was expected.
+    """
+    if path is None:
+        return
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        problem = "is not a folder" if folder.exists() else "does not exist"
+    elif not (folder / "config.json").is_file():
+        problem = "has no config.json"
+    else:
+        return
+    raise ConfigError(f"models.{model}.local: {path!r} {problem}; expected an HF checkpoint folder with config.json")
+
+
 def canonical(obj):
     """``obj`` with every mapping's keys sorted, recursively: reordering keys in config.yaml must not
     change any rule's params (Snakemake reruns a job whose params' representation changed)."""
@@ -342,6 +361,7 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
                 raise ConfigError(f"models.{name}.pretrain.arch: {e}") from None
         m.setdefault("dtype", "float32")
         m.setdefault("device", "cpu")
+        check_local(name, m.get("local"))
         for where, cname in (("calibration", m.get("calibration", {}).get("corpus")), ("eval", m.get("eval", {}).get("corpus")),
                              ("pretrain", m.get("pretrain", {}).get("corpus"))):
             if cname is not None and cname not in corpora:

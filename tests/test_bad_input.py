@@ -4,6 +4,7 @@
   by every reader that knows what its job expects (selection, pruning, RFT, rank analysis), instead of giving a
   silently wrong result; the error names the file, what it was written for, what the job is for, and the rule
   that rebuilds it.
+- ``models.<name>.local`` that is not an HF checkpoint folder fails config validation, not the job.
 - An artifact that cannot be read (a truncated HDF5 file, a file that is not Parquet or not a selection file, a
   prune record that is not JSON) fails the same way: its path, what is wrong, and the rule that rebuilds it.
 """
@@ -210,3 +211,34 @@ def test_unreadable_prune_record(tmp_path):
     with pytest.raises(ArtifactError, match=r"prune_record\.json is not a readable JSON file \(.+\); delete it and "
                                             r"rerun \(rule prune rebuilds it\)$"):
         check_prune_record(tmp_path, DN)
+
+
+# ---- 3. a local checkpoint path that is not a checkpoint --------------------------------------------------------
+@pytest.fixture(scope="module")
+def shipped_config() -> dict:
+    import yaml
+
+    return yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())
+
+
+def test_local_checkpoint_must_be_a_folder_with_config_json(shipped_config, tmp_path):
+    import copy
+
+    from statereduce.config import ConfigError, validate_config
+
+    def validate(local):
+        cfg = copy.deepcopy(shipped_config)
+        cfg["models"]["dn370m"]["local"] = str(local)
+        return validate_config(cfg)
+
+    expected = "expected an HF checkpoint folder with config.json"
+    with pytest.raises(ConfigError) as err:
+        validate("/nonexistent/ckpt")
+    assert _one_line(err) == f"models.dn370m.local: '/nonexistent/ckpt' does not exist; {expected}"
+    (tmp_path / "weights.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=rf"^models\.dn370m\.local: '.*weights\.safetensors' is not a folder; {expected}$"):
+        validate(tmp_path / "weights.safetensors")
+    with pytest.raises(ConfigError, match=rf"^models\.dn370m\.local: '{re.escape(str(tmp_path))}' has no config\.json"):
+        validate(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    assert validate(tmp_path)["models"]["dn370m"]["local"] == str(tmp_path)
