@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import hashlib
 import json
 import os
@@ -43,92 +42,17 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from statereduce.config import rft_settings
 from statereduce.pretrain import lr_at, seed_everything
 from statereduce.runtime import atomic_dir, atomic_file, jsonable, read_json, write_json
 
 RECORD_FILE = "rft_record.json"
 LOG_FILE = "train_log.jsonl"
 RESUME_FILE = "resume.pt"
-PRECISIONS = ("auto", "bf16", "fp32")
-KERNELS = ("fla", "torch")
-
-# Paper defaults (App. A). The embedded tiny models override sizes and LR in config.yaml.
-DEFAULT_RFT: dict[str, Any] = {
-    "lora": {"rank": 32, "alpha": 64, "dropout": 0.0},
-    "distill": {"temperature": 2.0, "kl_weight": 1.0, "lm_weight": 0.0},
-    "scope": "auto",  # auto (the adapter's default) | all | recurrent
-    "n_samples": 32000,
-    "seq_len": 2048,
-    "batch_size": 16,  # effective batch (sequences per optimizer step, over all processes)
-    "micro_batch_size": 1,  # sequences per forward pass; batch_size / (micro_batch_size * processes) accumulate
-    "lr": 1e-4,
-    "min_lr": 1e-5,
-    "warmup_frac": 0.05,
-    "weight_decay": 0.0,
-    "betas": [0.9, 0.999],
-    "grad_clip": 1.0,
-    "precision": "auto",  # auto: bf16 autocast on CUDA, fp32 on CPU
-    "kernels": "fla",  # torch: statereduce.kernels.fla_fallback on CUDA too (where fla's backward is refused or faults)
-    "seed": 0,
-    "log_every": 10,
-    "save_every": 100,  # optimizer steps between resume checkpoints
-}
-_NESTED = ("lora", "distill")
 
 
 class _Stop(Exception):
     """Raised by a ``stop_after`` test hook to simulate a killed run."""
-
-
-def rft_settings(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """:data:`DEFAULT_RFT` updated by ``overrides`` (``lora`` / ``distill`` merged key by key), checked.
-
-    Raises:
-        ValueError: one line naming the bad key or value and what is valid.
-    """
-    overrides = dict(overrides or {})
-    bad = sorted(set(overrides) - set(DEFAULT_RFT))
-    if bad:
-        raise ValueError(f"unknown rft key(s) {bad}; valid: {', '.join(sorted(DEFAULT_RFT))}")
-    cfg = copy.deepcopy(DEFAULT_RFT)
-    for key, value in overrides.items():
-        if key in _NESTED:
-            bad = sorted(set(value) - set(DEFAULT_RFT[key]))
-            if bad:
-                raise ValueError(f"unknown rft.{key} key(s) {bad}; valid: {', '.join(sorted(DEFAULT_RFT[key]))}")
-            cfg[key].update(value)
-        else:
-            cfg[key] = value
-    for key in ("n_samples", "seq_len", "batch_size", "micro_batch_size", "log_every", "save_every"):
-        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1:
-            raise ValueError(f"rft {key} must be an integer >= 1, got {cfg[key]!r}")
-    if cfg["batch_size"] % cfg["micro_batch_size"]:
-        raise ValueError(
-            f"rft batch_size={cfg['batch_size']} is not a multiple of micro_batch_size={cfg['micro_batch_size']}"
-        )
-    if cfg["n_samples"] < cfg["batch_size"]:
-        raise ValueError(f"rft n_samples={cfg['n_samples']} is smaller than one batch (batch_size={cfg['batch_size']})")
-    if not 0 <= float(cfg["warmup_frac"]) < 1:
-        raise ValueError(f"rft warmup_frac must be in [0, 1), got {cfg['warmup_frac']!r}")
-    if cfg["kernels"] not in KERNELS:
-        raise ValueError(f"unknown rft kernels {cfg['kernels']!r}; valid: {', '.join(KERNELS)}")
-    if cfg["precision"] not in PRECISIONS:
-        raise ValueError(f"unknown rft precision {cfg['precision']!r}; valid: {', '.join(PRECISIONS)}")
-    lora, distill = cfg["lora"], cfg["distill"]
-    if int(lora["rank"]) < 1 or float(lora["alpha"]) <= 0 or not 0 <= float(lora["dropout"]) < 1:
-        raise ValueError(f"rft lora needs rank >= 1, alpha > 0, dropout in [0, 1); got {lora}")
-    if float(distill["temperature"]) <= 0:
-        raise ValueError(f"rft distill temperature must be > 0, got {distill['temperature']!r}")
-    if (
-        float(distill["kl_weight"]) < 0
-        or float(distill["lm_weight"]) < 0
-        or not (float(distill["kl_weight"]) or float(distill["lm_weight"]))
-    ):
-        raise ValueError(f"rft distill weights must be >= 0 and not both 0; got {distill}")
-    if float(cfg["lr"]) <= 0 or float(cfg["min_lr"]) < 0:
-        raise ValueError(f"rft lr must be > 0 and min_lr >= 0; got lr={cfg['lr']!r}, min_lr={cfg['min_lr']!r}")
-    cfg["betas"] = [float(b) for b in cfg["betas"]]
-    return cfg
 
 
 def n_steps(cfg: dict[str, Any]) -> int:

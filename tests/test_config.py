@@ -172,6 +172,23 @@ def test_validation_does_not_import_fla():
     assert out.returncode == 0, out.stderr
 
 
+def test_validation_imports_no_stage():
+    """Config validation (RFT settings included) imports no stage module and none of transformers or peft."""
+    code = (
+        "import sys, yaml\n"
+        "from statereduce import config\n"
+        f"cfg = config.validate_config(yaml.safe_load(open({str(ROOT / 'config.yaml')!r})))\n"
+        "for model in cfg['models']:\n"
+        "    config.check_rft(cfg, model)\n"
+        "stages = ('pretrain', 'capture', 'select', 'prune', 'rft', 'models')\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('fla', 'transformers', 'peft')\n"
+        "             or m in {f'statereduce.{s}' for s in stages})\n"
+        "assert not bad, bad[:5]\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+
+
 def test_bad_pct_in_requested_target_fails_at_dag_build(tmp_path):
     """A target path outside the config's pcts is checked too (input functions), before any job."""
     out = _snakemake_dry(tmp_path, None, ["results/tiny-gdn/drrqr_23.4375/eval.json"])

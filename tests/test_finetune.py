@@ -65,7 +65,7 @@ def pairs(tmp_path_factory):
 def _run(pair, out, **kw):
     base, pruned = pair
     kw.setdefault("resume_dir", out.parent / f".{out.name}_resume")
-    return ft.run_rft(pruned, base, out, {**RFT, **kw.pop("cfg", {})}, CORPUS, **kw)
+    return ft.fine_tune(pruned, base, out, {**RFT, **kw.pop("cfg", {})}, CORPUS, **kw)
 
 
 # ---- settings and loss -----------------------------------------------------------------------------
