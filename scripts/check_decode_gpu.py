@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from statereduce.speed import inplace as decode
+from statereduce.kernels import recurrent as decode
 from statereduce.speed.bench import copy_bandwidth, graphed, time_ms
 
 # (name, heads, value heads, d_k, d_v, gated): the 1.3B models' layers at 0 / 50 / 75 %
