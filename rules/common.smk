@@ -26,6 +26,30 @@ TARGETS = CFG["targets"]
 STUDIES = srconfig.check_studies(CFG)  # study -> [(model, method, pct)]; empty without a `studies` block
 
 
+def command_line_targets():
+    """The targets named on the ``snakemake`` command line; none when Snakemake was started otherwise (its Python
+    API, a job's own process). Snakemake reads the Snakefile before it hands the targets to the workflow
+    (``workflow.dag_settings`` is unset here), so they come from ``sys.argv`` through Snakemake's own parser."""
+    prog = Path(sys.argv[0])
+    if prog.name != "snakemake" and prog.parts[-2:] != ("snakemake", "__main__.py"):
+        return []
+    try:
+        from snakemake.cli import get_argument_parser
+
+        return list(get_argument_parser().parse_args(sys.argv[1:]).targets or [])
+    except (Exception, SystemExit):
+        return []
+
+
+# A requested path under results/ naming an unknown model, selector or calibration, or an impossible pct, fails here
+# in one line with the valid choices (Snakemake alone would answer only "No rule to produce ...").
+for _target in command_line_targets():
+    try:
+        srconfig.check_target(CFG, os.path.relpath(_target) if os.path.isabs(_target) else _target)
+    except srconfig.ConfigError as e:
+        raise WorkflowError(str(e)) from None
+
+
 wildcard_constraints:
     model="|".join(re.escape(m) for m in MODELS),
     method=METHOD_REGEX,

@@ -9,6 +9,7 @@ representable head size. Every error is one line naming the bad value and the va
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -321,6 +322,44 @@ def check_method(config: dict, method: str) -> None:
         raise ConfigError(
             f"method {method!r} names calibration {spec.calib!r}; valid: {', '.join(sorted(config.get('calibrations', {}))) or '(none defined)'}"
         )
+
+
+#: Folders of ``results/{model}/`` whose name is not a ``<method>_<pct>`` stage.
+RESULT_FOLDERS = ("base", "baseline", "calib", "select", "weights")
+
+
+def check_target(config: dict, target: str) -> None:
+    """Check a requested path under ``results/`` against the configuration, before any job is planned.
+
+    ``results/{model}/...`` must name a configured model, ``calib/{calib}/...`` a calibration id of it, and
+    ``select/{method}_{pct}.parquet`` and ``{method}_{pct}/...`` a valid method token (:func:`check_method`) and a
+    pct the model can take (:func:`check_reduction`). Other paths (tables, figures, outside ``results/``) are
+    left to Snakemake.
+
+    Raises:
+        ConfigError: one line: the target, its unknown or impossible part, and the valid choices.
+    """
+    parts = Path(target).parts
+    if len(parts) < 3 or parts[0] != "results" or parts[1] in ("tables", "figures"):
+        return
+    model, folder = parts[1], parts[2]
+    try:
+        if model not in config["models"]:
+            raise ConfigError(f"unknown model {model!r}; valid: {', '.join(sorted(config['models']))}")
+        if folder == "calib" and len(parts) > 3:
+            model_calibration(config, model, parts[3])
+        if folder in RESULT_FOLDERS and not (folder == "select" and len(parts) > 3):
+            return
+        stage = parts[3].removesuffix(".parquet") if folder == "select" else folder
+        method, sep, pct = stage.rpartition("_")
+        if not sep:
+            raise ConfigError(f"{stage!r} is neither <method>_<pct> (e.g. drrqr_75) nor one of {', '.join(RESULT_FOLDERS)}")
+        check_method(config, method)
+        if not re.fullmatch(r"\d+(\.\d+)?", pct):
+            raise ConfigError(f"pct {pct!r} in {stage!r} is not a number such as 75 or 37.5 (percent of key channels removed)")
+        check_reduction(config, model, float(pct))
+    except ConfigError as e:
+        raise ConfigError(f"{target}: {e}") from None
 
 
 #: Selector needs that depend on the calibration data (a selector needing none of them ignores the calibration).

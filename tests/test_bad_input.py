@@ -4,6 +4,8 @@
   by every reader that knows what its job expects (selection, pruning, RFT, rank analysis), instead of giving a
   silently wrong result; the error names the file, what it was written for, what the job is for, and the rule
   that rebuilds it.
+- A requested path under ``results/`` with an unknown model, selector or calibration, or an impossible pct, fails
+  before any job is planned, naming that part and the valid choices (not Snakemake's "No rule to produce ...").
 - ``models.<name>.local`` that is not an HF checkpoint folder fails config validation, not the job.
 - An artifact that cannot be read (a truncated HDF5 file, a file that is not Parquet or not a selection file, a
   prune record that is not JSON) fails the same way: its path, what is wrong, and the rule that rebuilds it.
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -242,3 +246,72 @@ def test_local_checkpoint_must_be_a_folder_with_config_json(shipped_config, tmp_
         validate(tmp_path)
     (tmp_path / "config.json").write_text("{}")
     assert validate(tmp_path)["models"]["dn370m"]["local"] == str(tmp_path)
+
+
+# ---- 2. a requested path naming something unknown -----------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("target, message", [
+    ("results/tiny-dn/foo_75/eval.json", "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, rand, swanda"),
+    ("results/nomodel/drrqr_75/eval.json", "unknown model 'nomodel'; valid: dn1.3b, dn370m, gdn1.3b, gdn370m, tiny-dn, tiny-gdn"),
+    ("results/tiny-dn/calib/bogus/activations.h5", "unknown calibration 'bogus'; valid: default, n16, prose, seed1"),
+    ("results/tiny-gdn/select/drrqr.bogus_75.parquet", "method 'drrqr.bogus' names calibration 'bogus'; valid: n16, prose, seed1"),
+    ("results/tiny-dn/drrqr_7x5/eval.json", "pct '7x5' in 'drrqr_7x5' is not a number such as 75 or 37.5"),
+    ("results/tiny-dn/drrqr_100/rft/eval.json", "pct 100.0 is outside (0, 100)"),
+    ("results/tiny-dn/evals/eval.json", "'evals' is neither <method>_<pct> (e.g. drrqr_75) nor one of base, baseline,"),
+    ("results/tiny-dn/baseline/eval.json", None),
+    ("results/tiny-dn/select/l1-q.prose_75.parquet", None),
+    ("results/tables/comparison.md", None),
+])
+def test_check_target(shipped_config, target, message):
+    from statereduce.config import ConfigError, check_target, validate_config
+
+    cfg = validate_config(shipped_config)
+    if message is None:
+        check_target(cfg, target)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_target(cfg, target)
+    assert _one_line(err).startswith(f"{target}: {message}")
+
+
+def _dry_run(workdir: Path, *targets: str, cfg: dict | None = None) -> subprocess.CompletedProcess:
+    """``snakemake -n targets`` of the repository's workflow in ``workdir`` with ``cfg`` (default: the shipped one)."""
+    import yaml
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = yaml.safe_load((ROOT / "config.yaml").read_text()) if cfg is None else cfg
+    (workdir / "config.yaml").write_text(yaml.safe_dump(config))
+    cmd = [sys.executable, "-m", "snakemake", "-n", "--quiet", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir)]
+    return subprocess.run([*cmd, *targets], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("target, message", [
+    ("results/tiny-dn/foo_75/eval.json", "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, rand, swanda"),
+    ("results/nomodel/drrqr_75/eval.json", "unknown model 'nomodel'; valid: "),
+])
+def test_unknown_part_of_a_target_fails_before_any_job(tmp_path, target, message):
+    out = _dry_run(tmp_path, "all", target)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    lines = text.splitlines()
+    hits = [i for i, line in enumerate(lines) if line.startswith(f"{target}: {message}")]
+    assert hits and lines[hits[0] - 1].startswith("WorkflowError"), text  # one line, Snakemake's WorkflowError
+    assert "No rule to produce" not in text and "rule " not in text  # nothing was planned
+
+
+def test_rule_names_and_known_paths_still_plan(tmp_path):
+    out = _dry_run(tmp_path, "all_paper", "results/tiny-dn/drrqr.prose_75/eval.json", "results/tiny-gdn/select/l1-k_50.parquet")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+
+
+def test_missing_local_checkpoint_fails_the_dry_run(shipped_config, tmp_path):
+    import copy
+
+    cfg = copy.deepcopy(shipped_config)
+    cfg["models"]["dn370m"]["local"] = "/nonexistent/ckpt"
+    out = _dry_run(tmp_path, cfg=cfg)
+    assert out.returncode != 0
+    line = ("models.dn370m.local: '/nonexistent/ckpt' does not exist; expected an HF checkpoint folder with config.json")
+    assert line in (out.stdout + out.stderr).splitlines()
