@@ -168,68 +168,28 @@ def pretrain(
         the training text's bytes, one separator per document counted) and ``pure_seconds`` (the recall-only
         phase's share of ``train_seconds``; with that phase, ``train_tokens`` and the times cover both).
     """
-    cfg = _train_cfg(train_cfg)
-    mix = None
-    if recall_mix is not None:
-        from statereduce.eval.recall import recall_mix_settings
+    from transformers import AutoModelForCausalLM
 
-        mix = recall_mix_settings(recall_mix)
-    out_dir = Path(out_dir)
     from statereduce.kernels import fla_fallback
 
+    cfg = _train_cfg(train_cfg)
+    mix = _mix_settings(recall_mix)
     fla_fallback.install()
     torch.set_num_threads(int(cfg["threads"]))
     seed = int(cfg["seed"])
     seed_everything(seed)
-    from transformers import AutoModelForCausalLM
-
     tokenizer = byte_level_tokenizer()
     config = tiny_config(family, arch)
-    docs = load_split(corpus_spec, "train")
-    if mix is not None:
-        from statereduce.eval.recall import joined_bytes, mix_recall_docs
-
-        corpus_bytes = sum(map(joined_bytes, docs))
-        docs, n_recall = mix_recall_docs(docs, mix["fraction"], mix["n_pairs"], mix["seed"])
-        byte_share = 1.0 - corpus_bytes / sum(map(joined_bytes, docs))
-        mix = {**mix, "n_docs": n_recall, "byte_share": byte_share}
-    stream = token_stream(tokenizer, docs)
-    pure = None
-    n_pure = 0 if mix is None else int(mix["pure_steps"])
-    if n_pure > 0:
-        from statereduce.eval.recall import recall_stream_docs
-
-        pure_cfg = {
-            **cfg,
-            "steps": n_pure,
-            "lr": mix["pure_lr"],
-            "min_lr": None,
-            "warmup": min(cfg["warmup"], n_pure - 1),
-        }
-        pure_docs = recall_stream_docs(
-            n_pure * int(cfg["batch_size"]) * int(cfg["seq_len"]), mix["n_pairs"], mix["seed"]
-        )
-        pure = (token_stream(tokenizer, pure_docs), pure_cfg)
+    stream, mix = _training_stream(tokenizer, corpus_spec, mix)
+    pure = _recall_phase(tokenizer, cfg, mix)
     if stream.numel() < int(cfg["seq_len"]) + 1:
         raise ValueError(f"train split too small: {stream.numel()} tokens for seq_len={cfg['seq_len']}")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
     with atomic_dir(out_dir) as tmp:
         log_paths = [tmp / "train_log.jsonl"] + ([Path(log_path)] if log_path is not None else [])
-        pure_stats = None
-        if pure is not None:
-            pure_stats = train_loop(model, pure[0], pure[1], log_paths, desc=f"pretrain {family} (recall only)")
-            mix["pure_seconds"] = pure_stats["train_seconds"]
-        stats = train_loop(model, stream, cfg, log_paths, f"pretrain {family}", step_offset=n_pure, append=n_pure > 0)
-        if pure_stats is not None:
-            for key in ("train_tokens", "train_seconds", "train_cpu_seconds"):
-                stats[key] += pure_stats[key]
-            stats["tokens_per_s"] = stats["train_tokens"] / stats["train_seconds"]
+        stats = _train_phases(model, stream, cfg, pure, mix, log_paths, family)
         model.eval()
-        eval_losses: dict[str, float | None] = {}
-        for split in ("calib", "heldout"):
-            blocks = _eval_blocks(tokenizer, corpus_spec, split, int(cfg["eval_blocks"]), int(cfg["seq_len"]), seed)
-            eval_losses[split] = None if blocks is None else mean_loss(model, blocks)
         record = {
             "family": family,
             "arch": dict(arch),
@@ -238,7 +198,7 @@ def pretrain(
             "corpus": corpus_provenance(corpus_spec),
             **({"recall_mix": mix} if mix is not None else {}),
             **stats,
-            "eval_loss": eval_losses,
+            "eval_loss": _eval_losses(model, tokenizer, corpus_spec, cfg),
             "eval_blocks": {"n": int(cfg["eval_blocks"]), "seq_len": int(cfg["seq_len"]), "seed": seed},
             "loss_unit": "nats per token (byte-level tokenizer: nats per byte)",
             "versions": versions(),
@@ -247,6 +207,79 @@ def pretrain(
         tokenizer.save_pretrained(tmp)
         (tmp / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def _mix_settings(recall_mix: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``recall_mix`` completed and checked (:func:`statereduce.eval.recall.recall_mix_settings`), or None."""
+    if recall_mix is None:
+        return None
+    from statereduce.eval.recall import recall_mix_settings
+
+    return recall_mix_settings(recall_mix)
+
+
+def _eval_losses(model: torch.nn.Module, tokenizer, corpus_spec: dict[str, Any],
+                 cfg: dict[str, Any]) -> dict[str, float | None]:
+    """Mean loss on ``eval_blocks`` seeded blocks of the ``calib`` and ``heldout`` splits (None for a split
+    without a full block)."""
+    losses: dict[str, float | None] = {}
+    for split in ("calib", "heldout"):
+        blocks = _eval_blocks(tokenizer, corpus_spec, split, int(cfg["eval_blocks"]), int(cfg["seq_len"]),
+                              int(cfg["seed"]))
+        losses[split] = None if blocks is None else mean_loss(model, blocks)
+    return losses
+
+
+def _training_stream(tokenizer, corpus_spec: dict[str, Any],
+                     mix: dict[str, Any] | None) -> tuple[torch.Tensor, dict[str, Any] | None]:
+    """The token stream of the ``train`` split's documents, with ``mix``'s recall documents inserted among them.
+
+    Returns:
+        ``(stream, mix)``; ``mix`` gains ``n_docs`` (recall documents) and ``byte_share`` (their share of the
+        training text's bytes), or stays None.
+    """
+    docs = load_split(corpus_spec, "train")
+    if mix is not None:
+        from statereduce.eval.recall import joined_bytes, mix_recall_docs
+
+        corpus_bytes = sum(map(joined_bytes, docs))
+        docs, n_recall = mix_recall_docs(docs, mix["fraction"], mix["n_pairs"], mix["seed"])
+        byte_share = 1.0 - corpus_bytes / sum(map(joined_bytes, docs))
+        mix = {**mix, "n_docs": n_recall, "byte_share": byte_share}
+    return token_stream(tokenizer, docs), mix
+
+
+def _recall_phase(tokenizer, cfg: dict[str, Any], mix: dict[str, Any] | None) -> tuple[torch.Tensor, dict] | None:
+    """``(stream, train config)`` of the recall-only first phase (``mix["pure_steps"]`` steps at peak
+    ``pure_lr``, the corpus phase's warmup, cosine to a tenth), or None without one."""
+    n_pure = 0 if mix is None else int(mix["pure_steps"])
+    if n_pure <= 0:
+        return None
+    from statereduce.eval.recall import recall_stream_docs
+
+    pure_cfg = {**cfg, "steps": n_pure, "lr": mix["pure_lr"], "min_lr": None, "warmup": min(cfg["warmup"], n_pure - 1)}
+    pure_docs = recall_stream_docs(n_pure * int(cfg["batch_size"]) * int(cfg["seq_len"]), mix["n_pairs"], mix["seed"])
+    return token_stream(tokenizer, pure_docs), pure_cfg
+
+
+def _train_phases(model: torch.nn.Module, stream: torch.Tensor, cfg: dict[str, Any], pure: tuple | None,
+                  mix: dict[str, Any] | None, log_paths: list[Path], family: str) -> dict[str, Any]:
+    """Run the recall-only phase ``pure`` (when given), then the corpus phase, logging both to ``log_paths``.
+
+    Returns:
+        The corpus phase's :func:`train_loop` statistics, with tokens and times covering both phases; the
+        recall phase's seconds go to ``mix["pure_seconds"]``.
+    """
+    if pure is None:
+        return train_loop(model, stream, cfg, log_paths, f"pretrain {family}", step_offset=0, append=False)
+    n_pure = int(pure[1]["steps"])
+    pure_stats = train_loop(model, pure[0], pure[1], log_paths, desc=f"pretrain {family} (recall only)")
+    mix["pure_seconds"] = pure_stats["train_seconds"]
+    stats = train_loop(model, stream, cfg, log_paths, f"pretrain {family}", step_offset=n_pure, append=True)
+    for key in ("train_tokens", "train_seconds", "train_cpu_seconds"):
+        stats[key] += pure_stats[key]
+    stats["tokens_per_s"] = stats["train_tokens"] / stats["train_seconds"]
+    return stats
 
 
 def train_loop(

@@ -254,80 +254,25 @@ def train(
     from accelerate import Accelerator
 
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
-    world, rank = acc.num_processes, acc.process_index
-    bs, mbs = cfg["batch_size"], cfg["micro_batch_size"]
-    if bs % (mbs * world):
-        raise ValueError(f"rft batch_size={bs} is not divisible by micro_batch_size={mbs} x processes={world}")
-    steps, sched = n_steps(cfg), _schedule(cfg)
-    if blocks.shape[0] < steps * bs:
-        raise ValueError(f"{blocks.shape[0]} samples for {steps} steps of batch {bs}")
-    device = acc.device
-    autocast = _autocast(cfg["precision"], device)
-    params = [p for p in student.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        params, lr=lr_at(0, sched), betas=tuple(cfg["betas"]), weight_decay=float(cfg["weight_decay"])
-    )
-    student, opt = acc.prepare(student, opt)
-    teacher.to(device).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-
+    student, opt, params, steps, sched = _prepare_training(student, teacher, blocks, cfg, acc)
+    autocast = _autocast(cfg["precision"], acc.device)
     resume_file = Path(resume_dir) / RESUME_FILE if resume_dir is not None else None
-    log_lines: list[dict] = []
-    start_step = 0
-    if resume_file is not None and resume_file.is_file():
-        state = torch.load(resume_file, map_location="cpu", weights_only=False)
-        named = dict(acc.unwrap_model(student).named_parameters())
-        with torch.no_grad():
-            for name, value in state["trainable"].items():
-                named[name].copy_(value)
-        opt.load_state_dict(state["optimizer"])
-        start_step, log_lines = int(state["step"]), list(state["log"])
-    resumed_from = start_step
-
-    dist = cfg["distill"]
+    start_step, log_lines = _load_resume(resume_file, acc, student, opt)
+    bs, tokens_per_step = cfg["batch_size"], cfg["batch_size"] * blocks.shape[1]
     student.train()
     window: list[tuple[float, float, float]] = []
     t_start = t_window = time.perf_counter()
-    local = list(range(rank, bs, world))  # this process's positions within each batch
-    micro = [local[i : i + mbs] for i in range(0, len(local), mbs)]
+    local = list(range(acc.process_index, bs, acc.num_processes))  # this process's positions within each batch
+    micro = [local[i : i + cfg["micro_batch_size"]] for i in range(0, len(local), cfg["micro_batch_size"])]
     with contextlib.ExitStack() as stack:
-        log_file = None
-        if log_path is not None and acc.is_main_process:
-            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-            log_file = stack.enter_context(open(log_path, "w"))
-            log_file.writelines(json.dumps(rec) + "\n" for rec in log_lines)
-            log_file.flush()
-        bar = tqdm(
-            range(start_step, steps),
-            desc=desc,
-            initial=start_step,
-            total=steps,
-            mininterval=5.0,
-            unit="step",
-            disable=not acc.is_main_process,
-        )
+        log_file = _open_log(stack, log_path, acc, log_lines)
+        bar = tqdm(range(start_step, steps), desc=desc, initial=start_step, total=steps, mininterval=5.0, unit="step",
+                   disable=not acc.is_main_process)
         for step in bar:
             lr = lr_at(step, sched)
             for group in opt.param_groups:
                 group["lr"] = lr
-            totals = torch.zeros(3, device=device)
-            for j, idx in enumerate(micro):
-                x = blocks[[step * bs + i for i in idx]].to(device)
-                sync = contextlib.nullcontext() if j == len(micro) - 1 else acc.no_sync(student)
-                with sync:
-                    with torch.no_grad(), autocast:
-                        t_logits = teacher(input_ids=x).logits
-                    with autocast:
-                        s_logits = student(input_ids=x).logits
-                    loss, kl, ce = distill_loss(
-                        s_logits, t_logits, x, dist["temperature"], dist["kl_weight"], dist["lm_weight"]
-                    )
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"non-finite RFT loss {float(loss)} at step {step}")
-                    share = len(idx) / len(local)
-                    acc.backward(loss * share)
-                totals += torch.stack([loss.detach(), kl, ce]) * share
+            totals = _accumulate_step(student, teacher, blocks, step, cfg, local, micro, acc, autocast)
             grad_norm = acc.clip_grad_norm_(params, float(cfg["grad_clip"]))
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -336,17 +281,7 @@ def train(
             done = step + 1
             if done % cfg["log_every"] == 0 or done == steps:
                 now = time.perf_counter()
-                n = len(window)
-                rec = {
-                    "step": done,
-                    "loss": sum(w[0] for w in window) / n,
-                    "kl": sum(w[1] for w in window) / n,
-                    "ce": sum(w[2] for w in window) / n,
-                    "lr": lr,
-                    "grad_norm": float(grad_norm),
-                    "tokens_per_s": n * bs * blocks.shape[1] / (now - t_window),
-                    "elapsed_s": now - t_start,
-                }
+                rec = _log_record(window, done, lr, grad_norm, tokens_per_step, now - t_window, now - t_start)
                 log_lines.append(rec)
                 if log_file is not None:
                     log_file.write(json.dumps(rec) + "\n")
@@ -354,34 +289,143 @@ def train(
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['kl']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 window, t_window = [], now
             if resume_file is not None and (done % cfg["save_every"] == 0 and done < steps):
-                if acc.is_main_process:
-                    resume_file.parent.mkdir(parents=True, exist_ok=True)
-                    _save_resume(
-                        resume_file,
-                        {
-                            "step": done,
-                            "trainable": trainable_state(acc.unwrap_model(student)),
-                            "optimizer": opt.state_dict(),
-                            "log": log_lines,
-                        },
-                    )
-                acc.wait_for_everyone()
+                _checkpoint(resume_file, acc, student, opt, done, log_lines)
             if stop_after is not None and done >= stop_after:
                 raise _Stop(f"stopped after step {done} (test hook)")
-    seconds = time.perf_counter() - t_start
-    trained = steps - start_step
+    return _train_stats(steps, start_step, tokens_per_step, time.perf_counter() - t_start, log_lines, acc)
+
+
+def _prepare_training(student, teacher: nn.Module, blocks: torch.Tensor, cfg: dict[str, Any], acc):
+    """Check the batch layout against ``blocks`` and the processes, build AdamW on the student's trainable
+    parameters, let ``acc`` wrap student and optimizer, and freeze the teacher on the device.
+
+    Returns:
+        ``(student, optimizer, trainable parameters, steps, schedule)``.
+    """
+    world = acc.num_processes
+    bs, mbs = cfg["batch_size"], cfg["micro_batch_size"]
+    if bs % (mbs * world):
+        raise ValueError(f"rft batch_size={bs} is not divisible by micro_batch_size={mbs} x processes={world}")
+    steps, sched = n_steps(cfg), _schedule(cfg)
+    if blocks.shape[0] < steps * bs:
+        raise ValueError(f"{blocks.shape[0]} samples for {steps} steps of batch {bs}")
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        params, lr=lr_at(0, sched), betas=tuple(cfg["betas"]), weight_decay=float(cfg["weight_decay"])
+    )
+    student, opt = acc.prepare(student, opt)
+    teacher.to(acc.device).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return student, opt, params, steps, sched
+
+
+def _load_resume(resume_file: Path | None, acc, student, opt) -> tuple[int, list[dict]]:
+    """Restore the trainable tensors and the optimizer from ``resume_file`` when it exists.
+
+    Returns:
+        ``(optimizer steps already done, log lines so far)``; ``(0, [])`` without a checkpoint.
+    """
+    if resume_file is None or not resume_file.is_file():
+        return 0, []
+    state = torch.load(resume_file, map_location="cpu", weights_only=False)
+    named = dict(acc.unwrap_model(student).named_parameters())
+    with torch.no_grad():
+        for name, value in state["trainable"].items():
+            named[name].copy_(value)
+    opt.load_state_dict(state["optimizer"])
+    return int(state["step"]), list(state["log"])
+
+
+def _checkpoint(resume_file: Path, acc, student, opt, done: int, log_lines: list[dict]) -> None:
+    """Save the resume state after ``done`` optimizer steps (main process), then wait for every process."""
+    if acc.is_main_process:
+        resume_file.parent.mkdir(parents=True, exist_ok=True)
+        _save_resume(
+            resume_file,
+            {
+                "step": done,
+                "trainable": trainable_state(acc.unwrap_model(student)),
+                "optimizer": opt.state_dict(),
+                "log": log_lines,
+            },
+        )
+    acc.wait_for_everyone()
+
+
+def _open_log(stack: contextlib.ExitStack, log_path: str | Path | None, acc, log_lines: list[dict]):
+    """The main process's JSONL log, opened on ``stack`` and rewritten with ``log_lines``; None on other
+    processes or without ``log_path``."""
+    if log_path is None or not acc.is_main_process:
+        return None
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    log_file = stack.enter_context(open(log_path, "w"))
+    log_file.writelines(json.dumps(rec) + "\n" for rec in log_lines)
+    log_file.flush()
+    return log_file
+
+
+def _accumulate_step(student, teacher: nn.Module, blocks: torch.Tensor, step: int, cfg: dict[str, Any],
+                     local: list[int], micro: list[list[int]], acc, autocast) -> torch.Tensor:
+    """Forward and backward passes of this process's micro-batches of optimizer step ``step``, gradients
+    accumulated (synchronised across processes on the last micro-batch only).
+
+    Returns:
+        ``[loss, kl, ce]`` of this process's share of the batch (each micro-batch weighted by its share).
+    """
+    bs, dist = cfg["batch_size"], cfg["distill"]
+    totals = torch.zeros(3, device=acc.device)
+    for j, idx in enumerate(micro):
+        x = blocks[[step * bs + i for i in idx]].to(acc.device)
+        sync = contextlib.nullcontext() if j == len(micro) - 1 else acc.no_sync(student)
+        with sync:
+            with torch.no_grad(), autocast:
+                t_logits = teacher(input_ids=x).logits
+            with autocast:
+                s_logits = student(input_ids=x).logits
+            loss, kl, ce = distill_loss(
+                s_logits, t_logits, x, dist["temperature"], dist["kl_weight"], dist["lm_weight"]
+            )
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite RFT loss {float(loss)} at step {step}")
+            share = len(idx) / len(local)
+            acc.backward(loss * share)
+        totals += torch.stack([loss.detach(), kl, ce]) * share
+    return totals
+
+
+def _train_stats(steps: int, start_step: int, tokens_per_step: int, seconds: float, log_lines: list[dict],
+                 acc) -> dict[str, Any]:
+    """What :func:`train` returns: steps, tokens, seconds and tokens/s of this run, the last log line's losses."""
     last = log_lines[-1] if log_lines else {}
     return {
         "steps": steps,
-        "resumed_from_step": resumed_from,
-        "train_tokens": steps * bs * blocks.shape[1],
+        "resumed_from_step": start_step,
+        "train_tokens": steps * tokens_per_step,
         "train_seconds": seconds,
-        "tokens_per_s": trained * bs * blocks.shape[1] / seconds if seconds > 0 else None,
+        "tokens_per_s": (steps - start_step) * tokens_per_step / seconds if seconds > 0 else None,
         "final_loss": last.get("loss"),
         "final_kl": last.get("kl"),
         "final_ce": last.get("ce"),
-        "processes": world,
-        "device": str(device),
+        "processes": acc.num_processes,
+        "device": str(acc.device),
+    }
+
+
+def _log_record(window: list[tuple[float, float, float]], done: int, lr: float, grad_norm, tokens_per_step: int,
+                seconds: float, elapsed: float) -> dict[str, Any]:
+    """One JSONL log line: the mean (loss, kl, ce) of the steps in ``window`` (``seconds`` long), ending at step
+    ``done``."""
+    n = len(window)
+    return {
+        "step": done,
+        "loss": sum(w[0] for w in window) / n,
+        "kl": sum(w[1] for w in window) / n,
+        "ce": sum(w[2] for w in window) / n,
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "tokens_per_s": n * tokens_per_step / seconds,
+        "elapsed_s": elapsed,
     }
 
 
@@ -445,56 +489,26 @@ def fine_tune(
     """
     from accelerate import Accelerator
 
-    from statereduce.data import corpus_provenance, load_split
-    from statereduce.models import load_model
+    from statereduce.models import DTYPES
 
     cfg = rft_settings(cfg)
     out_dir = Path(out_dir)
     cpu = torch.device(device).type == "cpu"
     acc = Accelerator(cpu=cpu)
     seed_everything(int(cfg["seed"]))
-    here = "cpu" if cpu else acc.device  # under torchrun: this process's own GPU (cuda:LOCAL_RANK)
-    teacher, tokenizer = load_model(base_dir, dtype="float32" if cpu else "bfloat16", device=here)
-    student, _ = load_model(pruned_dir, dtype="float32", device=here)
-    if cfg["kernels"] == "torch":  # after load_model, which routes only CPU tensors to the fallback
-        from statereduce.kernels import fla_fallback
-
-        fla_fallback.install(torch_device_types=("cpu", "cuda"))
-    corpus_spec = dict(corpus_spec)
-    if corpus_spec.get("source") == "hf" and corpus_spec.get("max_bytes") is None:
-        # read a bounded prefix of a large hub split: 8 bytes per token is generous for BPE tokenizers on text
-        corpus_spec["max_bytes"] = 8 * cfg["n_samples"] * cfg["seq_len"]
-    blocks, data_info = training_blocks(
-        tokenizer, load_split(corpus_spec, "train"), cfg["n_samples"], cfg["seq_len"], cfg["seed"], exclude_docs
-    )
-    data = {"corpus": corpus_provenance(corpus_spec), "split": "train", **data_info}
+    teacher, student, tokenizer = _load_pair(base_dir, pruned_dir, cfg, cpu, acc)
+    blocks, data = _rft_data(tokenizer, corpus_spec, cfg, exclude_docs)
     key = fingerprint(pruned_dir, base_dir, cfg, data)
-    resume = None
-    if resume_dir is not None:
-        resume = Path(resume_dir) / key
-        if Path(resume_dir).is_dir():  # checkpoints of other inputs/settings are stale
-            for other in Path(resume_dir).iterdir():
-                if other.name != key and acc.is_main_process:
-                    shutil.rmtree(other, ignore_errors=True)
+    resume = _resume_folder(resume_dir, key, acc)
     seed_everything(int(cfg["seed"]))  # LoRA's initialisation
     peft_model, modules = attach_lora(student, cfg)
     n_trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    from statereduce.models import DTYPES
-
     with contextlib.ExitStack() as stack:
         # the main process builds out_dir in a temporary sibling, swapped in only when everything succeeded;
         # after a failure the resume checkpoint, not this folder, carries the progress
         tmp = stack.enter_context(atomic_dir(out_dir)) if acc.is_main_process else None
-        stats = train(
-            peft_model,
-            teacher,
-            blocks,
-            cfg,
-            resume_dir=resume,
-            log_path=tmp / LOG_FILE if tmp is not None else None,
-            accelerator=acc,
-            stop_after=stop_after,
-        )
+        stats = train(peft_model, teacher, blocks, cfg, resume_dir=resume, accelerator=acc, stop_after=stop_after,
+                      log_path=tmp / LOG_FILE if tmp is not None else None)
         del teacher
         record = {
             "settings": cfg,
@@ -512,23 +526,77 @@ def fine_tune(
             acc.wait_for_everyone()
             return record
         model = merge(acc.unwrap_model(peft_model)).to(DTYPES[dtype])
-        prune_record = read_json(Path(pruned_dir) / "prune_record.json")
-        prune_record["rft"] = record
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        write_json(tmp / "prune_record.json", prune_record)
-        write_json(tmp / RECORD_FILE, record)
-        if log_path is not None:
-            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(tmp / LOG_FILE, log_path)
-    if resume is not None:
-        shutil.rmtree(resume, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            Path(resume_dir).rmdir()  # only when no other run's checkpoint is left
+        _write_checkpoint(tmp, model, tokenizer, pruned_dir, record, log_path)
+    _drop_resume(resume)
     acc.wait_for_everyone()
     if on_saved is not None:
         on_saved(model, tokenizer, out_dir)
     return record
+
+
+def _load_pair(base_dir: str | Path, pruned_dir: str | Path, cfg: dict[str, Any], cpu: bool, acc):
+    """``(teacher, student, tokenizer)`` on this process's device: the teacher in float32 on CPU and bfloat16 on
+    GPU, the student in float32; with ``kernels: torch`` fla's ops go to the torch fallbacks on CUDA too."""
+    from statereduce.models import load_model
+
+    here = "cpu" if cpu else acc.device  # under torchrun: this process's own GPU (cuda:LOCAL_RANK)
+    teacher, tokenizer = load_model(base_dir, dtype="float32" if cpu else "bfloat16", device=here)
+    student, _ = load_model(pruned_dir, dtype="float32", device=here)
+    if cfg["kernels"] == "torch":  # after load_model, which routes only CPU tensors to the fallback
+        from statereduce.kernels import fla_fallback
+
+        fla_fallback.install(torch_device_types=("cpu", "cuda"))
+    return teacher, student, tokenizer
+
+
+def _rft_data(tokenizer, corpus_spec: dict[str, Any], cfg: dict[str, Any],
+              exclude_docs: Sequence[str]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The training blocks of ``corpus_spec``'s ``train`` split (:func:`training_blocks`) and their record."""
+    from statereduce.data import corpus_provenance, load_split
+
+    corpus_spec = dict(corpus_spec)
+    if corpus_spec.get("source") == "hf" and corpus_spec.get("max_bytes") is None:
+        # read a bounded prefix of a large hub split: 8 bytes per token is generous for BPE tokenizers on text
+        corpus_spec["max_bytes"] = 8 * cfg["n_samples"] * cfg["seq_len"]
+    blocks, data_info = training_blocks(
+        tokenizer, load_split(corpus_spec, "train"), cfg["n_samples"], cfg["seq_len"], cfg["seed"], exclude_docs
+    )
+    return blocks, {"corpus": corpus_provenance(corpus_spec), "split": "train", **data_info}
+
+
+def _resume_folder(resume_dir: str | Path | None, key: str, acc) -> Path | None:
+    """``resume_dir/<key>``, the resume folder of this run's inputs and settings; the main process removes the
+    folders of other keys (stale). None without ``resume_dir``."""
+    if resume_dir is None:
+        return None
+    if Path(resume_dir).is_dir():
+        for other in Path(resume_dir).iterdir():
+            if other.name != key and acc.is_main_process:
+                shutil.rmtree(other, ignore_errors=True)
+    return Path(resume_dir) / key
+
+
+def _drop_resume(resume: Path | None) -> None:
+    """Remove a finished run's resume folder, and its parent when no other run's checkpoint is left there."""
+    if resume is not None:
+        shutil.rmtree(resume, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            resume.parent.rmdir()
+
+
+def _write_checkpoint(tmp: Path, model: nn.Module, tokenizer, pruned_dir: str | Path, record: dict[str, Any],
+                      log_path: str | Path | None) -> None:
+    """Write the merged model, the tokenizer, ``prune_record.json`` (the pruned checkpoint's, with ``record`` as
+    its ``rft`` section) and ``rft_record.json`` into ``tmp``; copy the training log to ``log_path``."""
+    prune_record = read_json(Path(pruned_dir) / "prune_record.json")
+    prune_record["rft"] = record
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    write_json(tmp / "prune_record.json", prune_record)
+    write_json(tmp / RECORD_FILE, record)
+    if log_path is not None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tmp / LOG_FILE, log_path)
 
 
 def launch(
