@@ -234,7 +234,10 @@ def test_collect_rank_samples(model):
         np.testing.assert_allclose(samples.u[(layer, head)], er / min(d_k, d_v))
         assert ((er >= 1 - 1e-9) & (er <= min(d_k, d_v) + 1e-9)).all()
     assert samples.spectrum.shape == (2, 3, min(d_k, d_v))
-    np.testing.assert_allclose(samples.spectrum[:, -1], singular_values(last[1][:, hv - 1]).numpy(), rtol=1e-6)
+    # the two runs feed the tokens in different segments, so the states agree to float32 rounding; singular values
+    # far below the largest are that rounding's noise (float32 SVD resolves ~1e-7 of the top one)
+    want = singular_values(last[1][:, hv - 1]).numpy()
+    np.testing.assert_allclose(samples.spectrum[:, -1], want, rtol=1e-6, atol=1e-6 * want.max())
     with pytest.raises(ValueError, match=r"no state to score: skip=20 >= sequence length T=20"):
         collect_rank_samples(model, ids, skip=20, stride=4)
     with pytest.raises(ValueError, match=r"spectrum_head=\(5, 0\) is not a state head"):
