@@ -258,6 +258,16 @@ def _embedded_split(spec: dict, split: str) -> list[str]:
     return [text for rel, text in files if split_of(rel, fr) == split]
 
 
+def _split_sizes(named_docs: Sequence[tuple[str, str]], fractions) -> dict[str, dict[str, int]]:
+    """Documents and UTF-8 bytes per split of ``(name, text)`` documents split by name (:func:`split_of`)."""
+    per_split = {s: {"n_docs": 0, "bytes": 0} for s in SPLITS}
+    for name, text in named_docs:
+        s = per_split[split_of(name, fractions)]
+        s["n_docs"] += 1
+        s["bytes"] += len(text.encode("utf-8"))
+    return per_split
+
+
 def embedded_provenance(spec: dict | None = None) -> dict[str, Any]:
     """What the embedded corpus is, exactly: interpreter, file count, bytes, SHA-256, split sizes.
 
@@ -268,11 +278,7 @@ def embedded_provenance(spec: dict | None = None) -> dict[str, Any]:
     max_bytes = int(spec.get("max_bytes", DEFAULT_EMBEDDED_MAX_BYTES))
     packages = list(spec.get("packages", EMBEDDED_PACKAGES))
     files = embedded_corpus(max_bytes, packages)
-    per_split = {s: {"n_docs": 0, "bytes": 0} for s in SPLITS}
-    for rel, text in files:
-        s = per_split[split_of(rel, fr)]
-        s["n_docs"] += 1
-        s["bytes"] += len(text.encode("utf-8"))
+    per_split = _split_sizes(files, fr)
     return {
         "source": "embedded",
         "python_version": platform.python_version(),
@@ -345,11 +351,7 @@ def pydoc_topics_provenance(spec: dict | None = None) -> dict[str, Any]:
     fr = _fractions(spec)
     max_bytes = spec.get("max_bytes")
     docs = pydoc_topics_corpus(max_bytes)
-    per_split = {s: {"n_docs": 0, "bytes": 0} for s in SPLITS}
-    for name, text in docs:
-        s = per_split[split_of(name, fr)]
-        s["n_docs"] += 1
-        s["bytes"] += len(text.encode("utf-8"))
+    per_split = _split_sizes(docs, fr)
     return {
         "source": "pydoc_topics",
         "python_version": platform.python_version(),

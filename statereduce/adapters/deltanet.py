@@ -12,38 +12,28 @@ L2 norm; with ``qk_norm='sum'`` the L1 sum-norm runs in the layer, so q/k arrive
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from statereduce.adapters import fla_layers
-from statereduce.adapters.fla_layers import one_token_call
-from statereduce.adapters.base import (
-    Dims,
-    LazyImport,
-    LinearAttentionAdapter,
-    QKCallback,
-    StateShape,
-    XCallback,
-    capture_kernel_calls,
-    decoder_layers,
-    register_adapter,
-)
+from statereduce.adapters.base import Dims, LazyImport, StateShape, register_adapter
+from statereduce.adapters.fla_layers import FlaAdapter, one_token_call
 
 KERNELS = ("chunk_delta_rule", "fused_recurrent_delta_rule")
 
 
 @register_adapter
-class DeltaNetAdapter(LinearAttentionAdapter):
+class DeltaNetAdapter(FlaAdapter):
     """fla DeltaNet: ``expand_k`` carries d_k (paper Sec. 3, App. A)."""
 
     family = "delta_net"
     model_types = ("delta_net",)
     config_class = LazyImport("fla.models:DeltaNetConfig")
+    layer_module = "fla.layers.delta_net"
+    recurrent_function = "fused_recurrent_delta_rule"
+    kernel_functions = KERNELS
     mixer_class = LazyImport("fla.layers.delta_net:DeltaNet")
     block_class = LazyImport("fla.models.delta_net.modeling_delta_net:DeltaNetBlock")
     # fla 0.6 DeltaNetConfig.__init__ keywords and defaults (pinned by tests/test_config.py)
@@ -64,12 +54,6 @@ class DeltaNetAdapter(LinearAttentionAdapter):
         key_dim, value_dim = round(config.hidden_size * config.expand_k), round(config.hidden_size * config.expand_v)
         h = config.num_heads
         return Dims(num_heads=h, num_v_heads=h, head_k_dim=key_dim // h, head_v_dim=value_dim // h)
-
-    @classmethod
-    def mixer_layer_indices(cls, config) -> list[int]:
-        from fla.models.configuration_utils import get_attention_spec
-
-        return [i for i in range(config.num_hidden_layers) if get_attention_spec(config.attn, layer_idx=i) is None]
 
     @classmethod
     def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
@@ -98,43 +82,9 @@ class DeltaNetAdapter(LinearAttentionAdapter):
         conv_channels = h * (2 * d_k + d_v) if config.use_short_conv else 0
         return StateShape(num_heads=h, d_k=d_k, d_v=d_v, conv_channels=conv_channels, conv_width=config.conv_size)
 
-    def mixer_layers(self) -> list[tuple[int, nn.Module]]:
-        from fla.layers.delta_net import DeltaNet
-
-        blocks = decoder_layers(self.model)
-        return [(i, block.attn) for i, block in enumerate(blocks) if isinstance(block.attn, DeltaNet)]
-
-    def q_proj(self, mixer: nn.Module) -> nn.Linear:
-        return mixer.q_proj
-
-    def k_proj(self, mixer: nn.Module) -> nn.Linear:
-        return mixer.k_proj
-
-    def q_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
-        return mixer.q_conv1d if mixer.use_short_conv else None
-
-    def k_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
-        return mixer.k_conv1d if mixer.use_short_conv else None
-
-    @contextlib.contextmanager
-    def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
-        import fla.layers.delta_net as fla_delta_net
-
-        with capture_kernel_calls(self.mixer_layers(), fla_delta_net, KERNELS, self.q_proj, on_qk, on_x):
-            yield
-
-    # ---- decoding with the state updated in place (statereduce.speed) --------------------------
     @classmethod
-    def decode_patches(cls, kernel: str, device_types: tuple[str, ...]) -> list[fla_layers.Patch]:
-        return [fla_layers.decode_patch("fla.layers.delta_net", "fused_recurrent_delta_rule",
-                                        lambda original: _inplace_delta_rule(original, kernel, device_types))]
-
-    @classmethod
-    def fused_patches(cls, kernel: str, device_types: tuple[str, ...]) -> list[fla_layers.Patch]:
-        return fla_layers.fused_patches(cls, kernel, device_types)
-
-    def pack_for_decode(self) -> int:
-        return fla_layers.pack_for_decode(type(self), self.model)
+    def inplace_recurrent(cls, original, kernel: str, device_types: tuple[str, ...]):
+        return _inplace_delta_rule(original, kernel, device_types)
 
     # ---- fused one-token decode ---------------------------------------------------------------
     @classmethod

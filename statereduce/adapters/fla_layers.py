@@ -28,23 +28,89 @@ not cover (no short convolution, other activations or q/k norms) run the stock f
 stock step up to rounding (beta's sigmoid is taken in float32 in the kernel, fla rounds it to the input dtype
 first), checked against fla's own decoding in tests and before every timed GPU run.
 
-The module also holds what the in-place decode routing of fla's recurrent functions shares
-(:func:`one_token_call`, :func:`decode_patch`).
+The module also holds :class:`FlaAdapter`, what the adapters of fla's linear-attention families share (slot names,
+capture at the kernel functions, the in-place routing of the one-token recurrent function).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from statereduce.adapters.base import (
+    LinearAttentionAdapter,
+    QKCallback,
+    XCallback,
+    capture_kernel_calls,
+    decoder_layers,
+)
+
 Patch = tuple[Any, str, Callable[[Any], Any]]
 """``(owner, attribute, make)``: while a patch is applied, ``owner.attribute`` is ``make(original)``."""
+
+
+class FlaAdapter(LinearAttentionAdapter):
+    """The part of an adapter that every fla linear-attention family shares: the layer module's slot names
+    (``q_proj``, ``k_proj``, ``q_conv1d``, ``k_conv1d``), mixers found as ``block.attn`` of ``mixer_class``
+    (softmax-attention layers of fla hybrids are skipped), q and k captured where they enter the layer module's
+    kernel functions, and decoding routed through the layer module's one-token recurrent function."""
+
+    layer_module: ClassVar[str]  # the fla layer module, e.g. "fla.layers.delta_net"
+    kernel_functions: ClassVar[tuple[str, ...]]  # its functions that receive q and k (chunk and fused recurrent)
+    recurrent_function: ClassVar[str]  # the one of them that decodes one token, routed by decode_patches
+
+    @classmethod
+    def mixer_layer_indices(cls, config) -> list[int]:
+        from fla.models.configuration_utils import get_attention_spec
+
+        return [i for i in range(config.num_hidden_layers) if get_attention_spec(config.attn, layer_idx=i) is None]
+
+    def mixer_layers(self) -> list[tuple[int, nn.Module]]:
+        mixer = self.mixer_class
+        return [(i, block.attn) for i, block in enumerate(decoder_layers(self.model)) if isinstance(block.attn, mixer)]
+
+    def q_proj(self, mixer: nn.Module) -> nn.Linear:
+        return mixer.q_proj
+
+    def k_proj(self, mixer: nn.Module) -> nn.Linear:
+        return mixer.k_proj
+
+    def q_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
+        return mixer.q_conv1d if mixer.use_short_conv else None
+
+    def k_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
+        return mixer.k_conv1d if mixer.use_short_conv else None
+
+    @contextlib.contextmanager
+    def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
+        module = importlib.import_module(self.layer_module)
+        with capture_kernel_calls(self.mixer_layers(), module, self.kernel_functions, self.q_proj, on_qk, on_x):
+            yield
+
+    @classmethod
+    def inplace_recurrent(cls, original: Callable, kernel: str, device_types: tuple[str, ...]) -> Callable:
+        """``original`` (the layer module's one-token recurrent function) with its decode calls routed to
+        ``kernel``'s in-place step."""
+        raise NotImplementedError(f"{cls.family} does not route its decode calls")
+
+    @classmethod
+    def decode_patches(cls, kernel: str, device_types: tuple[str, ...]) -> list[Patch]:
+        return [decode_patch(cls.layer_module, cls.recurrent_function,
+                             lambda original: cls.inplace_recurrent(original, kernel, device_types))]
+
+    @classmethod
+    def fused_patches(cls, kernel: str, device_types: tuple[str, ...]) -> list[Patch]:
+        return fused_patches(cls, kernel, device_types)
+
+    def pack_for_decode(self) -> int:
+        return pack_for_decode(type(self), self.model)
 
 
 def one_token_call(q, initial_state, cu_seqlens, device_types: tuple[str, ...]) -> bool:

@@ -17,39 +17,28 @@ head mapping), which covers the fused and the cached paths alike.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 
-from statereduce.adapters import fla_layers
-from statereduce.adapters.fla_layers import one_token_call
-from statereduce.adapters.base import (
-    Dims,
-    LazyImport,
-    LinearAttentionAdapter,
-    QKCallback,
-    StateShape,
-    XCallback,
-    capture_kernel_calls,
-    decoder_layers,
-    register_adapter,
-)
+from statereduce.adapters.base import Dims, LazyImport, StateShape, register_adapter
+from statereduce.adapters.fla_layers import FlaAdapter, one_token_call
 
 KERNELS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
 
 
 @register_adapter
-class GatedDeltaNetAdapter(LinearAttentionAdapter):
+class GatedDeltaNetAdapter(FlaAdapter):
     """fla Gated DeltaNet: ``head_dim`` carries d_k, ``expand_v`` keeps d_v (paper Sec. 3, App. A)."""
 
     family = "gated_deltanet"
     cache_state_v_first = True  # fla's GatedDeltaNet calls its kernels with state_v_first=True
     model_types = ("gated_deltanet",)
     config_class = LazyImport("fla.models:GatedDeltaNetConfig")
+    layer_module = "fla.layers.gated_deltanet"
+    recurrent_function = "fused_recurrent_gated_delta_rule"
+    kernel_functions = KERNELS
     mixer_class = LazyImport("fla.layers.gated_deltanet:GatedDeltaNet")
     block_class = LazyImport("fla.models.gated_deltanet.modeling_gated_deltanet:GatedDeltaNetBlock")
     # fla 0.6 GatedDeltaNetConfig.__init__ keywords and defaults (pinned by tests/test_config.py)
@@ -71,12 +60,6 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
         hv = config.num_v_heads if config.num_v_heads is not None else h
         d_v = int(config.head_dim * config.expand_v)  # as fla's layer derives it
         return Dims(num_heads=h, num_v_heads=hv, head_k_dim=config.head_dim, head_v_dim=d_v)
-
-    @classmethod
-    def mixer_layer_indices(cls, config) -> list[int]:
-        from fla.models.configuration_utils import get_attention_spec
-
-        return [i for i in range(config.num_hidden_layers) if get_attention_spec(config.attn, layer_idx=i) is None]
 
     @classmethod
     def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
@@ -108,43 +91,9 @@ class GatedDeltaNetAdapter(LinearAttentionAdapter):
         conv_channels = 2 * h * d_k + hv * d_v if config.use_short_conv else 0
         return StateShape(num_heads=hv, d_k=d_k, d_v=d_v, conv_channels=conv_channels, conv_width=config.conv_size)
 
-    def mixer_layers(self) -> list[tuple[int, nn.Module]]:
-        from fla.layers.gated_deltanet import GatedDeltaNet
-
-        blocks = decoder_layers(self.model)
-        return [(i, block.attn) for i, block in enumerate(blocks) if isinstance(block.attn, GatedDeltaNet)]
-
-    def q_proj(self, mixer: nn.Module) -> nn.Linear:
-        return mixer.q_proj
-
-    def k_proj(self, mixer: nn.Module) -> nn.Linear:
-        return mixer.k_proj
-
-    def q_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
-        return mixer.q_conv1d if mixer.use_short_conv else None
-
-    def k_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
-        return mixer.k_conv1d if mixer.use_short_conv else None
-
-    @contextlib.contextmanager
-    def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
-        import fla.layers.gated_deltanet as fla_gated_deltanet
-
-        with capture_kernel_calls(self.mixer_layers(), fla_gated_deltanet, KERNELS, self.q_proj, on_qk, on_x):
-            yield
-
-    # ---- decoding with the state updated in place (statereduce.speed) --------------------------
     @classmethod
-    def decode_patches(cls, kernel: str, device_types: tuple[str, ...]) -> list[fla_layers.Patch]:
-        return [fla_layers.decode_patch("fla.layers.gated_deltanet", "fused_recurrent_gated_delta_rule",
-                                        lambda original: _inplace_gated_delta_rule(original, kernel, device_types))]
-
-    @classmethod
-    def fused_patches(cls, kernel: str, device_types: tuple[str, ...]) -> list[fla_layers.Patch]:
-        return fla_layers.fused_patches(cls, kernel, device_types)
-
-    def pack_for_decode(self) -> int:
-        return fla_layers.pack_for_decode(type(self), self.model)
+    def inplace_recurrent(cls, original, kernel: str, device_types: tuple[str, ...]):
+        return _inplace_gated_delta_rule(original, kernel, device_types)
 
     # ---- fused one-token decode ---------------------------------------------------------------
     @classmethod
