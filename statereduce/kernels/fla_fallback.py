@@ -300,11 +300,9 @@ def _recurrent_core(
             S = S * gv[:, t].exp()[..., None, :]
         k_t = k[:, t]
         b_t = beta[:, t] if beta.dim() == 4 else beta[:, t, :, None]
-        # S^T k as a batched [1, K] x [K, V] product: what einsum("bhkv,bhk->bhv") computes, bit for bit, without its
-        # per-call planning (a few times faster at these sizes, where the per-token loop is launch-bound)
-        u = b_t * (v[:, t] - (k_t[..., None, :] @ S)[..., 0, :])
+        u = b_t * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k_t))
         S = S + k_t[..., :, None] * u[..., None, :]
-        outs.append((q[:, t, ..., None, :] @ S)[..., 0, :])
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
     o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
     return o, (S if output_final_state else None)
 
