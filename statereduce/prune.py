@@ -8,7 +8,7 @@ one orchestrator, :func:`prune_model`, which also rewrites ``model.config`` thro
 returns a :class:`PruneRecord` of every decision. :func:`save_pruned` writes the stock HF checkpoint,
 the tokenizer and ``prune_record.json`` atomically.
 
-Kernel scale (design invariant 2, arch_map §6): the pruned checkpoint uses the stock fla classes, whose
+Kernel scale: the pruned checkpoint uses the stock fla classes, whose
 kernels use ``scale = d_k'**-0.5`` instead of the original ``d_k**-0.5``. The layer output is linear in
 the scale and passes through the per-head output RMSNorm (``o_norm``), so the only effect is through
 that norm's eps: the pruned model equals the original with the dropped q/k channels zeroed (after conv
