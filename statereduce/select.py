@@ -7,7 +7,7 @@ the model, so it needs neither torch nor fla.
 channel indices (sorted) and, where the selector has scores, their scores. The file's key/value
 metadata records model, family, selector, variant, pct, d_k, d_k', calibration id, seed, options and version.
 
-Both ends check provenance (:mod:`statereduce.artifacts`): :func:`run_selection` that its HDF5 inputs were
+Both ends check provenance (:mod:`statereduce.artifacts`): :func:`select_channels` that its HDF5 inputs were
 written for the job's model and calibration (and agree on the head sizes), :func:`read_selection` that the
 selection was written for the reading job's model, method and pct.
 """
@@ -73,7 +73,7 @@ def _wanted(name: str, needs: set[str]) -> bool:
     return ("activations" in needs and name in ("K", "Q")) or ("xnorm" in needs and name == "xnorm")
 
 
-def run_selection(
+def select_channels(
     weights: str | Path,
     method: str,
     pct: float,

@@ -24,7 +24,7 @@ from _models import tiny_inputs, tiny_model
 
 from statereduce.artifacts import ArtifactError
 from statereduce.capture import capture_activations, export_qk_weights, grad_scores
-from statereduce.select import read_selection, run_selection, write_selection
+from statereduce.select import read_selection, select_channels, write_selection
 
 DN = {"model": "tiny-dn", "family": "delta_net", "dtype": "float32", "device": "cpu"}  # a job's params.info
 GDN = {"model": "tiny-gdn", "family": "gated_deltanet", "dtype": "float32", "device": "cpu"}
@@ -58,7 +58,7 @@ def test_activations_of_another_model_are_refused(artifacts):
     """tiny-gdn's activations.h5 in place of tiny-dn's (same shapes): the selection fails instead of succeeding."""
     acts = artifacts["tiny-gdn/acts"]
     with pytest.raises(ArtifactError) as err:
-        run_selection(artifacts["tiny-dn/qk"], "drrqr", 50, activations=acts, expect=DN)
+        select_channels(artifacts["tiny-dn/qk"], "drrqr", 50, activations=acts, expect=DN)
     assert _one_line(err) == (
         f"{acts} was written for model 'tiny-gdn' (gated_deltanet); this job is for 'tiny-dn' (delta_net); "
         "delete it and rerun (rule calibrate rebuilds it)"
@@ -68,11 +68,11 @@ def test_activations_of_another_model_are_refused(artifacts):
 def test_weights_of_another_model_are_refused(artifacts):
     with pytest.raises(ArtifactError, match=r"qk\.h5 was written for model 'tiny-gdn' \(gated_deltanet\); this job "
                        r"is for 'tiny-dn' \(delta_net\); delete it and rerun \(rule qk_weights rebuilds it\)$"):
-        run_selection(artifacts["tiny-gdn/qk"], "l1", 50, expect=DN)
+        select_channels(artifacts["tiny-gdn/qk"], "l1", 50, expect=DN)
 
 
 def test_matching_artifacts_pass_and_the_selection_records_model_and_family(artifacts, tmp_path):
-    rows, meta = run_selection(artifacts["tiny-dn/qk"], "drrqr", 50, activations=artifacts["tiny-dn/acts"], expect=DN)
+    rows, meta = select_channels(artifacts["tiny-dn/qk"], "drrqr", 50, activations=artifacts["tiny-dn/acts"], expect=DN)
     assert meta["model"] == "tiny-dn" and meta["family"] == "delta_net"
     sel = write_selection(tmp_path / "drrqr_50.parquet", rows, meta)
     keep, meta2 = read_selection(sel, expect={**DN, "method": "drrqr", "pct": 50})
@@ -86,19 +86,19 @@ def test_calibration_and_head_size_are_checked(artifacts, tmp_path):
     grads = grad_scores(model, tiny_inputs(batch=2, length=16), tmp_path / "grad_scores.h5",
                         attrs={"model": "tiny-dn", "calibration": "prose"})
     with pytest.raises(ArtifactError) as err:
-        run_selection(artifacts["tiny-dn/qk"], "grad", 50, grads=grads, expect=DN)
+        select_channels(artifacts["tiny-dn/qk"], "grad", 50, grads=grads, expect=DN)
     assert _one_line(err) == (f"{grads} was written with calibration='prose'; this job expects calibration='default'; "
                               "delete it and rerun (rule grad_scores rebuilds it)")
-    run_selection(artifacts["tiny-dn/qk"], "grad.prose", 50, grads=grads, expect=DN)  # the job of that calibration
+    select_channels(artifacts["tiny-dn/qk"], "grad.prose", 50, grads=grads, expect=DN)  # the job of that calibration
 
     small = tiny_model("delta_net", expand_k=0.5)  # d_k = 16
     acts = capture_activations(small, tiny_inputs(batch=1, length=8), tmp_path / "activations.h5", rows_per_head=4)
     with pytest.raises(ArtifactError, match=r"was written with head_k_dim=16; this job expects head_k_dim=32; .*calibrate"):
-        run_selection(artifacts["tiny-dn/qk"], "swanda", 50, activations=acts, expect=DN)
+        select_channels(artifacts["tiny-dn/qk"], "swanda", 50, activations=acts, expect=DN)
 
 
 def test_selection_of_another_model_method_or_pct_is_refused(artifacts, tmp_path):
-    rows, meta = run_selection(artifacts["tiny-gdn/qk"], "l1", 50, expect=GDN)
+    rows, meta = select_channels(artifacts["tiny-gdn/qk"], "l1", 50, expect=GDN)
     sel = write_selection(tmp_path / "l1_50.parquet", rows, meta)
     with pytest.raises(ArtifactError) as err:
         read_selection(sel, expect={**DN, "method": "l1", "pct": 50.0})
@@ -134,7 +134,7 @@ def test_rft_refuses_a_checkpoint_pruned_for_another_job(tmp_path):
 def test_rank_refuses_artifacts_of_another_job(artifacts, tmp_path):
     from statereduce.analysis.rank import rank_analysis
 
-    rows, meta = run_selection(artifacts["tiny-dn/qk"], "l1", 50, expect=DN)
+    rows, meta = select_channels(artifacts["tiny-dn/qk"], "l1", 50, expect=DN)
     sel = write_selection(tmp_path / "l1_50.parquet", rows, meta)
     job = {"method": "l1", "pct": 50.0, "stage": "pruned"}
     gdn_pruned = _fake_record(tmp_path / "gdn", "tiny-gdn", "gated_deltanet", "l1", 50.0)
@@ -172,10 +172,10 @@ def test_truncated_hdf5_names_the_rule_that_rebuilds_it(artifacts, tmp_path, nam
 def test_selection_job_reports_a_truncated_input(artifacts, tmp_path):
     bad = _truncate(artifacts["tiny-dn/acts"], tmp_path / "calib" / "default" / "activations.h5")
     with pytest.raises(ArtifactError, match=r"activations\.h5 is not a readable HDF5 file .*rule calibrate rebuilds"):
-        run_selection(artifacts["tiny-dn/qk"], "drrqr", 50, activations=bad, expect=DN)
+        select_channels(artifacts["tiny-dn/qk"], "drrqr", 50, activations=bad, expect=DN)
     bad = _truncate(artifacts["tiny-dn/qk"], tmp_path / "weights" / "qk.h5")
     with pytest.raises(ArtifactError, match=r"qk\.h5 is not a readable HDF5 file .*rule qk_weights rebuilds"):
-        run_selection(bad, "l1", 50, expect=DN)
+        select_channels(bad, "l1", 50, expect=DN)
 
 
 def test_missing_dataset_and_missing_file(artifacts, tmp_path):
@@ -191,7 +191,7 @@ def test_unreadable_selection_names_select_channels(artifacts, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows, meta = run_selection(artifacts["tiny-dn/qk"], "l1", 50, expect=DN)
+    rows, meta = select_channels(artifacts["tiny-dn/qk"], "l1", 50, expect=DN)
     good = write_selection(tmp_path / "good.parquet", rows, meta)
     text = tmp_path / "l1_50.parquet"
     text.write_text("layer,head,keep\n0,0,[1, 2]\n")

@@ -16,7 +16,7 @@ from _models import tiny_inputs, tiny_model
 from statereduce.adapters import get_adapter
 from statereduce.capture import BottomKReservoir, capture_activations, export_qk_weights, grad_scores
 from statereduce.h5files import H5Artifact
-from statereduce.select import read_selection, run_selection, write_selection
+from statereduce.select import read_selection, select_channels, write_selection
 from statereduce.prune import prune_model
 
 FAMILIES = ["delta_net", "gated_deltanet"]
@@ -114,7 +114,7 @@ def test_selection_from_artifacts_prunes_the_model(tmp_path, family):
         np.testing.assert_array_equal(f["layer_000/W_k"][()].reshape(wk.shape), wk.detach().numpy())
     acts = capture_activations(model, blocks, tmp_path / "a.h5", rows_per_head=40)
     for method in ("drrqr", "l1-q", "swanda", "rand"):
-        rows, meta = run_selection(wpath, method, 50, activations=acts, seed=0)
+        rows, meta = select_channels(wpath, method, 50, activations=acts, seed=0)
         assert meta["d_k_new"] == adapter.head_k_dim // 2
         sel = write_selection(tmp_path / f"{method}.parquet", rows, meta)
         keep, meta2 = read_selection(sel)
@@ -131,6 +131,6 @@ def test_selection_needs_its_artifacts(tmp_path):
     model = tiny_model("delta_net")
     wpath = export_qk_weights(model, tmp_path / "qk.h5")
     with pytest.raises(ValueError, match="drrqr.*activations"):
-        run_selection(wpath, "drrqr", 50)
+        select_channels(wpath, "drrqr", 50)
     with pytest.raises(ValueError, match="grad.*grad_scores"):
-        run_selection(wpath, "grad", 50)
+        select_channels(wpath, "grad", 50)

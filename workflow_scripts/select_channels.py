@@ -2,9 +2,9 @@
 from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads, torch_threads=False)
-from statereduce.select import run_selection, write_selection  # noqa: E402
+from statereduce.select import select_channels, write_selection  # noqa: E402
 
-rows, meta = run_selection(
+rows, meta = select_channels(
     snakemake.input.weights, snakemake.wildcards.method, float(snakemake.wildcards.pct),
     activations=snakemake.input.get("activations"), grads=snakemake.input.get("grads"),
     seed=snakemake.params.selector["seed"], options=snakemake.params.selector["options"], workers=snakemake.threads,

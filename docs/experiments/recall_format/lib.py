@@ -146,7 +146,7 @@ def keep_sets(model, name: str, methods=("drrqr", "rand"), pct=75):
     """Selections of the package's selectors: qk weights + calibration activations (config's calib settings)."""
     from statereduce.capture import capture_activations, export_qk_weights
     from statereduce.data import token_blocks
-    from statereduce.select import run_selection
+    from statereduce.select import select_channels
 
     d = ROOT / name
     tok = byte_level_tokenizer()
@@ -157,7 +157,7 @@ def keep_sets(model, name: str, methods=("drrqr", "rand"), pct=75):
         capture_activations(model, blocks, d / "activations.h5", rows_per_head=2500, seed=0, batch_size=8)
     out = {}
     for m in methods:
-        rows, _ = run_selection(d / "qk.h5", m, pct, activations=d / "activations.h5", seed=0,
+        rows, _ = select_channels(d / "qk.h5", m, pct, activations=d / "activations.h5", seed=0,
                                 options={"f": 2.0} if m == "drrqr" else {})
         keep: dict[int, list] = {}
         for layer, head, sel in rows:

@@ -21,7 +21,7 @@ from statereduce.eval import recall as rc
 from statereduce.capture import capture_activations, export_qk_weights
 from statereduce.data import load_split, token_blocks
 from statereduce.pretrain import pretrain
-from statereduce.select import run_selection
+from statereduce.select import select_channels
 from statereduce.prune import prune_model
 from statereduce.eval.run import heldout_docs
 from statereduce.tokenizer import byte_level_tokenizer
@@ -74,7 +74,7 @@ def keep_sets(model, d: Path, methods=("drrqr", "l1"), pct=75) -> dict:
     capture_activations(model, blocks, d / "activations.h5", rows_per_head=2500, seed=0, batch_size=8)
     out = {}
     for m in methods:
-        rows, _ = run_selection(d / "qk.h5", m, pct, activations=d / "activations.h5", seed=0,
+        rows, _ = select_channels(d / "qk.h5", m, pct, activations=d / "activations.h5", seed=0,
                                 options={"f": 2.0} if m == "drrqr" else {})
         keep: dict = {}
         for layer, head, sel in rows:
