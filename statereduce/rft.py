@@ -117,9 +117,9 @@ def rft_modules(model: nn.Module, scope: str = "auto") -> tuple[list[str], list[
     """Which modules RFT touches: (LoRA targets, fully trained modules, resolved scope).
 
     LoRA goes on every ``nn.Linear`` inside the adapter's RFT subtrees
-    (:meth:`~statereduce.adapters.base.LinearAttentionAdapter.rft_roots`); every ``nn.Conv1d`` and every
-    norm (a module whose class name ends in ``Norm`` or ``NormGated``) there trains fully. Names are full
-    module names of ``model``.
+    (:meth:`~statereduce.adapters.base.LinearAttentionAdapter.rft_roots`); the modules there that the adapter
+    trains fully (:meth:`~statereduce.adapters.base.LinearAttentionAdapter.rft_trains_fully`: convolutions and
+    norms) train fully. Names are full module names of ``model``.
     """
     from statereduce.adapters import get_adapter
 
@@ -131,7 +131,7 @@ def rft_modules(model: nn.Module, scope: str = "auto") -> tuple[list[str], list[
             full_name = f"{root_name}.{name}" if name else root_name
             if isinstance(module, nn.Linear):
                 lora.append(full_name)
-            elif isinstance(module, nn.Conv1d) or type(module).__name__.endswith(("Norm", "NormGated")):
+            elif adapter.rft_trains_fully(module):
                 full.append(full_name)
     # a norm/conv inside another fully trained module is covered by it
     full = [n for n in full if not any(n.startswith(p + ".") for p in full)]

@@ -307,6 +307,12 @@ class LinearAttentionAdapter(ABC):
                 roots.append(decoder.norm)
         return [(names[id(m)], m) for m in roots]
 
+    def rft_trains_fully(self, module: nn.Module) -> bool:
+        """Whether recovery fine-tuning trains ``module`` (inside :meth:`rft_roots`) fully rather than through LoRA:
+        convolutions (LoRA on a depthwise conv could not be merged) and norms (a class name ending in ``Norm`` or
+        ``NormGated``, as fla's and transformers' norm modules are named)."""
+        return isinstance(module, nn.Conv1d) or type(module).__name__.endswith(("Norm", "NormGated"))
+
     def unfuse_for_lora(self) -> Callable[[], None]:
         """Make every LoRA target go through its own ``forward`` during RFT; return a function that undoes it.
 
