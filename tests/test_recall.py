@@ -364,3 +364,18 @@ def test_recall_probe_writer_checks_window(tok, tmp_path):
     assert rc.recall_probe_writer({"levels": [8], "n_docs": 2}, tok, max_length=512)(tmp_path) == ["recall_mqar_8"]
     with pytest.raises(ValueError, match=r"unknown recall_probe keys \['n_doc'\]"):
         rc.recall_probe_writer({"n_doc": 2})
+
+
+def test_documents_are_pinned():
+    """The probe's and the training documents' streams are fixed by their seeds' names: the hashes below were computed
+    by the code that produced the published results, so a change to the generators or their seed names (which would
+    silently change every probe document and the recall-mix pretraining) fails here."""
+    import hashlib
+    import json
+
+    probe = rc.generate_recall_docs(20, 8, seed=0)
+    train = rc.recall_train_docs(20, [1, 2], seed=0)
+    assert hashlib.sha256(json.dumps(probe, sort_keys=True).encode()).hexdigest() == (
+        "fc658db32a39d59ea36e04df88ace6e3cb94c19bb72c68082d62accab4a4553d")
+    assert hashlib.sha256("\n\n".join(train).encode()).hexdigest() == (
+        "c688cdea57ad91f9ca2a84bc493b74408321e4058663f997746f7d2d2a5a3dd8")

@@ -179,7 +179,8 @@ def generate_recall_docs(
         raise ValueError(f"n_docs must be an int >= 1, got {n_docs!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
-    rng = random.Random(f"statereduce.eval.recall:{seed}:{n_pairs}:{n_choices}:{depth!r}:{n_queries}")
+    # the seed's name is fixed (it is not this module's path): renaming it would change every probe document
+    rng = random.Random(f"statereduce.recall:{seed}:{n_pairs}:{n_choices}:{depth!r}:{n_queries}")
     return [_one_doc(rng, level) for _ in range(n_docs)]
 
 
@@ -281,9 +282,9 @@ def recall_train_doc(rng: random.Random, n_pairs: int) -> str:
 
 
 def _train_doc_stream(seed: int, n_pairs: Sequence[int]) -> tuple[random.Random, Iterator[str]]:
-    """The seeded stream of training documents (``"statereduce.eval.recall.train:{seed}"``, separate from the probe's)
+    """The seeded stream of training documents (``"statereduce.recall.train:{seed}"``, separate from the probe's)
     and its random generator; a consumer that draws from the generator between documents shares the stream."""
-    rng = random.Random(f"statereduce.eval.recall.train:{seed}")
+    rng = random.Random(f"statereduce.recall.train:{seed}")  # a fixed name, as the probe's seed
     sizes = list(n_pairs)
 
     def docs() -> Iterator[str]:
@@ -300,7 +301,7 @@ def joined_bytes(doc: str) -> int:
 
 def recall_train_docs(n_docs: int, n_pairs: Sequence[int], seed: int = 0) -> list[str]:
     """``n_docs`` seeded training documents (:func:`recall_train_doc`), each of a context size drawn from
-    ``n_pairs``. The stream (``"statereduce.eval.recall.train:{seed}"``) is separate from the probe's."""
+    ``n_pairs``. The stream (``"statereduce.recall.train:{seed}"``) is separate from the probe's."""
     return list(itertools.islice(_train_doc_stream(seed, n_pairs)[1], n_docs))
 
 
