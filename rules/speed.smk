@@ -37,7 +37,8 @@ rule speed:
 
 
 rule speed_table:
-    """Tables 17-19 layouts (decode, prefill, mixer) with byte floors, and the decode/prefill speedup figure (Fig. 4)."""
+    """Tables 17-19 layouts (decode, prefill, mixer) with byte floors, and the decode/prefill speedup figure
+    (Fig. 4)."""
     input:
         get_speed_docs,
     output:

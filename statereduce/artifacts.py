@@ -60,7 +60,9 @@ def unreadable(path: str | os.PathLike, kind: str, err: BaseException) -> Artifa
 def missing(path: str | os.PathLike) -> FileNotFoundError:
     """The one-line error for an artifact ``path`` that does not exist."""
     rule = rebuilt_by(path)
-    return FileNotFoundError(f"{path} does not exist; {f'rule {rule} builds it' if rule else 'rerun the rule that writes it'}")
+    return FileNotFoundError(
+        f"{path} does not exist; {f'rule {rule} builds it' if rule else 'rerun the rule that writes it'}"
+    )
 
 
 def _plain(value: Any) -> Any:

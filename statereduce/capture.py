@@ -115,7 +115,9 @@ def capture_activations(
     adapter = get_adapter(model)
     layers = [i for i, _ in adapter.mixer_layers()]
     rng = np.random.default_rng(seed)
-    stats = {i: _LayerStats(BottomKReservoir(rows_per_head, np.random.default_rng(rng.integers(1 << 63)))) for i in layers}
+    stats = {
+        i: _LayerStats(BottomKReservoir(rows_per_head, np.random.default_rng(rng.integers(1 << 63)))) for i in layers
+    }
 
     def on_qk(layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
         st = stats[layer]
@@ -206,7 +208,8 @@ def grad_scores(
                 s = (w.detach().double() * w.grad.double()).abs().sum(dim=1).reshape(h, d)
                 g.create_dataset(name, data=s.cpu().numpy())
             g.attrs["layer"] = i
-        write_attrs(f, _meta(model, adapter, list(weights)) | {"n_samples": int(n_total), "seq_len": int(blocks.shape[1])}
+        write_attrs(f, _meta(model, adapter, list(weights))
+                    | {"n_samples": int(n_total), "seq_len": int(blocks.shape[1])}
                     | dict(attrs or {}))
     for p in model.parameters():
         p.grad = None

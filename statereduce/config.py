@@ -18,8 +18,14 @@ import yaml
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
-CALIBRATION_DEFAULTS = {"split": "calib", "n_samples": 32, "seq_len": 256, "seed": 0, "rows_per_head": 2500, "batch_size": 4}
-EVAL_DEFAULTS = {"tasks": ["heldout"], "max_docs": 64, "max_doc_bytes": 2048, "batch_size": 1, "max_length": 2048, "limit": None}
+CALIBRATION_DEFAULTS = {
+    "split": "calib", "n_samples": 32, "seq_len": 256, "seed": 0,
+    "rows_per_head": 2500, "batch_size": 4,
+}
+EVAL_DEFAULTS = {
+    "tasks": ["heldout"], "max_docs": 64, "max_doc_bytes": 2048,
+    "batch_size": 1, "max_length": 2048, "limit": None,
+}
 
 
 class ConfigError(ValueError):
@@ -55,7 +61,9 @@ def model_calibration(config: dict, model: str, calib: str = "default") -> dict:
     if calib != "default":
         variants = config.get("calibrations", {})
         if calib not in variants:
-            raise ConfigError(f"unknown calibration {calib!r}; valid: default, {', '.join(sorted(variants)) or '(none)'}")
+            raise ConfigError(
+                f"unknown calibration {calib!r}; valid: default, {', '.join(sorted(variants)) or '(none)'}"
+            )
         cal.update(variants[calib])
     if "corpus" not in cal:
         raise ConfigError(f"model {model!r} has no calibration corpus (models.{model}.calibration.corpus)")
@@ -194,7 +202,11 @@ def model_rft(config: dict, model: str) -> dict:
         corpus defaults to the model's calibration corpus.
     """
     merged = _merge_rft(config.get("rft", {}), config["models"][model].get("rft", {}))
-    plan = {"activate": merged.pop("activate", True), "corpus": merged.pop("corpus", None), "gpus": merged.pop("gpus", 1)}
+    plan = {
+        "activate": merged.pop("activate", True),
+        "corpus": merged.pop("corpus", None),
+        "gpus": merged.pop("gpus", 1),
+    }
     if plan["corpus"] is None:
         plan["corpus"] = config["models"][model].get("calibration", {}).get("corpus")
     plan["settings"] = merged
@@ -210,7 +222,8 @@ def check_rft(config: dict, model: str) -> dict:
         raise ConfigError(f"model {model!r} has no RFT corpus: set models.{model}.rft.corpus (or a calibration corpus)")
     if plan["corpus"] not in config["corpora"]:
         raise ConfigError(
-            f"models.{model}.rft.corpus: unknown corpus {plan['corpus']!r}; valid: {', '.join(sorted(config['corpora']))}"
+            f"models.{model}.rft.corpus: unknown corpus {plan['corpus']!r}; "
+            f"valid: {', '.join(sorted(config['corpora']))}"
         )
     try:
         rft_settings(plan["settings"])
@@ -236,9 +249,14 @@ def model_rank(config: dict, model: str) -> dict:
     if out["corpus"] is None:
         raise ConfigError(f"model {model!r} has no corpus for the rank analysis: set models.{model}.rank.corpus")
     if out["corpus"] not in config["corpora"]:
-        raise ConfigError(f"models.{model}.rank.corpus: unknown corpus {out['corpus']!r}; valid: {', '.join(sorted(config['corpora']))}")
+        raise ConfigError(
+            f"models.{model}.rank.corpus: unknown corpus {out['corpus']!r}; "
+            f"valid: {', '.join(sorted(config['corpora']))}"
+        )
     if out["skip"] >= out["seq_len"]:
-        raise ConfigError(f"rank.skip={out['skip']} must be smaller than rank.seq_len={out['seq_len']} (model {model!r})")
+        raise ConfigError(
+            f"rank.skip={out['skip']} must be smaller than rank.seq_len={out['seq_len']} (model {model!r})"
+        )
     return canonical(out)
 
 
@@ -305,7 +323,9 @@ def check_reduction(config: dict, model: str, pct: float) -> int:
     try:
         n_keep = n_keep_for(dims["head_k_dim"], pct)
         if "head_v_dim" in dims:
-            adapter_class(config["models"][model]["family"]).check_reduction(dims["head_k_dim"], dims["head_v_dim"], n_keep)
+            adapter_class(config["models"][model]["family"]).check_reduction(
+                dims["head_k_dim"], dims["head_v_dim"], n_keep
+            )
     except ValueError as e:
         raise ConfigError(f"model {model!r} at pct {pct}: {e}") from None
     return n_keep
@@ -320,7 +340,8 @@ def check_method(config: dict, method: str) -> None:
         raise ConfigError(str(e)) from None
     if spec.calib != "default" and spec.calib not in config.get("calibrations", {}):
         raise ConfigError(
-            f"method {method!r} names calibration {spec.calib!r}; valid: {', '.join(sorted(config.get('calibrations', {}))) or '(none defined)'}"
+            f"method {method!r} names calibration {spec.calib!r}; "
+            f"valid: {', '.join(sorted(config.get('calibrations', {}))) or '(none defined)'}"
         )
 
 
@@ -353,10 +374,14 @@ def check_target(config: dict, target: str) -> None:
         stage = parts[3].removesuffix(".parquet") if folder == "select" else folder
         method, sep, pct = stage.rpartition("_")
         if not sep:
-            raise ConfigError(f"{stage!r} is neither <method>_<pct> (e.g. drrqr_75) nor one of {', '.join(RESULT_FOLDERS)}")
+            raise ConfigError(
+                f"{stage!r} is neither <method>_<pct> (e.g. drrqr_75) nor one of {', '.join(RESULT_FOLDERS)}"
+            )
         check_method(config, method)
         if not re.fullmatch(r"\d+(\.\d+)?", pct):
-            raise ConfigError(f"pct {pct!r} in {stage!r} is not a number such as 75 or 37.5 (percent of key channels removed)")
+            raise ConfigError(
+                f"pct {pct!r} in {stage!r} is not a number such as 75 or 37.5 (percent of key channels removed)"
+            )
         check_reduction(config, model, float(pct))
     except ConfigError as e:
         raise ConfigError(f"{target}: {e}") from None
@@ -479,10 +504,13 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
         m.setdefault("dtype", "float32")
         m.setdefault("device", "cpu")
         check_local(name, m.get("local"))
-        for where, cname in (("calibration", m.get("calibration", {}).get("corpus")), ("eval", m.get("eval", {}).get("corpus")),
+        for where, cname in (("calibration", m.get("calibration", {}).get("corpus")),
+                             ("eval", m.get("eval", {}).get("corpus")),
                              ("pretrain", m.get("pretrain", {}).get("corpus"))):
             if cname is not None and cname not in corpora:
-                raise ConfigError(f"models.{name}.{where}.corpus: unknown corpus {cname!r}; valid: {', '.join(sorted(corpora))}")
+                raise ConfigError(
+                    f"models.{name}.{where}.corpus: unknown corpus {cname!r}; valid: {', '.join(sorted(corpora))}"
+                )
     for name in cfg["models"]:
         check_eval(cfg, name)
         check_rft(cfg, name)
@@ -490,7 +518,9 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
             model_rank(cfg, name)
     for cname, cal in cfg.get("calibrations", {}).items():
         if "corpus" in cal and cal["corpus"] not in corpora:
-            raise ConfigError(f"calibrations.{cname}.corpus: unknown corpus {cal['corpus']!r}; valid: {', '.join(sorted(corpora))}")
+            raise ConfigError(
+                f"calibrations.{cname}.corpus: unknown corpus {cal['corpus']!r}; valid: {', '.join(sorted(corpora))}"
+            )
     t = cfg["targets"]
     for model in t["models"]:
         if model not in cfg["models"]:

@@ -34,7 +34,8 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
 
 def _byte_chars() -> list[str]:
     """GPT-2's bytes_to_unicode table, in byte order (the mapping ByteLevel uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
     cs = bs[:]
     n = 0
     for b in range(256):

@@ -46,7 +46,9 @@ def artifacts(tmp_path_factory) -> dict[str, Path]:
     for info in (DN, GDN):
         model = tiny_model(info["family"])
         folder = root / info["model"]
-        out[f"{info['model']}/qk"] = export_qk_weights(model, folder / "weights" / "qk.h5", attrs={"model": info["model"]})
+        out[f"{info['model']}/qk"] = export_qk_weights(
+            model, folder / "weights" / "qk.h5", attrs={"model": info["model"]}
+        )
         out[f"{info['model']}/acts"] = capture_activations(
             model, blocks, folder / "calib" / "default" / "activations.h5", rows_per_head=40,
             attrs={"model": info["model"], "calibration": "default"})
@@ -93,7 +95,8 @@ def test_calibration_and_head_size_are_checked(artifacts, tmp_path):
 
     small = tiny_model("delta_net", expand_k=0.5)  # d_k = 16
     acts = capture_activations(small, tiny_inputs(batch=1, length=8), tmp_path / "activations.h5", rows_per_head=4)
-    with pytest.raises(ArtifactError, match=r"was written with head_k_dim=16; this job expects head_k_dim=32; .*calibrate"):
+    with pytest.raises(ArtifactError,
+                       match=r"was written with head_k_dim=16; this job expects head_k_dim=32; .*calibrate"):
         select_channels(artifacts["tiny-dn/qk"], "swanda", 50, activations=acts, expect=DN)
 
 
@@ -181,7 +184,8 @@ def test_selection_job_reports_a_truncated_input(artifacts, tmp_path):
 def test_missing_dataset_and_missing_file(artifacts, tmp_path):
     from statereduce.h5files import H5Artifact
 
-    with pytest.raises(ArtifactError, match=r"qk\.h5 has no dataset layer_000/K; delete it and rerun \(rule qk_weights"):
+    with pytest.raises(ArtifactError,
+                       match=r"qk\.h5 has no dataset layer_000/K; delete it and rerun \(rule qk_weights"):
         H5Artifact(artifacts["tiny-dn/qk"]).read(0, ["K"])
     with pytest.raises(FileNotFoundError, match=r"activations\.h5 does not exist; rule calibrate builds it$"):
         H5Artifact(tmp_path / "activations.h5").attrs()
@@ -240,7 +244,8 @@ def test_local_checkpoint_must_be_a_folder_with_config_json(shipped_config, tmp_
         validate("/nonexistent/ckpt")
     assert _one_line(err) == f"models.dn370m.local: '/nonexistent/ckpt' does not exist; {expected}"
     (tmp_path / "weights.safetensors").write_bytes(b"")
-    with pytest.raises(ConfigError, match=rf"^models\.dn370m\.local: '.*weights\.safetensors' is not a folder; {expected}$"):
+    with pytest.raises(ConfigError,
+                       match=rf"^models\.dn370m\.local: '.*weights\.safetensors' is not a folder; {expected}$"):
         validate(tmp_path / "weights.safetensors")
     with pytest.raises(ConfigError, match=rf"^models\.dn370m\.local: '{re.escape(str(tmp_path))}' has no config\.json"):
         validate(tmp_path)
@@ -253,10 +258,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("target, message", [
-    ("results/tiny-dn/foo_75/eval.json", "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, rand, swanda"),
-    ("results/nomodel/drrqr_75/eval.json", "unknown model 'nomodel'; valid: dn1.3b, dn370m, gdn1.3b, gdn370m, tiny-dn, tiny-gdn"),
+    ("results/tiny-dn/foo_75/eval.json",
+     "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, rand, swanda"),
+    ("results/nomodel/drrqr_75/eval.json",
+     "unknown model 'nomodel'; valid: dn1.3b, dn370m, gdn1.3b, gdn370m, tiny-dn, tiny-gdn"),
     ("results/tiny-dn/calib/bogus/activations.h5", "unknown calibration 'bogus'; valid: default, n16, prose, seed1"),
-    ("results/tiny-gdn/select/drrqr.bogus_75.parquet", "method 'drrqr.bogus' names calibration 'bogus'; valid: n16, prose, seed1"),
+    ("results/tiny-gdn/select/drrqr.bogus_75.parquet",
+     "method 'drrqr.bogus' names calibration 'bogus'; valid: n16, prose, seed1"),
     ("results/tiny-dn/drrqr_7x5/eval.json", "pct '7x5' in 'drrqr_7x5' is not a number such as 75 or 37.5"),
     ("results/tiny-dn/drrqr_100/rft/eval.json", "pct 100.0 is outside (0, 100)"),
     ("results/tiny-dn/evals/eval.json", "'evals' is neither <method>_<pct> (e.g. drrqr_75) nor one of base, baseline,"),
@@ -283,12 +291,14 @@ def _dry_run(workdir: Path, *targets: str, cfg: dict | None = None) -> subproces
     workdir.mkdir(parents=True, exist_ok=True)
     config = yaml.safe_load((ROOT / "config.yaml").read_text()) if cfg is None else cfg
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
-    cmd = [sys.executable, "-m", "snakemake", "-n", "--quiet", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir)]
+    cmd = [sys.executable, "-m", "snakemake", "-n", "--quiet", "-s", str(ROOT / "Snakefile"),
+           "--directory", str(workdir)]
     return subprocess.run([*cmd, *targets], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("target, message", [
-    ("results/tiny-dn/foo_75/eval.json", "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, rand, swanda"),
+    ("results/tiny-dn/foo_75/eval.json",
+     "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, rand, swanda"),
     ("results/nomodel/drrqr_75/eval.json", "unknown model 'nomodel'; valid: "),
 ])
 def test_unknown_part_of_a_target_fails_before_any_job(tmp_path, target, message):
@@ -302,7 +312,8 @@ def test_unknown_part_of_a_target_fails_before_any_job(tmp_path, target, message
 
 
 def test_rule_names_and_known_paths_still_plan(tmp_path):
-    out = _dry_run(tmp_path, "all_paper", "results/tiny-dn/drrqr.prose_75/eval.json", "results/tiny-gdn/select/l1-k_50.parquet")
+    out = _dry_run(tmp_path, "all_paper", "results/tiny-dn/drrqr.prose_75/eval.json",
+                   "results/tiny-gdn/select/l1-k_50.parquet")
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
 
 
@@ -313,5 +324,6 @@ def test_missing_local_checkpoint_fails_the_dry_run(shipped_config, tmp_path):
     cfg["models"]["dn370m"]["local"] = "/nonexistent/ckpt"
     out = _dry_run(tmp_path, cfg=cfg)
     assert out.returncode != 0
-    line = ("models.dn370m.local: '/nonexistent/ckpt' does not exist; expected an HF checkpoint folder with config.json")
+    line = ("models.dn370m.local: '/nonexistent/ckpt' does not exist; "
+            "expected an HF checkpoint folder with config.json")
     assert line in (out.stdout + out.stderr).splitlines()

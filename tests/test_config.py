@@ -85,7 +85,8 @@ def test_shipped_config_is_valid(base_config):
 
 
 def test_recall_mix_optional(base_config):
-    """pretrain.recall_mix is optional; given, it passes validation unchanged (statereduce.eval.recall fills defaults)."""
+    """pretrain.recall_mix is optional; given, it passes validation unchanged (statereduce.eval.recall fills
+    defaults)."""
     cfg = copy.deepcopy(base_config)
     for m in ("tiny-dn", "tiny-gdn"):
         cfg["models"][m]["pretrain"].pop("recall_mix", None)
@@ -168,7 +169,9 @@ def test_validation_does_not_import_fla():
         "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'fla' or m.startswith('transformers.models'))\n"
         "assert not bad, bad[:5]\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr
 
 
@@ -185,7 +188,9 @@ def test_validation_imports_no_stage():
         "             or m in {f'statereduce.{s}' for s in stages})\n"
         "assert not bad, bad[:5]\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr
 
 

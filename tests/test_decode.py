@@ -252,7 +252,8 @@ def test_bad_inputs_fail_with_one_line():
         recurrent.recurrent_step(x["q"].repeat(1, 2, 1, 1), x["k"], x["v"], x["beta"], x["state"])
     with pytest.raises(ValueError, match="both block_v and num_warps"):
         recurrent.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"], block_v=8)
-    with pytest.raises(ValueError, match="unknown decode kernel 'cuda'; valid: fla, statereduce, fla_copy, fla[+]fused"), \
+    with pytest.raises(ValueError,
+                       match="unknown decode kernel 'cuda'; valid: fla, statereduce, fla_copy, fla[+]fused"), \
             inplace.inplace_decode("cuda"):
         pass
 

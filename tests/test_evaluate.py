@@ -29,7 +29,8 @@ from statereduce.tokenizer import byte_level_tokenizer
 EOS = 256
 DOCS = [
     "The quick brown fox jumps over the lazy dog.",
-    " = Valkyria Chronicles III = \n\n Senjō no Valkyria 3 : Unrecorded Chronicles is a tactical role @-@ playing game .\n",
+    (" = Valkyria Chronicles III = \n\n"
+     " Senjō no Valkyria 3 : Unrecorded Chronicles is a tactical role @-@ playing game .\n"),
     "[1, 2, 3]",  # a rendered "{{text}}" target would be literal_eval-ed into a list
     "naïve café — ünïcödé bytes, tabs\tand  double  spaces ",
     "x",

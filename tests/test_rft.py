@@ -212,7 +212,8 @@ def test_rft_checkpoint_reloads_in_fresh_process(pairs, tmp_path):
         expected = kept["model"](input_ids=x).logits
     torch.save(x, tmp_path / "x.pt")
     code = (
-        "import sys, torch; torch.set_num_threads(1); sys.path.insert(0, sys.argv[1]); import fla; from statereduce.kernels import fla_fallback; "
+        "import sys, torch; torch.set_num_threads(1); sys.path.insert(0, sys.argv[1]); import fla; "
+        "from statereduce.kernels import fla_fallback; "
         "fla_fallback.install(); from transformers import AutoModelForCausalLM; "
         "m = AutoModelForCausalLM.from_pretrained(sys.argv[2], fuse_cross_entropy=False).eval(); "
         "x = torch.load(sys.argv[3]); torch.set_grad_enabled(False); torch.save(m(input_ids=x).logits, sys.argv[4])"

@@ -21,7 +21,8 @@ GDN = {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32
 def test_settings_defaults_are_the_papers_protocol():
     s = speed.speed_settings()
     assert s["decode"]["batches"] == [1, 2, 4, 8, 16, 32, 64]
-    assert (s["decode"]["prompt"], s["decode"]["warmup"], s["decode"]["steps"], s["decode"]["trials"]) == (512, 10, 100, 3)
+    assert ((s["decode"]["prompt"], s["decode"]["warmup"], s["decode"]["steps"], s["decode"]["trials"])
+            == (512, 10, 100, 3))
     assert s["prefill"]["lengths"] == [2048, 8192, 16384] and s["mixer"]["seq_len"] == 2048
     assert speed.speed_settings({"decode": {"batches": [64]}})["decode"]["steps"] == 100  # merged key by key
 

@@ -193,7 +193,8 @@ def test_rank_tables_from_synthetic_documents(tmp_path):
     assert "| m | drrqr | 75 | 2 | 0.300 | 0.050 | 0.200 | 0.400 | 0.900 |" in util
     assert "| m | rand | 75 | 2 | 0.200 | 0.050 | 0.100 | 0.300 | – |" in util  # NaN rho: missing, not invented
     cond = (tmp_path / "conditioning.md").read_text().splitlines()
-    assert "| m | rand | 75 | 2 | – | – | – |" in cond and "| m | drrqr | 75 | 2 | 1.000 | 9.000 | 9.000 |" in cond
+    assert ("| m | rand | 75 | 2 | – | – | – |" in cond
+            and "| m | drrqr | 75 | 2 | 1.000 | 9.000 | 9.000 |" in cond)
     over = frames["overlap"].iloc[0]
     assert (over["method_a"], over["method_b"], over["median_shared"]) == ("drrqr", "rand", 0.5)  # heads share 1, 0
     assert over["random_shared"] == 2 * 2 / 8

@@ -8,7 +8,8 @@ from statereduce.capture import grad_scores  # noqa: E402
 from statereduce.data import load_split, token_blocks  # noqa: E402
 from statereduce.models import load_model  # noqa: E402
 
-info, cal, corpus, grad = snakemake.params.info, snakemake.params.calibration, snakemake.params.corpus, snakemake.params.grad
+info, cal, corpus, grad = (snakemake.params.info, snakemake.params.calibration, snakemake.params.corpus,
+                           snakemake.params.grad)
 model, tokenizer = load_model(Path(snakemake.input.base).parent, dtype=info["dtype"], device=info["device"])
 n = grad.get("n_samples", cal["n_samples"])
 blocks = token_blocks(tokenizer, load_split(corpus, cal["split"]), n, cal["seq_len"], cal["seed"])

@@ -1,4 +1,5 @@
-"""rule rank: results/{model}/{method}_{pct}/rank.json (rank utilization, correlation with the baseline, conditioning)."""
+"""rule rank: results/{model}/{method}_{pct}/rank.json (rank utilization, correlation with the baseline,
+conditioning)."""
 from pathlib import Path
 
 from statereduce.runtime import start

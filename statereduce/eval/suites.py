@@ -44,7 +44,8 @@ generation prefix, so a window of ``length + 128`` never cuts one."""
 NIAH_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
 
 RECALL_PROBE_DEFAULTS = {"levels": [4, 16, 64], "n_docs": 100, "seed": 0}
-"""``eval.recall_probe`` defaults (the same as :mod:`statereduce.eval.recall`'s ``DEFAULT_LEVELS``, ``DEFAULT_N_DOCS``)."""
+"""``eval.recall_probe`` defaults (the same as :mod:`statereduce.eval.recall`'s ``DEFAULT_LEVELS``,
+``DEFAULT_N_DOCS``)."""
 
 
 @dataclass(frozen=True)

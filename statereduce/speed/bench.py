@@ -1,4 +1,5 @@
-"""GPU speed of state reduction: decode, prefill and mixer-only, baseline and pruned side by side (paper Sec. 5, App. G.1).
+"""GPU speed of state reduction: decode, prefill and mixer-only, baseline and pruned side by side
+(paper Sec. 5, App. G.1).
 
 Speed does not depend on weight values, so the models here are built from a config with random weights (the
 JSON says so): a family's config (``arch``: keyword arguments of fla's ``DeltaNetConfig`` / ``GatedDeltaNetConfig``)
