@@ -151,10 +151,10 @@ def test_write_perplexity_task_rejects(tmp_path, docs, name, match):
 
 def test_local_perplexity_matches_independent(model, tok, single_window):
     _, doc = single_window
-    m = doc["metrics"][et.HELDOUT_TASK]
+    m = doc["metrics"][et.HELDOUT]
     assert set(m) == {"word_perplexity", "byte_perplexity", "bits_per_byte"}
     assert all(math.isfinite(v) and v > 0 for v in m.values())
-    assert doc["lm_eval"]["n-samples"][et.HELDOUT_TASK]["effective"] == len(DOCS)
+    assert doc["lm_eval"]["n-samples"][et.HELDOUT]["effective"] == len(DOCS)
     assert all(len(tok.encode(d)) < 256 for d in DOCS)
 
     nll = sum(_independent_nll(model, tok, d, 256) for d in DOCS)
@@ -166,7 +166,7 @@ def test_local_perplexity_matches_independent(model, tok, single_window):
     # a random model is near uniform over 257 tokens but must not be exactly uniform
     assert 100 < m["byte_perplexity"] < 1000 and m["byte_perplexity"] != pytest.approx(257.0, rel=1e-3)
     # raw lm-eval keys are kept in the raw part
-    assert "word_perplexity,none" in doc["lm_eval"]["results"][et.HELDOUT_TASK]
+    assert "word_perplexity,none" in doc["lm_eval"]["results"][et.HELDOUT]
 
 
 def test_rolling_windows_and_padded_batches_match_independent(model, tok, tmp_path):
@@ -219,7 +219,7 @@ def test_eval_json_written_with_state_and_provenance(single_window):
     )
     p = doc["provenance"]
     assert p["checkpoint"] == "results/tiny/l1_50/pruned" and p["model_id"] == "tiny" and p["stage"] == "pruned"
-    assert p["tasks"] == [et.HELDOUT_TASK] and p["settings"]["max_length"] == 256
+    assert p["tasks"] == [et.HELDOUT] and p["settings"]["max_length"] == 256
     for key in ("statereduce", "lm_eval", "torch"):
         assert p["versions"][key]
     assert p["date"]
@@ -437,14 +437,14 @@ def test_evaluate_and_write_local_writers_and_two_windows(model, tok, tmp_path):
         model_id="tiny",
     )
     assert doc["settings"]["runs"] == [
-        {"tasks": [et.HELDOUT_TASK], "max_length": 32},
+        {"tasks": [et.HELDOUT], "max_length": 32},
         {"tasks": ["mc_mirror"], "max_length": 256},
     ]
-    assert doc["settings"]["tasks"] == [et.HELDOUT_TASK, "mc_mirror"] and doc["settings"]["max_length"] == 32
-    assert doc["provenance"]["tasks"] == [et.HELDOUT_TASK, "mc_mirror"]
-    assert set(doc["lm_eval"]["results"]) == set(doc["metrics"]) == {et.HELDOUT_TASK, "mc_mirror"}
+    assert doc["settings"]["tasks"] == [et.HELDOUT, "mc_mirror"] and doc["settings"]["max_length"] == 32
+    assert doc["provenance"]["tasks"] == [et.HELDOUT, "mc_mirror"]
+    assert set(doc["lm_eval"]["results"]) == set(doc["metrics"]) == {et.HELDOUT, "mc_mirror"}
     nll = sum(_independent_nll(model, tok, d, 32) for d in docs)
-    m = doc["metrics"][et.HELDOUT_TASK]
+    m = doc["metrics"][et.HELDOUT]
     assert math.log(m["word_perplexity"]) == pytest.approx(nll / sum(_words(d) for d in docs), rel=1e-5)
     pred = [int(np.argmax(_choice_lls(model, tok, d))) for d in MC_DOCS]
     assert doc["metrics"]["mc_mirror"]["acc"] == np.mean([p == d["gold"] for p, d in zip(pred, MC_DOCS)])

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from statereduce.eval.documents import state_record, write_eval_json
-from statereduce.eval.tasks import HELDOUT_TASK, write_perplexity_task
+from statereduce.eval.tasks import HELDOUT, write_perplexity_task
 from statereduce.runtime import jsonable
 
 EVAL_CFG_KEYS = (
@@ -358,7 +358,7 @@ def evaluate_and_write(
             :func:`evaluate_model`), ``task_max_length`` (``{task: smallest window}``), ``suites`` (suite
             names whose averages go into the document's ``suites`` block, see :mod:`statereduce.eval.suites`).
         heldout_docs: held-out documents; when given, a local perplexity task named
-            :data:`~statereduce.eval.tasks.HELDOUT_TASK` is written to ``task_dir`` and evaluated first.
+            :data:`~statereduce.eval.tasks.HELDOUT` is written to ``task_dir`` and evaluated first.
         local_tasks: ``{label: writer}``; each ``writer(task_dir)`` writes local tasks and returns their
             names. A label that is a suite name (``recall_probe``) gives that suite its tasks.
         include_path: more folders of already written local tasks.
@@ -395,13 +395,13 @@ def write_local_tasks(
     """Write the local tasks of :func:`evaluate_and_write` into ``task_dir``.
 
     Returns:
-        ``(names, written)``: every local task name once, the held-out task (:data:`HELDOUT_TASK`, when
+        ``(names, written)``: every local task name once, the held-out task (:data:`HELDOUT`, when
         ``heldout_docs`` is given) first, then each writer's in order; and ``{label: names}`` per writer.
     """
     local: list[str] = []
     written: dict[str, list[str]] = {}
     if heldout_docs is not None:
-        local.append(write_perplexity_task(heldout_docs, task_dir, HELDOUT_TASK))
+        local.append(write_perplexity_task(heldout_docs, task_dir, HELDOUT))
     for label, writer in (local_tasks or {}).items():
         written[label] = list(writer(task_dir))
         local += [t for t in written[label] if t not in local]

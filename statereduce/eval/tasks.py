@@ -23,10 +23,8 @@ from typing import Any
 from statereduce.runtime import write_text_atomic
 
 HELDOUT = "heldout"
-"""The held-out perplexity task on a corpus's held-out split: its name in a model's ``eval.tasks``."""
-
-HELDOUT_TASK = HELDOUT
-"""The lm-eval task name the held-out documents are written under (the config name, so metrics keep it)."""
+"""The held-out perplexity task on a corpus's held-out split: its name in a model's ``eval.tasks`` and the lm-eval
+task name its documents are written and scored under (so metrics keep it)."""
 
 PERPLEXITY_METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
 
@@ -36,7 +34,7 @@ TASK_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 """Valid local task names: letters, digits, ``_``, ``.``, ``-``, not starting with ``.`` or ``-``."""
 
 
-def write_perplexity_task(docs: Sequence[str], task_dir: Path, name: str = HELDOUT_TASK) -> str:
+def write_perplexity_task(docs: Sequence[str], task_dir: Path, name: str = HELDOUT) -> str:
     """Write ``docs`` as a local lm-eval perplexity task (a JSONL file plus a task YAML).
 
     The YAML mirrors lm-eval's ``wikitext`` task: ``output_type: loglikelihood_rolling``, empty
