@@ -29,8 +29,7 @@ def state_record(model: nn.Module, dtype_bytes: int = 4) -> dict:
         model: a loaded model whose family has an adapter.
         dtype_bytes: bytes per state element (fp32 state by default, as fla keeps it).
     """
-    import statereduce.adapters  # noqa: F401  (registers the family adapters)
-    from statereduce.adapters.base import get_adapter
+    from statereduce.adapters import get_adapter  # the package registers every family's adapter
 
     adapter = get_adapter(model)
     shape = adapter.state_shape()
