@@ -183,8 +183,8 @@ def grad_scores(
     out_path = Path(out_path)
     adapter = get_adapter(model)
     mixers = adapter.mixer_layers()
-    weights = {i: adapter.qk_weights(m) for i, m in mixers}
-    targets = {id(w) for pair in weights.values() for w in pair}
+    weights = {i: adapter.qk_weight_rows(m) for i, m in mixers}  # {layer: ((W, rows_q), (W, rows_k))}
+    targets = {id(w) for pair in weights.values() for w, _ in pair}
     for p in model.parameters():
         p.requires_grad_(id(p) in targets)
         p.grad = None
@@ -200,12 +200,13 @@ def grad_scores(
         (loss * batch.shape[0] / n_total).backward()
     h, d = adapter.num_heads, adapter.head_k_dim
     with atomic_h5(out_path) as f:
-        for i, (wq, wk) in weights.items():
+        for i, (q_side, k_side) in weights.items():
             g = f.create_group(layer_group(i))
-            for name, w in (("grad_q", wq), ("grad_k", wk)):
+            for name, (w, rows) in (("grad_q", q_side), ("grad_k", k_side)):
                 if w.grad is None:
-                    raise RuntimeError(f"layer {i}: no gradient reached {name[-1]}_proj")
-                s = (w.detach().double() * w.grad.double()).abs().sum(dim=1).reshape(h, d)
+                    raise RuntimeError(f"layer {i}: no gradient reached the {name[-1]} projection")
+                flat = rows.reshape(-1).to(w.device)
+                s = (w.detach()[flat].double() * w.grad[flat].double()).abs().sum(dim=1).reshape(h, d)
                 g.create_dataset(name, data=s.cpu().numpy())
             g.attrs["layer"] = i
         write_attrs(f, _meta(model, adapter, list(weights))

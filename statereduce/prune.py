@@ -1,20 +1,23 @@
 """Slice selected key/query channels out of a linear-attention checkpoint (paper Sec. 3.3-3.4).
 
 Per head h, a selector keeps an index set I_h of d_k' of the d_k key/query channels; the same
-indices apply to the rows of ``q_proj`` and ``k_proj`` and to the channels of the q/k short convs.
-Slicing is a handful of small verbs (``slice_q_proj``, ``slice_k_proj``, ``slice_q_conv``,
-``slice_k_conv``, ``set_mixer_dims``) that change weights and shape metadata together, driven by
-one orchestrator, :func:`prune_model`, which also rewrites ``model.config`` through the adapter and
-returns a :class:`PruneRecord` of every decision. :func:`save_pruned` writes the stock HF checkpoint,
-the tokenizer and ``prune_record.json`` atomically.
+indices apply to the query and the key channels wherever they sit: fla's separate ``q_proj``/``k_proj``
+and q/k short convs, or the fused input projection and convolution of Mamba-2 (B and C per group) and
+Qwen3.5 (``in_proj_qkv``, ``conv1d``). The adapter names those modules and rows
+(:meth:`~statereduce.adapters.base.LinearAttentionAdapter.channel_rows`); two small verbs (:func:`slice_rows`,
+:func:`set_mixer_dims`) change weights and shape metadata together, driven by one orchestrator,
+:func:`prune_model`, which also rewrites ``model.config`` through the adapter and returns a
+:class:`PruneRecord` of every decision. :func:`save_pruned` writes the stock HF checkpoint, the tokenizer
+and ``prune_record.json`` atomically.
 
-Kernel scale: the pruned checkpoint uses the stock fla classes, whose
-kernels use ``scale = d_k'**-0.5`` instead of the original ``d_k**-0.5``. The layer output is linear in
-the scale and passes through the per-head output RMSNorm (``o_norm``), so the only effect is through
-that norm's eps: the pruned model equals the original with the dropped q/k channels zeroed (after conv
-and activation) exactly when ``o_norm.eps`` is multiplied by ``d_k/d_k'``. That cannot be stored in the
-stock config (``norm_eps`` is shared with the block norms), so the checkpoint keeps the stock eps and
-differs from zero-masking by that eps effect only; the record says so.
+Kernel scale: the pruned checkpoint uses the stock classes, whose delta-rule kernels (DeltaNet, Gated
+DeltaNet, Qwen3.5) use ``scale = d_k'**-0.5`` instead of the original ``d_k**-0.5``. The layer output is
+linear in the scale and passes through the per-head output RMSNorm, so the only effect is through that
+norm's eps: the pruned model equals the original with the dropped q/k channels zeroed (after conv and
+activation) exactly when the output norm's eps is multiplied by ``d_k/d_k'``. That cannot be stored in
+the stock config (the eps is shared with the block norms), so the checkpoint keeps the stock eps and
+differs from zero-masking by that eps effect only; the record says so. Mamba-2's scan has no scale:
+there pruning equals zeroing the dropped B/C channels (and their conv bias).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 from torch import nn
 
 from statereduce import __version__
-from statereduce.adapters import LinearAttentionAdapter, get_adapter
+from statereduce.adapters import ChannelRows, LinearAttentionAdapter, get_adapter
 from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
 from statereduce.runtime import atomic_dir, versions
 
@@ -55,61 +58,53 @@ def head_rows(keep: torch.Tensor, d_k: int) -> torch.Tensor:
     return (offsets + keep).reshape(-1)
 
 
-def _head_size(rows: int, keep: torch.Tensor, what: str) -> int:
-    h = keep.shape[0]
-    if rows % h:
-        raise ValueError(f"{what} has {rows} rows, not a multiple of the {h} heads of keep {tuple(keep.shape)}")
-    d_k = rows // h
-    if keep.numel() and int(keep.max()) >= d_k:
-        raise ValueError(f"{what}: keep index {int(keep.max())} out of range for d_k={d_k}")
-    return d_k
+def kept_rows(n_rows: int, entry: ChannelRows, keep: torch.Tensor) -> torch.Tensor:
+    """The rows of ``entry.module`` that pruning keeps: every row except the dropped q/k channels, in order.
+
+    Args:
+        n_rows: the module's rows (output features or channels).
+        entry: where its q/k channels sit (``entry.q``/``entry.k`` [H, d_k] row indices, or None).
+        keep: [H, d_k'] kept channel indices per head, sorted.
+    Returns:
+        [n_rows - dropped] long, ascending: a head's kept channels stay in place within a fused layout.
+    """
+    mask = torch.ones(n_rows, dtype=torch.bool)
+    for side in ("q", "k"):
+        rows = getattr(entry, side)
+        if rows is None:
+            continue
+        if rows.shape[0] != keep.shape[0]:
+            raise ValueError(f"{entry.name} has {rows.shape[0]} {side} heads; keep {tuple(keep.shape)} has {keep.shape[0]}")
+        if keep.numel() and int(keep.max()) >= rows.shape[1]:
+            raise ValueError(f"{entry.name}: keep index {int(keep.max())} out of range for d_k={rows.shape[1]}")
+        if int(rows.max()) >= n_rows:
+            raise ValueError(f"{entry.name}: {side} row {int(rows.max())} out of range for its {n_rows} rows")
+        dropped = torch.ones(rows.shape, dtype=torch.bool)
+        dropped.scatter_(1, keep.cpu(), False)
+        mask[rows[dropped]] = False
+    return mask.nonzero().squeeze(1)
 
 
-def _slice_linear_rows(linear: nn.Linear, keep: torch.Tensor, what: str) -> None:
-    rows = head_rows(keep, _head_size(linear.out_features, keep, what)).to(linear.weight.device)
-    linear.weight = nn.Parameter(linear.weight.data[rows].clone(), requires_grad=linear.weight.requires_grad)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias.data[rows].clone(), requires_grad=linear.bias.requires_grad)
-    linear.out_features = rows.numel()
-
-
-def _slice_conv_channels(conv: nn.Conv1d, keep: torch.Tensor, what: str) -> None:
-    if conv.groups != conv.in_channels or conv.in_channels != conv.out_channels:
+def slice_rows(module: nn.Module, rows: torch.Tensor, what: str) -> None:
+    """Keep ``rows`` of an ``nn.Linear`` (output features: weight and bias rows, ``out_features``) or a depthwise
+    ``nn.Conv1d`` (channels: weight, bias, ``in_channels``/``out_channels``/``groups``, fla's ``hidden_size``)."""
+    if isinstance(module, nn.Conv1d) and (module.groups != module.in_channels or module.in_channels != module.out_channels):
         raise ValueError(
-            f"{what} is not depthwise (groups={conv.groups}, in={conv.in_channels}, out={conv.out_channels})"
+            f"{what} is not depthwise (groups={module.groups}, in={module.in_channels}, out={module.out_channels})"
         )
-    rows = head_rows(keep, _head_size(conv.out_channels, keep, what)).to(conv.weight.device)
-    conv.weight = nn.Parameter(conv.weight.data[rows].clone(), requires_grad=conv.weight.requires_grad)
-    if conv.bias is not None:
-        conv.bias = nn.Parameter(conv.bias.data[rows].clone(), requires_grad=conv.bias.requires_grad)
+    if not isinstance(module, (nn.Linear, nn.Conv1d)):
+        raise ValueError(f"{what} is a {type(module).__name__}; only nn.Linear and depthwise nn.Conv1d can be sliced")
+    rows = rows.to(module.weight.device)
+    module.weight = nn.Parameter(module.weight.data[rows].clone(), requires_grad=module.weight.requires_grad)
+    if module.bias is not None:
+        module.bias = nn.Parameter(module.bias.data[rows].clone(), requires_grad=module.bias.requires_grad)
     n = rows.numel()
-    conv.in_channels = conv.out_channels = conv.groups = n
-    if hasattr(conv, "hidden_size"):  # fla ShortConvolution
-        conv.hidden_size = n
-
-
-def slice_q_proj(adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor) -> None:
-    """Keep rows ``h*d_k + keep[h]`` of the query projection (weight and ``out_features``)."""
-    _slice_linear_rows(adapter.q_proj(mixer), keep, "q_proj")
-
-
-def slice_k_proj(adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor) -> None:
-    """Keep rows ``h*d_k + keep[h]`` of the key projection (weight and ``out_features``)."""
-    _slice_linear_rows(adapter.k_proj(mixer), keep, "k_proj")
-
-
-def slice_q_conv(adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor) -> None:
-    """Keep the same channels of the query short conv (weight, bias, in/out channels, groups); no-op without one."""
-    conv = adapter.q_conv(mixer)
-    if conv is not None:
-        _slice_conv_channels(conv, keep, "q_conv")
-
-
-def slice_k_conv(adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor) -> None:
-    """Keep the same channels of the key short conv; no-op without one."""
-    conv = adapter.k_conv(mixer)
-    if conv is not None:
-        _slice_conv_channels(conv, keep, "k_conv")
+    if isinstance(module, nn.Linear):
+        module.out_features = n
+        return
+    module.in_channels = module.out_channels = module.groups = n
+    if hasattr(module, "hidden_size"):  # fla ShortConvolution
+        module.hidden_size = n
 
 
 def set_mixer_dims(mixer: nn.Module, updates: Mapping[str, Any]) -> None:
@@ -123,11 +118,10 @@ def set_mixer_dims(mixer: nn.Module, updates: Mapping[str, Any]) -> None:
 def slice_mixer(
     adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor, updates: Mapping[str, Any]
 ) -> None:
-    """All verbs for one mixer: q/k projections, q/k convs, then its size attributes."""
-    slice_q_proj(adapter, mixer, keep)
-    slice_k_proj(adapter, mixer, keep)
-    slice_q_conv(adapter, mixer, keep)
-    slice_k_conv(adapter, mixer, keep)
+    """Slice every module of the mixer that holds q/k channels (``adapter.channel_rows``), then set its sizes."""
+    for entry in adapter.channel_rows(mixer):  # all row maps are read before any module changes
+        rows = kept_rows(entry.module.weight.shape[0], entry, keep)
+        slice_rows(entry.module, rows, entry.name)
     set_mixer_dims(mixer, updates)
 
 
@@ -210,8 +204,11 @@ def check_prune_record(checkpoint: str | os.PathLike, expected: Mapping[str, Any
     return record
 
 
-def kernel_scale_note(d_k: int, d_k_new: int) -> dict[str, Any]:
-    """The kernel-scale facts of a d_k -> d_k' pruning (module docstring)."""
+def kernel_scale_note(d_k: int, d_k_new: int, scaled: bool = True) -> dict[str, Any]:
+    """The kernel-scale facts of a d_k -> d_k' pruning (module docstring); ``scaled`` False: a scan without one."""
+    if not scaled:
+        return {"original": None, "pruned": None, "o_norm_eps_factor_for_exact_zeroing": None,
+                "note": "the scan has no q/k scale: the checkpoint equals the original with dropped channels zeroed"}
     return {
         "original": d_k**-0.5,
         "pruned": d_k_new**-0.5,
@@ -327,7 +324,7 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
         head_v_dim=d_v,
         keep={layer: idx.tolist() for layer, idx in keep_t.items()},
         config_changes=changes,
-        kernel_scale=kernel_scale_note(d_k, d_k_new),
+        kernel_scale=kernel_scale_note(d_k, d_k_new, adapter.kernel_scale),
         versions=versions(),
         extra=extra,
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from statereduce.adapters import deltanet, gated_deltanet  # noqa: F401  (registers the adapters)
 from statereduce.adapters.base import (
+    ChannelRows,
     Dims,
     LinearAttentionAdapter,
     QKCallback,
@@ -17,12 +18,14 @@ from statereduce.adapters.base import (
     adapter_for_config,
     decoder_layers,
     get_adapter,
+    head_major_rows,
     register_adapter,
 )
 from statereduce.adapters.deltanet import DeltaNetAdapter
 from statereduce.adapters.gated_deltanet import GatedDeltaNetAdapter
 
 __all__ = [
+    "ChannelRows",
     "DeltaNetAdapter",
     "Dims",
     "GatedDeltaNetAdapter",
@@ -35,5 +38,6 @@ __all__ = [
     "adapter_for_config",
     "decoder_layers",
     "get_adapter",
+    "head_major_rows",
     "register_adapter",
 ]

@@ -75,7 +75,7 @@ def get_adapter(model: nn.Module) -> LinearAttentionAdapter:
 # exactly as they enter the recurrence kernel (post conv + activation, before the in-kernel L2 norm).
 # They are the live tensors of the forward pass: detach/copy them, never modify them in place.
 QKCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
-# An input callback receives (layer_idx, x) with x [B, T, hidden], the input of q_proj/k_proj.
+# An input callback receives (layer_idx, x) with x [B, T, hidden], the input of the q/k projections.
 XCallback = Callable[[int, torch.Tensor], None]
 
 
@@ -124,6 +124,33 @@ class Dims(NamedTuple):
     head_v_dim: int  # d_v
 
 
+@dataclass(frozen=True)
+class ChannelRows:
+    """Where the key/query channels sit in one module of a mixer.
+
+    ``q[h, j]`` / ``k[h, j]`` is the row (output feature of an ``nn.Linear``, channel of a depthwise ``nn.Conv1d``) of
+    query / key channel j of q/k head h, or None when the module holds no such channels. Under grouped heads (Mamba-2's
+    B/C groups, GVA) h is the q/k head (group) whose selection its value heads share.
+    """
+
+    name: str  # the module's name inside the mixer, for messages
+    module: nn.Module
+    q: torch.Tensor | None
+    k: torch.Tensor | None
+
+
+def head_major_rows(num_heads: int, d_k: int, offset: int = 0) -> torch.Tensor:
+    """Rows ``offset + h*d_k + j`` as [H, d_k]: the head-major layout of a q or k block."""
+    return offset + torch.arange(num_heads * d_k, dtype=torch.long).reshape(num_heads, d_k)
+
+
+def _take_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    flat = rows.reshape(-1)
+    if flat.numel() == weight.shape[0] and bool((flat == torch.arange(flat.numel())).all()):
+        return weight  # the whole parameter (fla's separate q_proj/k_proj)
+    return weight[flat.to(weight.device)]
+
+
 class LinearAttentionAdapter(ABC):
     """Structural facts about one family (fla slot names)."""
 
@@ -141,6 +168,10 @@ class LinearAttentionAdapter(ABC):
     def config(self):
         """The model's live config (``prune_model`` rewrites it in place)."""
         return self.model.config
+
+    #: whether the family's recurrence scales q.k by 1/sqrt(d_k) (delta-rule kernels; not Mamba-2's scan): pruning then
+    #: changes the scale (statereduce.prune, "Kernel scale")
+    kernel_scale: ClassVar[bool] = True
 
     # ---- config-only facts (usable without weights) -------------------------------------------
     @classmethod
@@ -227,20 +258,18 @@ class LinearAttentionAdapter(ABC):
         """(layer index, linear-attention mixer) for every prunable layer; softmax layers skipped."""
 
     @abstractmethod
-    def q_proj(self, mixer: nn.Module) -> nn.Linear:
-        """The query projection, [H * d_k, hidden] rows head-major (head h is rows h*d_k .. (h+1)*d_k)."""
+    def channel_rows(self, mixer: nn.Module) -> list[ChannelRows]:
+        """Every module of ``mixer`` that holds key/query channels, with the rows of channel (h, j).
+
+        Projections come first (an ``nn.Linear`` whose output rows include q and/or k channels: fla's separate
+        ``q_proj``/``k_proj``, or one fused ``in_proj``), then depthwise convolutions over the same channels.
+        Pruning keeps every row that is not a dropped q/k channel, in the original order
+        (:func:`statereduce.prune.slice_rows`), so fused layouts stay fused.
+        """
 
     @abstractmethod
-    def k_proj(self, mixer: nn.Module) -> nn.Linear:
-        """The key projection, same layout as :meth:`q_proj`."""
-
-    @abstractmethod
-    def q_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
-        """The depthwise short conv on queries ([H * d_k, 1, W], same channel order), or None."""
-
-    @abstractmethod
-    def k_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
-        """The depthwise short conv on keys, or None."""
+    def projection_input(self, mixer: nn.Module) -> nn.Module:
+        """The module whose forward input is the q/k projection input x [B, T, hidden] (``on_x`` of :meth:`capture`)."""
 
     @property
     def num_heads(self) -> int:
@@ -262,9 +291,24 @@ class LinearAttentionAdapter(ABC):
         """d_v of each value head."""
         return self.dims(self.config).head_v_dim
 
+    def qk_weight_rows(self, mixer: nn.Module) -> tuple[tuple[nn.Parameter, torch.Tensor], tuple[nn.Parameter, torch.Tensor]]:
+        """((W, rows_q), (W, rows_k)): the projection weight parameters holding the query and the key channels (the
+        same parameter for a fused projection) and the rows [H, d_k] of channel (h, j) in each."""
+        found: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+        for entry in self.channel_rows(mixer):
+            if isinstance(entry.module, nn.Linear):
+                for side in ("q", "k"):
+                    rows = getattr(entry, side)
+                    if rows is not None and side not in found:
+                        found[side] = (entry.module.weight, rows)
+        if set(found) != {"q", "k"}:
+            raise ValueError(f"{type(self).__name__}.channel_rows names no projection of the {set('qk') - set(found)}")
+        return found["q"], found["k"]
+
     def qk_weights(self, mixer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_q, W_k), each [H * d_k, hidden]; head h is rows h*d_k .. (h+1)*d_k."""
-        return self.q_proj(mixer).weight, self.k_proj(mixer).weight
+        """(W_q, W_k), each [H * d_k, hidden]; head h is rows h*d_k .. (h+1)*d_k (copies for fused projections)."""
+        (wq, rq), (wk, rk) = self.qk_weight_rows(mixer)
+        return _take_rows(wq, rq), _take_rows(wk, rk)
 
     def pruned_config(self, d_k_new: int):
         """Instance convenience for :meth:`reduced_config` on the model's own config."""
@@ -303,8 +347,8 @@ class LinearAttentionAdapter(ABC):
         else:
             roots = list(decoder_layers(self.model))
             decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
-            if isinstance(getattr(decoder, "norm", None), nn.Module):
-                roots.append(decoder.norm)
+            norms = [getattr(decoder, n, None) for n in ("norm", "norm_f")]  # fla, Qwen3.5: norm; Mamba-2: norm_f
+            roots.extend(n for n in norms if isinstance(n, nn.Module))
         return [(names[id(m)], m) for m in roots]
 
     def rft_trains_fully(self, module: nn.Module) -> bool:
@@ -361,10 +405,7 @@ class LinearAttentionAdapter(ABC):
         d = self.dims(self.config)
         states = {}
         for layer, mixer in self.mixer_layers():
-            try:
-                state = cache[getattr(mixer, "layer_idx", layer)]["recurrent_state"]
-            except (KeyError, IndexError, TypeError):  # layer not in the cache, or its entry still empty
-                state = None
+            state = self.cached_recurrent_state(cache, getattr(mixer, "layer_idx", layer))
             v_first = self.cache_state_v_first
             expected = (d.num_v_heads, *((d.head_v_dim, d.head_k_dim) if v_first else (d.head_k_dim, d.head_v_dim)))
             if not isinstance(state, torch.Tensor) or state.dim() != 4 or state.shape[1:] != expected:
@@ -378,6 +419,39 @@ class LinearAttentionAdapter(ABC):
                 )
             states[layer] = state if v_first else state.transpose(-1, -2)
         return states
+
+    def cached_recurrent_state(self, cache, layer_idx: int) -> torch.Tensor | None:
+        """The raw recurrent state of layer ``layer_idx`` in ``cache`` (fla's ``cache[i]["recurrent_state"]``),
+        or None when the cache holds none for it."""
+        try:
+            return cache[layer_idx]["recurrent_state"]
+        except (KeyError, IndexError, TypeError):  # layer not in the cache, or its entry still empty
+            return None
+
+    #: the keyword through which the family's causal LM takes a cache to continue from (fla: ``past_key_values``;
+    #: transformers' Mamba-2 takes ``cache`` and silently ignores ``past_key_values``)
+    cache_argument: ClassVar[str] = "past_key_values"
+
+    # ---- loading --------------------------------------------------------------------------------------------
+    #: the causal-LM class that loads the family's checkpoints (a LazyImport); None: ``AutoModelForCausalLM``
+    causal_lm_class: ClassVar[Any] = None
+
+    @classmethod
+    def install_fallbacks(cls, torch_device_types: tuple[str, ...] = ("cpu",)) -> None:
+        """Route the family's kernel calls on ``torch_device_types`` to PyTorch implementations (idempotent): fla's
+        Triton-only functions to :mod:`statereduce.kernels.fla_fallback`. Families that need more extend it."""
+        from statereduce.kernels import fla_fallback
+
+        fla_fallback.install(torch_device_types=torch_device_types)
+
+    @classmethod
+    def build(cls, config, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """A randomly initialised causal LM of ``config`` (the tiny models the workflow trains, speed runs)."""
+        if cls.causal_lm_class is not None:
+            return cls.causal_lm_class._from_config(config, dtype=dtype)
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
     # ---- decoding with the state updated in place (statereduce.speed) --------------------------------
     @classmethod
@@ -468,9 +542,10 @@ def capture_kernel_calls(
     mixers: Sequence[tuple[int, nn.Module]],
     kernel_module: types.ModuleType,
     kernel_names: Sequence[str],
-    q_input: Callable[[nn.Module], nn.Module],
+    x_input: Callable[[nn.Module], nn.Module],
     on_qk: QKCallback | None,
     on_x: XCallback | None,
+    qk_of_call: Callable[[tuple, dict], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Iterator[None]:
     """Capture q/k at the recurrence kernel and x at the q projection, for the given mixers.
 
@@ -486,19 +561,21 @@ def capture_kernel_calls(
         kernel_module: the module whose globals the mixers call.
         kernel_names: names of the kernel globals; each is called with ``q``, ``k`` as the first two
             positional arguments or as keywords, shaped [B, T, H, d_k].
-        q_input: mixer -> the module whose forward input is the q/k projection input (for ``on_x``).
+        x_input: mixer -> the module whose forward input is the q/k projection input (for ``on_x``).
         on_qk, on_x: the callbacks (see ``QKCallback`` / ``XCallback``); either may be None.
+        qk_of_call: (args, kwargs) of a kernel call -> (q, k) [B, T, H, d_k]; the default reads ``q``, ``k`` as the
+            first two positional arguments or as keywords (fla's functions).
     """
     tracker = _LayerTracker()
     handles = []
     originals = {name: getattr(kernel_module, name) for name in kernel_names}
-    wrappers = {name: _kernel_wrapper(fn, tracker, on_qk) for name, fn in originals.items()}
+    wrappers = {name: _kernel_wrapper(fn, tracker, on_qk, qk_of_call or fla_qk_of_call) for name, fn in originals.items()}
     try:
         for layer_idx, mixer in mixers:
             handles.append(mixer.register_forward_pre_hook(_push_hook(tracker, layer_idx)))
             handles.append(mixer.register_forward_hook(_pop_hook(tracker)))
             if on_x is not None:
-                handles.append(q_input(mixer).register_forward_pre_hook(_x_hook(tracker, layer_idx, on_x)))
+                handles.append(x_input(mixer).register_forward_pre_hook(_x_hook(tracker, layer_idx, on_x)))
         for name, wrapper in wrappers.items():
             setattr(kernel_module, name, wrapper)
         yield
@@ -511,14 +588,20 @@ def capture_kernel_calls(
                 setattr(kernel_module, name, fn)
 
 
-def _kernel_wrapper(fn: Callable, tracker: _LayerTracker, on_qk: QKCallback | None) -> Callable:
+def fla_qk_of_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) of a call of one of fla's kernel functions: the first two positional arguments, or keywords."""
+    q = kwargs["q"] if "q" in kwargs else args[0]
+    k = kwargs["k"] if "k" in kwargs else args[1]
+    return q, k
+
+
+def _kernel_wrapper(fn: Callable, tracker: _LayerTracker, on_qk: QKCallback | None,
+                    qk_of_call: Callable[[tuple, dict], tuple[torch.Tensor, torch.Tensor]]) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         layer_idx = tracker.current
         if layer_idx is not None and on_qk is not None:
-            q = kwargs["q"] if "q" in kwargs else args[0]
-            k = kwargs["k"] if "k" in kwargs else args[1]
-            on_qk(layer_idx, q, k)
+            on_qk(layer_idx, *qk_of_call(args, kwargs))
         return fn(*args, **kwargs)
 
     return wrapper

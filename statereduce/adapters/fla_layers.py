@@ -45,11 +45,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from statereduce.adapters.base import (
+    ChannelRows,
     LinearAttentionAdapter,
     QKCallback,
     XCallback,
     capture_kernel_calls,
     decoder_layers,
+    head_major_rows,
 )
 
 Patch = tuple[Any, str, Callable[[Any], Any]]
@@ -77,21 +79,36 @@ class FlaAdapter(LinearAttentionAdapter):
         return [(i, block.attn) for i, block in enumerate(decoder_layers(self.model)) if isinstance(block.attn, mixer)]
 
     def q_proj(self, mixer: nn.Module) -> nn.Linear:
+        """The query projection, [H * d_k, hidden], head h in rows h*d_k .. (h+1)*d_k."""
         return mixer.q_proj
 
     def k_proj(self, mixer: nn.Module) -> nn.Linear:
+        """The key projection, same layout as :meth:`q_proj`."""
         return mixer.k_proj
 
     def q_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
+        """The depthwise short conv on queries ([H * d_k, 1, W], same channel order), or None."""
         return mixer.q_conv1d if mixer.use_short_conv else None
 
     def k_conv(self, mixer: nn.Module) -> nn.Conv1d | None:
+        """The depthwise short conv on keys, or None."""
         return mixer.k_conv1d if mixer.use_short_conv else None
+
+    def channel_rows(self, mixer: nn.Module) -> list[ChannelRows]:
+        rows = head_major_rows(self.num_heads, self.head_k_dim)
+        out = [ChannelRows("q_proj", self.q_proj(mixer), rows, None), ChannelRows("k_proj", self.k_proj(mixer), None, rows)]
+        if mixer.use_short_conv:
+            out += [ChannelRows("q_conv1d", mixer.q_conv1d, rows, None), ChannelRows("k_conv1d", mixer.k_conv1d, None, rows)]
+        return out
+
+    def projection_input(self, mixer: nn.Module) -> nn.Module:
+        return mixer.q_proj
 
     @contextlib.contextmanager
     def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
         module = importlib.import_module(self.layer_module)
-        with capture_kernel_calls(self.mixer_layers(), module, self.kernel_functions, self.q_proj, on_qk, on_x):
+        with capture_kernel_calls(self.mixer_layers(), module, self.kernel_functions, self.projection_input, on_qk,
+                                  on_x):
             yield
 
     @classmethod
