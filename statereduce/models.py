@@ -31,6 +31,7 @@ TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
     "bos_token_id": 256,
     "eos_token_id": 256,
+    "pad_token_id": None,  # fla's and Qwen3.5's default; Mamba-2's is 1 (a byte here)
     "fuse_cross_entropy": False,
 }
 
@@ -43,17 +44,19 @@ def config_class(family: str) -> type:
 
 
 def tiny_config(family: str, arch: dict[str, Any]):
-    """An fla config for a tiny model trained from scratch (the embedded default models).
+    """The config of a tiny model trained from scratch (the embedded default models).
 
     Args:
         family: adapter family, e.g. ``"delta_net"`` (fla ``DeltaNetConfig``: ``hidden_size``,
-            ``num_hidden_layers``, ``num_heads``, ``expand_k``, ``expand_v``; d_k = hidden*expand_k/H)
-            or ``"gated_deltanet"`` (fla ``GatedDeltaNetConfig``: ``head_dim`` = d_k, ``expand_v``
-            with d_v = head_dim*expand_v, optional ``num_v_heads``).
+            ``num_hidden_layers``, ``num_heads``, ``expand_k``, ``expand_v``; d_k = hidden*expand_k/H),
+            ``"gated_deltanet"`` (fla ``GatedDeltaNetConfig``: ``head_dim`` = d_k, ``expand_v``
+            with d_v = head_dim*expand_v, optional ``num_v_heads``), ``"mamba2"`` (transformers
+            ``Mamba2Config``: ``state_size`` = d_k, ``n_groups`` q/k heads) or ``"qwen3_5"`` (transformers
+            ``Qwen3_5TextConfig``: ``linear_key_head_dim`` = d_k, ``layer_types``).
         arch: keyword arguments of the family's config class. Defaults added unless given:
             ``vocab_size`` 257, ``bos_token_id``/``eos_token_id`` 256 (the byte tokenizer's EOS),
-            ``fuse_cross_entropy`` False; everything else keeps fla's default (``pad_token_id`` stays
-            None on purpose: fla uses it as the embedding's ``padding_idx``, which would freeze EOS).
+            ``fuse_cross_entropy`` False (fla's configs); ``pad_token_id`` None (fla and Qwen3.5 use it as the
+            embedding's ``padding_idx``, which would freeze EOS); everything else keeps the class default.
 
     Raises:
         ValueError: unknown family, or a key the config class does not take (typos would otherwise
@@ -65,7 +68,8 @@ def tiny_config(family: str, arch: dict[str, Any]):
     bad = sorted(set(arch) - set(valid))
     if bad:
         raise ValueError(f"unknown arch key(s) {bad} for family {family!r} ({cls.__name__}); valid: {', '.join(valid)}")
-    return cls(**{**TINY_DEFAULTS, **arch})
+    defaults = {k: v for k, v in TINY_DEFAULTS.items() if k in params}  # fuse_cross_entropy: fla's configs only
+    return cls(**{**defaults, **arch})
 
 
 def resolve_revision(hub_id: str, revision: str | None) -> tuple[str | None, bool]:
@@ -124,14 +128,20 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
             ``source.json`` (hub model: ``from_pretrained(hub_id, revision=...)``; weights come from
             the HF cache or the hub).
         dtype: float32 / bfloat16 / float16; None uses ``source.json``'s dtype, else float32.
-        device: where to put the model. On CPU, :func:`statereduce.kernels.fla_fallback.install` is called so
-            fla's Triton-only layers run in PyTorch.
+        device: where to put the model. On CPU, the family's adapter installs its PyTorch fallbacks
+            (:meth:`~statereduce.adapters.base.LinearAttentionAdapter.install_fallbacks`), so fla's Triton-only
+            layers run in PyTorch.
+
+    The model class is the adapter's ``causal_lm_class`` (transformers' ``Mamba2ForCausalLM``: fla's own
+    ``mamba2`` registration overrides the Auto mapping) or ``AutoModelForCausalLM``.
 
     Always imports ``fla`` (which registers its models with the Auto classes) and, for configs that
     have it, sets ``fuse_cross_entropy=False`` (fla's fused loss is CUDA-only; the plain loss is exact).
     """
     import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from statereduce.adapters import adapter_for_config
 
     base = Path(base)
     source_file = base / SOURCE_FILE
@@ -150,15 +160,14 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     device = torch.device(device)
-    if device.type == "cpu":
-        from statereduce.kernels import fla_fallback
-
-        fla_fallback.install()
     config = AutoConfig.from_pretrained(model_id, revision=revision)
+    adapter = adapter_for_config(config)
+    if device.type == "cpu":
+        adapter.install_fallbacks()
     kwargs: dict[str, Any] = {"revision": revision, "dtype": DTYPES[dtype]}
     if hasattr(config, "fuse_cross_entropy"):
         kwargs["fuse_cross_entropy"] = False
-    model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+    model = (adapter.causal_lm_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
     model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(tok_id, revision=revision if tok_id == model_id else None)
     return model, tokenizer

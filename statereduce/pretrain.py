@@ -168,13 +168,12 @@ def pretrain(
         the training text's bytes, one separator per document counted) and ``pure_seconds`` (the recall-only
         phase's share of ``train_seconds``; with that phase, ``train_tokens`` and the times cover both).
     """
-    from transformers import AutoModelForCausalLM
+    from statereduce.adapters import adapter_class
 
-    from statereduce.kernels import fla_fallback
-
+    family_adapter = adapter_class(family)
     cfg = _train_cfg(train_cfg)
     mix = _mix_settings(recall_mix)
-    fla_fallback.install()
+    family_adapter.install_fallbacks()
     torch.set_num_threads(int(cfg["threads"]))
     seed = int(cfg["seed"])
     seed_everything(seed)
@@ -184,7 +183,7 @@ def pretrain(
     pure = _recall_phase(tokenizer, cfg, mix)
     if stream.numel() < int(cfg["seq_len"]) + 1:
         raise ValueError(f"train split too small: {stream.numel()} tokens for seq_len={cfg['seq_len']}")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = family_adapter.build(config, dtype=torch.float32)
 
     with atomic_dir(out_dir) as tmp:
         log_paths = [tmp / "train_log.jsonl"] + ([Path(log_path)] if log_path is not None else [])

@@ -288,7 +288,7 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
     meta = dict(meta or {})
     adapter = get_adapter(model)
     keep_t, d_k_new = check_keep(adapter, keep)
-    config = model.config
+    config = adapter.config  # the text config of a multimodal checkpoint
     h, hv, d_k, d_v = adapter.dims(config)
     config_updates = adapter.config_updates(config, d_k_new)  # raises before any weight changes
     mixer_updates = adapter.mixer_updates(config, d_k_new)

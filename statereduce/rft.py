@@ -543,9 +543,9 @@ def _load_pair(base_dir: str | Path, pruned_dir: str | Path, cfg: dict[str, Any]
     teacher, tokenizer = load_model(base_dir, dtype="float32" if cpu else "bfloat16", device=here)
     student, _ = load_model(pruned_dir, dtype="float32", device=here)
     if cfg["kernels"] == "torch":  # after load_model, which routes only CPU tensors to the fallback
-        from statereduce.kernels import fla_fallback
+        from statereduce.adapters import get_adapter
 
-        fla_fallback.install(torch_device_types=("cpu", "cuda"))
+        get_adapter(student).install_fallbacks(torch_device_types=("cpu", "cuda"))
     return teacher, student, tokenizer
 
 

@@ -17,12 +17,21 @@ from statereduce.models import tiny_config
 
 VOCAB = 300
 
-# d_k = 32 in both; DeltaNet d_v = 32, Gated DeltaNet d_v = 64.
+# d_k = 32 and 2 q/k heads in every family; DeltaNet d_v = 32, Gated DeltaNet d_v = 64; Mamba-2: 2 groups of
+# N = 32 over 8 heads of 16 (chunk 16, so 20+ tokens cross chunks); Qwen3.5: 2 key heads, 4 value heads of 16
+# (GVA), layers [linear, linear, attention] so that a softmax layer sits between and after linear ones.
 TINY: dict[str, dict[str, Any]] = {
     "delta_net": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "expand_k": 1.0, "expand_v": 1.0},
     "gated_deltanet": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32, "expand_v": 2.0},
+    "mamba2": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 8, "head_dim": 16, "expand": 2, "n_groups": 2,
+               "state_size": 32, "chunk_size": 16},
+    "qwen3_5": {"hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "head_dim": 32, "linear_key_head_dim": 32, "linear_value_head_dim": 16,
+                "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                "layer_types": ["linear_attention", "linear_attention", "full_attention"]},
 }
 COMMON: dict[str, Any] = {"vocab_size": VOCAB, "fuse_cross_entropy": False, "bos_token_id": 1, "eos_token_id": 2}
+FLA_ONLY = ("fuse_cross_entropy",)
 
 
 def tiny_arch(family: str, **overrides: Any) -> dict[str, Any]:
@@ -30,7 +39,8 @@ def tiny_arch(family: str, **overrides: Any) -> dict[str, Any]:
     :func:`statereduce.models.tiny_config`."""
     if family not in TINY:
         raise ValueError(f"no tiny config for family {family!r}; valid: {', '.join(sorted(TINY))}")
-    return {**COMMON, **TINY[family], **overrides}
+    common = {k: v for k, v in COMMON.items() if k not in FLA_ONLY or family in ("delta_net", "gated_deltanet")}
+    return {**common, **TINY[family], **overrides}
 
 
 def tiny_model(family: str, seed: int = 0, conv_std: float | None = 0.3, **overrides: Any) -> nn.Module:
@@ -43,13 +53,12 @@ def tiny_model(family: str, seed: int = 0, conv_std: float | None = 0.3, **overr
             leaves conv outputs ~1e-3, far from trained models; 0.3 gives activations of order one).
         **overrides: config fields.
     """
-    from transformers import AutoModelForCausalLM
+    from statereduce.adapters import adapter_class
 
-    from statereduce.kernels import fla_fallback
-
-    fla_fallback.install()
+    adapter = adapter_class(family)
+    adapter.install_fallbacks()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, tiny_arch(family, **overrides)))
+    model = adapter.build(tiny_config(family, tiny_arch(family, **overrides)))
     if conv_std is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -5,7 +5,7 @@ See :mod:`statereduce.adapters.base` for the interface and how to add a family.
 
 from __future__ import annotations
 
-from statereduce.adapters import deltanet, gated_deltanet  # noqa: F401  (registers the adapters)
+from statereduce.adapters import deltanet, gated_deltanet, mamba2, qwen3_5  # noqa: F401  (registers the adapters)
 from statereduce.adapters.base import (
     ChannelRows,
     Dims,
@@ -23,6 +23,8 @@ from statereduce.adapters.base import (
 )
 from statereduce.adapters.deltanet import DeltaNetAdapter
 from statereduce.adapters.gated_deltanet import GatedDeltaNetAdapter
+from statereduce.adapters.mamba2 import Mamba2Adapter
+from statereduce.adapters.qwen3_5 import Qwen35Adapter
 
 __all__ = [
     "ChannelRows",
@@ -30,7 +32,9 @@ __all__ = [
     "Dims",
     "GatedDeltaNetAdapter",
     "LinearAttentionAdapter",
+    "Mamba2Adapter",
     "QKCallback",
+    "Qwen35Adapter",
     "StateShape",
     "XCallback",
     "adapter_class",

@@ -27,7 +27,7 @@ import importlib
 import numbers
 import types
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -75,6 +75,8 @@ def get_adapter(model: nn.Module) -> LinearAttentionAdapter:
 # exactly as they enter the recurrence kernel (post conv + activation, before the in-kernel L2 norm).
 # They are the live tensors of the forward pass: detach/copy them, never modify them in place.
 QKCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
+# Reads (q, k) [B, T, H, d_k] from the (args, kwargs) of one call of a family's kernel function.
+QKOfCall = Callable[[tuple, dict], tuple[torch.Tensor, torch.Tensor]]
 # An input callback receives (layer_idx, x) with x [B, T, hidden], the input of the q/k projections.
 XCallback = Callable[[int, torch.Tensor], None]
 
@@ -530,6 +532,14 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def transformers_recurrent_state(cache, layer_idx: int) -> torch.Tensor | None:
+    """The recurrent state of layer ``layer_idx`` in a transformers cache (``cache.get_recurrent_state``), or None."""
+    try:
+        return cache.get_recurrent_state(layer_idx, state_idx=0)
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
+
+
 class _LayerTracker:
     """Knows which tracked mixer is running, through forward pre-/post-hooks (mixers never nest)."""
 
@@ -545,7 +555,7 @@ def capture_kernel_calls(
     x_input: Callable[[nn.Module], nn.Module],
     on_qk: QKCallback | None,
     on_x: XCallback | None,
-    qk_of_call: Callable[[tuple, dict], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    qk_of_call: QKOfCall | Mapping[str, QKOfCall] | None = None,
 ) -> Iterator[None]:
     """Capture q/k at the recurrence kernel and x at the q projection, for the given mixers.
 
@@ -563,13 +573,15 @@ def capture_kernel_calls(
             positional arguments or as keywords, shaped [B, T, H, d_k].
         x_input: mixer -> the module whose forward input is the q/k projection input (for ``on_x``).
         on_qk, on_x: the callbacks (see ``QKCallback`` / ``XCallback``); either may be None.
-        qk_of_call: (args, kwargs) of a kernel call -> (q, k) [B, T, H, d_k]; the default reads ``q``, ``k`` as the
-            first two positional arguments or as keywords (fla's functions).
+        qk_of_call: (args, kwargs) of a kernel call -> (q, k) [B, T, H, d_k], or a mapping from kernel name to one;
+            the default reads ``q``, ``k`` as the first two positional arguments or as keywords (fla's functions).
     """
     tracker = _LayerTracker()
     handles = []
     originals = {name: getattr(kernel_module, name) for name in kernel_names}
-    wrappers = {name: _kernel_wrapper(fn, tracker, on_qk, qk_of_call or fla_qk_of_call) for name, fn in originals.items()}
+    readers = qk_of_call if isinstance(qk_of_call, Mapping) else dict.fromkeys(kernel_names, qk_of_call)
+    wrappers = {name: _kernel_wrapper(fn, tracker, on_qk, readers.get(name) or fla_qk_of_call)
+                for name, fn in originals.items()}
     try:
         for layer_idx, mixer in mixers:
             handles.append(mixer.register_forward_pre_hook(_push_hook(tracker, layer_idx)))
@@ -595,8 +607,7 @@ def fla_qk_of_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tenso
     return q, k
 
 
-def _kernel_wrapper(fn: Callable, tracker: _LayerTracker, on_qk: QKCallback | None,
-                    qk_of_call: Callable[[tuple, dict], tuple[torch.Tensor, torch.Tensor]]) -> Callable:
+def _kernel_wrapper(fn: Callable, tracker: _LayerTracker, on_qk: QKCallback | None, qk_of_call: QKOfCall) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         layer_idx = tracker.current

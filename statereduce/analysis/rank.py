@@ -101,7 +101,7 @@ def iter_states(
 ) -> Iterator[tuple[int, dict[int, torch.Tensor]]]:
     """Run the model over ``input_ids`` in segments of ``stride`` tokens and yield the recurrent states.
 
-    Segments end at multiples of ``stride`` (and at T). Segment i is ``model(ids[:, s:e], past_key_values=cache,
+    Segments end at multiples of ``stride`` (and at T). Segment i is ``model(ids[:, s:e], <cache_argument>=cache,
     use_cache=True)`` with the cache of segment i-1, so the states are those of one causal pass over the whole
     input, computed by the model's own kernels. The segments whose states are not yielded (last token before
     ``skip``) are merged into one forward.
@@ -130,7 +130,8 @@ def iter_states(
     cache, start = None, 0
     with torch.no_grad():
         for end in bounds:
-            out = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids[:, start:end], **{adapter.cache_argument: cache}, use_cache=True,
+                        logits_to_keep=1)
             cache = _output_cache(out)
             if end - 1 >= skip:
                 yield end - 1, adapter.recurrent_states(cache)

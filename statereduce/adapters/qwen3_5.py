@@ -1,0 +1,184 @@
+"""Adapter for the Qwen3.5 hybrid (transformers ``qwen3_5``, text model; paper Sec. 5, App. C.4, Tables 4, 12, 13).
+
+Qwen3.5 interleaves Gated DeltaNet layers (``Qwen3_5GatedDeltaNet``, ``linear_attn`` of a decoder layer) with
+softmax-attention layers (``self_attn``; ``layer_types``, by default every fourth layer). Only the Gated DeltaNet
+layers are pruned and fine-tuned; the attention layers, MLPs, embeddings and norms outside the mixers never change.
+
+Layout of a Gated DeltaNet layer (Hk = ``linear_num_key_heads``, HV = ``linear_num_value_heads``, d_k =
+``linear_key_head_dim``, d_v = ``linear_value_head_dim``):
+
+- ``in_proj_qkv.weight`` ``[2 Hk d_k + HV d_v, hidden]``: query head h channel j is row ``h*d_k + j``, key head h
+  is row ``Hk*d_k + h*d_k + j``, the values start at ``2 Hk d_k``;
+- ``conv1d`` ``[same, 1, W]``, the same channel order, no bias (its module forward never runs);
+- untouched: ``in_proj_z`` ``[HV d_v]``, ``in_proj_a``/``in_proj_b``/``A_log``/``dt_bias`` ``[HV]``, ``norm``
+  ``[d_v]``, ``out_proj``. Under GVA (HV = r Hk) value head i reads key head ``i // r``: one key head's selection
+  serves its r value heads.
+
+Pruning sets ``linear_key_head_dim = d_k'``. Kernel scale: the stock kernels use ``1/sqrt(d_k')`` after pruning;
+the output goes through the per-head ``norm`` (``Qwen3_5RMSNormGated``), so the pruned model equals zeroing the
+dropped channels exactly when that norm's ``variance_epsilon`` is multiplied by d_k/d_k' (as for Gated DeltaNet,
+:mod:`statereduce.prune`).
+
+Capture: q and k ``[B, T, Hk, d_k]`` where they enter ``torch_chunk_gated_delta_rule`` /
+``torch_recurrent_gated_delta_rule`` (the module globals the layer calls): post conv + SiLU, before the in-kernel
+L2 norm and before the GVA repeat. The names stay ``torch_*`` whichever implementation transformers bound to them.
+
+CPU: with fla installed, transformers binds fla's Triton ``chunk_gated_delta_rule`` to those globals at import
+time, which fails on CPU; :meth:`install_fallbacks` rebinds them to dispatchers that send tensors on the given
+device types to transformers' own PyTorch implementation. Hub checkpoints of the vision-language ``qwen3_5``
+model load through ``AutoModelForCausalLM`` as the text model ``Qwen3_5ForCausalLM`` (``mtp.*`` weights dropped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from statereduce.adapters.base import (
+    ChannelRows,
+    Dims,
+    LazyImport,
+    LinearAttentionAdapter,
+    QKCallback,
+    StateShape,
+    XCallback,
+    capture_kernel_calls,
+    decoder_layers,
+    head_major_rows,
+    register_adapter,
+    transformers_recurrent_state,
+)
+
+LAYER_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
+KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+LINEAR = "linear_attention"
+
+
+def _text(config):
+    """The text config of a Qwen3.5 config (the vision-language ``qwen3_5`` nests it as ``text_config``)."""
+    text = getattr(config, "text_config", None)
+    return text if text is not None else config
+
+
+def _qk_of_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    q = kwargs["query"] if "query" in kwargs else args[0]
+    k = kwargs["key"] if "key" in kwargs else args[1]
+    return q, k
+
+
+def _device_dispatch(stock: Callable, reference: Callable, device_types: tuple[str, ...]) -> Callable:
+    """``stock`` (whatever transformers bound), except for queries on ``device_types``: ``reference`` (its PyTorch
+    implementation)."""
+
+    @functools.wraps(stock)
+    def dispatch(query, *args, **kwargs):
+        fn = reference if query.device.type in device_types else stock
+        return fn(query, *args, **kwargs)
+
+    dispatch._statereduce_stock = stock
+    return dispatch
+
+
+@register_adapter
+class Qwen35Adapter(LinearAttentionAdapter):
+    """Qwen3.5: ``linear_key_head_dim`` carries d_k of the Gated DeltaNet layers; attention layers stay."""
+
+    family = "qwen3_5"
+    model_types = ("qwen3_5_text", "qwen3_5")
+    config_class = LazyImport("transformers.models.qwen3_5:Qwen3_5TextConfig")
+    cache_argument = "cache"
+    rft_default_scope = "recurrent"  # paper Table 4: only the recurrent components are fine-tuned
+    # transformers 5.24 Qwen3_5TextConfig.__init__ keywords and defaults (pinned by tests/test_config.py)
+    # fmt: off
+    config_defaults: ClassVar[dict[str, Any]] = {
+        "transformers_version": None, "architectures": None, "output_hidden_states": False, "return_dict": True,
+        "dtype": None, "chunk_size_feed_forward": 0, "is_encoder_decoder": False, "id2label": None, "label2id": None,
+        "problem_type": None, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+        "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_act": "silu",
+        "max_position_embeddings": 32768, "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True,
+        "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0,
+        "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "layer_types": None, "pad_token_id": None,
+        "bos_token_id": None, "eos_token_id": None,
+    }
+    # fmt: on
+
+    @classmethod
+    def dims(cls, config) -> Dims:
+        c = _text(config)
+        h, hv = c.linear_num_key_heads, c.linear_num_value_heads
+        if hv % h:
+            raise ValueError(f"Qwen3.5 linear_num_value_heads={hv} is not a multiple of linear_num_key_heads={h}")
+        return Dims(num_heads=h, num_v_heads=hv, head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim)
+
+    @classmethod
+    def mixer_layer_indices(cls, config) -> list[int]:
+        c = _text(config)
+        types = c.layer_types or [LINEAR if (i + 1) % 4 else "full_attention" for i in range(c.num_hidden_layers)]
+        return [i for i, kind in enumerate(types) if kind == LINEAR]
+
+    @classmethod
+    def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
+        """``linear_key_head_dim = d_k'`` (of the text config; a Python int: the config is strict)."""
+        d = cls.dims(config)
+        cls.check_reduction(d.head_k_dim, d.head_v_dim, d_k_new)
+        return {"linear_key_head_dim": int(d_k_new)}
+
+    @classmethod
+    def reduced_config(cls, config, d_k_new: int):
+        """The reduced text config (of the text config, for a vision-language ``qwen3_5`` config)."""
+        return super().reduced_config(_text(config), d_k_new)
+
+    @classmethod
+    def mixer_updates(cls, config, d_k_new: int) -> dict[str, Any]:
+        h, hv, _, d_v = cls.dims(config)
+        key_dim = h * int(d_k_new)
+        return {"head_k_dim": int(d_k_new), "key_dim": key_dim, "conv_dim": 2 * key_dim + hv * d_v}
+
+    @classmethod
+    def config_state_shape(cls, config) -> StateShape:
+        h, hv, d_k, d_v = cls.dims(config)
+        return StateShape(num_heads=hv, d_k=d_k, d_v=d_v, conv_channels=2 * h * d_k + hv * d_v,
+                          conv_width=_text(config).linear_conv_kernel_dim)
+
+    @property
+    def config(self):
+        return _text(self.model.config)
+
+    def mixer_layers(self) -> list[tuple[int, nn.Module]]:
+        return [(i, layer.linear_attn) for i, layer in enumerate(decoder_layers(self.model))
+                if hasattr(layer, "linear_attn")]
+
+    def channel_rows(self, mixer: nn.Module) -> list[ChannelRows]:
+        h, d_k = mixer.num_k_heads, mixer.head_k_dim
+        q, k = head_major_rows(h, d_k), head_major_rows(h, d_k, offset=h * d_k)
+        return [ChannelRows("in_proj_qkv", mixer.in_proj_qkv, q=q, k=k), ChannelRows("conv1d", mixer.conv1d, q=q, k=k)]
+
+    def projection_input(self, mixer: nn.Module) -> nn.Module:
+        return mixer.in_proj_qkv
+
+    @contextlib.contextmanager
+    def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
+        module = importlib.import_module(LAYER_MODULE)
+        with capture_kernel_calls(self.mixer_layers(), module, KERNELS, self.projection_input, on_qk, on_x,
+                                  qk_of_call=_qk_of_call):
+            yield
+
+    def cached_recurrent_state(self, cache, layer_idx: int) -> torch.Tensor | None:
+        return transformers_recurrent_state(cache, layer_idx)  # [B, HV, d_k, d_v]
+
+    @classmethod
+    def install_fallbacks(cls, torch_device_types: tuple[str, ...] = ("cpu",)) -> None:
+        super().install_fallbacks(torch_device_types)
+        module = importlib.import_module(LAYER_MODULE)
+        for name in KERNELS:
+            bound = getattr(module, name)
+            stock = getattr(bound, "_statereduce_stock", bound)
+            reference = getattr(stock, "__wrapped__", stock)  # transformers' own torch implementation
+            setattr(module, name, _device_dispatch(stock, reference, tuple(torch_device_types)))
