@@ -24,6 +24,7 @@ rule base_source:
         "results/{model}/base/source.json",
     params:
         source=get_source,
+        family=lambda wildcards: MODELS[wildcards.model]["family"],
     log:
         "logs/base_source/{model}.log",
     conda:

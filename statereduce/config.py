@@ -268,9 +268,13 @@ def model_speed(config: dict, model: str) -> dict:
     :data:`statereduce.speed.DEFAULT_SPEED` updated by the top-level ``speed`` block, then by the model's own
     ``speed`` block (part blocks key by key).
     """
-    from statereduce.adapters import adapter_class
+    from statereduce.adapters import adapter_class, adapter_families
 
     m = config["models"][model]
+    if not adapter_class(m["family"]).speed_benchmark:
+        covered = ", ".join(f for f in adapter_families() if adapter_class(f).speed_benchmark)
+        raise ConfigError(f"model {model!r}: the speed benchmarks do not cover family {m['family']!r}; "
+                          f"they cover {covered}")
     own = dict(m.get("speed", {}))
     arch = own.pop("arch", None)
     if arch is None:
@@ -455,6 +459,22 @@ def check_studies(config: dict) -> dict[str, list[tuple[str, str, float]]]:
     return cells
 
 
+def check_checkpoint_family(model: str, family: str, where: str, checkpoint: str, revision: str | None = None) -> None:
+    """Check that the checkpoint ``checkpoint`` (a local folder or a hub id) is of ``family`` where its ``config.json``
+    can be read without the network (a local folder, or a hub id in the Hugging Face cache); otherwise the base
+    job checks it when it resolves the hub id (:func:`statereduce.models.write_hub_source`).
+
+    Raises:
+        ConfigError: one line naming the model, the checkpoint, its ``model_type`` and the family's.
+    """
+    from statereduce.models import check_family
+
+    try:
+        check_family(checkpoint, revision, family)
+    except ValueError as e:
+        raise ConfigError(f"models.{model}.{where}: {e}") from None
+
+
 def check_local(model: str, path: str | None) -> None:
     """Check ``models.<model>.local``: a folder holding ``config.json`` (an HF checkpoint), or None (no checkpoint
     yet). A relative path is relative to the working directory, as the jobs resolve it.
@@ -504,6 +524,10 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
         m.setdefault("dtype", "float32")
         m.setdefault("device", "cpu")
         check_local(name, m.get("local"))
+        if m.get("local"):
+            check_checkpoint_family(name, m["family"], "local", m["local"])
+        if "hub" in m:
+            check_checkpoint_family(name, m["family"], "hub.id", m["hub"]["id"], m["hub"].get("revision"))
         for where, cname in (("calibration", m.get("calibration", {}).get("corpus")),
                              ("eval", m.get("eval", {}).get("corpus")),
                              ("pretrain", m.get("pretrain", {}).get("corpus"))):

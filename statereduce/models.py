@@ -88,7 +88,8 @@ def resolve_revision(hub_id: str, revision: str | None) -> tuple[str | None, boo
 
 
 def write_hub_source(
-    out_dir: str | Path, hub_id: str, revision: str | None = None, dtype: str = "bfloat16", tokenizer: str | None = None
+    out_dir: str | Path, hub_id: str, revision: str | None = None, dtype: str = "bfloat16", tokenizer: str | None = None,
+    family: str | None = None,
 ) -> dict[str, Any]:
     """Write ``out_dir/source.json`` for a hub model (atomically): what :func:`load_model` loads.
 
@@ -99,6 +100,8 @@ def write_hub_source(
             the hub answers. Offline, the given revision is kept and ``resolved`` is false.
         dtype: one of float32, bfloat16, float16.
         tokenizer: a different tokenizer id, when the model repo has none.
+        family: when given, the checkpoint's ``config.json`` (a local folder's, or the hub's when it answers) must be
+            of that adapter family; a ValueError names both otherwise.
 
     Returns:
         The record written: ``hub_id``, ``revision``, ``requested_revision``, ``resolved``, ``dtype``,
@@ -107,6 +110,8 @@ def write_hub_source(
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     sha, resolved = resolve_revision(hub_id, revision)
+    if family is not None:
+        check_family(hub_id, sha if resolved else revision, family, download=resolved)
     record: dict[str, Any] = {
         "hub_id": hub_id,
         "revision": sha,
@@ -118,6 +123,33 @@ def write_hub_source(
         record["tokenizer"] = tokenizer
     write_json(Path(out_dir) / SOURCE_FILE, record)
     return record
+
+
+def check_family(checkpoint: str, revision: str | None, family: str, download: bool = False) -> None:
+    """Raise a one-line ValueError if the checkpoint's ``config.json`` has a ``model_type`` the family does not take.
+
+    Reads a local folder's ``config.json``, else the hub's (fetched when ``download``, else from the cache only);
+    does nothing when neither is available.
+    """
+    from statereduce.adapters import adapter_class
+
+    folder = Path(checkpoint).expanduser()
+    path: Any = folder / "config.json" if folder.is_dir() else None
+    if path is None:
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+        try:
+            path = (hf_hub_download(checkpoint, "config.json", revision=revision, etag_timeout=15) if download
+                    else try_to_load_from_cache(checkpoint, "config.json", revision=revision))
+        except Exception:  # noqa: BLE001 -- no network, private repo: the load itself reports it
+            path = None
+    if not isinstance(path, (str, Path)) or not Path(path).is_file():
+        return
+    model_type = json.loads(Path(path).read_text()).get("model_type")
+    valid = adapter_class(family).model_types
+    if model_type not in valid:
+        raise ValueError(f"{checkpoint!r} is a {model_type!r} checkpoint, not {family} "
+                         f"(model_type {', '.join(map(repr, valid))}); fix the id or the family")
 
 
 def load_model(base: str | Path, *, dtype: str | None = None, device: str | torch.device = "cpu"):
@@ -165,7 +197,7 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     if device.type == "cpu":
         adapter.install_fallbacks()
     kwargs: dict[str, Any] = {"revision": revision, "dtype": DTYPES[dtype]}
-    if hasattr(config, "fuse_cross_entropy"):
+    if "fuse_cross_entropy" in adapter.config_defaults:  # fla's configs (AutoConfig may give fla's for mamba2)
         kwargs["fuse_cross_entropy"] = False
     model = (adapter.causal_lm_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
     model.to(device).eval()

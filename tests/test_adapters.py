@@ -1,7 +1,8 @@
 """Adapter contract: every family maps config, modules, capture points and state shapes the same way.
 
 One abstract contract class, one subclass per family/variant (DeltaNet; Gated DeltaNet; GDN with grouped
-value heads; GDN without output gate). Tiny random models on CPU (``tests/_models.py``).
+value heads; GDN without output gate; Mamba-2; Qwen3.5). Tiny random models on CPU (``tests/_models.py``).
+Each subclass names, independently of the adapter, where its layer's q/k channels and kernel calls are.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import fla.layers.attn
 import fla.layers.delta_net
 import fla.layers.gated_deltanet
 import numpy as np
+import transformers.models.mamba2.modeling_mamba2 as mamba2_modeling
+import transformers.models.qwen3_5.modeling_qwen3_5 as qwen_modeling
 import pytest
 import torch
 
@@ -20,6 +23,8 @@ from _models import tiny_arch, tiny_inputs, tiny_model
 from statereduce.adapters import (
     DeltaNetAdapter,
     GatedDeltaNetAdapter,
+    Mamba2Adapter,
+    Qwen35Adapter,
     adapter_class,
     adapter_families,
     adapter_for_config,
@@ -59,14 +64,26 @@ class AdapterContract:
         assert (h, hv, d_k, d_v) == self.expected_dims
         adapter = get_adapter(model)
         assert (adapter.num_heads, adapter.num_v_heads, adapter.head_k_dim, adapter.head_v_dim) == (h, hv, d_k, d_v)
-        hidden = config.hidden_size
         for _, mixer in adapter.mixer_layers():
             wq, wk = adapter.qk_weights(mixer)
-            assert wq.shape == wk.shape == (h * d_k, hidden)
-            assert wq is mixer.q_proj.weight and wk is mixer.k_proj.weight
-            assert adapter.q_conv(mixer).weight.shape == adapter.k_conv(mixer).weight.shape == (h * d_k, 1, 4)
-            assert mixer.v_proj.out_features == hv * d_v
-            assert mixer.o_norm.weight.shape == (d_v,)
+            assert wq.shape == wk.shape == (h * d_k, config.hidden_size)
+            ref_q, ref_k = self.reference_qk_weights(mixer)
+            assert torch.equal(wq, ref_q) and torch.equal(wk, ref_k)
+            self.check_modules(mixer, (h, hv, d_k, d_v))
+
+    def reference_qk_weights(self, mixer) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_q, W_k) [H*d_k, hidden] read from the layer by hand (the family's documented layout)."""
+        return mixer.q_proj.weight, mixer.k_proj.weight
+
+    def check_modules(self, mixer, dims) -> None:
+        h, hv, d_k, d_v = dims
+        assert mixer.q_conv1d.weight.shape == mixer.k_conv1d.weight.shape == (h * d_k, 1, 4)
+        assert mixer.v_proj.out_features == hv * d_v
+        assert mixer.o_norm.weight.shape == (d_v,)
+
+    def block_mixer(self, model, i):
+        """The mixer of decoder layer i, found by hand."""
+        return model.model.layers[i].attn
 
     def test_arch_dims_match_config(self, config):
         """``arch_dims`` (config validation, no fla) gives the dims of the built config."""
@@ -77,16 +94,8 @@ class AdapterContract:
         adapter = get_adapter(model)
         layers = adapter.mixer_layers()
         assert [i for i, _ in layers] == self.adapter_cls.mixer_layer_indices(config) == [0, 1]
-        assert all(mixer is model.model.layers[i].attn for i, mixer in layers)
+        assert all(mixer is self.block_mixer(model, i) for i, mixer in layers)
         assert adapter.num_mixer_layers() == 2
-
-    def test_mixer_layers_skip_softmax_attention(self, monkeypatch):
-        # fla's Attention refuses to be built without flash-attn; construction is all this test needs
-        monkeypatch.setattr(fla.layers.attn, "flash_attn_func", object())
-        model = tiny_model(self.family, attn={"layers": [1], "num_heads": 2}, **self.overrides)
-        assert type(model.model.layers[1].attn).__name__ == "Attention"
-        assert [i for i, _ in get_adapter(model).mixer_layers()] == [0]
-        assert self.adapter_cls.mixer_layer_indices(model.config) == [0]
 
     def test_state_shape_matches_cache(self, model):
         adapter = get_adapter(model)
@@ -94,21 +103,29 @@ class AdapterContract:
         h, hv, d_k, d_v = self.expected_dims
         assert (shape.num_heads, shape.d_k, shape.d_v) == (hv, d_k, d_v)
         with torch.no_grad():
-            cache = model(tiny_inputs(batch=3, length=8), use_cache=True).past_key_values
+            out = model(tiny_inputs(batch=3, length=8), use_cache=True)
+        cache = out.past_key_values if getattr(out, "cache", None) is None else out.cache
         for i, _ in adapter.mixer_layers():
-            state = cache[i]
-            assert state["recurrent_state"].numel() == 3 * shape.recurrent_elems
-            convs = state["conv_state"]
+            state, convs = self.cached_layer_state(cache, i)
+            assert state.numel() == 3 * shape.recurrent_elems
             assert sum(c.shape[1] for c in convs) == shape.conv_channels
             assert all(c.shape[0] == 3 and c.shape[2] == shape.conv_width for c in convs)
+        states = adapter.recurrent_states(cache)
+        assert sorted(states) == [i for i, _ in adapter.mixer_layers()]
+        assert all(s.shape == (3, hv, d_v, d_k) for s in states.values())
         assert adapter.state_bytes() == 2 * hv * d_k * d_v * 4
 
-    def test_reduced_config_round_trips_every_d_k(self, config):
+    def cached_layer_state(self, cache, i) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(recurrent state, conv states) of layer i in the model's cache, read by hand."""
+        return cache[i]["recurrent_state"], list(cache[i]["conv_state"])
+
+    def test_reduced_config_round_trips_every_d_k(self, config, tmp_path):
         h, hv, d_k, d_v = self.expected_dims
         before = config.to_dict()
         for d_k_new in range(1, d_k + 1):
             new = self.adapter_cls.reduced_config(config, d_k_new)
-            reloaded = type(config).from_dict(json.loads(new.to_json_string()))
+            new.to_json_file(tmp_path / "config.json")  # as save_pretrained writes it (Mamba-2's inf limit included)
+            reloaded = type(config).from_json_file(tmp_path / "config.json")
             assert tuple(self.adapter_cls.dims(new)) == tuple(self.adapter_cls.dims(reloaded)) == (h, hv, d_k_new, d_v)
             changed = {k for k, v in reloaded.to_dict().items() if before.get(k) != v}
             assert changed <= set(self.adapter_cls.config_updates(config, d_k_new)) | {"transformers_version"}
@@ -138,12 +155,24 @@ class AdapterContract:
         for name in self.kernel_names:
             fn = getattr(self.kernel_module, name)
 
-            def recorder(*args, _fn=fn, **kwargs):
-                seen.append((kwargs["q"].clone(), kwargs["k"].clone()))
+            def recorder(*args, _fn=fn, _name=name, **kwargs):
+                q, k = self.kernel_qk(_name, args, kwargs)
+                seen.append((q.clone(), k.clone()))
                 return _fn(*args, **kwargs)
 
             monkeypatch.setattr(self.kernel_module, name, recorder)
         return seen
+
+    def kernel_qk(self, name: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, k) [B, T, H, d_k] of a call of kernel ``name``: fla's layers pass them as keywords."""
+        return kwargs["q"], kwargs["k"]
+
+    def x_module(self, mixer):
+        """The projection whose input is x, found by hand."""
+        return mixer.q_proj
+
+    def conv_module(self, mixer):
+        return mixer.q_conv1d
 
     @pytest.mark.parametrize(
         "use_cache,length", [(False, 12), (True, 12), (False, 80)], ids=["no-cache", "cache", "no-cache-chunk"]
@@ -154,8 +183,8 @@ class AdapterContract:
         kernel_seen = self._record_kernel_inputs(monkeypatch)
         x_seen, conv_calls = [], []
         for _, mixer in adapter.mixer_layers():
-            mixer.q_proj.register_forward_pre_hook(lambda m, args: x_seen.append(args[0].clone()))
-            mixer.q_conv1d.register_forward_hook(lambda *a: conv_calls.append(1))
+            self.x_module(mixer).register_forward_pre_hook(lambda m, args: x_seen.append(args[0].clone()))
+            self.conv_module(mixer).register_forward_hook(lambda *a: conv_calls.append(1))
         bound = {name: getattr(self.kernel_module, name) for name in self.kernel_names}
         qk, xs = [], []
         inputs = tiny_inputs(batch=2, length=length)
@@ -176,6 +205,25 @@ class AdapterContract:
     def check_conv_path(self, use_cache: bool, conv_calls: list) -> None:
         """Family hook: which conv path ran (GDN fuses the convs without a cache)."""
         assert len(conv_calls) == 2
+
+    def test_capture_in_cached_decode_steps(self, model, monkeypatch):
+        """A prefill with a cache, then one-token steps: every step's kernel call is captured with T = 1."""
+        adapter = get_adapter(model)
+        h, _, d_k, _ = self.expected_dims
+        inputs = tiny_inputs(batch=2, length=9)
+        with torch.no_grad():
+            out = model(inputs[:, :6], use_cache=True)
+        cache = out.past_key_values if getattr(out, "cache", None) is None else out.cache
+        kernel_seen = self._record_kernel_inputs(monkeypatch)
+        qk = []
+        with torch.no_grad(), adapter.capture(on_qk=lambda i, q, k: qk.append((i, q.clone(), k.clone()))):
+            for t in range(6, 9):
+                out = model(inputs[:, t : t + 1], **{adapter.cache_argument: cache}, use_cache=True)
+                cache = out.past_key_values if getattr(out, "cache", None) is None else out.cache
+        assert [i for i, *_ in qk] == [0, 1] * 3 and len(kernel_seen) == 6
+        for (_, q, k), (kq, kk) in zip(qk, kernel_seen):
+            assert q.shape == k.shape == (2, 1, h, d_k)
+            assert torch.equal(q, kq) and torch.equal(k, kk)
 
     def test_capture_restores_globals_on_error(self, model):
         adapter = get_adapter(model)
@@ -198,7 +246,19 @@ class AdapterContract:
         assert seen == [-1, 0, -1, 1]
 
 
-class TestDeltaNet(AdapterContract):
+class FlaContract(AdapterContract):
+    """The fla families: hybrids through fla's ``attn`` config field."""
+
+    def test_mixer_layers_skip_softmax_attention(self, monkeypatch):
+        # fla's Attention refuses to be built without flash-attn; construction is all this test needs
+        monkeypatch.setattr(fla.layers.attn, "flash_attn_func", object())
+        model = tiny_model(self.family, attn={"layers": [1], "num_heads": 2}, **self.overrides)
+        assert type(model.model.layers[1].attn).__name__ == "Attention"
+        assert [i for i, _ in get_adapter(model).mixer_layers()] == [0]
+        assert self.adapter_cls.mixer_layer_indices(model.config) == [0]
+
+
+class TestDeltaNet(FlaContract):
     family = "delta_net"
     adapter_cls = DeltaNetAdapter
     kernel_module = fla.layers.delta_net
@@ -229,7 +289,7 @@ class TestDeltaNet(AdapterContract):
             assert torch.equal(q, kq) and torch.equal(k, kk) and bool((q >= 0).all()) and bool((q == 0).any())
 
 
-class TestGatedDeltaNet(AdapterContract):
+class TestGatedDeltaNet(FlaContract):
     family = "gated_deltanet"
     adapter_cls = GatedDeltaNetAdapter
     kernel_module = fla.layers.gated_deltanet
@@ -263,3 +323,130 @@ class TestGatedDeltaNetGVA(TestGatedDeltaNet):
 
 class TestGatedDeltaNetNoGate(TestGatedDeltaNet):
     overrides = {"use_gate": False}
+
+
+class TestMamba2(AdapterContract):
+    """B and C per group in the fused in_proj [z | x | B | C | dt] and conv1d [x | B | C] (I = 128, G = 2, N = 32)."""
+
+    family = "mamba2"
+    adapter_cls = Mamba2Adapter
+    kernel_module = mamba2_modeling
+    kernel_names = ("mamba2_chunk_scan", "mamba2_selective_state_update")
+    expected_dims = (2, 8, 32, 16)
+
+    def reference_qk_weights(self, mixer):
+        w = mixer.in_proj.weight  # [z 128 | x 128 | B 64 | C 64 | dt 8]
+        return w[320:384], w[256:320]
+
+    def check_modules(self, mixer, dims):
+        assert mixer.in_proj.out_features == 2 * 128 + 2 * 2 * 32 + 8
+        assert mixer.conv1d.weight.shape == (128 + 2 * 2 * 32, 1, 4) and mixer.conv1d.bias is not None
+
+    def block_mixer(self, model, i):
+        return model.backbone.layers[i].mixer
+
+    def cached_layer_state(self, cache, i):
+        return cache.get_recurrent_state(i, state_idx=0), [cache.get_conv_state(i, state_idx=0)]
+
+    def kernel_qk(self, name, args, kwargs):
+        if name == "mamba2_chunk_scan":  # (hidden_states, dt, A, B, C, ...)
+            return args[4], args[3]
+        return args[5].unsqueeze(1), args[4].unsqueeze(1)  # (state, hidden_states, dt, A, B, C, ...)
+
+    def x_module(self, mixer):
+        return mixer.in_proj
+
+    def conv_module(self, mixer):
+        return mixer.conv1d
+
+    def check_conv_path(self, use_cache, conv_calls):
+        assert conv_calls == []  # the conv weight is used functionally: module hooks never fire
+
+    def test_state_size_written(self, config):
+        assert Mamba2Adapter.config_updates(config, 16) == {"state_size": 16}
+        assert type(Mamba2Adapter.reduced_config(config, 16).state_size) is int
+
+    def test_loads_through_transformers_class_not_flas(self, tmp_path):
+        """fla's ``mamba2`` registration overrides the Auto mapping; load_model uses transformers' class."""
+        from transformers import AutoConfig, Mamba2ForCausalLM
+
+        from statereduce.models import load_model
+        from statereduce.tokenizer import byte_level_tokenizer
+
+        model = tiny_model("mamba2")
+        model.save_pretrained(tmp_path)
+        byte_level_tokenizer().save_pretrained(tmp_path)
+        auto_config = AutoConfig.from_pretrained(tmp_path)
+        assert type(auto_config).__module__.startswith("fla.")  # what AutoModelForCausalLM would build
+        loaded, _ = load_model(tmp_path)
+        assert type(loaded) is Mamba2ForCausalLM
+        inputs = tiny_inputs()
+        with torch.no_grad():
+            assert torch.equal(loaded(inputs).logits, model(inputs).logits)
+
+    def test_past_key_values_is_ignored_but_cache_continues(self, model):
+        """The trap the adapter's ``cache_argument`` avoids: ``past_key_values=`` silently starts afresh."""
+        inputs = tiny_inputs(length=10)
+        with torch.no_grad():
+            full = model(inputs).logits[:, -1]
+            first = model(inputs[:, :9], use_cache=True).cache
+            ignored = model(inputs[:, 9:], past_key_values=first, use_cache=True).logits[:, -1]
+            first = model(inputs[:, :9], use_cache=True).cache
+            kept = model(inputs[:, 9:], **{Mamba2Adapter.cache_argument: first}, use_cache=True).logits[:, -1]
+        assert (ignored - full).abs().max() > 1e-3
+        assert torch.allclose(kept, full, atol=1e-5)
+
+
+class TestQwen35(AdapterContract):
+    """Gated DeltaNet layers 0 and 1 (in_proj_qkv [q | k | v], conv1d the same), softmax attention in layer 2."""
+
+    family = "qwen3_5"
+    adapter_cls = Qwen35Adapter
+    kernel_module = qwen_modeling
+    kernel_names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    expected_dims = (2, 4, 32, 16)
+
+    def reference_qk_weights(self, mixer):
+        w = mixer.in_proj_qkv.weight  # [q 64 | k 64 | v 64]
+        return w[:64], w[64:128]
+
+    def check_modules(self, mixer, dims):
+        assert mixer.in_proj_qkv.out_features == 64 + 64 + 4 * 16
+        assert mixer.conv1d.weight.shape == (192, 1, 4) and mixer.conv1d.bias is None
+        assert mixer.in_proj_z.out_features == 4 * 16 and mixer.norm.weight.shape == (16,)
+
+    def block_mixer(self, model, i):
+        return model.model.layers[i].linear_attn
+
+    def cached_layer_state(self, cache, i):
+        state = cache.get_recurrent_state(i, state_idx=0)  # [B, HV, d_k, d_v]
+        return state, [cache.get_conv_state(i, state_idx=0)]
+
+    def kernel_qk(self, name, args, kwargs):
+        return args[0], args[1]  # (query, key, value, ...)
+
+    def x_module(self, mixer):
+        return mixer.in_proj_qkv
+
+    def conv_module(self, mixer):
+        return mixer.conv1d
+
+    def check_conv_path(self, use_cache, conv_calls):
+        assert conv_calls == []
+
+    def test_softmax_layer_is_not_a_mixer(self, model):
+        assert type(model.model.layers[2].self_attn).__name__ == "Qwen3_5Attention"
+        assert [i for i, _ in get_adapter(model).mixer_layers()] == [0, 1]
+
+    def test_key_head_dim_written(self, config):
+        assert Qwen35Adapter.config_updates(config, 16) == {"linear_key_head_dim": 16}
+
+    def test_cpu_fallback_dispatches_by_device(self):
+        """With fla installed transformers binds fla's Triton kernel; CPU tensors go to transformers' torch one."""
+        Qwen35Adapter.install_fallbacks()
+        Qwen35Adapter.install_fallbacks()  # idempotent
+        for name in self.kernel_names:
+            fn = getattr(qwen_modeling, name)
+            stock = fn._statereduce_stock
+            assert getattr(stock, "_statereduce_stock", None) is None
+            assert fn.__wrapped__ is stock

@@ -7,5 +7,6 @@ log = start(snakemake.log[0], torch_threads=False)
 from statereduce.models import write_hub_source  # noqa: E402
 
 src = snakemake.params.source
-write_hub_source(Path(snakemake.output[0]).parent, src["hub_id"], src["revision"], src["dtype"])
+write_hub_source(Path(snakemake.output[0]).parent, src["hub_id"], src["revision"], src["dtype"],
+                 family=snakemake.params.family)
 log.info("wrote %s", snakemake.output[0])

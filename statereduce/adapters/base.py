@@ -171,6 +171,9 @@ class LinearAttentionAdapter(ABC):
         """The model's live config (``prune_model`` rewrites it in place)."""
         return self.model.config
 
+    #: whether the GPU speed benchmarks (statereduce.speed) cover the family
+    speed_benchmark: ClassVar[bool] = False
+
     #: whether the family's recurrence scales q.k by 1/sqrt(d_k) (delta-rule kernels; not Mamba-2's scan): pruning then
     #: changes the scale (statereduce.prune, "Kernel scale")
     kernel_scale: ClassVar[bool] = True

@@ -64,6 +64,7 @@ class FlaAdapter(LinearAttentionAdapter):
     (softmax-attention layers of fla hybrids are skipped), q and k captured where they enter the layer module's
     kernel functions, and decoding routed through the layer module's one-token recurrent function."""
 
+    speed_benchmark = True
     layer_module: ClassVar[str]  # the fla layer module, e.g. "fla.layers.delta_net"
     kernel_functions: ClassVar[tuple[str, ...]]  # its functions that receive q and k (chunk and fused recurrent)
     recurrent_function: ClassVar[str]  # the one of them that decodes one token, routed by decode_patches
