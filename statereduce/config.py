@@ -9,6 +9,7 @@ representable head size. Every error is one line naming the bad value and the va
 from __future__ import annotations
 
 import copy
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -459,6 +460,33 @@ def check_studies(config: dict) -> dict[str, list[tuple[str, str, float]]]:
     return cells
 
 
+def check_family(checkpoint: str, revision: str | None, family: str, download: bool = False) -> None:
+    """Raise a one-line ValueError if the checkpoint's ``config.json`` has a ``model_type`` the family does not take.
+
+    Reads a local folder's ``config.json``, else the hub's (fetched when ``download``, else from the cache only);
+    does nothing when neither is available.
+    """
+    from statereduce.adapters import adapter_class
+
+    folder = Path(checkpoint).expanduser()
+    path: Any = folder / "config.json" if folder.is_dir() else None
+    if path is None:
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+        try:
+            path = (hf_hub_download(checkpoint, "config.json", revision=revision, etag_timeout=15) if download
+                    else try_to_load_from_cache(checkpoint, "config.json", revision=revision))
+        except Exception:  # noqa: BLE001 -- no network, private repo: the load itself reports it
+            path = None
+    if not isinstance(path, (str, Path)) or not Path(path).is_file():
+        return
+    model_type = json.loads(Path(path).read_text()).get("model_type")
+    valid = adapter_class(family).model_types
+    if model_type is not None and model_type not in valid:
+        raise ValueError(f"{checkpoint!r} is a {model_type!r} checkpoint, not {family} "
+                         f"(model_type {', '.join(map(repr, valid))}); fix the id or the family")
+
+
 def check_checkpoint_family(model: str, family: str, where: str, checkpoint: str, revision: str | None = None) -> None:
     """Check that the checkpoint ``checkpoint`` (a local folder or a hub id) is of ``family`` where its ``config.json``
     can be read without the network (a local folder, or a hub id in the Hugging Face cache); otherwise the base
@@ -467,8 +495,6 @@ def check_checkpoint_family(model: str, family: str, where: str, checkpoint: str
     Raises:
         ConfigError: one line naming the model, the checkpoint, its ``model_type`` and the family's.
     """
-    from statereduce.models import check_family
-
     try:
         check_family(checkpoint, revision, family)
     except ValueError as e:

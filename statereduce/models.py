@@ -111,6 +111,8 @@ def write_hub_source(
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     sha, resolved = resolve_revision(hub_id, revision)
     if family is not None:
+        from statereduce.config import check_family
+
         check_family(hub_id, sha if resolved else revision, family, download=resolved)
     record: dict[str, Any] = {
         "hub_id": hub_id,
@@ -123,33 +125,6 @@ def write_hub_source(
         record["tokenizer"] = tokenizer
     write_json(Path(out_dir) / SOURCE_FILE, record)
     return record
-
-
-def check_family(checkpoint: str, revision: str | None, family: str, download: bool = False) -> None:
-    """Raise a one-line ValueError if the checkpoint's ``config.json`` has a ``model_type`` the family does not take.
-
-    Reads a local folder's ``config.json``, else the hub's (fetched when ``download``, else from the cache only);
-    does nothing when neither is available.
-    """
-    from statereduce.adapters import adapter_class
-
-    folder = Path(checkpoint).expanduser()
-    path: Any = folder / "config.json" if folder.is_dir() else None
-    if path is None:
-        from huggingface_hub import hf_hub_download, try_to_load_from_cache
-
-        try:
-            path = (hf_hub_download(checkpoint, "config.json", revision=revision, etag_timeout=15) if download
-                    else try_to_load_from_cache(checkpoint, "config.json", revision=revision))
-        except Exception:  # noqa: BLE001 -- no network, private repo: the load itself reports it
-            path = None
-    if not isinstance(path, (str, Path)) or not Path(path).is_file():
-        return
-    model_type = json.loads(Path(path).read_text()).get("model_type")
-    valid = adapter_class(family).model_types
-    if model_type not in valid:
-        raise ValueError(f"{checkpoint!r} is a {model_type!r} checkpoint, not {family} "
-                         f"(model_type {', '.join(map(repr, valid))}); fix the id or the family")
 
 
 def load_model(base: str | Path, *, dtype: str | None = None, device: str | torch.device = "cpu"):

@@ -117,7 +117,8 @@ def rft_modules(model: nn.Module, scope: str = "auto") -> tuple[list[str], list[
     """Which modules RFT touches: (LoRA targets, fully trained modules, resolved scope).
 
     LoRA goes on every ``nn.Linear`` inside the adapter's RFT subtrees
-    (:meth:`~statereduce.adapters.base.LinearAttentionAdapter.rft_roots`); the modules there that the adapter
+    (:meth:`~statereduce.adapters.base.LinearAttentionAdapter.rft_roots`) except the adapter's ``lora_excluded``
+    (Mamba-2's ``out_proj``, which stays frozen); the modules there that the adapter
     trains fully (:meth:`~statereduce.adapters.base.LinearAttentionAdapter.rft_trains_fully`: convolutions and
     norms) train fully. Names are full module names of ``model``.
     """
@@ -130,7 +131,8 @@ def rft_modules(model: nn.Module, scope: str = "auto") -> tuple[list[str], list[
         for name, module in root.named_modules():
             full_name = f"{root_name}.{name}" if name else root_name
             if isinstance(module, nn.Linear):
-                lora.append(full_name)
+                if full_name.rsplit(".", 1)[-1] not in adapter.lora_excluded:
+                    lora.append(full_name)
             elif adapter.rft_trains_fully(module):
                 full.append(full_name)
     # a norm/conv inside another fully trained module is covered by it

@@ -450,3 +450,29 @@ class TestQwen35(AdapterContract):
             stock = fn._statereduce_stock
             assert getattr(stock, "_statereduce_stock", None) is None
             assert fn.__wrapped__ is stock
+
+    def test_vision_language_checkpoint_loads_as_its_text_model(self, tmp_path):
+        """Qwen3.5 hub checkpoints are vision-language models: ``load_model`` gives the text model (same logits),
+        and its pruned checkpoint is a text-model checkpoint that reloads."""
+        from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+        from statereduce.models import load_model
+        from statereduce.prune import prune_model, save_pruned
+        from statereduce.tokenizer import byte_level_tokenizer
+
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+        torch.manual_seed(0)
+        vlm = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=tiny_arch("qwen3_5"), vision_config=vision))
+        vlm.eval().save_pretrained(tmp_path / "vlm")
+        byte_level_tokenizer().save_pretrained(tmp_path / "vlm")
+        model, tokenizer = load_model(tmp_path / "vlm")
+        assert type(model).__name__ == "Qwen3_5ForCausalLM" and model.config.model_type == "qwen3_5_text"
+        inputs = tiny_inputs(length=12)
+        with torch.no_grad():
+            assert torch.equal(model(inputs).logits, vlm(input_ids=inputs).logits)
+        keep = {i: torch.arange(16).repeat(2, 1) for i in (0, 1)}
+        save_pruned(model, tokenizer, prune_model(model, keep, {"method": "first", "pct": 50}), tmp_path / "pruned")
+        reloaded, _ = load_model(tmp_path / "pruned")
+        assert reloaded.config.linear_key_head_dim == 16
+        with torch.no_grad():
+            assert torch.equal(reloaded(inputs).logits, model(inputs).logits)

@@ -261,7 +261,10 @@ ROOT = Path(__file__).resolve().parents[1]
     ("results/tiny-dn/foo_75/eval.json",
      "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, rand, swanda"),
     ("results/nomodel/drrqr_75/eval.json",
-     "unknown model 'nomodel'; valid: dn1.3b, dn370m, gdn1.3b, gdn370m, tiny-dn, tiny-gdn"),
+     "unknown model 'nomodel'; valid: codestral7b, dn1.3b, dn370m, gdn1.3b, gdn370m, mamba2-370m, qwen35-9b, "
+     "tiny-dn, tiny-gdn, tiny-mamba2, tiny-qwen35"),
+    ("results/tiny-mamba2/drrqr_99.5/eval.json",
+     "model 'tiny-mamba2' at pct 99.5: pct=99.5 removes every channel of d_k=64 (keeps 0); use a smaller pct"),
     ("results/tiny-dn/calib/bogus/activations.h5", "unknown calibration 'bogus'; valid: default, n16, prose, seed1"),
     ("results/tiny-gdn/select/drrqr.bogus_75.parquet",
      "method 'drrqr.bogus' names calibration 'bogus'; valid: n16, prose, seed1"),
@@ -315,6 +318,74 @@ def test_rule_names_and_known_paths_still_plan(tmp_path):
     out = _dry_run(tmp_path, "all_paper", "results/tiny-dn/drrqr.prose_75/eval.json",
                    "results/tiny-gdn/select/l1-k_50.parquet")
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+
+
+def test_hub_models_of_every_family_plan_offline(tmp_path):
+    targets = [f"results/{m}/drrqr_50/eval.json" for m in ("codestral7b", "mamba2-370m", "qwen35-9b", "gdn1.3b")]
+    out = _dry_run(tmp_path, *targets)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+
+
+def _fake_hub_cache(root: Path, repo: str, model_type: str) -> Path:
+    """A Hugging Face hub cache holding only ``repo``'s config.json at ``main`` (the layout huggingface_hub reads)."""
+    sha = "0" * 40
+    folder = root / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(sha)
+    (folder / "snapshots" / sha).mkdir(parents=True)
+    (folder / "snapshots" / sha / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    return root
+
+
+@pytest.mark.parametrize("model, model_type, family", [("codestral7b", "llama", "mamba2"),
+                                                       ("qwen35-9b", "qwen3_next", "qwen3_5")])
+def test_hub_checkpoint_of_another_family_fails_validation(shipped_config, tmp_path, monkeypatch, model, model_type,
+                                                             family):
+    """A hub id whose cached config.json (or a local folder's) is not of the model's family fails in one line."""
+    import copy
+
+    import huggingface_hub.constants
+
+    from statereduce.config import ConfigError, validate_config
+
+    cfg = copy.deepcopy(shipped_config)
+    repo = "someone/not-the-model"
+    cfg["models"][model]["hub"]["id"] = repo
+    validate_config(cfg)  # not in the cache: checked later, by the base job
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(_fake_hub_cache(tmp_path / "hub", repo,
+                                                                                          model_type)))
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    valid = {"mamba2": "'mamba2'", "qwen3_5": "'qwen3_5_text', 'qwen3_5'"}[family]
+    assert _one_line(err) == (f"models.{model}.hub.id: '{repo}' is a '{model_type}' checkpoint, not {family} "
+                              f"(model_type {valid}); fix the id or the family")
+    folder = tmp_path / "local"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "delta_net"}')
+    cfg["models"][model]["hub"]["id"] = str(folder)
+    with pytest.raises(ConfigError, match=rf"^models\.{model}\.hub\.id: '.*local' is a 'delta_net' checkpoint"):
+        validate_config(cfg)
+
+
+def test_base_job_checks_the_family_of_a_local_checkpoint(tmp_path):
+    from statereduce.models import write_hub_source
+
+    (tmp_path / "config.json").write_text('{"model_type": "mamba2"}')
+    with pytest.raises(ValueError, match=r"is a 'mamba2' checkpoint, not qwen3_5"):
+        write_hub_source(tmp_path / "base", str(tmp_path), None, "bfloat16", family="qwen3_5")
+    assert not (tmp_path / "base").exists()
+    write_hub_source(tmp_path / "base", str(tmp_path), None, "bfloat16", family="mamba2")
+    assert (tmp_path / "base" / "source.json").is_file()
+
+
+def test_speed_refuses_families_it_does_not_cover(shipped_config):
+    from statereduce.config import ConfigError, model_speed, validate_config
+
+    cfg = validate_config(shipped_config)
+    with pytest.raises(ConfigError) as err:
+        model_speed(cfg, "tiny-qwen35")
+    assert _one_line(err) == ("model 'tiny-qwen35': the speed benchmarks do not cover family 'qwen3_5'; "
+                              "they cover delta_net, gated_deltanet")
 
 
 def test_missing_local_checkpoint_fails_the_dry_run(shipped_config, tmp_path):

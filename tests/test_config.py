@@ -130,10 +130,10 @@ def test_arch_dims_match_fla_config(family, arch):
     assert cls.arch_dims(arch) == cls.dims(tiny_config(family, arch))
 
 
-@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
+@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"])
 def test_config_defaults_pinned_to_fla(family):
-    """The adapter's copy of the fla config keywords and defaults is exactly the real signature's
-    (fails after an fla upgrade that adds, drops or changes one: update ``config_defaults``)."""
+    """The adapter's copy of the config keywords and defaults is exactly the real signature's (fails after an
+    fla or transformers upgrade that adds, drops or changes one: update ``config_defaults``)."""
     import inspect
 
     from statereduce.adapters import adapter_class
@@ -149,8 +149,9 @@ def test_unknown_arch_key_rejected_like_tiny_config():
     from statereduce.adapters import adapter_class
     from statereduce.models import tiny_config
 
-    for family in ("delta_net", "gated_deltanet"):
-        with pytest.raises(ValueError, match=r"unknown arch key\(s\) \['expand_kk'\].*valid: .*expand_v") as exc:
+    for family, valid in (("delta_net", "expand_v"), ("gated_deltanet", "expand_v"), ("mamba2", "state_size"),
+                          ("qwen3_5", "linear_key_head_dim")):
+        with pytest.raises(ValueError, match=rf"unknown arch key\(s\) \['expand_kk'\].*valid: .*{valid}") as exc:
             adapter_class(family).arch_dims({"expand_kk": 1.0})
         assert "\n" not in str(exc.value)
         with pytest.raises(ValueError, match="expand_kk"):

@@ -33,7 +33,14 @@ CORPUS = {"source": "embedded", "max_bytes": 600_000}
 ARCH = {
     "delta_net": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "expand_k": 1.0, "expand_v": 1.0},
     "gated_deltanet": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32, "expand_v": 1.0},
+    "mamba2": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 32, "expand": 2, "n_groups": 2,
+               "state_size": 32, "chunk_size": 32},
+    "qwen3_5": {"hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "head_dim": 32, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
+                "linear_num_value_heads": 2, "linear_value_head_dim": 32,
+                "layer_types": ["linear_attention", "full_attention", "linear_attention"]},
 }
+FAMILIES = list(ARCH)
 PRETRAIN = {"steps": 150, "batch_size": 4, "seq_len": 64, "lr": 1e-2, "warmup": 5, "seed": 0, "eval_blocks": 0}
 RFT = {
     "n_samples": 32,
@@ -122,6 +129,21 @@ def test_distill_loss_is_zero_when_student_is_teacher():
 
 
 # ---- which modules train ---------------------------------------------------------------------------
+def test_rft_modules_of_the_new_families():
+    """Mamba-2: LoRA on in_proj only (peft refuses out_proj), conv1d and norms fully. Qwen3.5: only the Gated
+    DeltaNet layers (scope recurrent): their four input projections and out_proj, conv1d and norm."""
+    lora, full, scope = ft.rft_modules(tiny_model("mamba2"))
+    assert scope == "all"
+    assert lora == ["backbone.layers.0.mixer.in_proj", "backbone.layers.1.mixer.in_proj"]
+    assert {"backbone.layers.0.mixer.conv1d", "backbone.layers.0.mixer.norm", "backbone.layers.0.norm",
+            "backbone.norm_f"} <= set(full)
+    lora, full, scope = ft.rft_modules(tiny_model("qwen3_5"))
+    assert scope == "recurrent"
+    projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+    assert sorted(lora) == sorted(f"model.layers.{i}.linear_attn.{p}" for i in (0, 1) for p in projections)
+    assert sorted(full) == sorted(f"model.layers.{i}.linear_attn.{m}" for i in (0, 1) for m in ("conv1d", "norm"))
+
+
 @pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
 def test_rft_modules(family):
     model = tiny_model(family)
@@ -143,7 +165,7 @@ def test_rft_modules(family):
         ft.rft_modules(model, "mixers")
 
 
-@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_merge_equals_unmerged_peft_model(family):
     model = tiny_model(family)
     cfg = ft.rft_settings({"lora": {"rank": 4, "alpha": 8}})
@@ -164,7 +186,7 @@ def test_merge_equals_unmerged_peft_model(family):
 
 
 # ---- training on real (briefly pretrained) checkpoints --------------------------------------------
-@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_only_intended_parameters_change(pairs, family, tmp_path):
     _, pruned = pairs[family]
     before = load_file(str(pruned / "model.safetensors"))
@@ -181,11 +203,16 @@ def test_only_intended_parameters_change(pairs, family, tmp_path):
         assert k not in changed, f"{k} is outside the RFT scope but changed"
     frozen = [k for k in before if "embed" in k or k.startswith("lm_head") or k.endswith(("A_log", "dt_bias"))]
     assert frozen and not set(frozen) & changed
-    assert any(k.endswith("q_proj.weight") for k in changed) and any("conv1d" in k for k in changed)
+    assert any(k.rsplit(".", 1)[0] in lora for k in changed) and any("conv1d" in k for k in changed)
     assert any(k.endswith("norm.weight") for k in changed)
+    if family == "qwen3_5":  # the hybrid: every tensor outside the Gated DeltaNet layers stays bit for bit
+        assert changed and all(".linear_attn." in k for k in changed)
+        assert any("self_attn" in k for k in before)
 
 
-@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
+# Not mamba2: random pruning of the briefly trained tiny Mamba-2 costs it under 0.01 nats (its B/C state barely
+# matters after 150 steps), so there is nothing to recover; its RFT is covered by the tests above.
+@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet", "qwen3_5"])
 def test_short_rft_lowers_heldout_loss(pairs, family, tmp_path):
     base, pruned = pairs[family]
     tok = byte_level_tokenizer()

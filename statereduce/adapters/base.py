@@ -356,6 +356,9 @@ class LinearAttentionAdapter(ABC):
             roots.extend(n for n in norms if isinstance(n, nn.Module))
         return [(names[id(m)], m) for m in roots]
 
+    #: names (last component) of ``nn.Linear`` modules inside :meth:`rft_roots` that get no LoRA and stay frozen
+    lora_excluded: ClassVar[tuple[str, ...]] = ()
+
     def rft_trains_fully(self, module: nn.Module) -> bool:
         """Whether recovery fine-tuning trains ``module`` (inside :meth:`rft_roots`) fully rather than through LoRA:
         convolutions (LoRA on a depthwise conv could not be merged) and norms (a class name ending in ``Norm`` or

@@ -82,6 +82,9 @@ class Mamba2Adapter(LinearAttentionAdapter):
     cache_argument = "cache"
     cache_state_v_first = True  # the cache holds [B, num_heads, head_dim, N]
     kernel_scale = False
+    # the fused training kernel (mamba_ssm) reads out_proj.weight directly, so a LoRA on it would never run; peft
+    # refuses LoRA on a Mamba out_proj for that reason. RFT trains in_proj (LoRA), conv1d and the norms.
+    lora_excluded = ("out_proj",)
     # transformers 5.24 Mamba2Config.__init__ keywords and defaults (pinned by tests/test_config.py)
     # fmt: off
     config_defaults: ClassVar[dict[str, Any]] = {
