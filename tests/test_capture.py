@@ -19,7 +19,7 @@ from statereduce.h5files import H5Artifact
 from statereduce.select import read_selection, select_channels, write_selection
 from statereduce.prune import prune_model
 
-FAMILIES = ["delta_net", "gated_deltanet"]
+FAMILIES = ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"]
 
 
 def test_reservoir_is_uniform_and_bounded():
@@ -96,8 +96,9 @@ def test_grad_scores_match_autograd(tmp_path, family):
     h, dk = adapter.num_heads, adapter.head_k_dim
     for (i, mixer), (_, ref_mixer) in zip(adapter.mixer_layers(), get_adapter(ref).mixer_layers()):
         got = art.read(i, ["grad_q", "grad_k"])
-        for name, w in zip(("grad_q", "grad_k"), get_adapter(ref).qk_weights(ref_mixer)):
-            expect = (w.detach().double() * w.grad.double()).abs().sum(1).reshape(h, dk).numpy()
+        for name, (w, rows) in zip(("grad_q", "grad_k"), get_adapter(ref).qk_weight_rows(ref_mixer)):
+            flat = rows.reshape(-1)  # fused projections (Mamba-2, Qwen3.5): the q or k rows of the shared weight
+            expect = (w.detach()[flat].double() * w.grad[flat].double()).abs().sum(1).reshape(h, dk).numpy()
             np.testing.assert_allclose(got[name], expect, rtol=1e-4, atol=1e-10)
     assert all(p.grad is None for p in model.parameters())
 

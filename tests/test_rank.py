@@ -162,6 +162,8 @@ CASES = {
     "delta_net-dv64": ("delta_net", {"expand_v": 2.0}),
     "gated_deltanet": ("gated_deltanet", {}),
     "gated_deltanet-gva": ("gated_deltanet", {"num_v_heads": 4}),
+    "mamba2": ("mamba2", {}),
+    "qwen3_5": ("qwen3_5", {}),
 }
 
 

@@ -254,7 +254,7 @@ def _hand_acc(model, tok, docs: list[dict]) -> float:
     return correct / len(docs)
 
 
-@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
+@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"])
 def test_lm_eval_acc_equals_hand_computation(family, tok, tmp_path):
     model = tiny_model(family, vocab_size=257)
     with torch.no_grad():  # fla's embedding init (std 0.02) leaves the logits almost uniform; spread them
