@@ -206,8 +206,14 @@ def test_all_paper_plans_study_tables(tmp_path):
     for cell in ("grad.prose", "drrqr.n16", "grad.seed1", "l1-k", "swanda-q", "drrqr-k", "grad-q"):
         for model in ("tiny-dn", "tiny-gdn"):
             assert f"results/{model}/{cell}_75/eval.json" in summaries, (model, cell)
-    n_targets = len(cfg["targets"]["models"]) * len(cfg["targets"]["methods"]) * len(cfg["targets"]["pcts"])
-    assert len(summaries) == n_targets + 2 * (2 * 3 + 4 * 2)  # targets + new calibration and scoring cells
+    t = cfg["targets"]
+    targets = {f"results/{m}/{s}_{p}/eval.json" for m in t["models"] for s in t["methods"] for p in t["pcts"]}
+    cal, sco = cfg["studies"]["calibration"], cfg["studies"]["scoring"]
+    cells = {f"results/{m}/{s}{'' if v == 'default' else '.' + v}_{cal['pct']}/eval.json"
+             for m in cal["models"] for s in cal["selectors"] for v in cal["variants"]}
+    cells |= {f"results/{m}/{s}{k}_{sco['pct']}/eval.json" for m in sco["models"] for s in sco["selectors"]
+              for k in ("", "-k", "-q")}
+    assert summaries == targets | cells  # every target and every study cell, each once
     calibrations = {p.split("/")[3] for p in jobs["calibrate"]}
     assert calibrations == {"default", "prose", "n16", "seed1"}
     assert "study_tables" not in _dry_run_shipped(tmp_path / "all", cfg, "all")
