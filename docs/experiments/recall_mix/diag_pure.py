@@ -1,4 +1,4 @@
-"""Recall-only phase alone (pretrain's own stream, schedule and loop), probe acc@2/@4/@8 every EVERY steps.
+"""Recall-only phase alone (pretrain's own stream, schedule and loop), probe acc@4/@8 every EVERY steps.
 
 Usage (repo root): .venv/bin/python docs/experiments/recall_mix/diag_pure.py FAMILY '{mix}' [EVERY]
   mix: recall_mix with pure_steps (the schedule length) and pure_lr. Prints step, mean train loss, acc.
@@ -42,7 +42,7 @@ for step in range(int(pcfg["steps"])):
     losses.append(loss.item())
     if (step + 1) % every == 0:
         model.eval()
-        acc = rn.recall_acc(model, levels=(2, 4, 8))
+        acc = rn.recall_acc(model, levels=(4, 8))
         model.train()
         print(step + 1, round(sum(losses) / len(losses), 3), acc, round(time.perf_counter() - t), flush=True)
         losses = []
