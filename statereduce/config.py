@@ -264,7 +264,7 @@ def model_rank(config: dict, model: str) -> dict:
 def model_speed(config: dict, model: str) -> dict:
     """The speed-benchmark plan of ``model``: ``family``, ``arch`` and ``settings``.
 
-    ``arch`` (fla config keywords) is ``models.<model>.speed.arch``, else the ``pretrain.arch`` of a model the
+    ``arch`` (the family's config keywords) is ``models.<model>.speed.arch``, else the ``pretrain.arch`` of a model the
     workflow trains; speed runs use random weights of that shape, so they need no checkpoint. ``settings`` are
     :data:`statereduce.speed.DEFAULT_SPEED` updated by the top-level ``speed`` block, then by the model's own
     ``speed`` block (part blocks key by key).
@@ -300,7 +300,7 @@ def model_dims(config: dict, model: str) -> dict | None:
     """(num_heads, head_k_dim, head_v_dim) of a model known from config alone, or None.
 
     For a ``pretrain`` model the sizes come from its ``arch`` block through the adapter's ``arch_dims``
-    (fla's config defaults for omitted keys), without importing fla. Raises ConfigError (one line) for
+    (the config class's defaults for omitted keys), without importing fla. Raises ConfigError (one line) for
     an arch key the family's config class does not take.
     """
     from statereduce.adapters import adapter_class

@@ -88,8 +88,8 @@ def resolve_revision(hub_id: str, revision: str | None) -> tuple[str | None, boo
 
 
 def write_hub_source(
-    out_dir: str | Path, hub_id: str, revision: str | None = None, dtype: str = "bfloat16", tokenizer: str | None = None,
-    family: str | None = None,
+    out_dir: str | Path, hub_id: str, revision: str | None = None, dtype: str = "bfloat16",
+    tokenizer: str | None = None, family: str | None = None,
 ) -> dict[str, Any]:
     """Write ``out_dir/source.json`` for a hub model (atomically): what :func:`load_model` loads.
 

@@ -1,10 +1,11 @@
 """Pretraining the embedded tiny models from scratch (the offline default of the workflow).
 
-The workflow's default models are stock fla DeltaNet / Gated DeltaNet language models with a
-byte-level tokenizer, trained here on the ``train`` split of a corpus (by default the embedded
-Python-stdlib corpus, :mod:`statereduce.data`) so that every later stage (calibration, selection,
-slicing, recovery fine-tuning, evaluation) has a model that has actually learned something. On CPU the
-fla layers run through :mod:`statereduce.kernels.fla_fallback`.
+The workflow's default models are stock language models of each family (fla DeltaNet / Gated DeltaNet,
+transformers Mamba-2 / Qwen3.5) with a byte-level tokenizer, trained here on the ``train`` split of a
+corpus (by default the embedded Python-stdlib corpus, :mod:`statereduce.data`) so that every later stage
+(calibration, selection, slicing, recovery fine-tuning, evaluation) has a model that has actually learned
+something. On CPU the layers run through the family adapter's fallbacks (fla's through
+:mod:`statereduce.kernels.fla_fallback`).
 
 Paper: Nazari & Rusch (2026), "On State Reduction in Linear Attention", Sec. 4 (the pretrained DeltaNet
 and Gated DeltaNet models that are pruned); the tiny models stand in for them offline.
@@ -130,7 +131,7 @@ def pretrain(
     log_path: str | Path | None = None,
     recall_mix: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train a tiny stock fla model from scratch and save it as an HF checkpoint folder.
+    """Train a tiny stock model of ``family`` from scratch and save it as an HF checkpoint folder.
 
     Training: byte-level tokenizer; the ``train`` split's documents joined with EOS into one token stream;
     each step reads ``batch_size`` windows of ``seq_len`` tokens at offsets drawn from a generator seeded
@@ -146,7 +147,7 @@ def pretrain(
     mix (docs/experiments/recall_mix/README.md).
 
     Args:
-        family: ``"delta_net"`` or ``"gated_deltanet"`` (:func:`statereduce.models.tiny_config`).
+        family: an adapter family, e.g. ``"delta_net"`` or ``"qwen3_5"`` (:func:`statereduce.models.tiny_config`).
         arch: config fields of the family (hidden_size, num_hidden_layers, num_heads, expand_k / head_dim,
             expand_v, ...).
         corpus_spec: a corpus spec (:func:`statereduce.data.load_split`); its ``train`` split is used for

@@ -74,7 +74,9 @@ def kept_rows(n_rows: int, entry: ChannelRows, keep: torch.Tensor) -> torch.Tens
         if rows is None:
             continue
         if rows.shape[0] != keep.shape[0]:
-            raise ValueError(f"{entry.name} has {rows.shape[0]} {side} heads; keep {tuple(keep.shape)} has {keep.shape[0]}")
+            raise ValueError(
+                f"{entry.name} has {rows.shape[0]} {side} heads; keep {tuple(keep.shape)} has {keep.shape[0]}"
+            )
         if keep.numel() and int(keep.max()) >= rows.shape[1]:
             raise ValueError(f"{entry.name}: keep index {int(keep.max())} out of range for d_k={rows.shape[1]}")
         if int(rows.max()) >= n_rows:
@@ -88,7 +90,8 @@ def kept_rows(n_rows: int, entry: ChannelRows, keep: torch.Tensor) -> torch.Tens
 def slice_rows(module: nn.Module, rows: torch.Tensor, what: str) -> None:
     """Keep ``rows`` of an ``nn.Linear`` (output features: weight and bias rows, ``out_features``) or a depthwise
     ``nn.Conv1d`` (channels: weight, bias, ``in_channels``/``out_channels``/``groups``, fla's ``hidden_size``)."""
-    if isinstance(module, nn.Conv1d) and (module.groups != module.in_channels or module.in_channels != module.out_channels):
+    depthwise = module.groups == module.in_channels == module.out_channels if isinstance(module, nn.Conv1d) else True
+    if not depthwise:
         raise ValueError(
             f"{what} is not depthwise (groups={module.groups}, in={module.in_channels}, out={module.out_channels})"
         )

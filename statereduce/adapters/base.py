@@ -1,10 +1,12 @@
 """The adapter interface: every model-family difference lives behind it.
 
-An adapter wraps one loaded causal-LM and answers, in fla's slot names, where the key/query
-channels of each linear-attention head live, how to capture K and Q as they enter the recurrence,
-which modules to slice, and how to write the reduced config. Nothing outside ``statereduce/adapters``
-may branch on ``model_type``. Adapters are pure mapping: the slicing itself is done by the verb
-functions of :mod:`statereduce.prune`, driven by the modules and sizes an adapter hands out.
+An adapter wraps one loaded causal-LM and answers where the key/query channels of each linear-attention
+head live (:meth:`LinearAttentionAdapter.channel_rows`: rows of separate or fused projections and
+depthwise convolutions), how to capture K and Q as they enter the recurrence, how to write the reduced
+config, which class loads the family's checkpoints and which PyTorch fallbacks run it on CPU. Nothing
+outside ``statereduce/adapters`` may branch on ``model_type``. Adapters are pure mapping: the slicing
+itself is done by the verb functions of :mod:`statereduce.prune`, driven by the rows and sizes an
+adapter hands out.
 
 Everything that depends only on the config is a classmethod (``dims``, ``reduced_config``,
 ``mixer_layer_indices``, ``config_state_shape``), so the workflow can validate a run before any
@@ -75,6 +77,8 @@ def get_adapter(model: nn.Module) -> LinearAttentionAdapter:
 # exactly as they enter the recurrence kernel (post conv + activation, before the in-kernel L2 norm).
 # They are the live tensors of the forward pass: detach/copy them, never modify them in place.
 QKCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
+# A projection weight and the rows [H, d_k] of channel (h, j) of the queries or the keys in it.
+WeightRows = tuple[nn.Parameter, torch.Tensor]
 # Reads (q, k) [B, T, H, d_k] from the (args, kwargs) of one call of a family's kernel function.
 QKOfCall = Callable[[tuple, dict], tuple[torch.Tensor, torch.Tensor]]
 # An input callback receives (layer_idx, x) with x [B, T, hidden], the input of the q/k projections.
@@ -154,7 +158,7 @@ def _take_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 class LinearAttentionAdapter(ABC):
-    """Structural facts about one family (fla slot names)."""
+    """Structural facts about one family."""
 
     family: ClassVar[str]  # config name of the family, e.g. "delta_net"
     model_types: ClassVar[tuple[str, ...]]  # HF config.model_type values handled
@@ -296,7 +300,7 @@ class LinearAttentionAdapter(ABC):
         """d_v of each value head."""
         return self.dims(self.config).head_v_dim
 
-    def qk_weight_rows(self, mixer: nn.Module) -> tuple[tuple[nn.Parameter, torch.Tensor], tuple[nn.Parameter, torch.Tensor]]:
+    def qk_weight_rows(self, mixer: nn.Module) -> tuple[WeightRows, WeightRows]:
         """((W, rows_q), (W, rows_k)): the projection weight parameters holding the query and the key channels (the
         same parameter for a fused projection) and the rows [H, d_k] of channel (h, j) in each."""
         found: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}

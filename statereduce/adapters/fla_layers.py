@@ -97,9 +97,11 @@ class FlaAdapter(LinearAttentionAdapter):
 
     def channel_rows(self, mixer: nn.Module) -> list[ChannelRows]:
         rows = head_major_rows(self.num_heads, self.head_k_dim)
-        out = [ChannelRows("q_proj", self.q_proj(mixer), rows, None), ChannelRows("k_proj", self.k_proj(mixer), None, rows)]
+        out = [ChannelRows("q_proj", self.q_proj(mixer), rows, None),
+               ChannelRows("k_proj", self.k_proj(mixer), None, rows)]
         if mixer.use_short_conv:
-            out += [ChannelRows("q_conv1d", mixer.q_conv1d, rows, None), ChannelRows("k_conv1d", mixer.k_conv1d, None, rows)]
+            out += [ChannelRows("q_conv1d", mixer.q_conv1d, rows, None),
+                    ChannelRows("k_conv1d", mixer.k_conv1d, None, rows)]
         return out
 
     def projection_input(self, mixer: nn.Module) -> nn.Module:

@@ -10,4 +10,5 @@ for f in sorted((Path(__file__).resolve().parent / "runs").glob("*/eval.json")):
         continue
     mix = {k: v for k, v in r["mix"].items() if k != "seed"}
     cells = [f"{r[k]['bpb']:.3f} / {r[k]['r4']:.2f} {r[k]['r8']:.2f}" for k in ("unpruned", "drrqr_50", "l1_50")]
-    print(f"| {r['name']} | {json.dumps(mix)} | {json.dumps(r['train'])} | {r['train_s']} ({r['pure_s']}) | " + " | ".join(cells) + " |")
+    head = f"| {r['name']} | {json.dumps(mix)} | {json.dumps(r['train'])} | {r['train_s']} ({r['pure_s']}) | "
+    print(head + " | ".join(cells) + " |")

@@ -14,7 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_new as rn  # noqa: E402
 from statereduce.adapters import adapter_class  # noqa: E402
 from statereduce.models import tiny_config  # noqa: E402
-from statereduce.pretrain import _mix_settings, _recall_phase, _train_cfg, _param_groups, lr_at, seed_everything  # noqa: E402
+from statereduce.pretrain import (  # noqa: E402
+    _mix_settings, _param_groups, _recall_phase, _train_cfg, lr_at, seed_everything,
+)
 
 family, mix = sys.argv[1], _mix_settings(json.loads(sys.argv[2]))
 every = int(sys.argv[3]) if len(sys.argv) > 3 else 100
