@@ -1,9 +1,9 @@
-"""Tiny random fla models shared by the tests (no downloads, CPU, seconds).
+"""Tiny random models of every family shared by the tests (no downloads, CPU, seconds).
 
 ``tiny_model("delta_net")`` / ``tiny_model("gated_deltanet", num_v_heads=4)``: hidden 64, 2 layers,
-2 heads of d_k = 32, vocab 300, ``fuse_cross_entropy=False``; keyword overrides go to the family's
-config class through :func:`statereduce.models.tiny_config`. ``statereduce.kernels.fla_fallback.install()``
-is called first so the models run on CPU.
+2 heads of d_k = 32, vocab 300 (``fuse_cross_entropy=False`` for fla's configs, from ``tiny_config``);
+keyword overrides go to the family's config class through :func:`statereduce.models.tiny_config`. The
+family adapter's ``install_fallbacks()`` is called first so the models run on CPU.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ TINY: dict[str, dict[str, Any]] = {
                 "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                 "layer_types": ["linear_attention", "linear_attention", "full_attention"]},
 }
-COMMON: dict[str, Any] = {"vocab_size": VOCAB, "fuse_cross_entropy": False, "bos_token_id": 1, "eos_token_id": 2}
-FLA_ONLY = ("fuse_cross_entropy",)
+COMMON: dict[str, Any] = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2}  # tiny_config adds the rest
 
 
 def tiny_arch(family: str, **overrides: Any) -> dict[str, Any]:
@@ -39,8 +38,7 @@ def tiny_arch(family: str, **overrides: Any) -> dict[str, Any]:
     :func:`statereduce.models.tiny_config`."""
     if family not in TINY:
         raise ValueError(f"no tiny config for family {family!r}; valid: {', '.join(sorted(TINY))}")
-    common = {k: v for k, v in COMMON.items() if k not in FLA_ONLY or family in ("delta_net", "gated_deltanet")}
-    return {**common, **TINY[family], **overrides}
+    return {**COMMON, **TINY[family], **overrides}
 
 
 def tiny_model(family: str, seed: int = 0, conv_std: float | None = 0.3, **overrides: Any) -> nn.Module:

@@ -150,13 +150,6 @@ def head_major_rows(num_heads: int, d_k: int, offset: int = 0) -> torch.Tensor:
     return offset + torch.arange(num_heads * d_k, dtype=torch.long).reshape(num_heads, d_k)
 
 
-def _take_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    flat = rows.reshape(-1)
-    if flat.numel() == weight.shape[0] and bool((flat == torch.arange(flat.numel())).all()):
-        return weight  # the whole parameter (fla's separate q_proj/k_proj)
-    return weight[flat.to(weight.device)]
-
-
 class LinearAttentionAdapter(ABC):
     """Structural facts about one family."""
 
@@ -315,9 +308,8 @@ class LinearAttentionAdapter(ABC):
         return found["q"], found["k"]
 
     def qk_weights(self, mixer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_q, W_k), each [H * d_k, hidden]; head h is rows h*d_k .. (h+1)*d_k (copies for fused projections)."""
-        (wq, rq), (wk, rk) = self.qk_weight_rows(mixer)
-        return _take_rows(wq, rq), _take_rows(wk, rk)
+        """(W_q, W_k), each [H * d_k, hidden], copies; head h is rows h*d_k .. (h+1)*d_k."""
+        return tuple(w[rows.reshape(-1).to(w.device)] for w, rows in self.qk_weight_rows(mixer))
 
     def pruned_config(self, d_k_new: int):
         """Instance convenience for :meth:`reduced_config` on the model's own config."""
@@ -387,11 +379,21 @@ class LinearAttentionAdapter(ABC):
         return undo
 
     # ---- capture ------------------------------------------------------------------------------
-    @abstractmethod
+    #: the module whose globals the family's layers call for the recurrence, e.g. "fla.layers.delta_net"
+    layer_module: ClassVar[str]
+    #: those globals (chunked prefill and one-token decode) -> the reader of (q, k) from a call's (args, kwargs)
+    qk_readers: ClassVar[dict[str, QKOfCall]]
+
     @contextlib.contextmanager
     def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
         """Within the context, every forward pass calls ``on_qk(layer, q, k)`` with q, k [B,T,H,d_k]
-        as they enter the kernel, and ``on_x(layer, x)`` with the q/k projection input [B,T,hidden]."""
+        as they enter the kernel, and ``on_x(layer, x)`` with the q/k projection input [B,T,hidden].
+
+        The kernel globals ``qk_readers`` of ``layer_module`` are wrapped (:func:`capture_kernel_calls`), so fused
+        paths whose conv or projection modules never run are covered too."""
+        module = importlib.import_module(self.layer_module)
+        with capture_kernel_calls(self.mixer_layers(), module, self.qk_readers, self.projection_input, on_qk, on_x):
+            yield
 
     # ---- recurrent state ----------------------------------------------------------------------
     #: True when fla caches this family's state as [B, HV, d_v, d_k] (kernels called with ``state_v_first``).
@@ -533,6 +535,19 @@ class LinearAttentionAdapter(ABC):
         raise NotImplementedError(f"{cls.family} has no fused decode step")
 
 
+class TransformersAdapter(LinearAttentionAdapter):
+    """The part of an adapter that the families implemented in transformers share (Mamba-2, Qwen3.5): the model
+    takes its cache as ``cache=`` and keeps recurrent states behind ``cache.get_recurrent_state``."""
+
+    cache_argument = "cache"
+
+    def cached_recurrent_state(self, cache, layer_idx: int) -> torch.Tensor | None:
+        try:
+            return cache.get_recurrent_state(layer_idx, state_idx=0)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError):  # no such layer, or not a linear one
+            return None
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The list of decoder blocks of a causal LM, a bare decoder, or a PEFT wrapper of either."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
@@ -540,14 +555,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__}: {type(decoder).__name__}.layers")
     return layers
-
-
-def transformers_recurrent_state(cache, layer_idx: int) -> torch.Tensor | None:
-    """The recurrent state of layer ``layer_idx`` in a transformers cache (``cache.get_recurrent_state``), or None."""
-    try:
-        return cache.get_recurrent_state(layer_idx, state_idx=0)
-    except (AttributeError, IndexError, KeyError, TypeError):
-        return None
 
 
 class _LayerTracker:
@@ -561,15 +568,14 @@ class _LayerTracker:
 def capture_kernel_calls(
     mixers: Sequence[tuple[int, nn.Module]],
     kernel_module: types.ModuleType,
-    kernel_names: Sequence[str],
+    readers: Mapping[str, QKOfCall],
     x_input: Callable[[nn.Module], nn.Module],
     on_qk: QKCallback | None,
     on_x: XCallback | None,
-    qk_of_call: QKOfCall | Mapping[str, QKOfCall] | None = None,
 ) -> Iterator[None]:
     """Capture q/k at the recurrence kernel and x at the q projection, for the given mixers.
 
-    Rebinds each ``kernel_module.<name>`` in ``kernel_names`` (the module globals a layer calls, e.g.
+    Rebinds each ``kernel_module.<name>`` named in ``readers`` (the module globals a layer calls, e.g.
     ``fla.layers.gated_deltanet.chunk_gated_delta_rule``) to a wrapper around whatever object is bound
     there at enter time (fla's kernel, or a CPU dispatcher installed by ``statereduce.kernels.fla_fallback``),
     and restores that object on exit. The current layer is known through a forward pre-hook on each
@@ -579,19 +585,15 @@ def capture_kernel_calls(
     Args:
         mixers: (layer index, mixer) pairs to track.
         kernel_module: the module whose globals the mixers call.
-        kernel_names: names of the kernel globals; each is called with ``q``, ``k`` as the first two
-            positional arguments or as keywords, shaped [B, T, H, d_k].
+        readers: name of each kernel global -> the function that reads (q, k) [B, T, H, d_k] from the (args,
+            kwargs) of a call (``fla_qk_of_call`` for fla's functions).
         x_input: mixer -> the module whose forward input is the q/k projection input (for ``on_x``).
         on_qk, on_x: the callbacks (see ``QKCallback`` / ``XCallback``); either may be None.
-        qk_of_call: (args, kwargs) of a kernel call -> (q, k) [B, T, H, d_k], or a mapping from kernel name to one;
-            the default reads ``q``, ``k`` as the first two positional arguments or as keywords (fla's functions).
     """
     tracker = _LayerTracker()
     handles = []
-    originals = {name: getattr(kernel_module, name) for name in kernel_names}
-    readers = qk_of_call if isinstance(qk_of_call, Mapping) else dict.fromkeys(kernel_names, qk_of_call)
-    wrappers = {name: _kernel_wrapper(fn, tracker, on_qk, readers.get(name) or fla_qk_of_call)
-                for name, fn in originals.items()}
+    originals = {name: getattr(kernel_module, name) for name in readers}
+    wrappers = {name: _kernel_wrapper(fn, tracker, on_qk, readers[name]) for name, fn in originals.items()}
     try:
         for layer_idx, mixer in mixers:
             handles.append(mixer.register_forward_pre_hook(_push_hook(tracker, layer_idx)))

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from statereduce.adapters.base import Dims, LazyImport, StateShape, register_adapter
+from statereduce.adapters.base import Dims, LazyImport, StateShape, fla_qk_of_call, register_adapter
 from statereduce.adapters.fla_layers import FlaAdapter, one_token_call
 
 KERNELS = ("chunk_delta_rule", "fused_recurrent_delta_rule")
@@ -33,7 +33,7 @@ class DeltaNetAdapter(FlaAdapter):
     config_class = LazyImport("fla.models:DeltaNetConfig")
     layer_module = "fla.layers.delta_net"
     recurrent_function = "fused_recurrent_delta_rule"
-    kernel_functions = KERNELS
+    qk_readers = dict.fromkeys(KERNELS, fla_qk_of_call)  # q, k first or as keywords
     mixer_class = LazyImport("fla.layers.delta_net:DeltaNet")
     block_class = LazyImport("fla.models.delta_net.modeling_delta_net:DeltaNetBlock")
     # fla 0.6 DeltaNetConfig.__init__ keywords and defaults (pinned by tests/test_config.py)

@@ -34,10 +34,9 @@ capture at the kernel functions, the in-place routing of the one-token recurrent
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -47,9 +46,6 @@ from torch import nn
 from statereduce.adapters.base import (
     ChannelRows,
     LinearAttentionAdapter,
-    QKCallback,
-    XCallback,
-    capture_kernel_calls,
     decoder_layers,
     head_major_rows,
 )
@@ -65,9 +61,7 @@ class FlaAdapter(LinearAttentionAdapter):
     kernel functions, and decoding routed through the layer module's one-token recurrent function."""
 
     speed_benchmark = True
-    layer_module: ClassVar[str]  # the fla layer module, e.g. "fla.layers.delta_net"
-    kernel_functions: ClassVar[tuple[str, ...]]  # its functions that receive q and k (chunk and fused recurrent)
-    recurrent_function: ClassVar[str]  # the one of them that decodes one token, routed by decode_patches
+    recurrent_function: ClassVar[str]  # layer_module's one-token recurrent function, routed by decode_patches
 
     @classmethod
     def mixer_layer_indices(cls, config) -> list[int]:
@@ -106,13 +100,6 @@ class FlaAdapter(LinearAttentionAdapter):
 
     def projection_input(self, mixer: nn.Module) -> nn.Module:
         return mixer.q_proj
-
-    @contextlib.contextmanager
-    def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
-        module = importlib.import_module(self.layer_module)
-        with capture_kernel_calls(self.mixer_layers(), module, self.kernel_functions, self.projection_input, on_qk,
-                                  on_x):
-            yield
 
     @classmethod
     def inplace_recurrent(cls, original: Callable, kernel: str, device_types: tuple[str, ...]) -> Callable:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from statereduce.adapters.base import Dims, LazyImport, StateShape, register_adapter
+from statereduce.adapters.base import Dims, LazyImport, StateShape, fla_qk_of_call, register_adapter
 from statereduce.adapters.fla_layers import FlaAdapter, one_token_call
 
 KERNELS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
@@ -38,7 +38,7 @@ class GatedDeltaNetAdapter(FlaAdapter):
     config_class = LazyImport("fla.models:GatedDeltaNetConfig")
     layer_module = "fla.layers.gated_deltanet"
     recurrent_function = "fused_recurrent_gated_delta_rule"
-    kernel_functions = KERNELS
+    qk_readers = dict.fromkeys(KERNELS, fla_qk_of_call)  # q, k first or as keywords
     mixer_class = LazyImport("fla.layers.gated_deltanet:GatedDeltaNet")
     block_class = LazyImport("fla.models.gated_deltanet.modeling_gated_deltanet:GatedDeltaNetBlock")
     # fla 0.6 GatedDeltaNetConfig.__init__ keywords and defaults (pinned by tests/test_config.py)

@@ -30,9 +30,6 @@ transformers' ``Mamba2ForCausalLM`` explicitly (:attr:`causal_lm_class`). Its fo
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -42,15 +39,11 @@ from statereduce.adapters.base import (
     ChannelRows,
     Dims,
     LazyImport,
-    LinearAttentionAdapter,
-    QKCallback,
     StateShape,
-    XCallback,
-    capture_kernel_calls,
+    TransformersAdapter,
     decoder_layers,
     head_major_rows,
     register_adapter,
-    transformers_recurrent_state,
 )
 
 LAYER_MODULE = "transformers.models.mamba2.modeling_mamba2"
@@ -72,14 +65,15 @@ def _step_qk(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @register_adapter
-class Mamba2Adapter(LinearAttentionAdapter):
+class Mamba2Adapter(TransformersAdapter):
     """transformers Mamba-2: ``state_size`` carries d_k (N), one B/C selection per group (paper App. C.3)."""
 
     family = "mamba2"
     model_types = ("mamba2",)
     config_class = LazyImport("transformers:Mamba2Config")
     causal_lm_class = LazyImport("transformers:Mamba2ForCausalLM")
-    cache_argument = "cache"
+    layer_module = LAYER_MODULE
+    qk_readers = {CHUNK: _scan_qk, STEP: _step_qk}
     cache_state_v_first = True  # the cache holds [B, num_heads, head_dim, N]
     kernel_scale = False
     # the fused training kernel (mamba_ssm) reads out_proj.weight directly, so a LoRA on it would never run; peft
@@ -139,13 +133,3 @@ class Mamba2Adapter(LinearAttentionAdapter):
 
     def projection_input(self, mixer: nn.Module) -> nn.Module:
         return mixer.in_proj
-
-    @contextlib.contextmanager
-    def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
-        module = importlib.import_module(LAYER_MODULE)
-        with capture_kernel_calls(self.mixer_layers(), module, (CHUNK, STEP), self.projection_input, on_qk, on_x,
-                                  qk_of_call={CHUNK: _scan_qk, STEP: _step_qk}):
-            yield
-
-    def cached_recurrent_state(self, cache, layer_idx: int) -> torch.Tensor | None:
-        return transformers_recurrent_state(cache, layer_idx)

@@ -31,10 +31,9 @@ model load through ``AutoModelForCausalLM`` as the text model ``Qwen3_5ForCausal
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -44,15 +43,11 @@ from statereduce.adapters.base import (
     ChannelRows,
     Dims,
     LazyImport,
-    LinearAttentionAdapter,
-    QKCallback,
     StateShape,
-    XCallback,
-    capture_kernel_calls,
+    TransformersAdapter,
     decoder_layers,
     head_major_rows,
     register_adapter,
-    transformers_recurrent_state,
 )
 
 LAYER_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
@@ -86,13 +81,14 @@ def _device_dispatch(stock: Callable, reference: Callable, device_types: tuple[s
 
 
 @register_adapter
-class Qwen35Adapter(LinearAttentionAdapter):
+class Qwen35Adapter(TransformersAdapter):
     """Qwen3.5: ``linear_key_head_dim`` carries d_k of the Gated DeltaNet layers; attention layers stay."""
 
     family = "qwen3_5"
     model_types = ("qwen3_5_text", "qwen3_5")
     config_class = LazyImport("transformers.models.qwen3_5:Qwen3_5TextConfig")
-    cache_argument = "cache"
+    layer_module = LAYER_MODULE
+    qk_readers = dict.fromkeys(KERNELS, _qk_of_call)
     rft_default_scope = "recurrent"  # paper Table 4: only the recurrent components are fine-tuned
     # transformers 5.24 Qwen3_5TextConfig.__init__ keywords and defaults (pinned by tests/test_config.py)
     # fmt: off
@@ -162,16 +158,6 @@ class Qwen35Adapter(LinearAttentionAdapter):
 
     def projection_input(self, mixer: nn.Module) -> nn.Module:
         return mixer.in_proj_qkv
-
-    @contextlib.contextmanager
-    def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
-        module = importlib.import_module(LAYER_MODULE)
-        with capture_kernel_calls(self.mixer_layers(), module, KERNELS, self.projection_input, on_qk, on_x,
-                                  qk_of_call=_qk_of_call):
-            yield
-
-    def cached_recurrent_state(self, cache, layer_idx: int) -> torch.Tensor | None:
-        return transformers_recurrent_state(cache, layer_idx)  # [B, HV, d_k, d_v]
 
     @classmethod
     def install_fallbacks(cls, torch_device_types: tuple[str, ...] = ("cpu",)) -> None:
