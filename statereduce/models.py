@@ -135,9 +135,10 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
             ``source.json`` (hub model: ``from_pretrained(hub_id, revision=...)``; weights come from
             the HF cache or the hub).
         dtype: float32 / bfloat16 / float16; None uses ``source.json``'s dtype, else float32.
-        device: where to put the model. On CPU, the family's adapter installs its PyTorch fallbacks
-            (:meth:`~statereduce.adapters.base.LinearAttentionAdapter.install_fallbacks`), so fla's Triton-only
-            layers run in PyTorch.
+        device: where to put the model. The family's adapter installs its kernel routing
+            (:meth:`~statereduce.adapters.base.LinearAttentionAdapter.install_fallbacks`): fla's Triton-only layers
+            run in PyTorch on CPU, and on CUDA the calls at head shapes stock fla mishandles are zero-padded
+            (:mod:`statereduce.kernels.shapes`).
 
     The model class is the adapter's ``causal_lm_class`` (transformers' ``Mamba2ForCausalLM``: fla's own
     ``mamba2`` registration overrides the Auto mapping) or ``AutoModelForCausalLM``.
@@ -169,8 +170,7 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     device = torch.device(device)
     config = AutoConfig.from_pretrained(model_id, revision=revision)
     adapter = adapter_for_config(config)
-    if device.type == "cpu":
-        adapter.install_fallbacks()
+    adapter.install_fallbacks()  # CPU tensors to the torch kernels; CUDA calls at shapes fla mishandles padded
     kwargs: dict[str, Any] = {"revision": revision, "dtype": DTYPES[dtype]}
     if "fuse_cross_entropy" in adapter.config_defaults:  # fla's configs (AutoConfig may give fla's for mamba2)
         kwargs["fuse_cross_entropy"] = False

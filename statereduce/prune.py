@@ -36,6 +36,7 @@ from torch import nn
 
 from statereduce import __version__
 from statereduce.adapters import ChannelRows, LinearAttentionAdapter, get_adapter
+from statereduce.kernels.shapes import record_note
 from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
 from statereduce.runtime import atomic_dir, versions
 
@@ -135,7 +136,8 @@ class PruneRecord:
 
     ``keep[layer][h]`` lists the kept channels (sorted) of q/k head h in the ORIGINAL channel numbering;
     under GVA each list serves ``num_v_heads // num_heads`` value heads. ``kernel_scale`` documents that the
-    stock kernels of the saved checkpoint use ``1/sqrt(d_k')`` (module docstring).
+    stock kernels of the saved checkpoint use ``1/sqrt(d_k')`` (module docstring); ``fla_kernel_shapes`` whether
+    stock fla's kernels are known to mishandle the pruned head shape on CUDA (:mod:`statereduce.kernels.shapes`).
     """
 
     source_model: str
@@ -150,6 +152,7 @@ class PruneRecord:
     keep: dict[int, list[list[int]]]
     config_changes: dict[str, list[Any]]  # field -> [old, new]
     kernel_scale: dict[str, Any]
+    fla_kernel_shapes: dict[str, Any] = field(default_factory=dict)  # statereduce.kernels.shapes.record_note
     package_version: str = __version__
     versions: dict[str, str | None] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -328,6 +331,7 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
         keep={layer: idx.tolist() for layer, idx in keep_t.items()},
         config_changes=changes,
         kernel_scale=kernel_scale_note(d_k, d_k_new, adapter.kernel_scale),
+        fla_kernel_shapes=record_note(tuple(adapter.padded_kernels), d_k_new, d_v),
         versions=versions(),
         extra=extra,
     )

@@ -450,6 +450,10 @@ class LinearAttentionAdapter(ABC):
     #: the causal-LM class that loads the family's checkpoints (a LazyImport); None: ``AutoModelForCausalLM``
     causal_lm_class: ClassVar[Any] = None
 
+    #: the layer module's delta-rule kernel functions that :mod:`statereduce.kernels.shapes` guards on CUDA (calls at
+    #: a head shape stock fla mishandles are zero-padded); empty: the family calls no such kernel of fla's
+    padded_kernels: ClassVar[tuple[str, ...]] = ()
+
     @classmethod
     def install_fallbacks(cls, torch_device_types: tuple[str, ...] = ("cpu",)) -> None:
         """Route the family's kernel calls on ``torch_device_types`` to PyTorch implementations (idempotent): fla's

@@ -34,6 +34,7 @@ class DeltaNetAdapter(FlaAdapter):
     layer_module = "fla.layers.delta_net"
     recurrent_function = "fused_recurrent_delta_rule"
     qk_readers = dict.fromkeys(KERNELS, fla_qk_of_call)  # q, k first or as keywords
+    padded_kernels = KERNELS  # statereduce.kernels.shapes: zero-padded at shapes stock fla mishandles
     mixer_class = LazyImport("fla.layers.delta_net:DeltaNet")
     block_class = LazyImport("fla.models.delta_net.modeling_delta_net:DeltaNetBlock")
     # fla 0.6 DeltaNetConfig.__init__ keywords and defaults (pinned by tests/test_config.py)

@@ -64,6 +64,15 @@ class FlaAdapter(LinearAttentionAdapter):
     recurrent_function: ClassVar[str]  # layer_module's one-token recurrent function, routed by decode_patches
 
     @classmethod
+    def install_fallbacks(cls, torch_device_types: tuple[str, ...] = ("cpu",)) -> None:
+        """The torch fallbacks (base class), then the shape guard on the layer module's kernels
+        (:data:`padded_kernels`): CUDA calls at a head shape stock fla mishandles go through a zero-padded call."""
+        super().install_fallbacks(torch_device_types)
+        from statereduce.kernels import shapes
+
+        shapes.install(cls.layer_module, cls.padded_kernels)
+
+    @classmethod
     def mixer_layer_indices(cls, config) -> list[int]:
         from fla.models.configuration_utils import get_attention_spec
 

@@ -39,6 +39,7 @@ class GatedDeltaNetAdapter(FlaAdapter):
     layer_module = "fla.layers.gated_deltanet"
     recurrent_function = "fused_recurrent_gated_delta_rule"
     qk_readers = dict.fromkeys(KERNELS, fla_qk_of_call)  # q, k first or as keywords
+    padded_kernels = KERNELS  # statereduce.kernels.shapes: zero-padded at shapes stock fla mishandles
     mixer_class = LazyImport("fla.layers.gated_deltanet:GatedDeltaNet")
     block_class = LazyImport("fla.models.gated_deltanet.modeling_gated_deltanet:GatedDeltaNetBlock")
     # fla 0.6 GatedDeltaNetConfig.__init__ keywords and defaults (pinned by tests/test_config.py)

@@ -1006,6 +1006,11 @@ def install(torch_device_types: Iterable[str] = ("cpu",)) -> None:
                 _REBOUND.append((mod, attr, val))
 
 
+def torch_device_types() -> frozenset[str]:
+    """The device types :func:`install` currently routes to the torch implementations."""
+    return frozenset(_TORCH_DEVICE_TYPES)
+
+
 def uninstall() -> None:
     """Undo :func:`install`: restore every rebound attribute to fla's original function or method."""
     while _REBOUND:

@@ -152,6 +152,9 @@ def build_model(config, dtype: torch.dtype, device: str = "cuda"):
     """A randomly initialised causal LM of ``config`` on ``device`` in ``dtype``, in eval mode."""
     from transformers import AutoModelForCausalLM  # the config came from its adapter, which registered the family
 
+    from statereduce.adapters import adapter_for_config
+
+    adapter_for_config(config).install_fallbacks()  # on CUDA: calls at shapes stock fla mishandles are padded
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -1,0 +1,180 @@
+"""Head shapes at which stock fla's delta-rule kernels fail on CUDA, and the zero-padded call that avoids them.
+
+fla 0.6.0's Triton kernels (Triton 3.6, H200) give wrong outputs or fault at some of the small key widths that
+state reduction produces (``scripts/sweep_fla_shapes.py``, every shape in its own process, bf16 forward and backward
+against a float64 per-step recurrence; results in ``docs/results/fla_shapes_h200.json``, summary in
+``docs/gpu_checks.md``). :data:`FAULTY` holds, per kernel function, the rule that covers them and in which pass
+(forward, backward). Where a call on a CUDA tensor has such a shape (a backward-only one when the call will be
+differentiated), :func:`guard` pads q and k (and a key-dimension gate and the initial state) with zero channels to
+the width the sweep found right (:data:`PAD_TO`), passes the unpadded scale, and slices the final state back. The
+result is exact: a zero key channel adds nothing to ``S k`` or to ``S``'s other columns, a zero query channel nothing
+to ``S q``, and zeros leave the L2 norms of q and k unchanged; only the kernel's work is that of the padded width.
+
+The adapter of a family names the kernels to guard (``padded_kernels``); the guard sits around whatever the layer
+module binds (fla's kernel, or the CPU dispatcher of :mod:`statereduce.kernels.fla_fallback`), so capture hooks
+installed later still see the unpadded q and k.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+#: where the sweep ran
+MEASURED_ON = "fla 0.6.0, Triton 3.6.0, torch 2.11.0+cu130, NVIDIA H200"
+
+#: key widths the sweep ran: every d_k' that removing 25, 50, 75 or 87.5% of d_k in {64, 128, 256} gives, and d_k
+SWEPT_D_K: tuple[int, ...] = (8, 16, 32, 48, 64, 96, 128, 192, 256)
+
+#: value widths the sweep ran
+SWEPT_D_V: tuple[int, ...] = (64, 128, 256, 512)
+
+#: the width faulty shapes are padded to (the sweep ran the padded calls at it and found them right)
+PAD_TO = 64
+
+
+def _tile(d: int) -> int:
+    """The power-of-two tile fla's kernels give a dimension of ``d`` channels (``triton.next_power_of_2``)."""
+    return 1 << max(d - 1, 0).bit_length()
+
+
+def _chunk_delta_rule_faulty(d_k: int, d_v: int) -> frozenset[str]:
+    """fla 0.6.0's chunk DeltaNet kernel, bf16, T = 1024 (docs/results/fla_shapes_h200.json), with a key tile of at
+    most 32: at d_v = 64 wrong (forward at d_k' 8 and 32, backward at 16, where another run saw the forward wrong;
+    relative errors 2 to 90), at d_v = 128 the forward right but the backward an illegal memory access. Every shape
+    with a 64-wide key tile, or d_v >= 256, is right (<= 1.1e-2). Unswept value widths below 256 other than 128 count
+    as faulty in both passes."""
+    if _tile(d_k) > 32 or d_v >= 256:
+        return frozenset()
+    return frozenset({"backward"}) if d_v == 128 else frozenset({"forward", "backward"})
+
+
+#: kernel function -> (d_k, d_v) -> the passes ("forward", "backward") in which stock fla is wrong or faults on CUDA
+#: at that head shape. The Gated DeltaNet kernels' forwards are right at every swept shape; their backwards could
+#: not be checked (fla refuses the chunk backward with Triton < 3.7.1 on Hopper, and has no fused-recurrent backward).
+FAULTY: dict[str, Callable[[int, int], frozenset[str]]] = {
+    "chunk_delta_rule": _chunk_delta_rule_faulty,
+}
+
+Table = Mapping[str, Callable[[int, int], frozenset[str]]]
+
+
+def padded_width(kernel: str, d_k: int, d_v: int, backward: bool = True, table: Table = FAULTY) -> int | None:
+    """The key width to call ``kernel`` with at head shape ``d_k x d_v`` (``backward``: the call will be
+    differentiated): None where stock fla is right there, else :data:`PAD_TO` (or the smallest multiple of it above
+    ``d_k``)."""
+    rule = table.get(kernel)
+    passes = rule(d_k, d_v) if rule is not None else frozenset()
+    if "forward" not in passes and not (backward and "backward" in passes):
+        return None
+    width = PAD_TO * (d_k // PAD_TO + 1)
+    if rule(width, d_v):
+        raise ValueError(f"{kernel} at d_k={d_k}, d_v={d_v}: the padded width {width} is faulty too")
+    return width
+
+
+def faulty_shapes(kernels: tuple[str, ...], d_k: int, d_v: int) -> dict[str, dict[str, Any]]:
+    """``{kernel: {"passes": [...], "padded_to": width}}`` for each of ``kernels`` that stock fla mishandles at
+    ``d_k x d_v``."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in kernels:
+        rule = FAULTY.get(name)
+        passes = rule(d_k, d_v) if rule is not None else frozenset()
+        if passes:
+            out[name] = {"passes": sorted(passes), "padded_to": padded_width(name, d_k, d_v)}
+    return out
+
+
+def call_padded(fn: Callable[..., Any], width: int, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` (a delta-rule kernel with fla's signature) with q and k zero-padded to ``width`` key
+    channels; returns ``(o, final_state)`` with the final state sliced back to the call's key width."""
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    a = bound.arguments
+    extra = a.pop("kwargs", {}) if "kwargs" in a and isinstance(a.get("kwargs"), dict) else {}
+    d_k = a["q"].shape[-1]
+    pad = width - d_k
+    if pad <= 0:
+        return fn(*args, **kwargs)
+    a["q"], a["k"] = F.pad(a["q"], (0, pad)), F.pad(a["k"], (0, pad))
+    if a.get("gk") is not None:  # log-space key gate: 0 on the padded channels (their state columns stay 0)
+        a["gk"] = F.pad(a["gk"], (0, pad))
+    if a.get("scale") is None:
+        a["scale"] = d_k**-0.5
+    v_first = bool(a.get("state_v_first", False))
+    h0 = a.get("initial_state")
+    if h0 is not None:  # [N, H, K, V] (or [N, H, V, K] with state_v_first)
+        a["initial_state"] = F.pad(h0, (0, pad)) if v_first else F.pad(h0, (0, 0, 0, pad))
+    o, state = fn(**a, **extra)
+    if state is not None:
+        state = state[..., :d_k] if v_first else state[..., :d_k, :]
+    return o, state
+
+
+def _needs_grad(args: tuple, kwargs: dict) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values()))
+
+
+def guard(inner: Callable[..., Any], kernel: str, table: Table = FAULTY,
+          device_types: tuple[str, ...] = ("cuda",)) -> Callable[..., Any]:
+    """``inner`` with its calls on ``device_types`` tensors at a faulty shape of ``kernel`` made through
+    :func:`call_padded` (a shape faulty only in the backward only when the call will be differentiated); every other
+    call (and every call that :mod:`~statereduce.kernels.fla_fallback` routes to its torch kernels, which take any
+    shape) goes to ``inner`` unchanged. fla's delta-rule kernels take q, k, v first (positional or keyword)."""
+    from statereduce.kernels.fla_fallback import torch_device_types
+
+    @functools.wraps(inner)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        q = args[0] if args else kwargs.get("q")
+        v = args[2] if len(args) > 2 else kwargs.get("v")
+        if (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.device.type in device_types
+                and q.device.type not in torch_device_types()):
+            width = padded_width(kernel, q.shape[-1], v.shape[-1], _needs_grad(args, kwargs), table)
+            if width is not None:
+                return call_padded(inner, width, *args, **kwargs)
+        return inner(*args, **kwargs)
+
+    guarded._statereduce_guard = kernel  # type: ignore[attr-defined]
+    guarded._statereduce_inner = inner  # type: ignore[attr-defined]
+    return guarded
+
+
+def install(layer_module: str, kernels: tuple[str, ...], table: Table = FAULTY) -> None:
+    """Wrap each of ``kernels`` bound in ``layer_module`` with :func:`guard` (idempotent: a guarded name is left)."""
+    mod = importlib.import_module(layer_module)
+    for name in kernels:
+        current = getattr(mod, name)
+        if getattr(current, "_statereduce_guard", None) is None:
+            setattr(mod, name, guard(current, name, table))
+
+
+def is_guarded(layer_module: str, kernel: str) -> bool:
+    """Whether ``layer_module.kernel`` is wrapped by :func:`guard`."""
+    return getattr(getattr(importlib.import_module(layer_module), kernel), "_statereduce_guard", None) is not None
+
+
+def record_note(kernels: tuple[str, ...], d_k: int, d_v: int) -> dict[str, Any]:
+    """What ``prune_record.json`` says of stock fla at a pruned head shape ``d_k x d_v`` (``fla_kernel_shapes``)."""
+    if not kernels:
+        return {}
+    faulty = faulty_shapes(kernels, d_k, d_v)
+    swept = d_k in SWEPT_D_K and d_v in SWEPT_D_V
+    if faulty:
+        names = ", ".join(f"{k} ({' and '.join(f['passes'])})" for k, f in faulty.items())
+        seen = "is wrong or faults" if swept else "lies in the region where it is wrong or faults"
+        note = (f"stock fla {seen} on CUDA at d_k={d_k} x d_v={d_v} in {names}; statereduce pads q and k with zero "
+                f"channels to {PAD_TO} there (exact). Outside statereduce, keep such calls off that kernel (fla's "
+                f"layers use the recurrent kernel for inputs of at most 64 tokens) or pad as "
+                f"statereduce.kernels.shapes.call_padded does")
+    elif swept:
+        note = f"stock fla's kernels ({', '.join(kernels)}) were measured right at d_k={d_k} x d_v={d_v}"
+    else:
+        note = f"d_k={d_k} x d_v={d_v} is outside the measured sweep: stock fla's kernels are unchecked at it"
+    return {"measured_on": MEASURED_ON, "faulty": faulty, "swept": swept, "note": note}

@@ -1,0 +1,235 @@
+"""The routing of head shapes that stock fla mishandles on CUDA (statereduce.kernels.shapes).
+
+* the rule in ``FAULTY`` agrees with every case of the recorded GPU sweep (docs/results/fla_shapes_h200.json):
+  faulty exactly where stock fla was wrong or faulted, and the padded calls the sweep ran were right;
+* the zero-padded call equals the unpadded one (output, final state, every gradient) for all four delta-rule kernels,
+  against the float64 per-step recurrence of the sweep script;
+* the guard sends faulty shapes (and only those) through the padded call, leaves calls that fla_fallback routes to
+  torch alone, and the DeltaNet / Gated DeltaNet adapters install it when a model is loaded;
+* prune_record.json says whether the pruned shape is one stock fla mishandles.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from statereduce.kernels import fla_fallback, shapes
+
+ROOT = Path(__file__).resolve().parents[1]
+SWEEP = ROOT / "docs" / "results" / "fla_shapes_h200.json"
+ROUTED = ROOT / "docs" / "results" / "shapes_routed_h200.json"
+sys.path.insert(0, str(ROOT / "scripts"))
+import sweep_fla_shapes  # noqa: E402
+
+KERNEL_OF = {(f, k): name for (f, k), name in sweep_fla_shapes.KERNELS.items()}
+
+
+def _sweep() -> dict:
+    return json.loads(SWEEP.read_text())
+
+
+def test_sweep_covers_the_ratio_grid():
+    doc = _sweep()
+    widths = sweep_fla_shapes.key_widths([64, 128, 256], [25, 50, 75, 87.5])
+    assert tuple(widths) == shapes.SWEPT_D_K == tuple(doc["key_widths"])
+    assert tuple(doc["d_v"]) == shapes.SWEPT_D_V
+    stock = {(c["family"], c["kernel"], c["d_k"], c["d_v"]) for c in doc["cases"] if not c["padded"]}
+    assert stock == {(f, k, dk, dv) for (f, k) in KERNEL_OF for dk in widths for dv in doc["d_v"]}
+
+
+def _failed(c: dict, tol: float) -> set[str]:
+    """The passes in which stock fla failed in sweep case ``c`` (wrong beyond ``tol``, raised, or the process died)."""
+    if c["status"] == "crash":
+        return {"forward", "backward"}
+    out = set()
+    if max(c["forward"].values()) > tol:
+        out.add("forward")
+    if max(c.get("backward", {}).values(), default=0) > tol or (c["status"] == "error" and c["stage"] == "backward"):
+        out.add("backward")
+    return out
+
+
+def test_faulty_rule_matches_the_sweep():
+    """The rule covers every failure of the sweep in its pass and flags no swept shape that never failed; the Gated
+    DeltaNet backwards (refused by fla there) are unchecked and stay out of the rule."""
+    doc = _sweep()
+    missed, extra = [], []
+    for c in doc["cases"]:
+        if c["padded"]:
+            continue
+        name = KERNEL_OF[c["family"], c["kernel"]]
+        failed = _failed(c, doc["tol"])
+        if c["family"] == "gated_deltanet":
+            assert failed <= {"backward"} and c["status"] == "error", c  # refused backward, right forward
+            failed = set()
+        rule = shapes.FAULTY.get(name)
+        ruled = set(rule(c["d_k"], c["d_v"])) if rule else set()
+        if not failed <= ruled:
+            missed.append((name, c["d_k"], c["d_v"], sorted(failed), sorted(ruled)))
+        if ruled and not failed:
+            extra.append((name, c["d_k"], c["d_v"]))
+    assert not missed, f"the rule misses failures of the sweep: {missed}"
+    assert not extra, f"the rule flags shapes that never failed in the sweep: {extra}"
+
+
+def test_padded_calls_of_the_sweep_were_right():
+    doc = _sweep()
+    padded = [c for c in doc["cases"] if c["padded"] and c["family"] == "delta_net"]
+    assert {(c["d_k"], c["d_v"]) for c in padded} >= {(dk, dv) for dk in (8, 16, 32) for dv in (64, 128)}
+    assert all(c["status"] == "ok" and c["max_rel_error"] < doc["tol"] for c in padded)
+    for dk in (8, 16, 24, 32, 40, 48, 63):  # unswept widths too: padded to PAD_TO where the rule says faulty
+        for dv in (64, 96, 128, 192, 256):
+            width = shapes.padded_width("chunk_delta_rule", dk, dv, backward=True)
+            assert width == (shapes.PAD_TO if dk <= 32 and dv < 256 else None)
+            inference = shapes.padded_width("chunk_delta_rule", dk, dv, backward=False)
+            assert inference == (shapes.PAD_TO if dk <= 32 and dv < 256 and dv != 128 else None)
+
+
+def test_routed_models_recorded_right_and_stock_faulting():
+    """The GPU check of pruned checkpoints through load_model (ours) and plain from_pretrained (stock)."""
+    doc = json.loads(ROUTED.read_text())
+    assert doc["cases"]
+    for c in doc["cases"]:
+        assert shapes.padded_width("chunk_delta_rule", c["d_k_pruned"], c["d_v"]) == shapes.PAD_TO
+        assert c["ours"]["logits_rel_error"] < 0.05 and c["ours"]["grad_max_rel_error"] < 0.05
+        assert "error" in c["stock"] or c["stock"]["grad_max_rel_error"] > 0.5
+
+
+def _inputs(family: str, d_k: int, d_v: int, T: int = 70, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    x = {
+        "q": torch.randn(2, T, 2, d_k, generator=g, dtype=torch.float64),
+        "k": torch.randn(2, T, 2, d_k, generator=g, dtype=torch.float64),
+        "v": torch.randn(2, T, 2, d_v, generator=g, dtype=torch.float64),
+        "beta": torch.rand(2, T, 2, generator=g, dtype=torch.float64),
+        "initial_state": 0.1 * torch.randn(2, 2, d_k, d_v, generator=g, dtype=torch.float64),
+    }
+    if family == "gated_deltanet":
+        x["g"] = F.logsigmoid(torch.randn(2, T, 2, generator=g, dtype=torch.float64) + 3)
+    return {n: t.requires_grad_() for n, t in x.items()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("name", sorted(sweep_fla_shapes.KERNELS.values()))
+@pytest.mark.parametrize("d_k", [8, 16, 24])
+def test_padded_call_equals_unpadded_and_reference(name, d_k):
+    family = "gated_deltanet" if "gated" in name else "delta_net"
+    fn = getattr(fla_fallback, name)  # the torch kernels, fla's signatures
+    kw = {"output_final_state": True, "use_qk_l2norm_in_kernel": True}
+    runs = []
+    for padded in (False, True):
+        x = _inputs(family, d_k, 32)
+        call = (lambda *a, **k: shapes.call_padded(fn, shapes.PAD_TO, *a, **k)) if padded else fn
+        o, s = call(**x, **kw)
+        assert s.shape == x["initial_state"].shape
+        ((o * o.detach().sin()).sum() + (s * s.detach().cos()).sum()).backward()
+        runs.append((o.detach(), s.detach(), {n: t.grad for n, t in x.items()}))
+    (o0, s0, g0), (o1, s1, g1) = runs
+    # the torch kernels compute in float32: padded and unpadded agree to its rounding (about 1e-6), not to the bit
+    for what, a, b in [("o", o1, o0), ("final state", s1, s0), *((f"d{n}", g1[n], g0[n]) for n in g0)]:
+        assert _rel(a, b) < 1e-5, f"{what}: padded vs unpadded relative error {_rel(a, b):.2e}"
+    x = _inputs(family, d_k, 32)
+    o_ref, s_ref = sweep_fla_shapes._reference(
+        family, F.normalize(x["q"], dim=-1), F.normalize(x["k"], dim=-1), x["v"], x["beta"], x.get("g"),
+        x["initial_state"], d_k**-0.5)
+    assert _rel(o1, o_ref.detach()) < 1e-5 and _rel(s1, s_ref.detach()) < 1e-5
+
+
+def test_padded_call_with_key_gate_and_value_first_state():
+    """fused_recurrent_gated_delta_rule's key gate ``gk`` and the ``state_v_first`` layout are padded right."""
+    fn = fla_fallback.fused_recurrent_gated_delta_rule
+    x = _inputs("gated_deltanet", 16, 32)
+    x.pop("g")
+    x["gk"] = F.logsigmoid(torch.randn(2, 70, 2, 16, dtype=torch.float64) + 3).requires_grad_()
+    try:
+        ref = fn(**x, output_final_state=True)
+    except (TypeError, NotImplementedError) as e:
+        pytest.skip(f"the torch fused_recurrent_gated_delta_rule takes no key gate: {e}")
+    got = shapes.call_padded(fn, 64, **x, output_final_state=True)
+    torch.testing.assert_close(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1])
+
+
+class _Spy:
+    """A kernel with fla's chunk_delta_rule signature that records the key width it was called with."""
+
+    def __init__(self):
+        self.widths = []
+
+    def __call__(self, q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+        self.widths.append(q.shape[-1])
+        return fla_fallback.chunk_delta_rule(q, k, v, beta, scale=scale, initial_state=initial_state,
+                                             output_final_state=output_final_state,
+                                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def test_guard_pads_only_faulty_shapes(monkeypatch):
+    monkeypatch.setattr(fla_fallback, "_TORCH_DEVICE_TYPES", set())  # nothing routed to torch: CPU plays CUDA
+    spy = _Spy()
+    guarded = shapes.guard(spy, "chunk_delta_rule", device_types=("cpu",))
+    for d_k, d_v, grad, width in [(16, 64, True, 64), (16, 64, False, 64), (32, 128, True, 64), (32, 128, False, 32),
+                                  (48, 64, True, 48), (16, 256, True, 16)]:
+        x = _inputs("delta_net", d_k, d_v)
+        with torch.set_grad_enabled(grad):  # 32 x 128 faults only in the backward: padded only when one follows
+            o, s = guarded(x["q"], x["k"], v=x["v"], beta=x["beta"], initial_state=x["initial_state"],
+                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+        assert spy.widths[-1] == width, (d_k, d_v, grad)
+        ref = fla_fallback.chunk_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(o, ref[0])
+        torch.testing.assert_close(s, ref[1])
+    monkeypatch.setattr(fla_fallback, "_TORCH_DEVICE_TYPES", {"cpu"})  # routed to torch: any shape, no padding
+    x = _inputs("delta_net", 16, 64)
+    guarded(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert spy.widths[-1] == 16
+
+
+@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
+def test_load_model_installs_the_guard_and_records_the_shape(family, tmp_path):
+    from _models import random_keep, tiny_model
+
+    from statereduce.adapters import adapter_class
+    from statereduce.models import load_model
+    from statereduce.prune import load_prune_record, prune_model, save_pruned
+    from statereduce.tokenizer import byte_level_tokenizer
+
+    kw = {"expand_k": 2.0, "expand_v": 2.0} if family == "delta_net" else {"head_dim": 64, "expand_v": 1.0}
+    model = tiny_model(family, **kw)  # d_k 64, d_v 64
+    x = torch.randint(0, 256, (1, 80))
+    for keep, faulty in ((16, family == "delta_net"), (48, False)):
+        pruned = tiny_model(family, **kw)
+        pruned.load_state_dict(model.state_dict())
+        record = prune_model(pruned, random_keep(pruned, keep), {"source": "random", "method": "rand",
+                                                                 "pct": 100 * (1 - keep / 64)})
+        save_pruned(pruned, byte_level_tokenizer(), record, tmp_path / str(keep))
+        note = load_prune_record(tmp_path / str(keep)).fla_kernel_shapes
+        assert note["faulty"] == ({"chunk_delta_rule": {"passes": ["backward", "forward"], "padded_to": 64}}
+                                  if faulty else {})
+        assert note["swept"] and (" faults " in note["note"]) == faulty
+        loaded, _ = load_model(tmp_path / str(keep))
+        adapter = adapter_class(family)
+        assert all(shapes.is_guarded(adapter.layer_module, k) for k in adapter.padded_kernels)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x).logits, pruned(x).logits)
+    mod = importlib.import_module(adapter_class(family).layer_module)
+    assert getattr(mod, adapter_class(family).padded_kernels[0])._statereduce_guard
+
+
+def test_transformers_families_record_no_fla_shapes(tmp_path):
+    from _models import random_keep, tiny_model
+
+    from statereduce.prune import prune_model
+
+    model = tiny_model("mamba2")
+    record = prune_model(model, random_keep(model, 16), {"source": "random", "method": "rand", "pct": 50})
+    assert record.fla_kernel_shapes == {}
