@@ -16,7 +16,7 @@ rule rank_baseline:
     benchmark:
         "benchmarks/rank_baseline/{model}.tsv"
     conda:
-        "../envs/fla.yaml"
+        conda_env("fla")
     script:
         "../workflow_scripts/rank_baseline.py"
 
@@ -38,7 +38,7 @@ rule rank:
     benchmark:
         "benchmarks/rank/{model}/{method}_{pct}.tsv"
     conda:
-        "../envs/fla.yaml"
+        conda_env("fla")
     script:
         "../workflow_scripts/rank.py"
 
@@ -71,7 +71,7 @@ rule rank_tables:
     log:
         "logs/rank_tables/rank_tables.log",
     conda:
-        "../envs/lm_eval.yaml"
+        conda_env("lm_eval")
     script:
         "../workflow_scripts/rank_tables.py"
 
@@ -101,7 +101,7 @@ rule figures:
     benchmark:
         "benchmarks/figures/{model}_{pct}.tsv"
     conda:
-        "../envs/lm_eval.yaml"
+        conda_env("lm_eval")
     script:
         "../workflow_scripts/figures.py"
 
@@ -144,7 +144,7 @@ rule study_tables:
     log:
         "logs/study_tables/study_tables.log",
     conda:
-        "../envs/lm_eval.yaml"
+        conda_env("lm_eval")
     script:
         "../workflow_scripts/study_tables.py"
 
@@ -184,6 +184,6 @@ rule tables_html:
     log:
         "logs/tables_html/tables_html.log",
     conda:
-        "../envs/lm_eval.yaml"
+        conda_env("lm_eval")
     script:
         "../workflow_scripts/tables_html.py"

@@ -15,7 +15,7 @@ rule calibrate:
     benchmark:
         "benchmarks/calibrate/{model}/{calib}.tsv"
     conda:
-        "../envs/fla.yaml"
+        conda_env("fla")
     script:
         "../workflow_scripts/calibrate.py"
 
@@ -38,7 +38,7 @@ rule grad_scores:
     benchmark:
         "benchmarks/grad_scores/{model}/{calib}.tsv"
     conda:
-        "../envs/fla.yaml"
+        conda_env("fla")
     script:
         "../workflow_scripts/grad_scores.py"
 
@@ -56,6 +56,6 @@ rule qk_weights:
     benchmark:
         "benchmarks/qk_weights/{model}.tsv"
     conda:
-        "../envs/fla.yaml"
+        conda_env("fla")
     script:
         "../workflow_scripts/qk_weights.py"

@@ -94,6 +94,30 @@ def get_base(wildcards):
     return base_marker(wildcards.model)
 
 
+# conda environments of `--sdm conda`: by where the job runs, and stack (envs/*.yaml say what each holds)
+CONDA_ENVS = {
+    "cpu": {"fla": "envs/fla.yaml", "lm_eval": "envs/lm_eval.yaml"},
+    "cuda": {"fla": "envs/fla_cuda.yaml", "lm_eval": "envs/lm_eval_cuda.yaml"},
+}
+
+
+def conda_env(stack, device=None):
+    """The ``conda:`` of a rule on ``stack`` (fla or lm_eval): the CUDA environment for jobs of models with
+    ``device: cuda`` (or every job, with ``device="cuda"``), the CPU one otherwise; config ``conda_envs`` overrides
+    either with an env file (relative to the working directory), an env folder or an existing env's name."""
+
+    def choose(wildcards):
+        where = device or (MODELS[wildcards.model]["device"] if "model" in wildcards.keys() else "cpu")
+        spec = CFG.get("conda_envs", {}).get(where, {}).get(stack)
+        if spec is None:
+            return str(Path(workflow.basedir) / CONDA_ENVS[where][stack])
+        if spec.endswith((".yaml", ".yml")) or os.path.isdir(spec):
+            return str(Path(spec).resolve())
+        return spec
+
+    return choose
+
+
 def gpu_of(wildcards):
     """GPU rules ask for one GPU for models configured with ``device: cuda``."""
     return 1 if MODELS[wildcards.model]["device"] == "cuda" else 0

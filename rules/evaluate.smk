@@ -14,7 +14,7 @@ rule eval_baseline:
     benchmark:
         "benchmarks/eval_baseline/{model}.tsv"
     conda:
-        "../envs/lm_eval.yaml"
+        conda_env("lm_eval")
     script:
         "../workflow_scripts/eval_baseline.py"
 
@@ -28,7 +28,7 @@ rule summarize:
     log:
         "logs/summarize/{model}/{method}_{pct}.log",
     conda:
-        "../envs/lm_eval.yaml"
+        conda_env("lm_eval")
     script:
         "../workflow_scripts/summarize.py"
 
@@ -49,6 +49,6 @@ rule comparison_table:
     log:
         "logs/comparison_table/comparison.log",
     conda:
-        "../envs/lm_eval.yaml"
+        conda_env("lm_eval")
     script:
         "../workflow_scripts/comparison_table.py"

@@ -13,7 +13,7 @@ rule pretrain:
     benchmark:
         "benchmarks/pretrain/{model}.tsv"
     conda:
-        "../envs/fla.yaml"
+        conda_env("fla")
     script:
         "../workflow_scripts/pretrain.py"
 
@@ -28,6 +28,6 @@ rule base_source:
     log:
         "logs/base_source/{model}.log",
     conda:
-        "../envs/fla.yaml"
+        conda_env("fla")
     script:
         "../workflow_scripts/base_source.py"

@@ -19,6 +19,6 @@ rule prune:
     benchmark:
         "benchmarks/prune/{model}/{method}_{pct}.tsv"
     conda:
-        "../envs/lm_eval.yaml"
+        conda_env("lm_eval")
     script:
         "../workflow_scripts/prune.py"

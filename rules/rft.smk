@@ -22,6 +22,6 @@ rule rft:
     benchmark:
         "benchmarks/rft/{model}/{method}_{pct}.tsv"
     conda:
-        "../envs/lm_eval.yaml"
+        conda_env("lm_eval")
     script:
         "../workflow_scripts/rft.py"

@@ -13,6 +13,6 @@ rule select_channels:
     benchmark:
         "benchmarks/select_channels/{model}/{method}_{pct}.tsv"
     conda:
-        "../envs/fla.yaml"
+        conda_env("fla")
     script:
         "../workflow_scripts/select_channels.py"

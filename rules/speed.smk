@@ -14,7 +14,7 @@ rule speed_baseline:
     log:
         "logs/speed/{model}/baseline.log",
     conda:
-        "../envs/fla.yaml"
+        conda_env("fla", device="cuda")
     script:
         "../workflow_scripts/speed.py"
 
@@ -31,7 +31,7 @@ rule speed:
     log:
         "logs/speed/{model}/{method}_{pct}.log",
     conda:
-        "../envs/fla.yaml"
+        conda_env("fla", device="cuda")
     script:
         "../workflow_scripts/speed.py"
 
@@ -57,7 +57,7 @@ rule speed_table:
     log:
         "logs/speed_table/speed_table.log",
     conda:
-        "../envs/lm_eval.yaml"
+        conda_env("lm_eval")
     script:
         "../workflow_scripts/speed_table.py"
 
