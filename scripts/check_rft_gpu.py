@@ -41,6 +41,29 @@ def _write(out: Path, doc: dict) -> None:
     out.write_text(json.dumps(doc, indent=2) + "\n")
 
 
+def steady_tokens_per_s(run: dict) -> float:
+    """Median tokens/s of the logged windows after the first (which holds Triton's compiling and autotuning)."""
+    rates = sorted(r["tokens_per_s"] for r in run["log"][1:] or run["log"])
+    return rates[len(rates) // 2]
+
+
+def compare(runs: dict, gpus: int) -> dict:
+    """One GPU against ``gpus``: the same global batch, so the logged losses should agree up to bf16 rounding and
+    reduction order; steady-state tokens/s and its scaling efficiency; peak memory per GPU."""
+    one, many = runs["single"], runs[f"ddp{gpus}"]
+    rel = [abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(one["log"], many["log"], strict=True)]
+    t1, tn = steady_tokens_per_s(one), steady_tokens_per_s(many)
+    return {
+        "loss_max_rel_diff": max(rel),
+        "loss_rel_diff_by_logged_step": rel,
+        "steady_tokens_per_s": {"1": t1, str(gpus): tn},
+        "speedup": tn / t1,
+        "scaling_efficiency": tn / (gpus * t1),
+        "peak_memory_gib_per_gpu": {"1": [b / 2**30 for b in one["peak_memory_bytes"] or []],
+                                    str(gpus): [b / 2**30 for b in many["peak_memory_bytes"] or []]},
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
@@ -49,6 +72,7 @@ def main() -> None:
     p.add_argument("--expand-k", type=float, default=ARCH["expand_k"], help="d_k = 512 * expand_k / 4 heads")
     p.add_argument("--keep", type=int, default=32, help="d_k' kept per head")
     p.add_argument("--family", default="delta_net", choices=["delta_net", "gated_deltanet"])
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (gloo processes, torch kernels)")
     p.add_argument("--kernels", default="fla", choices=["fla", "torch"], help="rft setting `kernels`")
     args = p.parse_args()
     ARCH["expand_k"] = args.expand_k
@@ -63,7 +87,7 @@ def main() -> None:
     from _models import random_keep
 
     doc: dict = {
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "fla": fla.__version__,
         "arch": ARCH,
@@ -111,14 +135,14 @@ def main() -> None:
     doc["settings"] = cfg
     kept: dict = {}
     t0 = time.perf_counter()
-    rec = finetune.run_rft(
+    rec = finetune.fine_tune(
         work / "pruned",
         work / "base",
         work / "rft1",
         cfg,
         corpus,
         dtype="bfloat16",
-        device="cuda",
+        device=args.device,
         resume_dir=work / "resume1",
         on_saved=lambda m, t, o: kept.update(model=m),
     )
@@ -126,29 +150,31 @@ def main() -> None:
         "wall_s": time.perf_counter() - t0,
         **{
             k: rec[k]
-            for k in ("steps", "train_seconds", "tokens_per_s", "final_loss", "final_kl", "processes", "device")
+            for k in ("steps", "train_seconds", "tokens_per_s", "final_loss", "final_kl", "processes", "device",
+                      "peak_memory_bytes")
         },
         "log": [json.loads(x) for x in (work / "rft1" / "train_log.jsonl").read_text().splitlines()],
     }
     _write(args.out, doc)
-    x = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
-    with torch.no_grad():
-        expected = kept["model"].cuda()(input_ids=x).logits.float().cpu()
-    torch.save(x.cpu(), work / "x.pt")
-    code = (
-        "import sys, torch, fla; from transformers import AutoModelForCausalLM; "
-        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], fuse_cross_entropy=False).cuda().eval(); "
-        "x = torch.load(sys.argv[2]).cuda(); torch.save(m(input_ids=x).logits.float().cpu(), sys.argv[3])"
-    )
-    subprocess.run([sys.executable, "-c", code, str(work / "rft1"), str(work / "x.pt"), str(work / "y.pt")], check=True)
-    got = torch.load(work / "y.pt")
-    doc["reload"] = {
-        "max_abs_diff": float((got - expected).abs().max()),
-        "equal": bool(torch.equal(got, expected)),
-        "saved_dtype": json.loads((work / "rft1" / "config.json").read_text()).get("torch_dtype")
-        or json.loads((work / "rft1" / "config.json").read_text()).get("dtype"),
-    }
-    _write(args.out, doc)
+    if args.device == "cuda":  # the merged checkpoint reloads in a fresh process with the same logits
+        x = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+        with torch.no_grad():
+            expected = kept["model"].cuda()(input_ids=x).logits.float().cpu()
+        torch.save(x.cpu(), work / "x.pt")
+        code = (
+            "import sys, torch, fla; from transformers import AutoModelForCausalLM; "
+            "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], fuse_cross_entropy=False).cuda().eval(); "
+            "x = torch.load(sys.argv[2]).cuda(); torch.save(m(input_ids=x).logits.float().cpu(), sys.argv[3])"
+        )
+        subprocess.run([sys.executable, "-c", code, str(work / "rft1"), str(work / "x.pt"), str(work / "y.pt")], check=True)
+        got = torch.load(work / "y.pt")
+        doc["reload"] = {
+            "max_abs_diff": float((got - expected).abs().max()),
+            "equal": bool(torch.equal(got, expected)),
+            "saved_dtype": json.loads((work / "rft1" / "config.json").read_text()).get("torch_dtype")
+            or json.loads((work / "rft1" / "config.json").read_text()).get("dtype"),
+        }
+        _write(args.out, doc)
     if args.gpus > 1:
         t0 = time.perf_counter()
         finetune.launch(
@@ -159,7 +185,7 @@ def main() -> None:
             cfg,
             corpus,
             dtype="bfloat16",
-            device="cuda",
+            device=args.device,
             resume_dir=work / "resumeN",
         )
         recN = json.loads((work / "rftN" / "rft_record.json").read_text())
@@ -167,10 +193,14 @@ def main() -> None:
             "wall_s": time.perf_counter() - t0,
             **{
                 k: recN[k]
-                for k in ("steps", "train_seconds", "tokens_per_s", "final_loss", "final_kl", "processes", "device")
+                for k in ("steps", "train_seconds", "tokens_per_s", "final_loss", "final_kl", "processes", "device",
+                      "peak_memory_bytes")
             },
             "log": [json.loads(x) for x in (work / "rftN" / "train_log.jsonl").read_text().splitlines()],
         }
+        _write(args.out, doc)
+    if len(doc["runs"]) > 1:
+        doc["comparison"] = compare(doc["runs"], args.gpus)
         _write(args.out, doc)
     print(json.dumps({k: v for k, v in doc.items() if k != "runs"}, indent=1))
     for name, run in doc["runs"].items():

@@ -14,7 +14,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import yaml
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
@@ -44,6 +43,8 @@ def _where(path) -> str:
 
 def check_schema(config: dict, schema: dict | None = None) -> None:
     """Raise ConfigError (one line) for the first schema violation, naming where it is."""
+    import jsonschema  # here: GPU images without it can still import the package's modules that read configs
+
     schema = schema or load_schema()
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: (len(e.path), list(map(str, e.path))))

@@ -251,7 +251,8 @@ def train(
         stop_after: test hook: raise after this many optimizer steps (after any checkpoint at that step).
 
     Returns:
-        Training statistics: steps, tokens, seconds, tokens/s, final loss/KL/CE, resumed_from.
+        Training statistics: steps, tokens, seconds, tokens/s, final loss/KL/CE, resumed_from, and on CUDA each
+        process's peak allocated memory (``peak_memory_bytes``, by process index).
     """
     from accelerate import Accelerator
 
@@ -400,6 +401,10 @@ def _train_stats(steps: int, start_step: int, tokens_per_step: int, seconds: flo
                  acc) -> dict[str, Any]:
     """What :func:`train` returns: steps, tokens, seconds and tokens/s of this run, the last log line's losses."""
     last = log_lines[-1] if log_lines else {}
+    peak = None
+    if acc.device.type == "cuda":  # every process's peak, gathered (a collective: all processes are here)
+        mine = torch.tensor([torch.cuda.max_memory_allocated(acc.device)], device=acc.device)
+        peak = [int(x) for x in acc.gather(mine).tolist()]
     return {
         "steps": steps,
         "resumed_from_step": start_step,
@@ -411,6 +416,7 @@ def _train_stats(steps: int, start_step: int, tokens_per_step: int, seconds: flo
         "final_ce": last.get("ce"),
         "processes": acc.num_processes,
         "device": str(acc.device),
+        "peak_memory_bytes": peak,
     }
 
 
