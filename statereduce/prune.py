@@ -111,6 +111,70 @@ def slice_rows(module: nn.Module, rows: torch.Tensor, what: str) -> None:
         module.hidden_size = n
 
 
+def mix_filters(weight: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
+    """The depthwise filters of channels rotated by ``transform`` (paper App. B.4, Proposition B.1).
+
+    Channel a's new filter is ``sum_b T[a, b]^2 w_b``: at every lag j, ``diag(w'_j)`` is the diagonal matrix closest
+    in Frobenius norm to the exact rotated filter matrix ``T diag(w_j) T^T``. Where the head's filters are all equal
+    (a shared convolution, App. B.5) the convolution commutes with the rotation and the filter is carried over
+    exactly instead.
+
+    Args:
+        weight: [d_k, *filter] the head's filters (a depthwise ``Conv1d`` weight's rows: [d_k, 1, W]).
+        transform: [d_k', d_k] with orthonormal rows.
+    Returns:
+        [d_k', *filter] in ``weight``'s dtype.
+    """
+    if bool((weight == weight[:1]).all()):
+        return weight[:1].expand(transform.shape[0], *weight.shape[1:]).clone()
+    t2 = transform.to(torch.float64).square()
+    mixed = (t2 @ weight.reshape(weight.shape[0], -1).to(torch.float64)).reshape(transform.shape[0], *weight.shape[1:])
+    return mixed.to(weight.dtype)
+
+
+def conv_is_shared(weight: torch.Tensor) -> bool:
+    """Whether a head's depthwise filters ([d_k, *filter]) are all equal (a shared convolution)."""
+    return bool((weight == weight[:1]).all())
+
+
+def transform_rows(module: nn.Module, entry: ChannelRows, transform: torch.Tensor, what: str) -> dict[str, int]:
+    """Write the transformed q/k channels of one module into the first d_k' rows of each head, in place (the
+    rows :func:`slice_rows` then keeps with ``keep = 0..d_k'-1``).
+
+    ``nn.Linear`` rows (and bias) become ``T_h W_h``; depthwise ``nn.Conv1d`` filters are mixed
+    (:func:`mix_filters`) and a conv bias becomes ``T_h b_h`` (exact: the bias adds after the convolution).
+
+    Args:
+        module: the module ``entry`` describes.
+        entry: where its q/k channels sit (``[H, d_k]`` row indices).
+        transform: [H, d_k', d_k] float64, orthonormal rows per head.
+    Returns:
+        {"mixed": heads whose filters were mixed, "shared": heads whose shared filter was carried over} (convs).
+    """
+    counts = {"mixed": 0, "shared": 0}
+    d_new = transform.shape[1]
+    weight = module.weight.data
+    for side in ("q", "k"):
+        rows = getattr(entry, side)
+        if rows is None:
+            continue
+        if rows.shape[0] != transform.shape[0] or rows.shape[1] != transform.shape[2]:
+            raise ValueError(f"{what}: {side} rows {tuple(rows.shape)} do not match transform {tuple(transform.shape)}")
+        for h in range(rows.shape[0]):
+            src, dst, t = rows[h].to(weight.device), rows[h, :d_new].to(weight.device), transform[h]
+            if isinstance(module, nn.Conv1d):
+                shared = conv_is_shared(weight[src])
+                counts["shared" if shared else "mixed"] += 1
+                weight[dst] = mix_filters(weight[src], t.to(weight.device))
+            else:
+                new = t.to(weight.device) @ weight[src].to(torch.float64)
+                weight[dst] = new.to(weight.dtype)
+            if module.bias is not None:
+                bias = module.bias.data
+                bias[dst] = (t.to(bias.device) @ bias[src].to(torch.float64)).to(bias.dtype)
+    return counts
+
+
 def set_mixer_dims(mixer: nn.Module, updates: Mapping[str, Any]) -> None:
     """Set the mixer's size attributes (``key_dim``, ``head_k_dim``, ...) from ``adapter.mixer_updates``."""
     for name, value in updates.items():
@@ -120,13 +184,24 @@ def set_mixer_dims(mixer: nn.Module, updates: Mapping[str, Any]) -> None:
 
 
 def slice_mixer(
-    adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor, updates: Mapping[str, Any]
-) -> None:
-    """Slice every module of the mixer that holds q/k channels (``adapter.channel_rows``), then set its sizes."""
-    for entry in adapter.channel_rows(mixer):  # all row maps are read before any module changes
-        rows = kept_rows(entry.module.weight.shape[0], entry, keep)
+    adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor, updates: Mapping[str, Any],
+    transform: torch.Tensor | None = None,
+) -> dict[str, int]:
+    """Slice every module of the mixer that holds q/k channels (``adapter.channel_rows``), then set its sizes.
+
+    With ``transform`` ([H, d_k', d_k]) each module's q/k channels are first rotated into the first d_k' rows of
+    each head (:func:`transform_rows`), and ``keep`` must be ``0..d_k'-1`` per head. Returns the conv filter counts
+    of :func:`transform_rows` (zeros for an index selection)."""
+    counts = {"mixed": 0, "shared": 0}
+    entries = adapter.channel_rows(mixer)  # all row maps are read before any module changes
+    plans = [(entry, kept_rows(entry.module.weight.shape[0], entry, keep)) for entry in entries]
+    for entry, rows in plans:
+        if transform is not None:
+            for key, n in transform_rows(entry.module, entry, transform, entry.name).items():
+                counts[key] += n
         slice_rows(entry.module, rows, entry.name)
     set_mixer_dims(mixer, updates)
+    return counts
 
 
 # ---- the record ---------------------------------------------------------------------------------
@@ -135,7 +210,9 @@ class PruneRecord:
     """Every decision of one pruning run, saved as ``prune_record.json`` next to the checkpoint.
 
     ``keep[layer][h]`` lists the kept channels (sorted) of q/k head h in the ORIGINAL channel numbering;
-    under GVA each list serves ``num_v_heads // num_heads`` value heads. ``kernel_scale`` documents that the
+    under GVA each list serves ``num_v_heads // num_heads`` value heads. A transform selection leaves ``keep``
+    empty and fills ``transform`` (the transforms' SHA-256 and how many conv filters were mixed or carried over;
+    the transforms themselves are in the selection file). ``kernel_scale`` documents that the
     stock kernels of the saved checkpoint use ``1/sqrt(d_k')`` (module docstring); ``fla_kernel_shapes`` whether
     stock fla's kernels are known to mishandle the pruned head shape on CUDA (:mod:`statereduce.kernels.shapes`).
     """
@@ -153,6 +230,7 @@ class PruneRecord:
     config_changes: dict[str, list[Any]]  # field -> [old, new]
     kernel_scale: dict[str, Any]
     fla_kernel_shapes: dict[str, Any] = field(default_factory=dict)  # statereduce.kernels.shapes.record_note
+    transform: dict[str, Any] = field(default_factory=dict)  # transform selections: transform_note
     package_version: str = __version__
     versions: dict[str, str | None] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -210,6 +288,24 @@ def check_prune_record(checkpoint: str | os.PathLike, expected: Mapping[str, Any
     return record
 
 
+def transform_note(transforms: Mapping[int, torch.Tensor], counts: Mapping[str, int]) -> dict[str, Any]:
+    """The record's ``transform`` entry: a digest of the float64 transforms, and the conv filter counts."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for layer in sorted(transforms):
+        digest.update(transforms[layer].to(torch.float64).contiguous().numpy().tobytes())
+    return {
+        "sha256": digest.hexdigest(),
+        "conv_heads_mixed": int(counts["mixed"]),
+        "conv_heads_shared": int(counts["shared"]),
+        "note": ("q/k projection rows are T_h W_h; per-channel conv filters are mixed with weights T_ab^2 (paper App. "
+                 "B.4) where a head's filters differ, carried over exactly where they are shared (App. B.5); SiLU "
+                 "between the convolution and the recurrence does not commute with T, so the pruned model is an "
+                 "approximation even with shared filters"),
+    }
+
+
 def kernel_scale_note(d_k: int, d_k_new: int, scaled: bool = True) -> dict[str, Any]:
     """The kernel-scale facts of a d_k -> d_k' pruning (module docstring); ``scaled`` False: a scan without one."""
     if not scaled:
@@ -228,6 +324,40 @@ def kernel_scale_note(d_k: int, d_k_new: int, scaled: bool = True) -> dict[str, 
 
 
 # ---- the orchestrator ---------------------------------------------------------------------------
+def check_transforms(adapter: LinearAttentionAdapter, transforms: Mapping[int, Any]) -> tuple[dict[int, torch.Tensor],
+                                                                                              int]:
+    """Validate a transform selection against the model: {layer: [H, d_k', d_k]} with orthonormal rows per head,
+    covering exactly the linear-attention layers, one d_k' for all; returns float64 tensors and d_k'."""
+    layers = [i for i, _ in adapter.mixer_layers()]
+    out = {int(layer): torch.as_tensor(t, dtype=torch.float64) for layer, t in transforms.items()}
+    if sorted(out) != layers:
+        raise ValueError(f"transforms cover layers {sorted(out)}; the model's linear-attention layers are {layers}")
+    h, d_k = adapter.num_heads, adapter.head_k_dim
+    sizes = {t.shape[1] if t.ndim == 3 else -1 for t in out.values()}
+    for layer, t in out.items():
+        if t.ndim != 3 or t.shape[0] != h or t.shape[2] != d_k or not 0 < t.shape[1] <= d_k:
+            raise ValueError(f"layer {layer}: transform has shape {tuple(t.shape)}; expected [num_heads={h}, "
+                             f"d_k' in 1..{d_k}, d_k={d_k}]")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"layer {layer}: transform has non-finite entries")
+        dev = float((t @ t.transpose(1, 2) - torch.eye(t.shape[1], dtype=t.dtype)).abs().max())
+        if dev > 1e-6:
+            raise ValueError(f"layer {layer}: transform rows are not orthonormal (|T T^T - I| = {dev:.1e} > 1e-6)")
+    if len(sizes) != 1:
+        raise ValueError(f"transforms keep {sorted(sizes)} channels per head in different layers; d_k' is global")
+    return out, sizes.pop()
+
+
+def is_transform_selection(selection: Mapping[int, Any]) -> bool:
+    """Whether a selection maps layers to float [H, d_k', d_k] transforms (else to [H, d_k'] channel indices)."""
+    first = next(iter(selection.values()), None)
+    try:
+        t = torch.as_tensor(first)
+    except (TypeError, ValueError, RuntimeError):  # ragged or not numeric: check_keep names the problem
+        return False
+    return t.is_floating_point() and t.ndim == 3
+
+
 def check_keep(adapter: LinearAttentionAdapter, keep: Mapping[int, Any]) -> tuple[dict[int, torch.Tensor], int]:
     """Validate a selection against the model; return it as sorted LongTensors and d_k'.
 
@@ -280,7 +410,10 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
     Args:
         model: a loaded causal LM with an adapter.
         keep: {layer: LongTensor [H, d_k']} kept channel indices per q/k head (the same for q and k); the
-            rows are sorted here, since channel order does not change the model.
+            rows are sorted here, since channel order does not change the model. Or a transform selection,
+            {layer: float [H, d_k', d_k]} with orthonormal rows per head (``pca``): the q and k projection rows
+            become ``T_h W_h``, the q/k conv filters are mixed (App. B.4) or, where a head's filters are all equal,
+            carried over exactly (App. B.5) (:func:`transform_rows`); the record's ``transform`` says how many.
         meta: provenance. ``source_model`` (alias ``source``), ``method`` and ``pct`` (percent of key channels
             removed) fill the record's fields; ``family``, ``d_k``, ``d_k_new``, ``num_heads``, ``num_v_heads``
             and ``head_v_dim``, when present (e.g. a selection file's metadata), must agree with the model and
@@ -293,7 +426,14 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
     """
     meta = dict(meta or {})
     adapter = get_adapter(model)
-    keep_t, d_k_new = check_keep(adapter, keep)
+    transforms = None
+    if is_transform_selection(keep):
+        transforms, d_k_new = check_transforms(adapter, keep)
+        keep_t = {layer: torch.arange(d_k_new).expand(adapter.num_heads, -1) for layer in transforms}
+    else:
+        keep_t, d_k_new = check_keep(adapter, keep)
+    if "format" in meta:  # a selection file's metadata: its layout version, not the record's
+        meta["selection_format"] = meta.pop("format")
     config = adapter.config  # the text config of a multimodal checkpoint
     h, hv, d_k, d_v = adapter.dims(config)
     config_updates = adapter.config_updates(config, d_k_new)  # raises before any weight changes
@@ -312,8 +452,11 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
         raise ValueError(f"meta must be JSON-serialisable: {err}") from None
     source = meta.get("source_model") or meta.get("source") or getattr(config, "name_or_path", "") or "unknown"
 
+    counts = {"mixed": 0, "shared": 0}
     for layer, mixer in adapter.mixer_layers():
-        slice_mixer(adapter, mixer, keep_t[layer], mixer_updates)
+        done = slice_mixer(adapter, mixer, keep_t[layer], mixer_updates,
+                           transforms[layer] if transforms is not None else None)
+        counts = {k: counts[k] + done[k] for k in counts}
     changes = {name: [getattr(config, name), value] for name, value in config_updates.items()}
     for name, value in config_updates.items():
         setattr(config, name, value)
@@ -328,7 +471,8 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
         num_heads=h,
         num_v_heads=hv,
         head_v_dim=d_v,
-        keep={layer: idx.tolist() for layer, idx in keep_t.items()},
+        keep={} if transforms is not None else {layer: idx.tolist() for layer, idx in keep_t.items()},
+        transform=transform_note(transforms, counts) if transforms is not None else {},
         config_changes=changes,
         kernel_scale=kernel_scale_note(d_k, d_k_new, adapter.kernel_scale),
         fla_kernel_shapes=record_note(tuple(adapter.padded_kernels), d_k_new, d_v),

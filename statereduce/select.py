@@ -4,8 +4,11 @@ Selection reads only HDF5 artifacts (q/k weights, calibration activations, gradi
 the model, so it needs neither torch nor fla.
 
 ``results/{model}/select/{method}_{pct}.parquet`` holds one row per (layer, head) with the kept
-channel indices (sorted) and, where the selector has scores, their scores. The file's key/value
-metadata records model, family, selector, variant, pct, d_k, d_k', calibration id, seed, options and version.
+channel indices (sorted), or for a transform selector (``pca``) the head's transform ``T`` [d_k', d_k] (row-major),
+and, where the selector has scores, their scores. The file's key/value metadata records the format version
+(:data:`SELECTION_FORMAT`), the kind (``index`` or ``transform``), model, family, selector, variant, pct, d_k, d_k',
+calibration id, seed, options and version. Reading validates the rows against the metadata (head count, d_k', sorted
+in-range indices, orthonormal transforms).
 
 Both ends check provenance (:mod:`statereduce.artifacts`): :func:`select_channels` that its HDF5 inputs were
 written for the job's model and calibration (and agree on the head sizes), :func:`read_selection` that the
@@ -28,6 +31,10 @@ from statereduce import __version__
 from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
 from statereduce.h5files import H5Artifact
 from statereduce.selectors import HeadData, get_selector, n_keep_for, parse_method, select_heads
+from statereduce.selectors.registry import check_transform
+
+#: Version of the selection file layout: 1 had only index selections (no ``transform`` column, no ``format`` key).
+SELECTION_FORMAT = 2
 
 
 def selector_code_files(name: str) -> list[str]:
@@ -130,7 +137,12 @@ def select_channels(
     )
     rows = select_heads(selector, heads, n_keep, spec.variant, seed, options or {}, workers=workers)
     provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": wattrs.get("family")}
+    kinds = {"transform" if r[2].transform is not None else "index" for r in rows}
+    if len(kinds) > 1:
+        raise RuntimeError(f"selector {spec.selector!r} returned index and transform selections for different heads")
     meta = {
+        "format": SELECTION_FORMAT,
+        "kind": kinds.pop() if kinds else "index",
         **{k: v for k, v in provenance.items() if v is not None},
         "method": method,
         "selector": spec.selector,
@@ -155,7 +167,10 @@ def write_selection(path: str | Path, rows, meta: dict) -> Path:
         {
             "layer": pa.array([r[0] for r in rows], pa.int32()),
             "head": pa.array([r[1] for r in rows], pa.int32()),
-            "keep": pa.array([np.asarray(r[2].keep, dtype=np.int64).tolist() for r in rows], pa.list_(pa.int64())),
+            "keep": pa.array([None if r[2].keep is None else np.asarray(r[2].keep, dtype=np.int64).tolist()
+                              for r in rows], pa.list_(pa.int64())),
+            "transform": pa.array([None if r[2].transform is None else np.asarray(r[2].transform, np.float64).ravel()
+                                   .tolist() for r in rows], pa.list_(pa.float64())),
             "scores": pa.array(
                 [None if r[2].scores is None else np.asarray(r[2].scores, np.float64).tolist() for r in rows],
                 pa.list_(pa.float64()),
@@ -173,8 +188,9 @@ def write_selection(path: str | Path, rows, meta: dict) -> Path:
     return path
 
 
-def read_selection(path: str | Path, expect: dict | None = None) -> tuple[dict[int, list[list[int]]], dict]:
-    """Read a selection file: ({layer: [kept indices of head 0, head 1, ...]}, metadata).
+def read_selection(path: str | Path, expect: dict | None = None) -> tuple[dict[int, list[list[int]] | np.ndarray], dict]:
+    """Read a selection file: ({layer: [kept indices of head 0, head 1, ...]}, metadata) for an index selection,
+    ({layer: float64 [H, d_k', d_k] transforms}, metadata) for a transform selection (``meta["kind"]``).
 
     Args:
         path: the Parquet file :func:`write_selection` wrote.
@@ -199,9 +215,39 @@ def read_selection(path: str | Path, expect: dict | None = None) -> tuple[dict[i
         meta = json.loads(table.schema.metadata[b"statereduce"])
     except ValueError as err:
         raise unreadable(path, "selection", err) from None
+    fmt = meta.setdefault("format", 1)
+    kind = meta.setdefault("kind", "index")
+    if fmt not in (1, SELECTION_FORMAT) or kind not in ("index", "transform") or (fmt == 1 and kind != "index"):
+        raise ArtifactError(f"{path}: selection format {fmt!r} / kind {kind!r} is not supported; valid: format 1 "
+                            f"(index) or {SELECTION_FORMAT} (index or transform); {remedy(path)}")
     df = table.to_pydict()
     check_provenance(path, meta, expect)
-    by_layer: dict[int, dict[int, list[int]]] = {}
-    for layer, head, keep in zip(df["layer"], df["head"], df["keep"]):
-        by_layer.setdefault(layer, {})[head] = keep
-    return {layer: [heads[h] for h in sorted(heads)] for layer, heads in by_layer.items()}, meta
+    column = "transform" if kind == "transform" else "keep"
+    if column not in df:
+        raise ArtifactError(f"{path} is a {kind} selection without a {column!r} column; {remedy(path)}")
+    by_layer: dict[int, dict[int, list]] = {}
+    for layer, head, value in zip(df["layer"], df["head"], df[column]):
+        by_layer.setdefault(layer, {})[head] = value
+    try:
+        out = {layer: _check_heads(heads, kind, meta) for layer, heads in by_layer.items()}
+    except (ValueError, RuntimeError) as err:
+        raise ArtifactError(f"{path}: {err}; {remedy(path)}") from None
+    return out, meta
+
+
+def _check_heads(heads: dict[int, list], kind: str, meta: dict) -> list[list[int]] | np.ndarray:
+    """One layer's rows of a selection file, checked against the metadata: heads 0..H-1, each with d_k' sorted
+    in-range indices or an orthonormal [d_k', d_k] transform."""
+    n_heads, d_k, d_new = meta.get("num_heads"), meta.get("d_k"), meta.get("d_k_new")
+    if n_heads is not None and sorted(heads) != list(range(int(n_heads))):
+        raise ValueError(f"heads {sorted(heads)} where the metadata says num_heads={n_heads}")
+    rows = [heads[h] for h in sorted(heads)]
+    if kind == "index":
+        for h, keep in enumerate(rows):
+            k = np.asarray(keep if keep is not None else [], dtype=np.int64)
+            if keep is None or (d_new is not None and k.size != int(d_new)) or np.any(np.diff(k) <= 0) or (
+                    k.size and (k[0] < 0 or (d_k is not None and k[-1] >= int(d_k)))):
+                raise ValueError(f"head {h}: kept indices {keep} are not {d_new} sorted channels of d_k={d_k}")
+        return rows
+    return np.stack([check_transform(np.asarray(t if t is not None else [], np.float64).reshape(int(d_new), int(d_k)),
+                                     int(d_new), int(d_k), f"head {h}") for h, t in enumerate(rows)])

@@ -259,7 +259,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("target, message", [
     ("results/tiny-dn/foo_75/eval.json",
-     "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, rand, swanda"),
+     "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, pca, pca-adv, rand, swanda"),
     ("results/nomodel/drrqr_75/eval.json",
      "unknown model 'nomodel'; valid: codestral7b, dn1.3b, dn370m, gdn1.3b, gdn370m, mamba2-370m, qwen35-9b, "
      "tiny-dn, tiny-gdn, tiny-mamba2, tiny-qwen35"),
@@ -301,7 +301,7 @@ def _dry_run(workdir: Path, *targets: str, cfg: dict | None = None) -> subproces
 
 @pytest.mark.parametrize("target, message", [
     ("results/tiny-dn/foo_75/eval.json",
-     "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, rand, swanda"),
+     "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, pca, pca-adv, rand, swanda"),
     ("results/nomodel/drrqr_75/eval.json", "unknown model 'nomodel'; valid: "),
 ])
 def test_unknown_part_of_a_target_fails_before_any_job(tmp_path, target, message):

@@ -19,7 +19,8 @@ from statereduce.selectors import (
     selector_names,
 )
 
-ALL = ["drrqr", "grad", "l1", "rand", "swanda"]
+ALL = ["drrqr", "grad", "l1", "rand", "swanda"]  # the index selectors; pca and pca-adv: tests/test_transforms.py
+TRANSFORMS = ["pca", "pca-adv"]
 RNG = np.random.default_rng(0)
 
 
@@ -31,7 +32,10 @@ def call(name: str, data: HeadData, n_keep: int, variant: str = "kq", **options)
 
 
 def test_registry_names_needs_and_source_files():
-    assert selector_names() == ALL
+    assert selector_names() == sorted(ALL + TRANSFORMS)
+    for name in TRANSFORMS:  # one module for the pair
+        assert get_selector(name).needs == {"activations"}
+        assert get_selector(name).source_file.endswith("statereduce/selectors/pca.py")
     needs = {n: set(get_selector(n).needs) for n in ALL}
     assert needs == {
         "drrqr": {"activations"},

@@ -295,10 +295,16 @@ def _as_layers(x, name: str) -> dict[int, object]:
 
 
 def _head_keep(keep: KeepSpec | None, num_heads: int, d_k: int, where: str) -> list[np.ndarray]:
+    """Per head, the kept channel indices [d_k'] or, for a transform selection, the transform [d_k', d_k]."""
     if keep is None:
         return [np.arange(d_k)] * num_heads
     if len(keep) != num_heads:
         raise ValueError(f"{where}: keep has {len(keep)} heads, the activations have H={num_heads}")
+    if np.asarray(keep[0]).ndim == 2:  # transforms
+        out = [np.asarray(t, dtype=np.float64) for t in keep]
+        if any(t.shape[1] != d_k for t in out):
+            raise ValueError(f"{where}: transforms of shapes {[t.shape for t in out]} for d_k={d_k}")
+        return out
     out = []
     for head, idx in enumerate(keep):
         idx = np.asarray(idx, dtype=np.int64).ravel()
@@ -321,8 +327,9 @@ def selected_conditioning(K, Q, keep=None) -> dict:
     Args:
         K, Q: calibration keys / queries as stored in ``activations.h5``, [H, N, d_k] for one layer, or
             {layer: [H, N, d_k]} for several.
-        keep: the selection: per-head kept indices [H][d_k'] (one layer) or {layer: [H][d_k']} (as
-            :func:`statereduce.select.read_selection` returns); None keeps every channel (the baseline).
+        keep: the selection: per-head kept indices [H][d_k'] (one layer) or {layer: [H][d_k']}, or transforms
+            [H, d_k', d_k] / {layer: [H, d_k', d_k]} (as :func:`statereduce.select.read_selection` returns); None
+            keeps every channel (the baseline).
     Returns:
         {"per_head": {(layer, head): {"sigma_min", "sigma_max", "kappa"}}, "median": {"sigma_min",
         "sigma_max", "kappa"}, "n_heads"}; a single layer is reported as layer 0.
@@ -339,10 +346,11 @@ def selected_conditioning(K, Q, keep=None) -> dict:
         if k.ndim != 3 or k.shape != q.shape:
             raise ValueError(f"layer {layer}: K {k.shape} and Q {q.shape} must both be [H, N, d_k]")
         for head, idx in enumerate(_head_keep(keep_layers[layer], k.shape[0], k.shape[2], f"layer {layer}")):
-            m = np.concatenate([q[head], k[head]], axis=0)[:, idx].astype(np.float64)
+            m = np.concatenate([q[head], k[head]], axis=0).astype(np.float64)
+            m = m @ idx.T if idx.ndim == 2 else m[:, idx]  # a transform selection projects: M T^T
             if np.isfinite(m).all():
                 s = np.linalg.svd(m, compute_uv=False)
-                s_max, s_min = float(s[0]), (float(s[-1]) if s.size >= idx.size else 0.0)
+                s_max, s_min = float(s[0]), (float(s[-1]) if s.size >= m.shape[1] else 0.0)
             else:
                 s_max = s_min = math.nan
             with np.errstate(divide="ignore", invalid="ignore"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from statereduce.config import format_pct
@@ -270,7 +271,8 @@ def overlap_frame(selections: dict[tuple[str, str, float], dict], d_k: dict[str,
     """Median per-head overlap of kept channels between every two methods of a (model, pct) (paper App. C.2).
 
     Args:
-        selections: (model, method, pct) -> {layer: [H][d_k']} kept indices (:func:`statereduce.select.read_selection`).
+        selections: (model, method, pct) -> {layer: [H][d_k']} kept indices (:func:`statereduce.select.read_selection`);
+            transform selections are left out.
         d_k: model -> head size before pruning.
 
     Returns:
@@ -282,6 +284,8 @@ def overlap_frame(selections: dict[tuple[str, str, float], dict], d_k: dict[str,
     rows = []
     groups: dict[tuple[str, float], dict[str, dict]] = {}
     for (model, method, pct), keep in selections.items():
+        if any(np.asarray(heads).dtype.kind == "f" for heads in keep.values()):
+            continue  # a transform selection (pca) keeps no channel subset: no overlap to count
         groups.setdefault((model, pct), {})[method] = keep
     for (model, pct), by_method in sorted(groups.items()):
         names = sorted(by_method)

@@ -10,7 +10,7 @@ To add a selector: write ``selectors/<name>.py`` with a function decorated by
 
 from __future__ import annotations
 
-from statereduce.selectors import drrqr, grad, l1, rand, swanda  # noqa: F401  (registration)
+from statereduce.selectors import drrqr, grad, l1, pca, rand, swanda  # noqa: F401  (registration)
 from statereduce.selectors.registry import (
     DEFAULT_CALIB,
     DEFAULT_VARIANT,

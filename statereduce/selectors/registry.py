@@ -10,11 +10,16 @@ Method tokens name a selection in result paths ``results/{model}/{method}_{pct}/
 
     <selector>[-k|-q][.<calib>]
 
+Selector names are ``[a-z][a-z0-9]*`` words joined by dashes (``pca-adv``); none ends in ``-k`` or ``-q``.
 ``-k`` / ``-q`` score from the key / query side only (paper App. C.7, Table 16); no suffix scores
 from both (the default, "kq"). ``.<calib>`` (``[a-z0-9]+``) names a non-default calibration set
 (paper Tables 2 and 7); the default calibration has no suffix, so ``drrqr`` and ``drrqr.default`` are
-not both valid: only the plain token is. Examples: ``drrqr``, ``l1-q``, ``grad-k``,
+not both valid: only the plain token is. Examples: ``drrqr``, ``l1-q``, ``grad-k``, ``pca-adv-k``,
 ``drrqr.prose``, ``grad-q.prose``.
+
+Most selectors keep a subset of channels (an index selection). A selector may instead return a semi-orthogonal
+transform ``T`` [d_k', d_k] per head (``pca``: paper App. B.3-B.5, C.6); an index selection is the special case
+``T = rows keep of the identity``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ VARIANTS = ("kq", "k", "q")
 DEFAULT_VARIANT = "kq"
 DEFAULT_CALIB = "default"
 _CALIB_RE = re.compile(r"[a-z0-9]+")
+#: Selector names: words of lower-case letters and digits joined by dashes, e.g. ``drrqr``, ``pca-adv``.
+NAME_PATTERN = r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*"
+#: Largest deviation of ``T T^T`` from the identity that a transform selection may have.
+ORTHONORMAL_TOL = 1e-8
 
 
 @dataclass
@@ -76,15 +85,24 @@ class HeadData:
 
 @dataclass
 class HeadSelection:
-    """The channels kept for one head.
+    """The channels kept for one head, or the transform that maps its d_k channels to d_k'.
 
     Args:
-        keep: sorted int64 [d_k'] kept channel indices.
-        scores: float64 [d_k'] the selector's scores of the kept channels, in ``keep`` order, or None.
+        keep: sorted int64 [d_k'] kept channel indices; None for a transform selection.
+        scores: float64 [d_k'] the selector's scores of the kept channels (of the transform's rows), or None.
+        transform: float64 [d_k', d_k] with orthonormal rows (``T T^T = I``), or None for an index selection.
+            The pruned head's keys and queries are ``T k`` and ``T q``.
     """
 
-    keep: np.ndarray
+    keep: np.ndarray | None
     scores: np.ndarray | None = None
+    transform: np.ndarray | None = None
+
+    def matrix(self, d_k: int) -> np.ndarray:
+        """The selection as a [d_k', d_k] matrix: the transform, or the kept rows of the identity."""
+        if self.transform is not None:
+            return np.asarray(self.transform, dtype=np.float64)
+        return np.eye(d_k)[np.asarray(self.keep, dtype=np.int64)]
 
 
 @dataclass(frozen=True)
@@ -153,14 +171,17 @@ class Selector:
         if isinstance(n_keep, bool) or not isinstance(n_keep, (int, np.integer)) or not 1 <= n_keep <= d_k:
             raise ValueError(f"n_keep={n_keep!r} must be an integer in [1, d_k={d_k}]")
         sel = self.fn(data, int(n_keep), variant=variant, rng=rng, **options)
+        scores = None if sel.scores is None else np.asarray(sel.scores, dtype=np.float64)
+        if scores is not None and scores.shape != (n_keep,):
+            raise RuntimeError(f"selector {self.name!r} returned scores of shape {scores.shape} for n_keep={n_keep}")
+        if sel.transform is not None:
+            return HeadSelection(keep=None, scores=scores, transform=check_transform(sel.transform, n_keep, d_k,
+                                                                                     f"selector {self.name!r}"))
         keep = np.asarray(sel.keep, dtype=np.int64)
         if keep.shape != (n_keep,) or np.any(np.diff(keep) <= 0) or keep[0] < 0 or keep[-1] >= d_k:
             raise RuntimeError(
                 f"selector {self.name!r} returned invalid keep {keep.tolist()} for d_k={d_k}, n_keep={n_keep}"
             )
-        scores = None if sel.scores is None else np.asarray(sel.scores, dtype=np.float64)
-        if scores is not None and scores.shape != keep.shape:
-            raise RuntimeError(f"selector {self.name!r} returned scores of shape {scores.shape} for keep {keep.shape}")
         return HeadSelection(keep=keep, scores=scores)
 
 
@@ -177,8 +198,8 @@ def register_selector(
         needs: subset of {"weights", "activations", "xnorm", "grad"}.
         variants: scoring variants the selector supports (default all of "kq", "k", "q").
     """
-    if not re.fullmatch(r"[a-z][a-z0-9]*", name):
-        raise ValueError(f"selector name {name!r} must match [a-z][a-z0-9]*")
+    if not re.fullmatch(NAME_PATTERN, name) or re.search(r"-[kq]$", name):
+        raise ValueError(f"selector name {name!r} must match {NAME_PATTERN} and not end in -k or -q")
     bad = set(needs) - NEEDS
     if bad:
         raise ValueError(f"selector {name!r}: unknown needs {sorted(bad)}; valid: {sorted(NEEDS)}")
@@ -249,18 +270,15 @@ def parse_method(token: str) -> MethodSpec:
             raise ValueError(f"method token {token!r}: write {head!r} for the default calibration; {_token_help()}")
     else:
         calib = DEFAULT_CALIB
-    name, dash, variant = head.partition("-")
-    if name not in _REGISTRY:
-        raise _unknown_selector(name, f" in method token {token!r}")
-    if dash:
-        if variant not in VARIANTS or variant == DEFAULT_VARIANT:
-            raise ValueError(f"bad variant suffix {'-' + variant!r} in method token {token!r}; {_token_help()}")
-        if variant not in _REGISTRY[name].variants:
-            raise ValueError(
-                f"selector {name!r} in method token {token!r} has no variant {variant!r}; {_token_help()}"
-            )
-    else:
-        variant = DEFAULT_VARIANT
+    name, dash, variant = head.rpartition("-")
+    if head in _REGISTRY:  # a selector name (dashes included), no variant suffix
+        name, variant = head, DEFAULT_VARIANT
+    elif not dash or name not in _REGISTRY:
+        raise _unknown_selector(name if dash and variant in VARIANTS else head, f" in method token {token!r}")
+    elif variant not in VARIANTS or variant == DEFAULT_VARIANT:
+        raise ValueError(f"bad variant suffix {'-' + variant!r} in method token {token!r}; {_token_help()}")
+    elif variant not in _REGISTRY[name].variants:
+        raise ValueError(f"selector {name!r} in method token {token!r} has no variant {variant!r}; {_token_help()}")
     return MethodSpec(selector=name, variant=variant, calib=calib)
 
 
@@ -411,6 +429,19 @@ def require(data: HeadData, selector: str, variant: str, fields_by_side: Mapping
             raise ValueError(f"selector {selector!r} (variant {variant!r}) needs HeadData.{field}, which is None")
         out[side] = np.asarray(value, dtype=np.float64)
     return out
+
+
+def check_transform(transform: Any, n_keep: int, d_k: int, who: str = "transform") -> np.ndarray:
+    """Validate a transform selection: float64 [n_keep, d_k], finite, orthonormal rows; returns it as float64."""
+    t = np.asarray(transform, dtype=np.float64)
+    if t.shape != (n_keep, d_k):
+        raise RuntimeError(f"{who}: transform of shape {t.shape}, expected [d_k'={n_keep}, d_k={d_k}]")
+    if not np.isfinite(t).all():
+        raise RuntimeError(f"{who}: transform has non-finite entries")
+    dev = float(np.abs(t @ t.T - np.eye(n_keep)).max())
+    if dev > ORTHONORMAL_TOL:
+        raise RuntimeError(f"{who}: transform rows are not orthonormal (|T T^T - I| = {dev:.1e} > {ORTHONORMAL_TOL})")
+    return t
 
 
 def check_weights(W: Mapping[str, np.ndarray], d_k: int) -> int:
