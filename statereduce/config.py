@@ -521,6 +521,23 @@ def check_local(model: str, path: str | None) -> None:
     raise ConfigError(f"models.{model}.local: {path!r} {problem}; expected an HF checkpoint folder with config.json")
 
 
+def check_share_conv(model: str, m: dict) -> None:
+    """Check ``models.<model>.pretrain.share_conv`` (paper App. B.5, Table 14): tied q/k conv filters need a family
+    with q and k short convolutions in modules of their own (:mod:`statereduce.adapters.conv_sharing`). Absent, it
+    is ``none`` and not filled in, so the pretrain rule's params of models without it stay as they were.
+
+    Raises:
+        ConfigError: one line naming the model, the value and what is valid.
+    """
+    from statereduce.adapters.conv_sharing import check_share_conv as check
+
+    share = m["pretrain"].get("share_conv", "none")
+    try:
+        check(m["family"], share, m["pretrain"]["arch"])
+    except ValueError as e:
+        raise ConfigError(f"models.{model}.pretrain.share_conv: {e}") from None
+
+
 def canonical(obj):
     """``obj`` with every mapping's keys sorted, recursively: reordering keys in config.yaml must not
     change any rule's params (Snakemake reruns a job whose params' representation changed)."""
@@ -548,6 +565,7 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
                 adapter_class(m["family"]).check_arch(m["pretrain"]["arch"])
             except ValueError as e:
                 raise ConfigError(f"models.{name}.pretrain.arch: {e}") from None
+            check_share_conv(name, m)
         m.setdefault("dtype", "float32")
         m.setdefault("device", "cpu")
         check_local(name, m.get("local"))

@@ -130,6 +130,7 @@ def pretrain(
     out_dir: str | Path,
     log_path: str | Path | None = None,
     recall_mix: dict[str, Any] | None = None,
+    share_conv: str = "none",
 ) -> dict[str, Any]:
     """Train a tiny stock model of ``family`` from scratch and save it as an HF checkpoint folder.
 
@@ -144,7 +145,10 @@ def pretrain(
     a first phase of that many steps trains on recall documents only, with its own AdamW and schedule
     (peak ``pure_lr``, the same warmup, cosine to a tenth); then the corpus phase runs as above
     (``train.steps`` more steps). Without that phase the tiny models never learned the lookup from a
-    mix (docs/experiments/recall_mix/README.md).
+    mix (docs/experiments/recall_mix/README.md). With ``share_conv`` ``"head"`` / ``"all"`` the q/k short-conv
+    filters train tied, one per head / one per layer (paper App. B.5, C.6.1, Table 14;
+    :func:`statereduce.adapters.conv_sharing.tie_qk_convs`), starting from the first of the filters they replace;
+    the saved checkpoint is a stock one whose tied filters are exactly equal.
 
     Args:
         family: an adapter family, e.g. ``"delta_net"`` or ``"qwen3_5"`` (:func:`statereduce.models.tiny_config`).
@@ -161,18 +165,23 @@ def pretrain(
             ``train_log.jsonl``).
         recall_mix: optional ``{fraction, n_pairs, seed, pure_steps, pure_lr}``
             (:func:`statereduce.eval.recall.recall_mix_settings`); ``None`` trains on the corpus alone.
+        share_conv: ``"none"`` (stock convolutions), ``"head"`` or ``"all"``; only for families with q and k short
+            convolutions in modules of their own (DeltaNet, Gated DeltaNet).
 
     Returns:
         The ``pretrain.json`` record: arch, train config, corpus provenance, final train loss (mean of the
         last logged window), calib/heldout losses in nats per token, wall time, tokens/s, versions, and
         with ``recall_mix`` its settings plus ``n_docs`` (recall documents), ``byte_share`` (their share of
         the training text's bytes, one separator per document counted) and ``pure_seconds`` (the recall-only
-        phase's share of ``train_seconds``; with that phase, ``train_tokens`` and the times cover both).
+        phase's share of ``train_seconds``; with that phase, ``train_tokens`` and the times cover both), and
+        ``share_conv``.
     """
     from statereduce.adapters import adapter_class
+    from statereduce.adapters.conv_sharing import check_share_conv, tie_qk_convs
 
     family_adapter = adapter_class(family)
     cfg = _train_cfg(train_cfg)
+    check_share_conv(family, share_conv, arch)
     mix = _mix_settings(recall_mix)
     family_adapter.install_fallbacks()
     torch.set_num_threads(int(cfg["threads"]))
@@ -185,10 +194,12 @@ def pretrain(
     if stream.numel() < int(cfg["seq_len"]) + 1:
         raise ValueError(f"train split too small: {stream.numel()} tokens for seq_len={cfg['seq_len']}")
     model = family_adapter.build(config, dtype=torch.float32)
+    untie = tie_qk_convs(family_adapter(model), share_conv)  # "none": nothing changes
 
     with atomic_dir(out_dir) as tmp:
         log_paths = [tmp / "train_log.jsonl"] + ([Path(log_path)] if log_path is not None else [])
         stats = _train_phases(model, stream, cfg, pure, mix, log_paths, family)
+        untie()
         model.eval()
         record = {
             "family": family,
@@ -197,6 +208,7 @@ def pretrain(
             "train": cfg,
             "corpus": corpus_provenance(corpus_spec),
             **({"recall_mix": mix} if mix is not None else {}),
+            "share_conv": share_conv,
             **stats,
             "eval_loss": _eval_losses(model, tokenizer, corpus_spec, cfg),
             "eval_blocks": {"n": int(cfg["eval_blocks"]), "seq_len": int(cfg["seq_len"]), "seed": seed},

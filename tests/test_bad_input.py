@@ -262,7 +262,7 @@ ROOT = Path(__file__).resolve().parents[1]
      "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, pca, pca-adv, rand, swanda"),
     ("results/nomodel/drrqr_75/eval.json",
      "unknown model 'nomodel'; valid: codestral7b, dn1.3b, dn370m, gdn1.3b, gdn370m, mamba2-370m, qwen35-9b, "
-     "tiny-dn, tiny-gdn, tiny-mamba2, tiny-qwen35"),
+     "tiny-dn, tiny-dn-shared, tiny-dn-shared-all, tiny-gdn, tiny-mamba2, tiny-qwen35"),
     ("results/tiny-mamba2/drrqr_99.5/eval.json",
      "model 'tiny-mamba2' at pct 99.5: pct=99.5 removes every channel of d_k=64 (keeps 0); use a smaller pct"),
     ("results/tiny-dn/calib/bogus/activations.h5", "unknown calibration 'bogus'; valid: default, n16, prose, seed1"),

@@ -9,5 +9,6 @@ from statereduce.pretrain import pretrain  # noqa: E402
 p = snakemake.params.pretrain
 out_dir = Path(snakemake.output.marker).parent
 pretrain(snakemake.params.family, p["arch"], snakemake.params.corpus, p["train"], out_dir,
-         log_path=Path(snakemake.log[0]).with_suffix(".jsonl"), recall_mix=p.get("recall_mix"))
+         log_path=Path(snakemake.log[0]).with_suffix(".jsonl"), recall_mix=p.get("recall_mix"),
+         share_conv=p.get("share_conv", "none"))
 log.info("trained %s into %s", snakemake.wildcards.model, out_dir)

@@ -322,6 +322,10 @@ class LinearAttentionAdapter(ABC):
     def num_mixer_layers(self) -> int:
         return len(self.mixer_layers())
 
+    def conv_sharing(self, mixer: nn.Module) -> str:
+        """How ``mixer``'s q/k short-conv filters are shared ("none" | "head" | "all"); the default: "none"."""
+        return "none"
+
     def state_bytes(self, dtype_bytes: int = 4) -> int:
         """Recurrent state bytes per sequence over all linear-attention layers (fp32 state by default)."""
         s = self.state_shape()

@@ -110,6 +110,13 @@ class FlaAdapter(LinearAttentionAdapter):
     def projection_input(self, mixer: nn.Module) -> nn.Module:
         return mixer.q_proj
 
+    def conv_sharing(self, mixer: nn.Module) -> str:
+        """How ``mixer``'s ``q_conv1d`` / ``k_conv1d`` filters are shared: "head" (equal within each head), "all"
+        (equal across the layer) or "none" (paper App. B.5, Table 14; :mod:`statereduce.adapters.conv_sharing`)."""
+        from statereduce.adapters.conv_sharing import conv_sharing
+
+        return conv_sharing(mixer, self.num_heads, self.head_k_dim)
+
     @classmethod
     def inplace_recurrent(cls, original: Callable, kernel: str, device_types: tuple[str, ...]) -> Callable:
         """``original`` (the layer module's one-token recurrent function) with its decode calls routed to

@@ -1,0 +1,149 @@
+"""Shared short convolutions of fla's DeltaNet and Gated DeltaNet (paper App. B.5, C.6.1, Table 14).
+
+fla's layers convolve q and k depthwise and causally (``q_conv1d``, ``k_conv1d``, weight ``[H * d_k, 1, W]``, head h
+in rows ``h*d_k .. (h+1)*d_k``): every channel has a filter of its own, so the convolution does not commute with a
+rotation of a head's channels, and a pruning transform that rotates them has to mix the filters (App. B.4). A
+*shared* convolution ties the filter across the channels of each head and then commutes with any map of them
+(App. B.5); shared across heads, one filter serves every channel of the layer (Table 14's ✓✓ row). q and k keep
+filters of their own either way, and a conv bias (where the config has one) stays per channel: it adds after the
+convolution, so a rotation carries it over exactly.
+
+* :func:`conv_sharing` tells how a loaded layer's q/k filters are shared (exact equality);
+* :func:`tie_qk_convs` ties them while a model trains (:func:`statereduce.pretrain.pretrain`'s ``share_conv``) and
+  unties them into stock modules whose tied filters are exactly equal, so the saved checkpoint is a standard one;
+* :func:`check_share_conv` validates the option against a family and its ``arch`` without importing fla.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from statereduce.adapters.base import LinearAttentionAdapter, adapter_class, adapter_families
+
+SHARE_CONV = ("none", "head", "all")
+"""Values of ``share_conv``: a filter per channel (stock), one per head, one per layer (each of q and k)."""
+
+
+def _rows_equal(weight: torch.Tensor, groups: int) -> bool:
+    """Whether the rows (filters) of ``weight`` [D, ...] are equal within each of ``groups`` contiguous blocks."""
+    if weight.shape[0] % groups:
+        raise ValueError(f"{weight.shape[0]} conv channels do not split into {groups} heads")
+    w = weight.detach().reshape(groups, weight.shape[0] // groups, -1)
+    return bool((w == w[:, :1]).all())
+
+
+def conv_sharing(mixer: nn.Module, num_heads: int, head_k_dim: int) -> str:
+    """How the q/k short convolutions of an fla DeltaNet / Gated DeltaNet layer share their filters.
+
+    Args:
+        mixer: the layer (``use_short_conv``, ``q_conv1d``, ``k_conv1d`` with weights ``[H * d_k, 1, W]``).
+        num_heads: H, the q/k heads.
+        head_k_dim: d_k.
+    Returns:
+        ``"all"`` when every channel of ``q_conv1d`` has the same filter and so has every channel of ``k_conv1d``
+        (q's and k's may differ), else ``"head"`` when that holds within each head, else ``"none"`` (also for a
+        layer without short convolutions). Equality is exact. With one head "all" and "head" coincide: "all".
+    """
+    if not getattr(mixer, "use_short_conv", False):
+        return "none"
+    convs = (mixer.q_conv1d, mixer.k_conv1d)
+    for conv in convs:
+        if conv.weight.shape[0] != num_heads * head_k_dim:
+            raise ValueError(f"conv weight {tuple(conv.weight.shape)} does not hold H={num_heads} heads of "
+                             f"d_k={head_k_dim}")
+    for share, groups in (("all", 1), ("head", num_heads)):
+        if all(_rows_equal(conv.weight, groups) for conv in convs):
+            return share
+    return "none"
+
+
+class SharedRows(nn.Module):
+    """Parametrization of a depthwise conv weight ``[groups * size, 1, W]`` by ``groups`` filters ``[groups, 1, W]``,
+    each repeated over its block of ``size`` consecutive channels; registered, it starts from each block's first
+    filter (:meth:`right_inverse`), which keeps the scale of the stock initialisation (a mean of d_k independent
+    filters would be sqrt(d_k) times smaller)."""
+
+    def __init__(self, groups: int, size: int):
+        super().__init__()
+        self.groups, self.size = int(groups), int(size)
+
+    def forward(self, shared: torch.Tensor) -> torch.Tensor:
+        return shared.repeat_interleave(self.size, dim=0)
+
+    def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
+        if weight.shape[0] != self.groups * self.size:
+            raise ValueError(f"conv weight {tuple(weight.shape)} does not have {self.groups} x {self.size} channels")
+        return weight.reshape(self.groups, self.size, *weight.shape[1:])[:, 0].clone()
+
+
+def tie_qk_convs(adapter: LinearAttentionAdapter, share: str) -> Callable[[], None]:
+    """Tie the q/k conv filters of every linear-attention layer of ``adapter.model`` for training.
+
+    Each ``q_conv1d`` / ``k_conv1d`` weight is parametrized (``torch.nn.utils.parametrize``, :class:`SharedRows`) by
+    one filter per head (``"head"``) or one for the layer (``"all"``), initialised to the first of the filters it
+    replaces; the optimizer then trains those filters. ``"none"`` touches nothing.
+
+    Args:
+        adapter: the adapter of the model to train (``mixer_layers``, ``q_conv``, ``k_conv``, head sizes).
+        share: one of :data:`SHARE_CONV`.
+    Returns:
+        ``untie()``: removes the parametrizations, leaving every conv a stock module whose weight is a plain
+        ``[H * d_k, 1, W]`` parameter with exactly equal tied filters (a standard checkpoint once saved).
+    Raises:
+        ValueError: an unknown ``share``, or a layer without q/k short convolutions.
+    """
+    if share not in SHARE_CONV:
+        raise ValueError(f"unknown share_conv {share!r}; valid: {', '.join(SHARE_CONV)}")
+    if share == "none":
+        return lambda: None
+    h, d_k = adapter.num_heads, adapter.head_k_dim
+    groups, size = (h, d_k) if share == "head" else (1, h * d_k)
+    convs = []
+    for layer, mixer in adapter.mixer_layers():
+        pair = (adapter.q_conv(mixer), adapter.k_conv(mixer))
+        if any(c is None for c in pair):
+            raise ValueError(f"share_conv {share!r}: layer {layer} has no q/k short convolutions (use_short_conv off)")
+        convs.extend(pair)
+    for conv in convs:
+        parametrize.register_parametrization(conv, "weight", SharedRows(groups, size))
+
+    def untie() -> None:
+        for conv in convs:
+            if parametrize.is_parametrized(conv, "weight"):
+                parametrize.remove_parametrizations(conv, "weight", leave_parametrized=True)
+
+    return untie
+
+
+def share_conv_families() -> list[str]:
+    """The families whose adapter tells how q/k convolutions are shared (overrides
+    :meth:`LinearAttentionAdapter.conv_sharing`): those with q and k short convolutions in modules of their own."""
+    base = LinearAttentionAdapter.conv_sharing
+    return [f for f in adapter_families() if adapter_class(f).conv_sharing is not base]
+
+
+def check_share_conv(family: str, share: str, arch: Mapping[str, Any]) -> None:
+    """Raise a one-line ValueError unless a model of ``family`` with config fields ``arch`` can train with
+    ``share_conv = share`` (needs no fla import).
+
+    Args:
+        family: an adapter family.
+        share: the ``pretrain.share_conv`` value.
+        arch: the ``pretrain.arch`` block (omitted keys take the adapter's ``config_defaults``).
+    """
+    if share not in SHARE_CONV:
+        raise ValueError(f"unknown share_conv {share!r}; valid: {', '.join(SHARE_CONV)}")
+    if share == "none":
+        return
+    valid = share_conv_families()
+    if family not in valid:
+        raise ValueError(f"share_conv {share!r} needs q/k short convolutions in modules of their own, which family "
+                         f"{family!r} does not have; valid: share_conv none, or a family of {', '.join(valid)}")
+    cls = adapter_class(family)
+    if not {**cls.config_defaults, **arch}.get("use_short_conv", True):
+        raise ValueError(f"share_conv {share!r} needs short convolutions; valid with use_short_conv false: none")
