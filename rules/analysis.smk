@@ -149,6 +149,49 @@ rule study_tables:
         "../workflow_scripts/study_tables.py"
 
 
+rule convolution_tables:
+    """Shared against per-channel q/k conv filters (paper Table 14: the unpruned models) and PCA (proper,
+    adversarial) against Grad on both, before RFT (Table 15), from `studies.convolutions`; with HTML pages."""
+    input:
+        baselines=get_convolution_baselines,
+        pruned=get_convolution_pruned,
+    output:
+        shared=report(
+            "results/tables/shared_convolutions.md",
+            caption="../report/shared_convolutions.rst",
+            category="Tables",
+            labels={"table": "shared convolutions (Table 14)", "format": "Markdown"},
+        ),
+        shared_csv="results/tables/shared_convolutions.csv",
+        shared_html=report(
+            "results/tables/shared_convolutions.html",
+            caption="../report/shared_convolutions.rst",
+            category="Tables",
+            labels={"table": "shared convolutions (Table 14)", "format": "HTML"},
+        ),
+        pca=report(
+            "results/tables/pca_convolutions.md",
+            caption="../report/pca_convolutions.rst",
+            category="Tables",
+            labels={"table": "PCA and convolutions (Table 15)", "format": "Markdown"},
+        ),
+        pca_csv="results/tables/pca_convolutions.csv",
+        pca_html=report(
+            "results/tables/pca_convolutions.html",
+            caption="../report/pca_convolutions.rst",
+            category="Tables",
+            labels={"table": "PCA and convolutions (Table 15)", "format": "HTML"},
+        ),
+    params:
+        study=get_convolution_study,
+    log:
+        "logs/convolution_tables/convolution_tables.log",
+    conda:
+        conda_env("lm_eval")
+    script:
+        "../workflow_scripts/convolution_tables.py"
+
+
 rule tables_html:
     """HTML pages of the Markdown tables: the Snakemake report shows HTML inline (Markdown only as a download)."""
     input:

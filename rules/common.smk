@@ -294,10 +294,27 @@ def figure_outputs():
 
 
 def study_summaries():
-    """The summary of every cell of the configured studies (paper Tables 2/7 and 16), each once, in table order."""
+    """The summary of every cell of the calibration and scoring studies (paper Tables 2/7 and 16), each once, in
+    table order."""
     paths = [f"results/{m}/{method}_{srconfig.format_pct(pct)}/eval.json"
-             for cells in STUDIES.values() for m, method, pct in cells]
+             for name, cells in STUDIES.items() if name != "convolutions" for m, method, pct in cells]
     return list(dict.fromkeys(paths))
+
+
+def get_convolution_pruned(wildcards):
+    """The convolution study's cells, read before RFT (paper Table 15): each pruned model's evaluation."""
+    return [f"results/{m}/{method}_{srconfig.format_pct(pct)}/pruned/eval.json"
+            for m, method, pct in STUDIES.get("convolutions", [])]
+
+
+def get_convolution_baselines(wildcards):
+    """The unpruned evaluation of every model of the convolution study (paper Table 14, Table 15's 0% row)."""
+    models = CFG.get("studies", {}).get("convolutions", {}).get("models", {})
+    return [f"results/{m}/baseline/eval.json" for m in dict.fromkeys(models.values())]
+
+
+def get_convolution_study(wildcards):
+    return srconfig.canonical(CFG["studies"]["convolutions"])
 
 
 def get_study_summaries(wildcards):
@@ -319,17 +336,19 @@ def get_study_calibrations(wildcards):
 
 
 def study_outputs():
-    """The study tables (Markdown and their HTML pages) when ``studies`` names any study, else none."""
-    if not STUDIES:
-        return []
-    names = ("calibration_study", "scoring_ablation")
+    """The study tables (Markdown and their HTML pages) of the studies ``studies`` names."""
+    names = []
+    if set(STUDIES) & {"calibration", "scoring"}:
+        names += ["calibration_study", "scoring_ablation"]
+    if "convolutions" in STUDIES:
+        names += ["shared_convolutions", "pca_convolutions"]
     return [f"results/tables/{name}.{ext}" for name in names for ext in ("md", "html")]
 
 
 def get_paper_output():
     """``all_paper``: the default outputs plus the rank analysis, its tables (paper Tables 5, 6, App. C.2) and
-    figures (Figs. 2, 3, 5), the studies' tables (Tables 2/7, 16; their cells are ordinary summaries) and HTML
-    pages of the tables for the Snakemake report."""
+    figures (Figs. 2, 3, 5), the studies' tables (Tables 2/7, 16: their cells are ordinary summaries; Tables 14-15:
+    unpruned and pre-RFT evaluations) and HTML pages of the tables for the Snakemake report."""
     tables = ["results/tables/rank_utilization.md", "results/tables/conditioning.md", "results/tables/overlap.md"]
     pages = [f"results/tables/{name}.html" for name in ("comparison", "rank_utilization", "conditioning", "overlap")]
     return [*get_final_output(), *tables, *figure_outputs(), *pages, *study_outputs()]

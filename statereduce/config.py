@@ -398,7 +398,8 @@ CALIBRATION_NEEDS = frozenset({"activations", "xnorm", "grad"})
 
 
 def check_studies(config: dict) -> dict[str, list[tuple[str, str, float]]]:
-    """Validate ``studies`` (paper Tables 2/7 and 16) and list the targets of their cells.
+    """Validate ``studies`` (paper Tables 2/7, 16, and 14-15: :func:`check_convolution_study`) and list the
+    targets of their cells.
 
     ``studies.calibration`` runs each selector under each calibration variant (``default`` or a key of
     ``calibrations``); it takes only selectors that read calibration data (activations, xnorm or grad),
@@ -431,6 +432,9 @@ def check_studies(config: dict) -> dict[str, list[tuple[str, str, float]]]:
     cells: dict[str, list[tuple[str, str, float]]] = {}
     for name, study in (config.get("studies") or {}).items():
         where = f"studies.{name}"
+        if name == "convolutions":
+            cells[name] = check_convolution_study(config, study)
+            continue
         for model in study["models"]:
             if model not in models:
                 raise ConfigError(f"{where}.models: unknown model {model!r}; valid: {', '.join(sorted(models))}")
@@ -459,6 +463,45 @@ def check_studies(config: dict) -> dict[str, list[tuple[str, str, float]]]:
                  for s in study["selectors"] for v in variants]
         cells[name] = [(m, format_method(spec), float(study["pct"])) for m in study["models"] for spec in specs]
     return cells
+
+
+#: Table 14's rows: how a model's q/k conv filters are shared (``pretrain.share_conv``), in the paper's order
+CONV_SHARING = ("none", "head", "all")
+
+
+def check_convolution_study(config: dict, study: dict) -> list[tuple[str, str, float]]:
+    """Validate ``studies.convolutions`` (paper Tables 14 and 15) and list its cells ``(model, method, pct)``.
+
+    ``models`` maps a sharing (``none``, ``head``, ``all``: Table 14's rows) to a model; a model the workflow
+    pretrains must train with that ``share_conv``. Every model is pruned by every selector at every pct; the
+    cells are read before RFT (``results/{model}/{method}_{pct}/pruned/eval.json``), as Table 15 is.
+
+    Raises:
+        ConfigError: one line naming the bad value and the valid ones.
+    """
+    from statereduce.selectors import MethodSpec, format_method, selector_names
+
+    where, models = "studies.convolutions", config["models"]
+    for share, model in study["models"].items():
+        if model not in models:
+            raise ConfigError(f"{where}.models.{share}: unknown model {model!r}; valid: {', '.join(sorted(models))}")
+        pre = models[model].get("pretrain")
+        trained = None if pre is None else pre.get("share_conv", "none")
+        if trained is not None and trained != share:
+            raise ConfigError(f"{where}.models.{share}: model {model!r} trains with share_conv {trained!r}; valid: a "
+                              f"model whose pretrain.share_conv is {share!r} (or a hub/local model)")
+    for sel in study["selectors"]:
+        if sel not in selector_names():
+            raise ConfigError(f"{where}.selectors: unknown selector {sel!r}; valid: {', '.join(selector_names())}")
+    for model in study["models"].values():
+        for pct in study["pcts"]:
+            try:
+                check_reduction(config, model, pct)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
+    ordered = [study["models"][k] for k in CONV_SHARING if k in study["models"]]
+    return [(m, format_method(MethodSpec(sel)), float(pct)) for m in ordered for pct in study["pcts"]
+            for sel in study["selectors"]]
 
 
 def check_family(checkpoint: str, revision: str | None, family: str, download: bool = False) -> None:

@@ -707,3 +707,112 @@ def speed_markdown(docs: list[dict]) -> str:
                 lines.append("| " + " | ".join(row) + " |")
             lines.append("")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# shared convolutions and PCA (paper Tables 14 and 15)
+# ---------------------------------------------------------------------------------------------
+#: Table 14's notation for how q/k conv filters are shared: across heads, inside a head (× = no, ✓ = yes)
+SHARING_MARKS = {"none": "××", "head": "×✓", "all": "✓✓"}
+SHARING_LABELS = {"none": "non-shared", "head": "shared (in a head)", "all": "shared (in and across heads)"}
+#: Table 15's method names of the paper, by selector
+PCA_METHOD_LABELS = {"pca-adv": "PCA (adv.)", "pca": "PCA (prop.)", "grad": "Grad"}
+
+
+def _eval_columns(doc: dict) -> dict[str, float]:
+    """An ``eval.json`` document's metrics and suite averages as ``{"task/metric": value}``."""
+    row = {f"{t}/{m}": v for (t, m), v in _flat(doc.get("metrics") or {}).items() if isinstance(v, (int, float))}
+    row.update(_suite_columns(doc.get("suites")))
+    return row
+
+
+def convolution_frames(baselines: dict[str, dict], pruned: list[dict], study: dict) -> tuple[pd.DataFrame,
+                                                                                               pd.DataFrame]:
+    """The frames of Tables 14 and 15 from the study's evaluation documents.
+
+    Args:
+        baselines: model -> its unpruned ``results/{model}/baseline/eval.json``.
+        pruned: the cells' pre-RFT ``results/{model}/{method}_{pct}/pruned/eval.json`` (``model``, ``method``,
+            ``pct`` in each); documents of other cells are ignored.
+        study: the ``studies.convolutions`` block.
+
+    Returns:
+        (shared, pca): ``shared`` has a row per model (``sharing``, ``model``, then every metric column of its
+        baseline); ``pca`` a row per (pct, selector, sharing) plus pct 0 rows (the baselines), with ``model``,
+        ``method`` and every metric column. Missing documents leave NaN (shown as missing, never invented).
+    """
+    order = [k for k in SHARING_MARKS if k in study["models"]]
+    shared = pd.DataFrame([{"sharing": k, "model": study["models"][k],
+                            **_eval_columns(baselines.get(study["models"][k], {}))} for k in order])
+    by_cell = {(d["model"], d.get("method"), float(d.get("pct", 0))): d for d in pruned}
+    rows = []
+    for pct in study["pcts"]:
+        for sel in study["selectors"]:
+            for k in order:
+                model = study["models"][k]
+                doc = by_cell.get((model, sel, float(pct)), {})
+                rows.append({"pct": float(pct), "method": sel, "sharing": k, "model": model, **_eval_columns(doc)})
+    for k in order:
+        model = study["models"][k]
+        rows.append({"pct": 0.0, "method": "baseline", "sharing": k, "model": model,
+                     **_eval_columns(baselines.get(model, {}))})
+    return shared, pd.DataFrame(rows)
+
+
+def shared_convolutions_markdown(df: pd.DataFrame, study: dict) -> str:
+    """Table 14 layout: a row per sharing (the paper's ×× / ×✓ / ✓✓), the unpruned models' metrics as columns."""
+    metrics = [m for m in TABLE_METRICS if m in df.columns and df[m].notna().any()]
+    metrics += sorted(c for c in df.columns if c.startswith("recall_mqar") and c.endswith("/acc") and c not in metrics)
+    lines = [
+        "# Shared convolutions (paper Table 14)\n",
+        "The unpruned models: q/k short-convolution filters per channel (××), tied across the channels of each head "
+        "(×✓), or across every channel of the layer (✓✓) while training (`pretrain.share_conv`). "
+        f"{MISSING} = not computed.\n",
+        "| shared conv (heads, channels) | model | " + " | ".join(
+            f"{m} ({_direction(m).split()[0]})" if _direction(m) else m for m in metrics) + " |",
+        "|" + " --- |" * (len(metrics) + 2),
+    ]
+    for r in df.to_dict("records"):
+        lines.append(f"| {SHARING_MARKS[r['sharing']]} | {r['model']} | "
+                     + " | ".join(_fmt(r.get(m)) for m in metrics) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def pca_convolutions_markdown(df: pd.DataFrame, study: dict) -> str:
+    """Table 15 layout: rows compression × method (and the unpruned 0% row), a column per sharing; pre-RFT."""
+    order = [k for k in SHARING_MARKS if k in study["models"]]
+    metric = primary_metric(df)
+    direction = _direction(metric)
+    values = {(r["pct"], r["method"], r["sharing"]): r.get(metric) for r in df.to_dict("records")}
+    lines = [
+        "# PCA with shared and per-channel convolutions, before RFT (paper Table 15)\n",
+        "Each model pruned by each method, before recovery fine-tuning. PCA (prop.) keeps the principal directions "
+        "of largest second moment of the calibration keys and queries, PCA (adv.) those of smallest (`pca`, "
+        "`pca-adv`); their transform mixes the per-channel conv filters (paper App. B.4) and carries shared ones "
+        "over exactly (App. B.5). Grad keeps channels. "
+        f"Metric: {metric}{f' ({direction})' if direction else ''}. {MISSING} = not computed.\n",
+        "| comp. | method | " + " | ".join(f"{SHARING_LABELS[k]} ({study['models'][k]})" for k in order) + " |",
+        "|" + " --- |" * (len(order) + 2),
+    ]
+    for pct in sorted(study["pcts"], reverse=True):
+        for sel in study["selectors"]:
+            label = PCA_METHOD_LABELS.get(sel, sel)
+            lines.append(f"| {format_pct(pct)}% | {label} | "
+                         + " | ".join(_fmt(values.get((float(pct), sel, k))) for k in order) + " |")
+    lines.append("| 0% | – | " + " | ".join(_fmt(values.get((0.0, "baseline", k))) for k in order) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_convolution_tables(baselines: dict[str, dict], pruned: list[dict], study: dict, out_dir: str | Path
+                             ) -> dict[str, pd.DataFrame]:
+    """Write ``shared_convolutions.{md,csv}`` (Table 14) and ``pca_convolutions.{md,csv}`` (Table 15) into
+    ``out_dir``; returns the two frames by table name."""
+    from statereduce.runtime import write_text_atomic
+
+    shared, pca = convolution_frames(baselines, pruned, study)
+    out = {"shared_convolutions": (shared, shared_convolutions_markdown(shared, study)),
+           "pca_convolutions": (pca, pca_convolutions_markdown(pca, study))}
+    for name, (df, md) in out.items():
+        write_text_atomic(Path(out_dir) / f"{name}.md", md)
+        write_text_atomic(Path(out_dir) / f"{name}.csv", df.to_csv(index=False))
+    return {name: df for name, (df, _) in out.items()}
