@@ -272,3 +272,20 @@ def test_pca_selection_prunes_a_real_model_that_reloads(tmp_path):
     assert torch.equal(torch.load(tmp_path / "y.pt"), expected)
     saved = json.loads((tmp_path / "ckpt" / "prune_record.json").read_text())
     assert saved["keep"] == {} and saved["transform"]["sha256"] == record.transform["sha256"]
+
+
+def test_conditioning_of_a_transform_selection():
+    """Rank analysis's [Q; K] conditioning (paper Table 6) takes a transform selection: the identity's rows give the
+    index selection's numbers, and a rotation of all channels leaves the singular values unchanged."""
+    from statereduce.analysis.rank import selected_conditioning
+
+    rng = np.random.default_rng(7)
+    K, Q = rng.standard_normal((2, 50, 8)), rng.standard_normal((2, 50, 8))
+    keep = [[0, 3, 5], [1, 2, 7]]
+    by_index = selected_conditioning(K, Q, keep)
+    by_rows = selected_conditioning(K, Q, np.stack([np.eye(8)[k] for k in keep]))
+    assert by_index["per_head"] == by_rows["per_head"]
+    rotation = np.stack([np.linalg.qr(rng.standard_normal((8, 8)))[0] for _ in range(2)])
+    full, rotated = selected_conditioning(K, Q), selected_conditioning(K, Q, rotation)
+    for head in full["per_head"]:
+        assert rotated["per_head"][head]["kappa"] == pytest.approx(full["per_head"][head]["kappa"], rel=1e-10)
