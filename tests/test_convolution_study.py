@@ -49,21 +49,19 @@ def test_bad_study_fails_in_one_line(change, message):
     assert "\n" not in str(err.value) and re.search(message, str(err.value)), str(err.value)
 
 
-def _eval(model, bpb, method=None, pct=None, recall=None):
-    doc = {"model": model, "metrics": {"heldout": {"bits_per_byte": bpb}}}
+def _eval(bpb, recall=None):
+    """An eval.json document as statereduce.eval.run writes it (metrics, suites; model and cell in the path)."""
+    doc = {"metrics": {"heldout": {"bits_per_byte": bpb}}, "provenance": {"model_id": "ignored"}}
     if recall is not None:
         doc["metrics"]["recall_mqar_4"] = {"acc": recall}
         doc["suites"] = {"recall_probe": {"recall_mqar_avg": recall}}
-    if method:
-        doc.update(method=method, pct=pct)
     return doc
 
 
 def test_tables_layout_and_missing_cells(tmp_path):
-    baselines = {"tiny-dn": _eval("tiny-dn", 3.5, recall=0.6), "tiny-dn-shared": _eval("tiny-dn-shared", 3.6,
-                                                                                          recall=0.5)}
-    pruned = [_eval("tiny-dn", 4.0, "pca", 75.0), _eval("tiny-dn-shared", 3.9, "pca", 75.0),
-              _eval("tiny-dn", 7.25, "pca-adv", 75.0), _eval("other", 1.0, "pca", 75.0)]
+    baselines = {"tiny-dn": _eval(3.5, recall=0.6), "tiny-dn-shared": _eval(3.6, recall=0.5)}
+    pruned = {("tiny-dn", "pca", 75.0): _eval(4.0), ("tiny-dn-shared", "pca", 75): _eval(3.9),
+              ("tiny-dn", "pca-adv", 75.0): _eval(7.25), ("other", "pca", 75.0): _eval(1.0)}
     shared, pca = convolution_frames(baselines, pruned, STUDY)
     assert shared["sharing"].tolist() == ["none", "head", "all"]
     assert shared["heldout/bits_per_byte"].tolist()[:2] == [3.5, 3.6]

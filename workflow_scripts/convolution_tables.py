@@ -7,8 +7,12 @@ log = start(snakemake.log[0], torch_threads=False)
 from statereduce.analysis.figures import write_markdown_html  # noqa: E402
 from statereduce.analysis.tables import write_convolution_tables  # noqa: E402
 
-baselines = {(doc := read_json(p))["model"]: doc for p in snakemake.input.baselines}
-pruned = [read_json(p) for p in snakemake.input.pruned]
+# results/{model}/baseline/eval.json and results/{model}/{method}_{pct}/pruned/eval.json
+baselines = {Path(p).parts[-3]: read_json(p) for p in snakemake.input.baselines}
+pruned = {}
+for p in snakemake.input.pruned:
+    method, _, pct = Path(p).parts[-3].rpartition("_")
+    pruned[(Path(p).parts[-4], method, float(pct))] = read_json(p)
 frames = write_convolution_tables(baselines, pruned, snakemake.params.study, Path(snakemake.output.shared).parent)
 for name in ("shared", "pca"):
     write_markdown_html(snakemake.output[name], snakemake.output[f"{name}_html"])

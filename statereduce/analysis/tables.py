@@ -726,14 +726,14 @@ def _eval_columns(doc: dict) -> dict[str, float]:
     return row
 
 
-def convolution_frames(baselines: dict[str, dict], pruned: list[dict], study: dict) -> tuple[pd.DataFrame,
-                                                                                               pd.DataFrame]:
+def convolution_frames(baselines: dict[str, dict], pruned: dict[tuple[str, str, float], dict], study: dict
+                       ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The frames of Tables 14 and 15 from the study's evaluation documents.
 
     Args:
         baselines: model -> its unpruned ``results/{model}/baseline/eval.json``.
-        pruned: the cells' pre-RFT ``results/{model}/{method}_{pct}/pruned/eval.json`` (``model``, ``method``,
-            ``pct`` in each); documents of other cells are ignored.
+        pruned: (model, method, pct) -> the cell's pre-RFT ``results/{model}/{method}_{pct}/pruned/eval.json``;
+            documents of other cells are ignored.
         study: the ``studies.convolutions`` block.
 
     Returns:
@@ -744,7 +744,7 @@ def convolution_frames(baselines: dict[str, dict], pruned: list[dict], study: di
     order = [k for k in SHARING_MARKS if k in study["models"]]
     shared = pd.DataFrame([{"sharing": k, "model": study["models"][k],
                             **_eval_columns(baselines.get(study["models"][k], {}))} for k in order])
-    by_cell = {(d["model"], d.get("method"), float(d.get("pct", 0))): d for d in pruned}
+    by_cell = {(m, method, float(pct)): d for (m, method, pct), d in pruned.items()}
     rows = []
     for pct in study["pcts"]:
         for sel in study["selectors"]:
@@ -803,8 +803,8 @@ def pca_convolutions_markdown(df: pd.DataFrame, study: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_convolution_tables(baselines: dict[str, dict], pruned: list[dict], study: dict, out_dir: str | Path
-                             ) -> dict[str, pd.DataFrame]:
+def write_convolution_tables(baselines: dict[str, dict], pruned: dict[tuple[str, str, float], dict], study: dict,
+                             out_dir: str | Path) -> dict[str, pd.DataFrame]:
     """Write ``shared_convolutions.{md,csv}`` (Table 14) and ``pca_convolutions.{md,csv}`` (Table 15) into
     ``out_dir``; returns the two frames by table name."""
     from statereduce.runtime import write_text_atomic
