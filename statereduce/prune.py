@@ -36,6 +36,7 @@ from torch import nn
 
 from statereduce import __version__
 from statereduce.adapters import ChannelRows, LinearAttentionAdapter, get_adapter
+from statereduce.adapters.conv_sharing import filters_equal
 from statereduce.kernels.shapes import record_note
 from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
 from statereduce.runtime import atomic_dir, versions
@@ -125,16 +126,11 @@ def mix_filters(weight: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
     Returns:
         [d_k', *filter] in ``weight``'s dtype.
     """
-    if bool((weight == weight[:1]).all()):
+    if filters_equal(weight):
         return weight[:1].expand(transform.shape[0], *weight.shape[1:]).clone()
     t2 = transform.to(torch.float64).square()
     mixed = (t2 @ weight.reshape(weight.shape[0], -1).to(torch.float64)).reshape(transform.shape[0], *weight.shape[1:])
     return mixed.to(weight.dtype)
-
-
-def conv_is_shared(weight: torch.Tensor) -> bool:
-    """Whether a head's depthwise filters ([d_k, *filter]) are all equal (a shared convolution)."""
-    return bool((weight == weight[:1]).all())
 
 
 def transform_rows(module: nn.Module, entry: ChannelRows, transform: torch.Tensor, what: str) -> dict[str, int]:
@@ -163,8 +159,7 @@ def transform_rows(module: nn.Module, entry: ChannelRows, transform: torch.Tenso
         for h in range(rows.shape[0]):
             src, dst, t = rows[h].to(weight.device), rows[h, :d_new].to(weight.device), transform[h]
             if isinstance(module, nn.Conv1d):
-                shared = conv_is_shared(weight[src])
-                counts["shared" if shared else "mixed"] += 1
+                counts["shared" if filters_equal(weight[src]) else "mixed"] += 1
                 weight[dst] = mix_filters(weight[src], t.to(weight.device))
             else:
                 new = t.to(weight.device) @ weight[src].to(torch.float64)

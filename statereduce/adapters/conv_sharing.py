@@ -29,7 +29,7 @@ SHARE_CONV = ("none", "head", "all")
 """Values of ``share_conv``: a filter per channel (stock), one per head, one per layer (each of q and k)."""
 
 
-def _rows_equal(weight: torch.Tensor, groups: int) -> bool:
+def filters_equal(weight: torch.Tensor, groups: int = 1) -> bool:
     """Whether the rows (filters) of ``weight`` [D, ...] are equal within each of ``groups`` contiguous blocks."""
     if weight.shape[0] % groups:
         raise ValueError(f"{weight.shape[0]} conv channels do not split into {groups} heads")
@@ -57,7 +57,7 @@ def conv_sharing(mixer: nn.Module, num_heads: int, head_k_dim: int) -> str:
             raise ValueError(f"conv weight {tuple(conv.weight.shape)} does not hold H={num_heads} heads of "
                              f"d_k={head_k_dim}")
     for share, groups in (("all", 1), ("head", num_heads)):
-        if all(_rows_equal(conv.weight, groups) for conv in convs):
+        if all(filters_equal(conv.weight, groups) for conv in convs):
             return share
     return "none"
 

@@ -98,12 +98,6 @@ class HeadSelection:
     scores: np.ndarray | None = None
     transform: np.ndarray | None = None
 
-    def matrix(self, d_k: int) -> np.ndarray:
-        """The selection as a [d_k', d_k] matrix: the transform, or the kept rows of the identity."""
-        if self.transform is not None:
-            return np.asarray(self.transform, dtype=np.float64)
-        return np.eye(d_k)[np.asarray(self.keep, dtype=np.int64)]
-
 
 @dataclass(frozen=True)
 class MethodSpec:
