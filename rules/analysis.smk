@@ -184,6 +184,8 @@ rule convolution_tables:
         ),
     params:
         study=get_convolution_study,
+        cells=get_convolution_cells,
+        models=get_convolution_models,
     log:
         "logs/convolution_tables/convolution_tables.log",
     conda:

@@ -301,16 +301,25 @@ def study_summaries():
     return list(dict.fromkeys(paths))
 
 
+def get_convolution_cells(wildcards):
+    """The convolution study's cells ``[model, method, pct]``, in the order of :func:`get_convolution_pruned`."""
+    return [list(cell) for cell in STUDIES.get("convolutions", [])]
+
+
+def get_convolution_models(wildcards):
+    """The convolution study's models, each once, in the order of :func:`get_convolution_baselines`."""
+    return list(dict.fromkeys(CFG.get("studies", {}).get("convolutions", {}).get("models", {}).values()))
+
+
 def get_convolution_pruned(wildcards):
     """The convolution study's cells, read before RFT (paper Table 15): each pruned model's evaluation."""
     return [f"results/{m}/{method}_{srconfig.format_pct(pct)}/pruned/eval.json"
-            for m, method, pct in STUDIES.get("convolutions", [])]
+            for m, method, pct in get_convolution_cells(wildcards)]
 
 
 def get_convolution_baselines(wildcards):
     """The unpruned evaluation of every model of the convolution study (paper Table 14, Table 15's 0% row)."""
-    models = CFG.get("studies", {}).get("convolutions", {}).get("models", {})
-    return [f"results/{m}/baseline/eval.json" for m in dict.fromkeys(models.values())]
+    return [f"results/{m}/baseline/eval.json" for m in get_convolution_models(wildcards)]
 
 
 def get_convolution_study(wildcards):

@@ -7,12 +7,9 @@ log = start(snakemake.log[0], torch_threads=False)
 from statereduce.analysis.figures import write_markdown_html  # noqa: E402
 from statereduce.analysis.tables import write_convolution_tables  # noqa: E402
 
-# results/{model}/baseline/eval.json and results/{model}/{method}_{pct}/pruned/eval.json
-baselines = {Path(p).parts[-3]: read_json(p) for p in snakemake.input.baselines}
-pruned = {}
-for p in snakemake.input.pruned:
-    method, _, pct = Path(p).parts[-3].rpartition("_")
-    pruned[(Path(p).parts[-4], method, float(pct))] = read_json(p)
+p = snakemake.params
+baselines = {model: read_json(path) for model, path in zip(p.models, snakemake.input.baselines, strict=True)}
+pruned = {tuple(cell): read_json(path) for cell, path in zip(p.cells, snakemake.input.pruned, strict=True)}
 frames = write_convolution_tables(baselines, pruned, snakemake.params.study, Path(snakemake.output.shared).parent)
 for name in ("shared", "pca"):
     write_markdown_html(snakemake.output[name], snakemake.output[f"{name}_html"])
