@@ -2,15 +2,16 @@
 """Recovery fine-tuning on a CUDA GPU with fla's Triton kernels (no snakemake, no lm-eval needed).
 
 Builds a random fla DeltaNet (the teacher), prunes 50% of its key channels at random (the student), runs
-:func:`statereduce.rft.run_rft` on the GPU (bf16 autocast, fp32 master weights, saved in bf16), and
+:func:`statereduce.rft.fine_tune` on the GPU (bf16 autocast, fp32 master weights, saved in bf16), and
 checks what the CPU tests cannot: the distillation KL falls, the merged checkpoint reloads with
 ``from_pretrained`` in a fresh process with the same logits on the GPU, and the run's throughput. With
 ``--gpus N`` (N > 1) it also runs the same job through :func:`statereduce.rft.launch` (accelerate,
-DDP) and compares the two logs.
+DDP) right after the one-GPU run (so the DDP processes reuse Triton's autotuning cache) and compares the two
+logs; the reload check comes last.
 
 Usage::
 
-    python scripts/check_rft_gpu.py OUT.json [--gpus 2] [--steps 40]
+    python scripts/check_rft_gpu.py OUT.json [--gpus 2] [--steps 40] [--hidden-size 512 --layers 4 --heads 4]
 
 Paper: Nazari & Rusch (2026), App. A (RFT). Gated DeltaNet is not run here: fla 0.6.0 refuses its chunk
 backward on Hopper with Triton < 3.7.1 (docs/gpu_checks.md).
@@ -69,13 +70,17 @@ def main() -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--expand-k", type=float, default=ARCH["expand_k"], help="d_k = 512 * expand_k / 4 heads")
+    p.add_argument("--hidden-size", type=int, default=ARCH["hidden_size"])
+    p.add_argument("--layers", type=int, default=ARCH["num_hidden_layers"])
+    p.add_argument("--heads", type=int, default=ARCH["num_heads"])
+    p.add_argument("--expand-k", type=float, default=ARCH["expand_k"], help="d_k = hidden_size * expand_k / heads")
     p.add_argument("--keep", type=int, default=32, help="d_k' kept per head")
     p.add_argument("--family", default="delta_net", choices=["delta_net", "gated_deltanet"])
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (gloo processes, torch kernels)")
     p.add_argument("--kernels", default="fla", choices=["fla", "torch"], help="rft setting `kernels`")
     args = p.parse_args()
-    ARCH["expand_k"] = args.expand_k
+    ARCH.update(hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_heads=args.heads,
+                expand_k=args.expand_k)
     import fla
     from transformers import AutoModelForCausalLM
 
@@ -97,13 +102,14 @@ def main() -> None:
     torch.manual_seed(0)
     tok = byte_level_tokenizer()
     arch = dict(ARCH)
-    if args.family == "gated_deltanet":  # same d_k: head_dim = 512 * expand_k / 4, d_v = 128
+    if args.family == "gated_deltanet":  # the same d_k and d_v as DeltaNet's
+        d_k = int(args.hidden_size * args.expand_k / args.heads)
         arch = {
-            "hidden_size": 512,
-            "num_hidden_layers": 4,
-            "num_heads": 4,
-            "head_dim": int(128 * args.expand_k),
-            "expand_v": 128 / int(128 * args.expand_k),
+            "hidden_size": args.hidden_size,
+            "num_hidden_layers": args.layers,
+            "num_heads": args.heads,
+            "head_dim": d_k,
+            "expand_v": (args.hidden_size // args.heads) / d_k,
         }
     doc["arch"], doc["family"], doc["kernels"] = arch, args.family, args.kernels
     model = AutoModelForCausalLM.from_config(tiny_config(args.family, arch)).float()
@@ -156,25 +162,6 @@ def main() -> None:
         "log": [json.loads(x) for x in (work / "rft1" / "train_log.jsonl").read_text().splitlines()],
     }
     _write(args.out, doc)
-    if args.device == "cuda":  # the merged checkpoint reloads in a fresh process with the same logits
-        x = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
-        with torch.no_grad():
-            expected = kept["model"].cuda()(input_ids=x).logits.float().cpu()
-        torch.save(x.cpu(), work / "x.pt")
-        code = (
-            "import sys, torch, fla; from transformers import AutoModelForCausalLM; "
-            "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], fuse_cross_entropy=False).cuda().eval(); "
-            "x = torch.load(sys.argv[2]).cuda(); torch.save(m(input_ids=x).logits.float().cpu(), sys.argv[3])"
-        )
-        subprocess.run([sys.executable, "-c", code, str(work / "rft1"), str(work / "x.pt"), str(work / "y.pt")], check=True)
-        got = torch.load(work / "y.pt")
-        doc["reload"] = {
-            "max_abs_diff": float((got - expected).abs().max()),
-            "equal": bool(torch.equal(got, expected)),
-            "saved_dtype": json.loads((work / "rft1" / "config.json").read_text()).get("torch_dtype")
-            or json.loads((work / "rft1" / "config.json").read_text()).get("dtype"),
-        }
-        _write(args.out, doc)
     if args.gpus > 1:
         t0 = time.perf_counter()
         finetune.launch(
@@ -201,6 +188,25 @@ def main() -> None:
         _write(args.out, doc)
     if len(doc["runs"]) > 1:
         doc["comparison"] = compare(doc["runs"], args.gpus)
+        _write(args.out, doc)
+    if args.device == "cuda":  # the merged checkpoint reloads in a fresh process with the same logits
+        x = torch.randint(0, 256, (4, 512), generator=torch.Generator().manual_seed(0)).cuda()
+        with torch.no_grad():
+            expected = kept["model"].cuda()(input_ids=x).logits.float().cpu()
+        torch.save(x.cpu(), work / "x.pt")
+        code = (
+            "import sys, torch, fla; from transformers import AutoModelForCausalLM; "
+            "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], fuse_cross_entropy=False).cuda().eval(); "
+            "x = torch.load(sys.argv[2]).cuda(); torch.save(m(input_ids=x).logits.float().cpu(), sys.argv[3])"
+        )
+        subprocess.run([sys.executable, "-c", code, str(work / "rft1"), str(work / "x.pt"), str(work / "y.pt")], check=True)
+        got = torch.load(work / "y.pt")
+        doc["reload"] = {
+            "max_abs_diff": float((got - expected).abs().max()),
+            "equal": bool(torch.equal(got, expected)),
+            "saved_dtype": json.loads((work / "rft1" / "config.json").read_text()).get("torch_dtype")
+            or json.loads((work / "rft1" / "config.json").read_text()).get("dtype"),
+        }
         _write(args.out, doc)
     print(json.dumps({k: v for k, v in doc.items() if k != "runs"}, indent=1))
     for name, run in doc["runs"].items():
