@@ -3,7 +3,8 @@
 Paper: Nazari & Rusch (2026), Sec. 5 and App. A. After the key/query channels are sliced out, the pruned
 model (the *student*) is fine-tuned with LoRA (rank 32, alpha 64) on the projections of its decoder blocks;
 the depthwise short convolutions and the norms train fully (peft ``modules_to_save``: LoRA on a depthwise
-conv could not be merged); embeddings, LM head and everything else stay frozen. The loss distils the
+conv could not be merged; q/k filters that the model shares, ``pretrain.share_conv``, stay tied); embeddings, LM
+head and everything else stay frozen. The loss distils the
 unpruned model (the *teacher*): KL divergence between temperature-softened next-token distributions,
 times T^2 (Hinton et al., 2015), optionally plus the language-modelling cross entropy. The paper trains on
 32k sequences of 2048 tokens, effective batch 16, AdamW, LR 1e-4 -> 1e-5 cosine with 5% warm-up, bf16.
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from statereduce.adapters.conv_sharing import model_conv_sharing, tie_qk_convs, untie_convs
 from statereduce.config import rft_settings
 from statereduce.pretrain import lr_at, seed_everything
 from statereduce.runtime import atomic_dir, atomic_file, jsonable, read_json, write_json
@@ -146,14 +148,20 @@ def attach_lora(model: nn.Module, cfg: dict[str, Any]):
     """Wrap ``model`` in a peft LoRA model per ``cfg`` (:func:`rft_settings`); only RFT parameters train.
 
     Returns:
-        (peft model, ``{"lora_targets", "trained_fully", "scope"}``).
+        (peft model, ``{"lora_targets", "trained_fully", "scope", "conv_sharing"}``): ``conv_sharing`` is how the
+        model's q/k short-conv filters are shared (:func:`~statereduce.adapters.conv_sharing.model_conv_sharing`);
+        shared filters stay tied while they train (:func:`~statereduce.adapters.conv_sharing.tie_qk_convs`).
     """
     from peft import LoraConfig, get_peft_model
 
     from statereduce.adapters import get_adapter
 
     lora_targets, full, scope = rft_modules(model, cfg["scope"])
-    model._statereduce_refuse = get_adapter(model).unfuse_for_lora()  # merge() restores the fused kernels
+    adapter = get_adapter(model)
+    model._statereduce_refuse = adapter.unfuse_for_lora()  # merge() restores the fused kernels
+    # shared q/k filters (pretrain.share_conv) stay tied while they train; merge() unties them
+    share = model_conv_sharing(adapter)
+    tie_qk_convs(adapter, share)
     for p in model.parameters():
         p.requires_grad_(False)
     lcfg = LoraConfig(
@@ -165,7 +173,7 @@ def attach_lora(model: nn.Module, cfg: dict[str, Any]):
         bias="none",
     )
     peft_model = get_peft_model(model, lcfg)
-    return peft_model, {"lora_targets": lora_targets, "trained_fully": full, "scope": scope}
+    return peft_model, {"lora_targets": lora_targets, "trained_fully": full, "scope": scope, "conv_sharing": share}
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -176,6 +184,7 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def merge(peft_model) -> nn.Module:
     """Merge LoRA into the base weights and put the fully trained copies back: a plain HF model."""
     model = peft_model.merge_and_unload()
+    untie_convs(model)
     refuse = model.__dict__.pop("_statereduce_refuse", None)
     if refuse is not None:
         refuse()

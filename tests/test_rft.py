@@ -22,6 +22,7 @@ from _models import random_keep, tiny_inputs, tiny_model
 from safetensors.torch import load_file
 
 from statereduce import rft as ft
+from statereduce.adapters import get_adapter
 from statereduce.data import load_split
 from statereduce.models import load_model
 from statereduce.pretrain import _eval_blocks, mean_loss, pretrain
@@ -195,6 +196,7 @@ def test_only_intended_parameters_change(pairs, family, tmp_path):
     after = load_file(str(out / "model.safetensors"))
     assert set(after) == set(before) and all(after[k].shape == before[k].shape for k in before)
     lora, full = set(record["modules"]["lora_targets"]), set(record["modules"]["trained_fully"])
+    assert record["modules"]["conv_sharing"] == "none"  # stock filters train one per channel
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     for k in before:
         module = k.rsplit(".", 1)[0]
@@ -228,6 +230,33 @@ def test_short_rft_lowers_heldout_loss(pairs, family, tmp_path):
     assert [r["step"] for r in log] == [2, 4, 6, 8] and log[-1]["kl"] < log[0]["kl"]
     assert {"step", "loss", "kl", "ce", "lr", "tokens_per_s"} <= set(log[0])
     assert record["steps"] == 8 and record["data"]["split"] == "train"
+
+
+@pytest.mark.parametrize("family,share", [("delta_net", "head"), ("gated_deltanet", "all")])
+def test_shared_filters_stay_shared(family, share, tmp_path):
+    """A model pretrained with shared q/k filters (``share_conv``) keeps them exactly tied through RFT: they train
+    (they move) as one filter per head (per layer), and the saved checkpoint is a stock one with the same keys."""
+    base = tmp_path / "base"
+    pretrain(family, ARCH[family], CORPUS, {**PRETRAIN, "steps": 20}, base, share_conv=share)
+    model, tok = load_model(base)
+    record = prune_model(model, random_keep(model, 4, seed=3), {"source": str(base), "method": "rand", "pct": 87.5})
+    pruned = save_pruned(model, tok, record, tmp_path / "pruned")
+    adapter = get_adapter(load_model(pruned)[0])
+    assert {adapter.conv_sharing(m) for _, m in adapter.mixer_layers()} == {share}
+    out = tmp_path / "rft"
+    with pytest.raises(ft._Stop):  # the tied filters resume exactly, too
+        _run((base, pruned), out, stop_after=5)
+    rec = _run((base, pruned), out)
+    assert rec["modules"]["conv_sharing"] == share and rec["resumed_from_step"] == 4
+    _run((base, pruned), tmp_path / "whole")
+    whole = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    before, after = load_file(str(pruned / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert {k: v.shape for k, v in after.items()} == {k: v.shape for k, v in before.items()}
+    assert all(torch.equal(whole[k], after[k]) for k in after)
+    convs = [k for k in before if k.endswith(("q_conv1d.weight", "k_conv1d.weight"))]
+    assert convs and all(not torch.equal(before[k], after[k]) for k in convs)
+    adapter = get_adapter(load_model(out)[0])
+    assert {adapter.conv_sharing(m) for _, m in adapter.mixer_layers()} == {share}
 
 
 def test_rft_checkpoint_reloads_in_fresh_process(pairs, tmp_path):

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from statereduce import pretrain as pt
 from statereduce.adapters import get_adapter
-from statereduce.adapters.conv_sharing import conv_sharing, tie_qk_convs
+from statereduce.adapters.conv_sharing import conv_sharing, model_conv_sharing, tie_qk_convs, untie_convs
 from statereduce.config import ConfigError, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,6 +129,28 @@ def test_ordinary_models_share_nothing(family):
     class's "none"."""
     adapter = get_adapter(tiny_model(family))
     assert {adapter.conv_sharing(m) for _, m in adapter.mixer_layers()} == {"none"}
+    assert model_conv_sharing(adapter) == "none"
+
+
+def test_model_conv_sharing_is_what_every_layer_has():
+    """The model's sharing is the weakest of its layers' ("all" implies "head"); untie_convs removes the ties of
+    every conv, copies included, and leaves the tied values."""
+    model = tiny_model("delta_net")
+    adapter = get_adapter(model)
+    (_, first), (_, second) = adapter.mixer_layers()
+    tie_qk_convs(adapter, "all")
+    assert model_conv_sharing(adapter) == "all"
+    copy_of_conv = copy.deepcopy(first.q_conv1d)
+    assert untie_convs(model) == 4 and untie_convs(copy_of_conv) == 1 and untie_convs(model) == 0
+    assert type(copy_of_conv.weight) is torch.nn.Parameter and _tied(copy_of_conv.weight, 1)
+    h, d_k = adapter.num_heads, adapter.head_k_dim
+    with torch.no_grad():
+        second.q_conv1d.weight[:d_k] *= 3.0  # the second layer's q tied per head only
+    assert [adapter.conv_sharing(m) for m in (first, second)] == ["all", "head"]
+    assert model_conv_sharing(adapter) == "head"
+    with torch.no_grad():
+        first.k_conv1d.weight[h * d_k - 1] += 1.0
+    assert model_conv_sharing(adapter) == "none"
 
 
 # ---- pretrain end to end -----------------------------------------------------------------------------------------

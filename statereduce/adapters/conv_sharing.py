@@ -9,8 +9,11 @@ filters of their own either way, and a conv bias (where the config has one) stay
 convolution, so a rotation carries it over exactly.
 
 * :func:`conv_sharing` tells how a loaded layer's q/k filters are shared (exact equality);
-* :func:`tie_qk_convs` ties them while a model trains (:func:`statereduce.pretrain.pretrain`'s ``share_conv``) and
-  unties them into stock modules whose tied filters are exactly equal, so the saved checkpoint is a standard one;
+* :func:`model_conv_sharing` tells it for a whole model;
+* :func:`tie_qk_convs` ties them while a model trains (:func:`statereduce.pretrain.pretrain`'s ``share_conv``, and
+  recovery fine-tuning of a model whose filters are shared) and unties them into stock modules whose tied filters
+  are exactly equal, so the saved checkpoint is a standard one; :func:`untie_convs` does the same for every tied
+  conv of a model, including copies (peft's ``modules_to_save``);
 * :func:`check_share_conv` validates the option against a family and its ``arch`` without importing fla.
 """
 
@@ -60,6 +63,16 @@ def conv_sharing(mixer: nn.Module, num_heads: int, head_k_dim: int) -> str:
         if all(filters_equal(conv.weight, groups) for conv in convs):
             return share
     return "none"
+
+
+def model_conv_sharing(adapter: LinearAttentionAdapter) -> str:
+    """How the q/k filters of every linear-attention layer of ``adapter.model`` are shared: ``"all"`` when every
+    layer shares them across the layer, else ``"head"`` when every layer shares them at least within each head, else
+    ``"none"`` (also for families whose adapter does not tell, :meth:`LinearAttentionAdapter.conv_sharing`)."""
+    found = {adapter.conv_sharing(mixer) for _, mixer in adapter.mixer_layers()}
+    if found == {"all"}:
+        return "all"
+    return "head" if found and found <= {"all", "head"} else "none"
 
 
 class SharedRows(nn.Module):
@@ -118,6 +131,22 @@ def tie_qk_convs(adapter: LinearAttentionAdapter, share: str) -> Callable[[], No
                 parametrize.remove_parametrizations(conv, "weight", leave_parametrized=True)
 
     return untie
+
+
+def untie_convs(model: nn.Module) -> int:
+    """Remove every :class:`SharedRows` parametrization in ``model`` (leaving each weight a plain parameter with its
+    tied filters exactly equal); returns how many convs it untied."""
+    tied = [m for m in model.modules()
+            if parametrize.is_parametrized(m, "weight")
+            and any(isinstance(p, SharedRows) for p in m.parametrizations.weight)]
+    for module in tied:
+        # removing a parametrization deletes the weight property from the module's class, and a deepcopy (peft's
+        # trained copy) shares that class with its original: give each module a class of its own first
+        cls = type(module)
+        own = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+        module.__class__ = type(cls.__name__, cls.__bases__, own)
+        parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+    return len(tied)
 
 
 def share_conv_families() -> list[str]:
