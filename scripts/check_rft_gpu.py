@@ -197,7 +197,8 @@ def main() -> None:
         code = (
             "import sys, torch, fla; from transformers import AutoModelForCausalLM; "
             "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], fuse_cross_entropy=False).cuda().eval(); "
-            "x = torch.load(sys.argv[2]).cuda(); torch.save(m(input_ids=x).logits.float().cpu(), sys.argv[3])"
+            "x = torch.load(sys.argv[2]).cuda(); torch.set_grad_enabled(False); "
+            "torch.save(m(input_ids=x).logits.float().cpu(), sys.argv[3])"
         )
         subprocess.run([sys.executable, "-c", code, str(work / "rft1"), str(work / "x.pt"), str(work / "y.pt")], check=True)
         got = torch.load(work / "y.pt")
