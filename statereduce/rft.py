@@ -503,6 +503,9 @@ def fine_tune(
 
     Returns:
         The ``rft`` record.
+    Raises:
+        RuntimeError: ``device`` is CUDA and there is no CUDA GPU, or under ``torchrun`` accelerate did not join
+            every process (each would train alone and write ``out_dir``).
     """
     from accelerate import Accelerator
 
@@ -511,7 +514,14 @@ def fine_tune(
     cfg = rft_settings(cfg)
     out_dir = Path(out_dir)
     cpu = torch.device(device).type == "cpu"
+    if not cpu and not torch.cuda.is_available():  # accelerate would quietly train on the CPU
+        raise RuntimeError(f"RFT on device {device!r} needs a CUDA GPU and this machine has none "
+                           "(torch.cuda.is_available() is False); run it on a GPU node or give the model device: cpu")
     acc = Accelerator(cpu=cpu)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if acc.num_processes != world:  # each process would train alone and write out_dir
+        raise RuntimeError(f"torchrun started {world} processes but accelerate joined {acc.num_processes} "
+                           f"(distributed type {acc.distributed_type}); every process would write {out_dir}")
     seed_everything(int(cfg["seed"]))
     teacher, student, tokenizer = _load_pair(base_dir, pruned_dir, cfg, cpu, acc)
     blocks, data = _rft_data(tokenizer, corpus_spec, cfg, exclude_docs)
@@ -632,7 +642,8 @@ def launch(
 ) -> None:
     """Run :func:`fine_tune` in ``gpus`` processes, one per GPU: ``torchrun --standalone`` of this module's
     :func:`main`; in each process ``accelerate.Accelerator`` joins the process group and wraps the student in DDP
-    (NCCL on CUDA; with ``device="cpu"``, gloo, which the tests use).
+    (NCCL on CUDA; with ``device="cpu"``, gloo, which the tests use). On CUDA, fewer visible GPUs than ``gpus`` is
+    a ValueError before any process starts.
 
     The job description goes through a JSON file next to ``out_dir``; the package that imported this module
     is put first on the children's ``PYTHONPATH``. Raises ``subprocess.CalledProcessError`` on failure.
@@ -640,6 +651,10 @@ def launch(
     import subprocess
     import sys
 
+    if torch.device(device).type == "cuda" and torch.cuda.device_count() < int(gpus):
+        raise ValueError(f"rft.gpus {int(gpus)} needs {int(gpus)} CUDA devices and torch sees "
+                         f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                         f"valid: rft.gpus up to {max(torch.cuda.device_count(), 1)}, or ask the job for more GPUs")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     job = out_dir.with_name(f".{out_dir.name}.job-{os.getpid()}.json")

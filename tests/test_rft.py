@@ -390,3 +390,34 @@ def test_two_process_ddp_matches_one_process(pairs, tmp_path):
     a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+
+
+# ---- devices -----------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_rft_without_cuda_fails_in_one_line(pairs, tmp_path):
+    """Asked for CUDA on a machine without it, RFT stops before training instead of quietly running on the CPU (with
+    a bf16 teacher); two processes are refused before torchrun starts, instead of each training alone."""
+    base, pruned = pairs["delta_net"]
+    with pytest.raises(RuntimeError, match=r"^RFT on device 'cuda' needs a CUDA GPU and this machine has none \("):
+        _run((base, pruned), tmp_path / "one", device="cuda")
+    with pytest.raises(ValueError, match=r"^rft\.gpus 2 needs 2 CUDA devices and torch sees 0 .*valid: rft\.gpus up"):
+        ft.launch(2, pruned, base, tmp_path / "two", RFT, CORPUS, device="cuda")
+    assert not (tmp_path / "one").exists() and not (tmp_path / "two").exists()
+
+
+def test_processes_accelerate_did_not_join_are_refused(pairs, tmp_path, monkeypatch):
+    """Under torchrun (WORLD_SIZE 2) a process that accelerate runs alone would write the output folder as if it were
+    the only one: refused before training."""
+    import accelerate
+
+    class Alone:
+        num_processes, distributed_type = 1, "NO"
+
+        def __init__(self, cpu: bool):
+            pass
+
+    monkeypatch.setattr(accelerate, "Accelerator", Alone)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"^torchrun started 2 processes but accelerate joined 1 "):
+        _run(pairs["delta_net"], tmp_path / "rft")
+    assert not (tmp_path / "rft").exists()
