@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Recovery fine-tuning on a CUDA GPU with fla's Triton kernels (no snakemake, no lm-eval needed).
 
-Builds a random fla DeltaNet (the teacher), prunes 50% of its key channels at random (the student), runs
+Builds a random model (the teacher; DeltaNet by default), prunes key channels at random (the student), runs
 :func:`statereduce.rft.fine_tune` on the GPU (bf16 autocast, fp32 master weights, saved in bf16), and
 checks what the CPU tests cannot: the distillation KL falls, the merged checkpoint reloads with
 ``from_pretrained`` in a fresh process with the same logits on the GPU, and the run's throughput. With
@@ -13,8 +13,9 @@ Usage::
 
     python scripts/check_rft_gpu.py OUT.json [--gpus 2] [--steps 40] [--hidden-size 512 --layers 4 --heads 4]
 
-Paper: Nazari & Rusch (2026), App. A (RFT). Gated DeltaNet is not run here: fla 0.6.0 refuses its chunk
-backward on Hopper with Triton < 3.7.1 (docs/gpu_checks.md).
+Paper: Nazari & Rusch (2026), App. A (RFT). ``--family`` takes the four families; Gated DeltaNet and the Qwen3.5
+hybrid need ``--kernels torch`` on Hopper with Triton < 3.7.1, where fla 0.6.0 refuses the chunk backward
+(docs/gpu_checks.md).
 """
 
 from __future__ import annotations
@@ -34,7 +35,27 @@ sys.path.insert(0, str(ROOT))
 
 from statereduce import rft as finetune
 
-ARCH = {"hidden_size": 512, "num_hidden_layers": 4, "num_heads": 4, "expand_k": 0.5, "expand_v": 1.0}  # d_k 64
+ARCH = {"hidden_size": 512, "num_hidden_layers": 4, "num_heads": 4, "expand_k": 0.5}  # defaults: d_k 64
+
+
+def family_arch(family: str, hidden: int, layers: int, heads: int, expand_k: float) -> dict:
+    """Config fields of a random model of ``family`` whose linear-attention layers have ``heads`` q/k heads of
+    d_k = hidden * expand_k / heads and value heads of hidden / heads channels (Qwen3.5: the last layer is softmax
+    attention; Mamba-2: two value heads per group, d_k = state_size)."""
+    d_k, d_v = int(hidden * expand_k / heads), hidden // heads
+    if family == "delta_net":
+        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_heads": heads, "expand_k": expand_k,
+                "expand_v": 1.0}
+    if family == "gated_deltanet":
+        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_heads": heads, "head_dim": d_k,
+                "expand_v": d_v / d_k}
+    if family == "mamba2":
+        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_heads": 2 * heads, "head_dim": d_v,
+                "expand": 2, "n_groups": heads, "state_size": d_k, "chunk_size": 256}
+    return {"hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": 2 * hidden,
+            "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2), "head_dim": d_v,
+            "linear_num_key_heads": heads, "linear_key_head_dim": d_k, "linear_num_value_heads": heads,
+            "linear_value_head_dim": d_v, "layer_types": ["linear_attention"] * (layers - 1) + ["full_attention"]}
 
 
 def _write(out: Path, doc: dict) -> None:
@@ -75,15 +96,13 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=ARCH["num_heads"])
     p.add_argument("--expand-k", type=float, default=ARCH["expand_k"], help="d_k = hidden_size * expand_k / heads")
     p.add_argument("--keep", type=int, default=32, help="d_k' kept per head")
-    p.add_argument("--family", default="delta_net", choices=["delta_net", "gated_deltanet"])
+    p.add_argument("--family", default="delta_net", choices=["delta_net", "gated_deltanet", "mamba2", "qwen3_5"])
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (gloo processes, torch kernels)")
     p.add_argument("--kernels", default="fla", choices=["fla", "torch"], help="rft setting `kernels`")
     args = p.parse_args()
-    ARCH.update(hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_heads=args.heads,
-                expand_k=args.expand_k)
     import fla
-    from transformers import AutoModelForCausalLM
 
+    from statereduce.adapters import adapter_class
     from statereduce.models import tiny_config
     from statereduce.prune import prune_model, save_pruned
     from statereduce.tokenizer import byte_level_tokenizer
@@ -95,24 +114,14 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "fla": fla.__version__,
-        "arch": ARCH,
         "runs": {},
     }
     work = Path(tempfile.mkdtemp(prefix="rft_gpu_"))
     torch.manual_seed(0)
     tok = byte_level_tokenizer()
-    arch = dict(ARCH)
-    if args.family == "gated_deltanet":  # the same d_k and d_v as DeltaNet's
-        d_k = int(args.hidden_size * args.expand_k / args.heads)
-        arch = {
-            "hidden_size": args.hidden_size,
-            "num_hidden_layers": args.layers,
-            "num_heads": args.heads,
-            "head_dim": d_k,
-            "expand_v": (args.hidden_size // args.heads) / d_k,
-        }
+    arch = family_arch(args.family, args.hidden_size, args.layers, args.heads, args.expand_k)
     doc["arch"], doc["family"], doc["kernels"] = arch, args.family, args.kernels
-    model = AutoModelForCausalLM.from_config(tiny_config(args.family, arch)).float()
+    model = adapter_class(args.family).build(tiny_config(args.family, arch))
     with torch.no_grad():
         for name, prm in model.named_parameters():
             if "conv1d" in name:
@@ -194,13 +203,19 @@ def main() -> None:
         with torch.no_grad():
             expected = kept["model"].cuda()(input_ids=x).logits.float().cpu()
         torch.save(x.cpu(), work / "x.pt")
+        # plain from_pretrained of the family's class (Mamba-2: transformers', which fla overrides in Auto)
+        cls = adapter_class(args.family).causal_lm_class
+        kind = f"{cls.__module__}:{cls.__name__}" if cls is not None else "transformers:AutoModelForCausalLM"
+        extra = "fuse_cross_entropy=False" if args.family in ("delta_net", "gated_deltanet") else ""
         code = (
-            "import sys, torch, fla; from transformers import AutoModelForCausalLM; "
-            "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], fuse_cross_entropy=False).cuda().eval(); "
+            "import importlib, sys, torch, fla; mod, name = sys.argv[4].split(':'); "
+            "cls = getattr(importlib.import_module(mod), name); "
+            f"m = cls.from_pretrained(sys.argv[1], {extra}).cuda().eval(); "
             "x = torch.load(sys.argv[2]).cuda(); torch.set_grad_enabled(False); "
             "torch.save(m(input_ids=x).logits.float().cpu(), sys.argv[3])"
         )
-        subprocess.run([sys.executable, "-c", code, str(work / "rft1"), str(work / "x.pt"), str(work / "y.pt")], check=True)
+        subprocess.run([sys.executable, "-c", code, str(work / "rft1"), str(work / "x.pt"), str(work / "y.pt"), kind],
+                       check=True)
         got = torch.load(work / "y.pt")
         doc["reload"] = {
             "max_abs_diff": float((got - expected).abs().max()),
