@@ -219,6 +219,8 @@ def main() -> None:
         got = torch.load(work / "y.pt")
         doc["reload"] = {
             "max_abs_diff": float((got - expected).abs().max()),
+            "max_abs_logit": float(expected.abs().max()),
+            "rel_diff": float((got - expected).norm() / expected.norm()),
             "equal": bool(torch.equal(got, expected)),
             "saved_dtype": json.loads((work / "rft1" / "config.json").read_text()).get("torch_dtype")
             or json.loads((work / "rft1" / "config.json").read_text()).get("dtype"),
