@@ -101,6 +101,7 @@ def main() -> None:
     p.add_argument("--kernels", default="fla", choices=["fla", "torch"], help="rft setting `kernels`")
     args = p.parse_args()
     import fla
+    import transformers
 
     from statereduce.adapters import adapter_class
     from statereduce.models import tiny_config
@@ -114,6 +115,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "fla": fla.__version__,
+        "transformers": transformers.__version__,
         "runs": {},
     }
     work = Path(tempfile.mkdtemp(prefix="rft_gpu_"))
