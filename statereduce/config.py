@@ -465,10 +465,6 @@ def check_studies(config: dict) -> dict[str, list[tuple[str, str, float]]]:
     return cells
 
 
-#: Table 14's rows: how a model's q/k conv filters are shared (``pretrain.share_conv``), in the paper's order
-CONV_SHARING = ("none", "head", "all")
-
-
 def check_convolution_study(config: dict, study: dict) -> list[tuple[str, str, float]]:
     """Validate ``studies.convolutions`` (paper Tables 14 and 15) and list its cells ``(model, method, pct)``.
 
@@ -479,6 +475,7 @@ def check_convolution_study(config: dict, study: dict) -> list[tuple[str, str, f
     Raises:
         ConfigError: one line naming the bad value and the valid ones.
     """
+    from statereduce.adapters.conv_sharing import SHARE_CONV  # Table 14's rows, in the paper's order
     from statereduce.selectors import MethodSpec, format_method, selector_names
 
     where, models = "studies.convolutions", config["models"]
@@ -499,7 +496,7 @@ def check_convolution_study(config: dict, study: dict) -> list[tuple[str, str, f
                 check_reduction(config, model, pct)
             except ConfigError as e:
                 raise ConfigError(f"{where}: {e}") from None
-    ordered = [study["models"][k] for k in CONV_SHARING if k in study["models"]]
+    ordered = [study["models"][k] for k in SHARE_CONV if k in study["models"]]
     return [(m, format_method(MethodSpec(sel)), float(pct)) for m in ordered for pct in study["pcts"]
             for sel in study["selectors"]]
 

@@ -105,7 +105,7 @@ def tie_qk_convs(adapter: LinearAttentionAdapter, share: str) -> Callable[[], No
         adapter: the adapter of the model to train (``mixer_layers``, ``q_conv``, ``k_conv``, head sizes).
         share: one of :data:`SHARE_CONV`.
     Returns:
-        ``untie()``: removes the parametrizations, leaving every conv a stock module whose weight is a plain
+        ``untie()``: :func:`untie_convs` of the model, leaving every conv a stock module whose weight is a plain
         ``[H * d_k, 1, W]`` parameter with exactly equal tied filters (a standard checkpoint once saved).
     Raises:
         ValueError: an unknown ``share``, or a layer without q/k short convolutions.
@@ -124,13 +124,7 @@ def tie_qk_convs(adapter: LinearAttentionAdapter, share: str) -> Callable[[], No
         convs.extend(pair)
     for conv in convs:
         parametrize.register_parametrization(conv, "weight", SharedRows(groups, size))
-
-    def untie() -> None:
-        for conv in convs:
-            if parametrize.is_parametrized(conv, "weight"):
-                parametrize.remove_parametrizations(conv, "weight", leave_parametrized=True)
-
-    return untie
+    return lambda: untie_convs(adapter.model)
 
 
 def untie_convs(model: nn.Module) -> int:
