@@ -21,11 +21,15 @@ s_j = sum_i |W[j, i] * dL/dW[j, i]| for the full model's mean LM loss over the c
 
 ``weights/qk.h5``: per layer the head rows of the q/k projections, so that selection jobs read
 weights without loading the model (:mod:`statereduce.h5files`).
+
+:func:`activation_arrays`, :func:`grad_score_arrays` and :func:`qk_weight_arrays` compute the same per-layer arrays in
+memory (what the three writers store, and what :mod:`statereduce.api` hands to the selectors without files).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +40,7 @@ from tqdm import tqdm
 from statereduce import __version__
 from statereduce.adapters import get_adapter
 from statereduce.h5files import atomic_h5, layer_group, write_attrs
+from statereduce.checkpoints import base_checkpoint
 
 
 class BottomKReservoir:
@@ -90,28 +95,27 @@ class _LayerStats:
     shape: tuple[int, int] | None = None  # (H, d_k)
 
 
-def capture_activations(
+def activation_arrays(
     model: torch.nn.Module,
     blocks: torch.Tensor,
-    out_path: str | Path,
     *,
     rows_per_head: int = 2500,
     seed: int = 0,
     batch_size: int = 4,
-    attrs: dict | None = None,
-) -> Path:
-    """Run the calibration blocks through ``model`` and write ``activations.h5`` atomically.
+) -> tuple[dict[int, dict[str, np.ndarray]], int]:
+    """Run the calibration blocks through ``model``; the statistics ``activations.h5`` holds, in memory.
 
     Args:
         model: a loaded causal LM with an adapter (eval mode).
         blocks: LongTensor [n_samples, seq_len] of calibration token ids.
-        out_path: destination; written to a temporary file and renamed.
         rows_per_head: rows of K and of Q kept per head (2,500 + 2,500 by default, as in the paper).
         seed: seeds the row sampling.
         batch_size: sequences per forward pass.
-        attrs: provenance attributes to store (model, revision, corpus, ...).
+
+    Returns:
+        ({layer: {"K": float32 [H, rows, d_k], "Q": float32 [H, rows, d_k], "xnorm": float64 [hidden]}}, tokens seen),
+        the layers in the adapter's order.
     """
-    out_path = Path(out_path)
     adapter = get_adapter(model)
     layers = [i for i, _ in adapter.mixer_layers()]
     rng = np.random.default_rng(seed)
@@ -139,16 +143,51 @@ def capture_activations(
             model(input_ids=batch, use_cache=False)
             n_tokens += batch.numel()
 
+    arrays = {}
+    for i in layers:
+        st = stats[i]
+        if st.shape is None or st.xsq is None:
+            raise RuntimeError(f"layer {i}: capture callbacks never fired; the adapter's capture is broken")
+        rows = st.reservoir.result()  # [R, 2, H, d]
+        arrays[i] = {
+            "K": np.ascontiguousarray(rows[:, 0].transpose(1, 0, 2), dtype=np.float32),
+            "Q": np.ascontiguousarray(rows[:, 1].transpose(1, 0, 2), dtype=np.float32),
+            "xnorm": np.sqrt(st.xsq),
+        }
+    return arrays, n_tokens
+
+
+def capture_activations(
+    model: torch.nn.Module,
+    blocks: torch.Tensor,
+    out_path: str | Path,
+    *,
+    rows_per_head: int = 2500,
+    seed: int = 0,
+    batch_size: int = 4,
+    attrs: dict | None = None,
+) -> Path:
+    """Run the calibration blocks through ``model`` and write ``activations.h5`` atomically.
+
+    Args:
+        model: a loaded causal LM with an adapter (eval mode).
+        blocks: LongTensor [n_samples, seq_len] of calibration token ids.
+        out_path: destination; written to a temporary file and renamed.
+        rows_per_head: rows of K and of Q kept per head (2,500 + 2,500 by default, as in the paper).
+        seed: seeds the row sampling.
+        batch_size: sequences per forward pass.
+        attrs: provenance attributes to store (model, revision, corpus, ...).
+    """
+    out_path = Path(out_path)
+    adapter = get_adapter(model)
+    arrays, n_tokens = activation_arrays(model, blocks, rows_per_head=rows_per_head, seed=seed, batch_size=batch_size)
+    layers = list(arrays)
     with atomic_h5(out_path) as f:
-        for i in layers:
-            st = stats[i]
-            if st.shape is None or st.xsq is None:
-                raise RuntimeError(f"layer {i}: capture callbacks never fired; the adapter's capture is broken")
-            rows = st.reservoir.result()  # [R, 2, H, d]
+        for i, arr in arrays.items():
             g = f.create_group(layer_group(i))
-            g.create_dataset("K", data=np.ascontiguousarray(rows[:, 0].transpose(1, 0, 2)), dtype="float32")
-            g.create_dataset("Q", data=np.ascontiguousarray(rows[:, 1].transpose(1, 0, 2)), dtype="float32")
-            g.create_dataset("xnorm", data=np.sqrt(st.xsq))
+            g.create_dataset("K", data=arr["K"], dtype="float32")
+            g.create_dataset("Q", data=arr["Q"], dtype="float32")
+            g.create_dataset("xnorm", data=arr["xnorm"])
             g.attrs["layer"] = i
         write_attrs(f, _meta(model, adapter, layers) | {
             "n_samples": int(blocks.shape[0]),
@@ -160,27 +199,26 @@ def capture_activations(
     return out_path
 
 
-def grad_scores(
+def grad_score_arrays(
     model: torch.nn.Module,
     blocks: torch.Tensor,
-    out_path: str | Path,
     *,
     batch_size: int = 4,
-    attrs: dict | None = None,
-) -> Path:
-    """Grad saliency of every q/k channel from the full model's LM loss; writes ``grad_scores.h5``.
+) -> dict[int, dict[str, np.ndarray]]:
+    """Grad saliency of every q/k channel from the full model's LM loss; the scores ``grad_scores.h5`` holds.
 
     The gradient of the mean next-token loss over all calibration blocks is accumulated, then
-    s_q[h, j] = sum_i |W_q[h*d_k + j, i] * dL/dW_q[h*d_k + j, i]| (same for k).
+    s_q[h, j] = sum_i |W_q[h*d_k + j, i] * dL/dW_q[h*d_k + j, i]| (same for k). Afterwards only the q/k
+    projection weights have ``requires_grad`` set, and every ``.grad`` is None.
 
     Args:
         model: loaded causal LM (its parameters' ``requires_grad`` is managed here).
         blocks: LongTensor [n_samples, seq_len].
-        out_path: destination (atomic write).
         batch_size: sequences per backward pass.
-        attrs: provenance attributes.
+
+    Returns:
+        {layer: {"grad_q": float64 [H, d_k], "grad_k": float64 [H, d_k]}}, the layers in the adapter's order.
     """
-    out_path = Path(out_path)
     adapter = get_adapter(model)
     mixers = adapter.mixer_layers()
     weights = {i: adapter.qk_weight_rows(m) for i, m in mixers}  # {layer: ((W, rows_q), (W, rows_k))}
@@ -199,44 +237,87 @@ def grad_scores(
         )
         (loss * batch.shape[0] / n_total).backward()
     h, d = adapter.num_heads, adapter.head_k_dim
-    with atomic_h5(out_path) as f:
-        for i, (q_side, k_side) in weights.items():
-            g = f.create_group(layer_group(i))
-            for name, (w, rows) in (("grad_q", q_side), ("grad_k", k_side)):
-                if w.grad is None:
-                    raise RuntimeError(f"layer {i}: no gradient reached the {name[-1]} projection")
-                flat = rows.reshape(-1).to(w.device)
-                s = (w.detach()[flat].double() * w.grad[flat].double()).abs().sum(dim=1).reshape(h, d)
-                g.create_dataset(name, data=s.cpu().numpy())
-            g.attrs["layer"] = i
-        write_attrs(f, _meta(model, adapter, list(weights))
-                    | {"n_samples": int(n_total), "seq_len": int(blocks.shape[1])}
-                    | dict(attrs or {}))
+    arrays: dict[int, dict[str, np.ndarray]] = {}
+    for i, (q_side, k_side) in weights.items():
+        arrays[i] = {}
+        for name, (w, rows) in (("grad_q", q_side), ("grad_k", k_side)):
+            if w.grad is None:
+                raise RuntimeError(f"layer {i}: no gradient reached the {name[-1]} projection")
+            flat = rows.reshape(-1).to(w.device)
+            s = (w.detach()[flat].double() * w.grad[flat].double()).abs().sum(dim=1).reshape(h, d)
+            arrays[i][name] = s.cpu().numpy()
     for p in model.parameters():
         p.grad = None
+    return arrays
+
+
+def grad_scores(
+    model: torch.nn.Module,
+    blocks: torch.Tensor,
+    out_path: str | Path,
+    *,
+    batch_size: int = 4,
+    attrs: dict | None = None,
+) -> Path:
+    """Grad saliency of every q/k channel from the full model's LM loss; writes ``grad_scores.h5``.
+
+    The gradient of the mean next-token loss over all calibration blocks is accumulated, then
+    s_q[h, j] = sum_i |W_q[h*d_k + j, i] * dL/dW_q[h*d_k + j, i]| (same for k) (:func:`grad_score_arrays`).
+
+    Args:
+        model: loaded causal LM (its parameters' ``requires_grad`` is managed here).
+        blocks: LongTensor [n_samples, seq_len].
+        out_path: destination (atomic write).
+        batch_size: sequences per backward pass.
+        attrs: provenance attributes.
+    """
+    out_path = Path(out_path)
+    adapter = get_adapter(model)
+    arrays = grad_score_arrays(model, blocks, batch_size=batch_size)
+    with atomic_h5(out_path) as f:
+        for i, arr in arrays.items():
+            g = f.create_group(layer_group(i))
+            for name in ("grad_q", "grad_k"):
+                g.create_dataset(name, data=arr[name])
+            g.attrs["layer"] = i
+        write_attrs(f, _meta(model, adapter, list(arrays))
+                    | {"n_samples": int(blocks.shape[0]), "seq_len": int(blocks.shape[1])}
+                    | dict(attrs or {}))
     return out_path
+
+
+def qk_weight_arrays(model: torch.nn.Module) -> dict[int, dict[str, np.ndarray]]:
+    """The head rows of every layer's q/k projections: {layer: {"W_q", "W_k": float32 [H, d_k, hidden]}}."""
+    adapter = get_adapter(model)
+    h, d = adapter.num_heads, adapter.head_k_dim
+    arrays = {}
+    for i, mixer in adapter.mixer_layers():
+        wq, wk = adapter.qk_weights(mixer)
+        arrays[i] = {"W_q": wq.detach().float().cpu().numpy().reshape(h, d, -1),
+                     "W_k": wk.detach().float().cpu().numpy().reshape(h, d, -1)}
+    return arrays
 
 
 def export_qk_weights(model: torch.nn.Module, out_path: str | Path, *, attrs: dict | None = None) -> Path:
     """Write the head rows of every layer's q/k projections to ``qk.h5`` (float32 [H, d_k, hidden])."""
     adapter = get_adapter(model)
-    h, d = adapter.num_heads, adapter.head_k_dim
-    layers = []
+    arrays = qk_weight_arrays(model)
     with atomic_h5(out_path) as f:
-        for i, mixer in adapter.mixer_layers():
-            wq, wk = adapter.qk_weights(mixer)
+        for i, arr in arrays.items():
             g = f.create_group(layer_group(i))
-            g.create_dataset("W_q", data=wq.detach().float().cpu().numpy().reshape(h, d, -1))
-            g.create_dataset("W_k", data=wk.detach().float().cpu().numpy().reshape(h, d, -1))
+            g.create_dataset("W_q", data=arr["W_q"])
+            g.create_dataset("W_k", data=arr["W_k"])
             g.attrs["layer"] = i
-            layers.append(i)
-        write_attrs(f, _meta(model, adapter, layers) | dict(attrs or {}))
+        write_attrs(f, _meta(model, adapter, list(arrays)) | dict(attrs or {}))
     return Path(out_path)
 
 
 def _meta(model: torch.nn.Module, adapter, layers: list[int]) -> dict:
-    """Attributes every per-layer HDF5 artifact carries."""
+    """Attributes every per-layer HDF5 artifact carries; ``base_checkpoint`` (JSON) for a hub or local model
+    (:func:`statereduce.models.base_checkpoint`)."""
+    base = base_checkpoint(model)
     return {
+        "base_checkpoint": json.dumps(base, sort_keys=True) if base is not None else None,
         "family": adapter.family,
         "num_heads": adapter.num_heads,
         "head_k_dim": adapter.head_k_dim,

@@ -21,7 +21,9 @@ import inspect
 import json
 import os
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -54,26 +56,41 @@ def selector_code_files(name: str) -> list[str]:
     return sorted(files)
 
 
+#: HeadData fields that the per-layer arrays hold per head (axis 0); ``xnorm`` is shared by a layer's heads.
+_PER_HEAD = ("W_q", "W_k", "K", "Q", "grad_q", "grad_k")
+
+
+def head_data(layers: Iterable[tuple[int, Mapping[str, np.ndarray]]], num_heads: int):
+    """Yield (layer, head, HeadData) from per-layer arrays, as the HDF5 artifacts hold them.
+
+    Args:
+        layers: (layer, arrays) pairs (a generator is fine: a layer is read when its heads are reached); arrays maps
+            any of ``W_q``, ``W_k`` [H, d_k, hidden], ``K``, ``Q`` [H, rows, d_k], ``grad_q``, ``grad_k`` [H, d_k]
+            (split per head) and ``xnorm`` [hidden] (shared by the layer's heads) to arrays; absent ones stay None.
+        num_heads: H.
+    """
+    for layer, arrays in layers:
+        for head in range(num_heads):
+            yield layer, head, HeadData(
+                **{name: arrays[name][head] for name in _PER_HEAD if name in arrays}, xnorm=arrays.get("xnorm")
+            )
+
+
 def _head_data_iter(weights: Path, needs: set[str], activations: Path | None, grads: Path | None):
     """Yield (layer, head, HeadData) with only the fields the selector needs."""
     w = H5Artifact(weights)
     h = int(w.attrs()["num_heads"])
     acts = H5Artifact(activations) if activations is not None else None
     grad = H5Artifact(grads) if grads is not None else None
-    for layer in w.layers():
-        wts = w.read(layer, ["W_q", "W_k"]) if "weights" in needs else {}
-        a = acts.read(layer, [n for n in ("K", "Q", "xnorm") if _wanted(n, needs)]) if acts else {}
-        g = grad.read(layer, ["grad_q", "grad_k"]) if grad and "grad" in needs else {}
-        for head in range(h):
-            yield layer, head, HeadData(
-                W_q=wts["W_q"][head] if wts else None,
-                W_k=wts["W_k"][head] if wts else None,
-                K=a["K"][head] if "K" in a else None,
-                Q=a["Q"][head] if "Q" in a else None,
-                xnorm=a.get("xnorm"),
-                grad_q=g["grad_q"][head] if g else None,
-                grad_k=g["grad_k"][head] if g else None,
-            )
+
+    def layers():
+        for layer in w.layers():
+            wts = w.read(layer, ["W_q", "W_k"]) if "weights" in needs else {}
+            a = acts.read(layer, [n for n in ("K", "Q", "xnorm") if _wanted(n, needs)]) if acts else {}
+            g = grad.read(layer, ["grad_q", "grad_k"]) if grad and "grad" in needs else {}
+            yield layer, {**wts, **a, **g}
+
+    return head_data(layers(), h)
 
 
 def _wanted(name: str, needs: set[str]) -> bool:
@@ -135,15 +152,47 @@ def select_channels(
         Path(activations) if activations and needs & {"activations", "xnorm"} else None,
         Path(grads) if grads and "grad" in needs else None,
     )
+    provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": wattrs.get("family"),
+                  "base_checkpoint": json.loads(wattrs["base_checkpoint"]) if wattrs.get("base_checkpoint") else None}
+    return run_selector(heads, method, pct, d_k=d_k, num_heads=int(wattrs["num_heads"]), seed=seed, options=options,
+                        workers=workers, provenance=provenance)
+
+
+def run_selector(
+    heads: Iterable[tuple[int, int, HeadData]],
+    method: str,
+    pct: float,
+    *,
+    d_k: int,
+    num_heads: int,
+    seed: int = 0,
+    options: dict | None = None,
+    workers: int = 1,
+    provenance: Mapping[str, Any] | None = None,
+) -> tuple[list[tuple[int, int, object]], dict]:
+    """Run the method's selector over ``heads`` (:func:`head_data`) and describe the result: the part of
+    :func:`select_channels` after its inputs are read and checked.
+
+    Args:
+        heads: (layer, head, HeadData) with what the selector needs.
+        method, pct, seed, options, workers: as for :func:`select_channels`.
+        d_k: the heads' key dimension; num_heads: H (both recorded in the metadata).
+        provenance: ``model`` and ``family`` for the metadata (None values are left out).
+
+    Returns:
+        (rows, meta) as :func:`select_channels` returns them.
+    """
+    spec = parse_method(method)
+    selector = get_selector(spec.selector)
+    n_keep = n_keep_for(d_k, pct)
     rows = select_heads(selector, heads, n_keep, spec.variant, seed, options or {}, workers=workers)
-    provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": wattrs.get("family")}
     kinds = {"transform" if r[2].transform is not None else "index" for r in rows}
     if len(kinds) > 1:
         raise RuntimeError(f"selector {spec.selector!r} returned index and transform selections for different heads")
     meta = {
         "format": SELECTION_FORMAT,
         "kind": kinds.pop() if kinds else "index",
-        **{k: v for k, v in provenance.items() if v is not None},
+        **{k: v for k, v in (provenance or {}).items() if v is not None},
         "method": method,
         "selector": spec.selector,
         "variant": spec.variant,
@@ -151,7 +200,7 @@ def select_channels(
         "pct": pct,
         "d_k": d_k,
         "d_k_new": n_keep,
-        "num_heads": int(wattrs["num_heads"]),
+        "num_heads": int(num_heads),
         "seed": seed,
         "options": options or {},
         "package_version": __version__,
