@@ -6,4 +6,4 @@ The package never imports snakemake; the workflow in ``rules/`` calls it through
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
