@@ -3,12 +3,14 @@ rule rank_baseline:
     all its [Q; K] calibration columns (paper Sec. 2.2, App. C.1, Table 6's baseline row)."""
     input:
         base=get_base,
+        checkpoint=get_checkpoint_files,
         activations="results/{model}/calib/default/activations.h5",
     output:
         "results/{model}/baseline/rank.json",
     params:
         info=model_info,
         rank=get_rank,
+    threads: model_threads
     resources:
         gpu=gpu_of,
     log:
@@ -31,6 +33,7 @@ rule rank:
     params:
         info=model_info,
         rank=get_rank,
+    threads: model_threads
     resources:
         gpu=gpu_of,
     log:

@@ -2,12 +2,14 @@ rule calibrate:
     """K/Q rows per head as they enter the recurrence, and projection-input column norms (HDF5)."""
     input:
         base=get_base,
+        checkpoint=get_checkpoint_files,
     output:
         "results/{model}/calib/{calib}/activations.h5",
     params:
         info=model_info,
         calibration=get_calibration,
         corpus=get_calib_corpus,
+    threads: model_threads
     resources:
         gpu=gpu_of,
     log:
@@ -24,6 +26,7 @@ rule grad_scores:
     """Grad saliency of every q/k channel from the full model's LM loss (read by `grad` only)."""
     input:
         base=get_base,
+        checkpoint=get_checkpoint_files,
     output:
         "results/{model}/calib/{calib}/grad_scores.h5",
     params:
@@ -31,6 +34,7 @@ rule grad_scores:
         calibration=get_calibration,
         corpus=get_calib_corpus,
         grad=get_grad_settings,
+    threads: model_threads
     resources:
         gpu=gpu_of,
     log:
@@ -47,10 +51,12 @@ rule qk_weights:
     """The head rows of every layer's q/k projections, so selections never load the model."""
     input:
         base=get_base,
+        checkpoint=get_checkpoint_files,
     output:
         "results/{model}/weights/qk.h5",
     params:
         info=model_info,
+    threads: model_threads
     log:
         "logs/qk_weights/{model}.log",
     benchmark:

@@ -1,4 +1,6 @@
 # Config validation, wildcard constraints and every input function. Stage files hold only rules.
+import contextlib
+import io
 import os
 import re
 import sys
@@ -10,7 +12,8 @@ sys.path.insert(0, workflow.basedir)
 if workflow.basedir not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [workflow.basedir, os.environ.get("PYTHONPATH")]))
 
-from snakemake.exceptions import WorkflowError
+from snakemake.exceptions import ResourceValidationError, WorkflowError
+from snakemake_interface_executor_plugins.settings import ExecMode
 
 from statereduce import config as srconfig
 from statereduce.selectors import METHOD_REGEX, parse_method
@@ -26,28 +29,52 @@ TARGETS = CFG["targets"]
 STUDIES = srconfig.check_studies(CFG)  # study -> [(model, method, pct)]; empty without a `studies` block
 
 
-def command_line_targets():
-    """The targets named on the ``snakemake`` command line; none when Snakemake was started otherwise (its Python
-    API, a job's own process). Snakemake reads the Snakefile before it hands the targets to the workflow
-    (``workflow.dag_settings`` is unset here), so they come from ``sys.argv`` through Snakemake's own parser."""
+def command_line():
+    """Snakemake's own reading of the ``snakemake`` command line (targets, executor, profiles applied), or None when
+    Snakemake was started otherwise (its Python API, a job's own process).
+
+    Snakemake 9 reads this Snakefile before it hands the targets to the workflow (``workflow.dag_settings`` is still
+    unset here, an ``onstart`` handler runs only in real runs and after the jobs are planned, and a target that names
+    an unknown model matches no rule, so no input function sees it), and a dry run plans with the local dry-run
+    executor whatever ``--executor`` says. So both come from ``sys.argv``, through ``snakemake.cli.parse_args``: the
+    function ``snakemake`` itself parsed it with before it read this file, which gives the same result for any order
+    of options and targets that Snakemake accepts. (An option of several values, such as ``--resources``,
+    ``--forcerun`` or ``--until``, takes every word up to the next option: a target right after it is read as one of
+    its values by Snakemake itself, or stops Snakemake before it reads this file. Targets go first.)"""
     prog = Path(sys.argv[0])
     if prog.name != "snakemake" and prog.parts[-2:] != ("snakemake", "__main__.py"):
-        return []
+        return None
     try:
-        from snakemake.cli import get_argument_parser
+        from snakemake.cli import parse_args
 
-        return list(get_argument_parser().parse_args(sys.argv[1:]).targets or [])
+        with contextlib.redirect_stderr(io.StringIO()):  # its "Using profile ..." line, printed once already
+            args = parse_args(sys.argv[1:])[1]
     except (Exception, SystemExit):
-        return []
+        return None
+    return args if args.mode == ExecMode.DEFAULT else None
 
+
+CLI = command_line()
 
 # A requested path under results/ naming an unknown model, selector or calibration, or an impossible pct, fails here
 # in one line with the valid choices (Snakemake alone would answer only "No rule to produce ...").
-for _target in command_line_targets():
+for _target in sorted(CLI.targets) if CLI else []:
     try:
         srconfig.check_target(CFG, os.path.relpath(_target) if os.path.isabs(_target) else _target)
     except srconfig.ConfigError as e:
         raise WorkflowError(str(e)) from None
+
+# With no target, a list of rule names and paths after --forcerun, --until, --omit-from or --prioritize means that the
+# option took the targets: Snakemake would build the default target instead (`-R select_channels <target>` plans every
+# selection and all that depends on them) or stop with "BUG: Out of jobs ready" (`--until`). One line instead.
+for _option, _values in (("--forcerun", CLI.forcerun), ("--until", CLI.until), ("--omit-from", CLI.omit_from),
+                         ("--prioritize", CLI.prioritize)) if CLI and not CLI.targets else []:
+    _paths, _rules = sorted(v for v in _values or () if "/" in v), sorted(v for v in _values or () if "/" not in v)
+    if _paths and _rules:
+        raise WorkflowError(
+            f"no target was given: {_option} read {' '.join(_paths)} as its own values (it takes every word up to "
+            f"the next option); put the targets first: snakemake {' '.join(_paths)} {_option} {' '.join(_rules)} ..."
+        )
 
 
 wildcard_constraints:
@@ -94,6 +121,16 @@ def get_base(wildcards):
     return base_marker(wildcards.model)
 
 
+def get_checkpoint_files(wildcards):
+    """The files of a ``local`` model's checkpoint that loading reads (config, weights, tokenizer:
+    statereduce.checkpoints.checkpoint_files): inputs of base_source and of every job that loads the base model, so
+    that new weights rerun them and everything downstream. None for hub models and models the workflow trains."""
+    from statereduce.checkpoints import checkpoint_files
+
+    local = MODELS[wildcards.model].get("local")
+    return [str(p) for p in checkpoint_files(local)] if local else []
+
+
 # conda environments of `--sdm conda`: by where the job runs, and stack (envs/*.yaml say what each holds)
 CONDA_ENVS = {
     "cpu": {"fla": "envs/fla.yaml", "lm_eval": "envs/lm_eval.yaml"},
@@ -118,9 +155,53 @@ def conda_env(stack, device=None):
     return choose
 
 
-def gpu_of(wildcards):
-    """GPU rules ask for one GPU for models configured with ``device: cuda``."""
-    return 1 if MODELS[wildcards.model]["device"] == "cuda" else 0
+def runs_here():
+    """Whether this Snakemake runs the jobs itself (its local executor, dry runs of it included), as opposed to
+    submitting them (SLURM), touching outputs, or being a job's own process."""
+    if workflow.executor_plugin is None or workflow.touch or workflow.exec_mode != ExecMode.DEFAULT:
+        return False
+    if CLI is None:  # the Python API: a dry run is judged by the dry-run executor
+        return workflow.local_exec
+    from snakemake_interface_executor_plugins.registry import ExecutorPluginRegistry
+
+    return ExecutorPluginRegistry().get_plugin(CLI.executor or "local").common_settings.local_exec
+
+
+def gpu_request(n, rulename, wildcards):
+    """The ``gpu`` resource of a job that needs ``n`` GPUs.
+
+    Run on this machine, Snakemake would cut a job's request down to the run's ``--resources gpu=N`` (0 included)
+    and start it anyway, and without that option it starts every GPU job at once. So here a job that needs more GPUs
+    than the run was granted stops the run before any job starts (the ``onstart`` below; a dry run stops where it
+    lists the job). Jobs submitted by an executor plugin (SLURM) pass their request on: the plugin asks for that many
+    GPUs."""
+    granted = workflow.global_resources.get("gpu").value or 0
+    if n and granted < n and runs_here():
+        where = ", ".join(f"{k}={v}" for k, v in wildcards.items())
+        raise ResourceValidationError(
+            f"rule {rulename} ({where}) needs {n} GPU{'s' if n > 1 else ''} and this run was granted {granted}: "
+            "give it the machine's GPUs with --resources gpu=N (at most N GPU jobs then run at once), or run it "
+            "under --profile profiles/slurm"
+        )
+    return n
+
+
+def gpu_of(wildcards, rulename):
+    """GPU rules ask for one GPU for models configured with ``device: cuda`` (:func:`gpu_request`)."""
+    return gpu_request(1 if MODELS[wildcards.model]["device"] == "cuda" else 0, rulename, wildcards)
+
+
+def one_gpu(wildcards, rulename):
+    """Rules that always run on CUDA (speed) ask for one GPU (:func:`gpu_request`)."""
+    return gpu_request(1, rulename, wildcards)
+
+
+onstart:
+    # Snakemake evaluates a job's resources when the job is next to start; evaluating those of every planned job here
+    # makes a GPU job without a granted GPU (gpu_request) stop the run before its first job. A dry run meets the
+    # same error while it lists the jobs.
+    for _job in workflow.dag.needrun_jobs():
+        _job.resources
 
 
 def get_calibration(wildcards):
@@ -211,13 +292,19 @@ def get_selector_options(wildcards):
 def get_eval(wildcards):
     ev = srconfig.model_eval(CFG, wildcards.model)
     if "heldout" in ev["tasks"]:
-        ev["corpus_spec"] = get_corpus_spec(ev.get("corpus") or MODELS[wildcards.model]["pretrain"]["corpus"])
+        ev["corpus_spec"] = get_corpus_spec(srconfig.model_eval_corpus(CFG, wildcards.model))
     return ev
 
 
 def model_info(wildcards):
     m = MODELS[wildcards.model]
     return {"model": wildcards.model, "family": m["family"], "dtype": m["dtype"], "device": m["device"]}
+
+
+def model_threads(wildcards):
+    """``threads`` of a job that loads or reads the model: ``models.<name>.threads`` (config.DEFAULT_THREADS: 1 on
+    CPU, 4 on CUDA). The job's script gives torch that many threads; the SLURM plugin asks for that many CPUs."""
+    return MODELS[wildcards.model]["threads"]
 
 
 def get_rft(wildcards):
@@ -233,17 +320,18 @@ def get_rft_corpus(wildcards):
     return get_corpus_spec(get_rft(wildcards)["corpus"])
 
 
-def get_rft_gpus(wildcards):
-    """The rft job's GPUs: ``rft.gpus`` for models on CUDA, none on CPU."""
-    return int(get_rft(wildcards)["gpus"]) if MODELS[wildcards.model]["device"] == "cuda" else 0
+def get_rft_gpus(wildcards, rulename):
+    """The rft job's GPUs: ``rft.gpus`` for models on CUDA, none on CPU (:func:`gpu_request`)."""
+    n = int(get_rft(wildcards)["gpus"]) if MODELS[wildcards.model]["device"] == "cuda" else 0
+    return gpu_request(n, rulename, wildcards)
 
 
 def get_rft_inputs(wildcards):
     if not rft_active(wildcards.model):
         raise WorkflowError(f"RFT is off for model {wildcards.model!r} (rft.activate: false); it has no rft/ artifact")
     stage = f"results/{wildcards.model}/{wildcards.method}_{wildcards.pct}"
-    return {"base": get_base(wildcards), "pruned": f"{stage}/pruned/config.json",
-            "record": f"{stage}/pruned/prune_record.json"}
+    return {"base": get_base(wildcards), "checkpoint": get_checkpoint_files(wildcards),
+            "pruned": f"{stage}/pruned/config.json", "record": f"{stage}/pruned/prune_record.json"}
 
 
 def get_summary_inputs(wildcards):

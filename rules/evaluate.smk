@@ -2,11 +2,13 @@ rule eval_baseline:
     """lm-eval on the unpruned model."""
     input:
         base=get_base,
+        checkpoint=get_checkpoint_files,
     output:
         "results/{model}/baseline/eval.json",
     params:
         info=model_info,
         eval=get_eval,
+    threads: model_threads
     resources:
         gpu=gpu_of,
     log:

@@ -19,7 +19,10 @@ rule pretrain:
 
 
 rule base_source:
-    """Record which hub (or local) checkpoint a model is: a small source.json, never a copy of the weights."""
+    """Record which hub (or local) checkpoint a model is: a small source.json, never a copy of the weights (a local
+    checkpoint's files are inputs, and source.json records their SHA-256)."""
+    input:
+        checkpoint=get_checkpoint_files,
     output:
         "results/{model}/base/source.json",
     params:

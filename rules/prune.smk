@@ -4,14 +4,17 @@ rule prune:
     than either step, and the pruned model in memory equals the reloaded checkpoint bit for bit."""
     input:
         base=get_base,
+        checkpoint=get_checkpoint_files,
         selection="results/{model}/select/{method}_{pct}.parquet",
     output:
         record="results/{model}/{method}_{pct}/pruned/prune_record.json",
         config="results/{model}/{method}_{pct}/pruned/config.json",
+        weights="results/{model}/{method}_{pct}/pruned/model.safetensors",
         eval="results/{model}/{method}_{pct}/pruned/eval.json",
     params:
         info=model_info,
         eval=get_eval,
+    threads: model_threads
     resources:
         gpu=gpu_of,
     log:

@@ -6,6 +6,7 @@ rule rft:
         unpack(get_rft_inputs),
     output:
         config="results/{model}/{method}_{pct}/rft/config.json",
+        weights="results/{model}/{method}_{pct}/rft/model.safetensors",
         record="results/{model}/{method}_{pct}/rft/rft_record.json",
         train_log="results/{model}/{method}_{pct}/rft/train_log.jsonl",
         eval="results/{model}/{method}_{pct}/rft/eval.json",
@@ -15,6 +16,7 @@ rule rft:
         corpus=get_rft_corpus,
         eval=get_eval,
         resume="results/{model}/{method}_{pct}/.rft_resume",
+    threads: model_threads
     resources:
         gpu=get_rft_gpus,
     log:

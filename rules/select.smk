@@ -8,6 +8,7 @@ rule select_channels:
     params:
         info=model_info,
         selector=get_selector_options,
+    threads: model_threads
     log:
         "logs/select_channels/{model}/{method}_{pct}.log",
     benchmark:

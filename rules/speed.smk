@@ -9,8 +9,9 @@ rule speed_baseline:
     params:
         info=model_info,
         speed=get_speed,
+    threads: model_threads
     resources:
-        gpu=1,
+        gpu=one_gpu,
     log:
         "logs/speed/{model}/baseline.log",
     conda:
@@ -26,8 +27,9 @@ rule speed:
     params:
         info=model_info,
         speed=get_speed,
+    threads: model_threads
     resources:
-        gpu=1,
+        gpu=one_gpu,
     log:
         "logs/speed/{model}/{method}_{pct}.log",
     conda:
@@ -63,6 +65,6 @@ rule speed_table:
 
 
 rule all_speed:
-    """The speed of every `speed.models` model on a GPU node: `snakemake --cores all all_speed` (resources gpu=1)."""
+    """The speed of every `speed.models` model on a GPU node: `snakemake all_speed --cores all --resources gpu=1`."""
     input:
         speed_outputs(),

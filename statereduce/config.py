@@ -18,6 +18,13 @@ import yaml
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
+#: CPU threads of a model's jobs (``models.<name>.threads``) by its ``device``: one for the CPU models, whose numbers
+#: depend on torch's thread count; four for a GPU job's host-side work. Under SLURM they are each job's CPUs.
+DEFAULT_THREADS = {"cpu": 1, "cuda": 4}
+
+# The defaults of a model's optional blocks (a model needs only family, a checkpoint and calibration.corpus):
+# calibration (below), eval (below; the heldout task reads model_eval_corpus), rft (DEFAULT_RFT, the top-level rft
+# block of config.yaml; its text is the calibration corpus's train split, model_rft) and rank (RANK_DEFAULTS).
 CALIBRATION_DEFAULTS = {
     "split": "calib", "n_samples": 32, "seq_len": 256, "seed": 0,
     "rows_per_head": 2500, "batch_size": 4,
@@ -68,8 +75,36 @@ def model_calibration(config: dict, model: str, calib: str = "default") -> dict:
             )
         cal.update(variants[calib])
     if "corpus" not in cal:
-        raise ConfigError(f"model {model!r} has no calibration corpus (models.{model}.calibration.corpus)")
+        raise ConfigError(f"models.{model}.calibration.corpus is not set: every model needs a calibration corpus "
+                          f"(also its default evaluation and RFT text); valid: {', '.join(sorted(config['corpora']))}")
     return cal
+
+
+def model_eval_corpus(config: dict, model: str) -> str | None:
+    """The corpus whose ``heldout`` split the ``heldout`` task and the rank analysis read: ``eval.corpus``, else the
+    pretraining corpus of a model the workflow trains, else the calibration corpus."""
+    m = config["models"][model]
+    return (m.get("eval", {}).get("corpus") or m.get("pretrain", {}).get("corpus")
+            or m.get("calibration", {}).get("corpus"))
+
+
+def check_split(config: dict, corpus: str, split: str, where: str, why: str) -> None:
+    """Check that ``corpus`` gives documents to ``split`` where its spec says which splits it has (a ``splits``
+    mapping, or ``fractions`` with zeros); every other corpus has all three.
+
+    Raises:
+        ConfigError: one line: ``where``, the corpus, the missing split, ``why`` it is read and the splits it has.
+    """
+    spec = config["corpora"][corpus]
+    if "splits" in spec:
+        have = sorted(spec["splits"])
+    elif "fractions" in spec:
+        have = sorted(s for s, share in spec["fractions"].items() if share > 0)
+    else:
+        return
+    if split not in have:
+        raise ConfigError(f"{where}: corpus {corpus!r} has no {split} split ({why}); its splits: "
+                          f"{', '.join(have) or '(none)'}")
 
 
 def model_eval(config: dict, model: str) -> dict:
@@ -94,6 +129,13 @@ def check_eval(config: dict, model: str) -> dict:
     ev = model_eval(config, model)
     if not ev["tasks"] and not ev.get("suites"):
         raise ConfigError(f"models.{model}.eval: nothing to evaluate; give tasks (e.g. [heldout]) or suites")
+    if "heldout" in ev["tasks"]:
+        corpus = model_eval_corpus(config, model)
+        if corpus is None:
+            raise ConfigError(f"models.{model}.eval: the heldout task needs a corpus; set models.{model}.eval.corpus "
+                              f"or models.{model}.calibration.corpus")
+        check_split(config, corpus, "heldout", f"models.{model}.eval",
+                    "the heldout task reads it; set eval.corpus to another corpus")
     if "recall_probe" in ev:
         from statereduce.eval.recall import RecallLevel
 
@@ -227,6 +269,7 @@ def check_rft(config: dict, model: str) -> dict:
             f"models.{model}.rft.corpus: unknown corpus {plan['corpus']!r}; "
             f"valid: {', '.join(sorted(config['corpora']))}"
         )
+    check_split(config, plan["corpus"], "train", f"models.{model}.rft", "RFT trains on it; set rft.corpus")
     try:
         rft_settings(plan["settings"])
     except ValueError as e:
@@ -240,14 +283,12 @@ RANK_DEFAULTS = {"n_samples": 4, "seq_len": 512, "skip": 128, "stride": 64, "see
 def model_rank(config: dict, model: str) -> dict:
     """Rank-analysis settings of ``model``: defaults, top-level ``rank``, then ``models.<model>.rank``.
 
-    The corpus (whose ``heldout`` split is analysed) defaults to the model's eval corpus, else its pretraining
-    corpus, else its calibration corpus.
+    The corpus (whose ``heldout`` split is analysed) defaults to the evaluation's (:func:`model_eval_corpus`).
     """
     m = config["models"][model]
     out = {**RANK_DEFAULTS, **config.get("rank", {}), **m.get("rank", {})}
     if out.get("corpus") is None:
-        out["corpus"] = (m.get("eval", {}).get("corpus") or m.get("pretrain", {}).get("corpus")
-                         or m.get("calibration", {}).get("corpus"))
+        out["corpus"] = model_eval_corpus(config, model)
     if out["corpus"] is None:
         raise ConfigError(f"model {model!r} has no corpus for the rank analysis: set models.{model}.rank.corpus")
     if out["corpus"] not in config["corpora"]:
@@ -302,7 +343,8 @@ def model_dims(config: dict, model: str) -> dict | None:
 
     For a ``pretrain`` model the sizes come from its ``arch`` block through the adapter's ``arch_dims``
     (the config class's defaults for omitted keys), without importing fla. Raises ConfigError (one line) for
-    an arch key the family's config class does not take.
+    an arch key the family's config class does not take. A hub model's are its ``dims``; a ``local`` model's are its
+    ``dims``, else read the same way from its checkpoint's ``config.json`` (its ``text_config`` where it has one).
     """
     from statereduce.adapters import adapter_class
 
@@ -313,7 +355,24 @@ def model_dims(config: dict, model: str) -> dict | None:
         except ValueError as e:
             raise ConfigError(f"models.{model}.pretrain.arch: {e}") from None
         return {"num_heads": d.num_heads, "head_k_dim": d.head_k_dim, "head_v_dim": d.head_v_dim}
+    if m.get("local") and "dims" not in m:
+        return _checkpoint_dims(m["family"], m["local"])
     return m.get("dims")
+
+
+def _checkpoint_dims(family: str, folder: str) -> dict | None:
+    """(num_heads, head_k_dim, head_v_dim) from a checkpoint folder's ``config.json`` through the adapter's
+    ``arch_dims``; None when it cannot be read that way (the jobs check the loaded model)."""
+    from statereduce.adapters import adapter_class
+
+    cls = adapter_class(family)
+    try:
+        cfg = json.loads((Path(folder).expanduser() / "config.json").read_text())
+        cfg = cfg.get("text_config") or cfg
+        d = cls.arch_dims({k: v for k, v in cfg.items() if k in cls.config_defaults})
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError):
+        return None
+    return {"num_heads": d.num_heads, "head_k_dim": d.head_k_dim, "head_v_dim": d.head_v_dim}
 
 
 def check_reduction(config: dict, model: str, pct: float) -> int:
@@ -543,22 +602,27 @@ def check_checkpoint_family(model: str, family: str, where: str, checkpoint: str
 
 
 def check_local(model: str, path: str | None) -> None:
-    """Check ``models.<model>.local``: a folder holding ``config.json`` (an HF checkpoint), or None (no checkpoint
-    yet). A relative path is relative to the working directory, as the jobs resolve it.
+    """Check ``models.<model>.local``: a folder holding ``config.json`` and weights (an HF checkpoint), or None (no
+    checkpoint yet). A relative path is relative to the working directory, as the jobs resolve it.
 
     Raises:
         ConfigError: one line naming the model, the path and what was expected.
     """
     if path is None:
         return
+    from statereduce.checkpoints import weight_files
+
     folder = Path(path).expanduser()
     if not folder.is_dir():
         problem = "is not a folder" if folder.exists() else "does not exist"
     elif not (folder / "config.json").is_file():
         problem = "has no config.json"
+    elif not weight_files(folder):
+        problem = "has no weights (*.safetensors or pytorch_model*.bin)"
     else:
         return
-    raise ConfigError(f"models.{model}.local: {path!r} {problem}; expected an HF checkpoint folder with config.json")
+    raise ConfigError(f"models.{model}.local: {path!r} {problem}; expected an HF checkpoint folder with config.json "
+                      "and its weights")
 
 
 def check_share_conv(model: str, m: dict) -> None:
@@ -608,6 +672,7 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
             check_share_conv(name, m)
         m.setdefault("dtype", "float32")
         m.setdefault("device", "cpu")
+        m.setdefault("threads", DEFAULT_THREADS[m["device"]])
         check_local(name, m.get("local"))
         if m.get("local"):
             check_checkpoint_family(name, m["family"], "local", m["local"])
@@ -621,10 +686,12 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
                     f"models.{name}.{where}.corpus: unknown corpus {cname!r}; valid: {', '.join(sorted(corpora))}"
                 )
     for name in cfg["models"]:
+        cal = model_calibration(cfg, name)
+        check_split(cfg, cal["corpus"], cal["split"], f"models.{name}.calibration",
+                    "calibration reads it; set calibration.split")
         check_eval(cfg, name)
         check_rft(cfg, name)
-        if "pretrain" in cfg["models"][name] or cfg["models"][name].get("eval", {}).get("corpus"):
-            model_rank(cfg, name)
+        model_rank(cfg, name)
     for cname, cal in cfg.get("calibrations", {}).items():
         if "corpus" in cal and cal["corpus"] not in corpora:
             raise ConfigError(

@@ -21,10 +21,13 @@ from typing import Any
 
 import torch
 
+from statereduce.checkpoints import BASE_ATTR, SOURCE_FILE, checkpoint_provenance, checkpoint_sha256
 from statereduce.runtime import write_json
 from statereduce.tokenizer import VOCAB_SIZE
 
-SOURCE_FILE = "source.json"
+WEIGHTS_FILE = "model.safetensors"
+"""The weights of every checkpoint the workflow writes (pruned, fine-tuned): one file, which the rules name."""
+_ONE_SHARD = "1000TB"  # save_pretrained's max_shard_size: above any model, so the weights are never sharded
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Fields set for every tiny model unless the arch dict overrides them (byte-level tokenizer: EOS = BOS = 256).
 TINY_DEFAULTS: dict[str, Any] = {
@@ -105,7 +108,9 @@ def write_hub_source(
 
     Returns:
         The record written: ``hub_id``, ``revision``, ``requested_revision``, ``resolved``, ``dtype``,
-        ``tokenizer`` (only when given).
+        ``tokenizer`` (only when given) and, for a local checkpoint folder, ``sha256``: ``{file name: SHA-256}`` of
+        every file loading reads (:func:`statereduce.checkpoints.checkpoint_sha256`), which the jobs that load the
+        model copy into their artifacts' provenance (:func:`statereduce.checkpoints.base_checkpoint`).
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
@@ -123,8 +128,27 @@ def write_hub_source(
     }
     if tokenizer is not None:
         record["tokenizer"] = tokenizer
+    if Path(hub_id).expanduser().is_dir():
+        record["sha256"] = checkpoint_sha256(hub_id)
     write_json(Path(out_dir) / SOURCE_FILE, record)
     return record
+
+
+def save_checkpoint(model, tokenizer, folder: str | Path) -> Path:
+    """Save ``model`` into ``folder`` as one :data:`WEIGHTS_FILE` (never sharded, whatever its size, so that the
+    rules can name the file as an output) with its config, and ``tokenizer`` when not None.
+
+    Returns:
+        The weights file.
+    """
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size=_ONE_SHARD)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    weights = Path(folder) / WEIGHTS_FILE
+    if not weights.is_file():
+        raise RuntimeError(f"save_pretrained wrote no {WEIGHTS_FILE} into {folder} (files: "
+                           f"{', '.join(sorted(p.name for p in Path(folder).iterdir()))})")
+    return weights
 
 
 def load_model(base: str | Path, *, dtype: str | None = None, device: str | torch.device = "cpu"):
@@ -145,6 +169,9 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
 
     Always imports ``fla`` (which registers its models with the Auto classes) and, for configs that
     have it, sets ``fuse_cross_entropy=False`` (fla's fused loss is CUDA-only; the plain loss is exact).
+    The model carries :func:`~statereduce.checkpoints.checkpoint_provenance` of ``base`` as
+    :data:`~statereduce.checkpoints.BASE_ATTR` (:func:`~statereduce.checkpoints.base_checkpoint`), which the artifacts
+    written from it record.
     """
     import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -176,5 +203,6 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
         kwargs["fuse_cross_entropy"] = False
     model = (adapter.causal_lm_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
     model.to(device).eval()
+    setattr(model, BASE_ATTR, checkpoint_provenance(base))
     tokenizer = AutoTokenizer.from_pretrained(tok_id, revision=revision if tok_id == model_id else None)
     return model, tokenizer

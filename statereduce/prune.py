@@ -39,6 +39,8 @@ from statereduce.adapters import ChannelRows, LinearAttentionAdapter, get_adapte
 from statereduce.adapters.conv_sharing import filters_equal
 from statereduce.kernels.shapes import record_note
 from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
+from statereduce.checkpoints import base_checkpoint
+from statereduce.models import save_checkpoint
 from statereduce.runtime import atomic_dir, versions
 
 RECORD_NAME = "prune_record.json"
@@ -210,6 +212,8 @@ class PruneRecord:
     the transforms themselves are in the selection file). ``kernel_scale`` documents that the
     stock kernels of the saved checkpoint use ``1/sqrt(d_k')`` (module docstring); ``fla_kernel_shapes`` whether
     stock fla's kernels are known to mishandle the pruned head shape on CUDA (:mod:`statereduce.kernels.shapes`).
+    ``base_checkpoint`` names the hub or local checkpoint that was pruned (a local one with the SHA-256 of its files,
+    :func:`statereduce.checkpoints.checkpoint_provenance`); None for a model the workflow trained.
     """
 
     source_model: str
@@ -229,6 +233,7 @@ class PruneRecord:
     package_version: str = __version__
     versions: dict[str, str | None] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    base_checkpoint: dict[str, Any] | None = None
     format: int = RECORD_FORMAT
 
     def to_json(self) -> str:
@@ -440,7 +445,9 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
             raise ValueError(f"meta {name}={meta[name]!r} disagrees with the model/selection: {name}={value!r}")
     if "pct" in meta and (isinstance(meta["pct"], bool) or not isinstance(meta["pct"], (int, float))):
         raise ValueError(f"meta pct={meta['pct']!r} must be a number (percent of key channels removed)")
-    extra = {k: v for k, v in meta.items() if k not in {"source_model", "source", "method", "pct", *facts}}
+    base = base_checkpoint(model) or meta.get("base_checkpoint")  # the selection's copy, for a model built otherwise
+    extra = {k: v for k, v in meta.items()
+             if k not in {"source_model", "source", "method", "pct", "base_checkpoint", *facts}}
     try:
         json.dumps(extra)
     except TypeError as err:
@@ -473,11 +480,12 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
         fla_kernel_shapes=record_note(tuple(adapter.padded_kernels), d_k_new, d_v),
         versions=versions(),
         extra=extra,
+        base_checkpoint=base,
     )
 
 
 def save_pruned(model: nn.Module, tokenizer, record: PruneRecord, out_dir: str | os.PathLike) -> Path:
-    """Write the pruned HF checkpoint (safetensors), the tokenizer and ``prune_record.json`` atomically.
+    """Write the pruned HF checkpoint (one ``model.safetensors``), the tokenizer and ``prune_record.json`` atomically.
 
     Everything is written into a temporary sibling directory that is renamed into place at the end, so a
     crash never leaves a directory that looks like a valid checkpoint. An existing ``out_dir`` is replaced.
@@ -492,8 +500,6 @@ def save_pruned(model: nn.Module, tokenizer, record: PruneRecord, out_dir: str |
     """
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        save_checkpoint(model, tokenizer, tmp)
         (tmp / RECORD_NAME).write_text(record.to_json() + "\n")
     return out_dir

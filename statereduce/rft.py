@@ -509,6 +509,7 @@ def fine_tune(
     """
     from accelerate import Accelerator
 
+    from statereduce.checkpoints import checkpoint_provenance
     from statereduce.models import DTYPES
 
     cfg = rft_settings(cfg)
@@ -537,6 +538,7 @@ def fine_tune(
         stats = train(peft_model, teacher, blocks, cfg, resume_dir=resume, accelerator=acc, stop_after=stop_after,
                       log_path=tmp / LOG_FILE if tmp is not None else None)
         del teacher
+        base = checkpoint_provenance(base_dir)  # the teacher's checkpoint; a local one with its files' SHA-256
         record = {
             "settings": cfg,
             "schedule": _schedule(cfg),
@@ -544,6 +546,7 @@ def fine_tune(
             "n_trainable": n_trainable,
             "data": data,
             "teacher": str(base_dir),
+            **({"base_checkpoint": base} if base is not None else {}),
             "student": str(pruned_dir),
             "saved_dtype": dtype,
             "fingerprint": key,
@@ -615,10 +618,11 @@ def _write_checkpoint(tmp: Path, model: nn.Module, tokenizer, pruned_dir: str | 
                       log_path: str | Path | None) -> None:
     """Write the merged model, the tokenizer, ``prune_record.json`` (the pruned checkpoint's, with ``record`` as
     its ``rft`` section) and ``rft_record.json`` into ``tmp``; copy the training log to ``log_path``."""
+    from statereduce.models import save_checkpoint
+
     prune_record = read_json(Path(pruned_dir) / "prune_record.json")
     prune_record["rft"] = record
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    save_checkpoint(model, tokenizer, tmp)
     write_json(tmp / "prune_record.json", prune_record)
     write_json(tmp / RECORD_FILE, record)
     if log_path is not None:
@@ -686,7 +690,12 @@ def launch(
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m statereduce.rft``: one RFT run (also under ``torchrun``, one process per GPU)."""
-    p = argparse.ArgumentParser(prog="python -m statereduce.rft", description=main.__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m statereduce.rft",
+        description="One recovery fine-tuning run of a pruned checkpoint: LoRA plus distillation from the unpruned "
+                    "model (also under torchrun, one process per GPU). The workflow's rft rule runs the same; "
+                    "docs/rft.md describes it.",
+    )
     p.add_argument("--pruned", required=True, help="pruned checkpoint folder (student)")
     p.add_argument("--base", required=True, help="base artifact of the unpruned model (teacher)")
     p.add_argument("--out", required=True, help="RFT checkpoint folder to write")

@@ -40,6 +40,24 @@ def start(log_path: str | Path | None, threads: int = 1, torch_threads: bool = T
     return logging.getLogger("statereduce")
 
 
+def cpu_kind() -> str:
+    """The CPU this process runs on, as the provenance of its numbers: model name and widest vector extension, e.g.
+    ``"AMD EPYC (AVX2)"``. The tiny models' CPU results depend on it: torch, MKL and oneDNN pick their kernels by the
+    CPU, and kernels of different CPUs round differently (README: "The same numbers on another CPU")."""
+    import platform
+
+    name, flags = platform.processor() or platform.machine(), ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name in ("", platform.processor(), platform.machine()):
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = f" {value.strip()} "
+    width = next((isa.upper() for isa in ("avx512f", "avx2", "avx") if f" {isa} " in flags), None)
+    return f"{name} ({width.replace('F', '') if width == 'AVX512F' else width})" if width else name
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -159,7 +177,7 @@ def versions() -> dict[str, str | None]:
     """
     from statereduce import __version__
 
-    out: dict[str, str | None] = {"statereduce": __version__}
+    out: dict[str, str | None] = {"statereduce": __version__, "cpu": cpu_kind()}
     for key, dist in VERSIONED_PACKAGES.items():
         try:
             out[key] = importlib.metadata.version(dist)

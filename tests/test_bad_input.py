@@ -239,7 +239,7 @@ def test_local_checkpoint_must_be_a_folder_with_config_json(shipped_config, tmp_
         cfg["models"]["dn370m"]["local"] = str(local)
         return validate_config(cfg)
 
-    expected = "expected an HF checkpoint folder with config.json"
+    expected = "expected an HF checkpoint folder with config.json and its weights"
     with pytest.raises(ConfigError) as err:
         validate("/nonexistent/ckpt")
     assert _one_line(err) == f"models.dn370m.local: '/nonexistent/ckpt' does not exist; {expected}"
@@ -247,10 +247,17 @@ def test_local_checkpoint_must_be_a_folder_with_config_json(shipped_config, tmp_
     with pytest.raises(ConfigError,
                        match=rf"^models\.dn370m\.local: '.*weights\.safetensors' is not a folder; {expected}$"):
         validate(tmp_path / "weights.safetensors")
-    with pytest.raises(ConfigError, match=rf"^models\.dn370m\.local: '{re.escape(str(tmp_path))}' has no config\.json"):
-        validate(tmp_path)
-    (tmp_path / "config.json").write_text("{}")
-    assert validate(tmp_path)["models"]["dn370m"]["local"] == str(tmp_path)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match=rf"^models\.dn370m\.local: '{re.escape(str(folder))}' has no config\.json"):
+        validate(folder)
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(ConfigError) as err:
+        validate(folder)
+    assert _one_line(err) == (f"models.dn370m.local: '{folder}' has no weights (*.safetensors or pytorch_model*.bin); "
+                              f"{expected}")
+    (folder / "model.safetensors").write_bytes(b"")
+    assert validate(folder)["models"]["dn370m"]["local"] == str(folder)
 
 
 # ---- 2. a requested path naming something unknown -----------------------------------------------------------------
@@ -396,5 +403,5 @@ def test_missing_local_checkpoint_fails_the_dry_run(shipped_config, tmp_path):
     out = _dry_run(tmp_path, cfg=cfg)
     assert out.returncode != 0
     line = ("models.dn370m.local: '/nonexistent/ckpt' does not exist; "
-            "expected an HF checkpoint folder with config.json")
+            "expected an HF checkpoint folder with config.json and its weights")
     assert line in (out.stdout + out.stderr).splitlines()

@@ -331,7 +331,8 @@ def test_evaluate_recall_rejects_short_max_length(tok, tmp_path):
 # the recall_probe suite in the workflow's eval path (eval.run.evaluate_loaded)
 # ---------------------------------------------------------------------------------------------
 def test_evaluate_loaded_recall_probe_suite_without_heldout(tok, tmp_path):
-    """tasks=[] and suites=[recall_probe]: the levels are written next to eval.json and scored by lm-eval."""
+    """tasks=[] and suites=[recall_probe]: the levels are written to a temporary folder and scored by lm-eval; nothing
+    but eval.json is left next to it (no task files, no ``datasets`` cache or ``.lock`` files)."""
     from statereduce.eval.run import evaluate_loaded
 
     model = tiny_model("delta_net", vocab_size=257)
@@ -348,7 +349,7 @@ def test_evaluate_loaded_recall_probe_suite_without_heldout(tok, tmp_path):
     out = tmp_path / "baseline" / "eval.json"
     doc = evaluate_loaded(model, tok, "ckpt", settings, {"model": "tiny-dn"}, out, {"method": "baseline"})
     names = ["recall_mqar_4", "recall_mqar_8_d0"]
-    assert sorted(p.name for p in (out.parent / ".lm_eval_tasks").glob("*.yaml")) == sorted(f"{n}.yaml" for n in names)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["baseline", "baseline/eval.json"]
     assert list(doc["metrics"]) == names and doc["settings"]["tasks"] == names
     accs = [_hand_acc(model, tok, _level_docs(level)) for level in levels]
     assert [doc["metrics"][n]["acc"] for n in names] == accs

@@ -51,3 +51,39 @@ def test_profile_names_only_existing_rules_and_no_flags_the_plugin_refuses(tmp_p
     for resources in [profile["default-resources"], *profile["set-resources"].values()]:
         extra = str(resources.get("slurm_extra", ""))
         assert not any(flag in extra for flag in ("--gres", "--gpus", "--mem", "-p ")), extra
+
+
+def test_jobs_ask_for_their_threads_as_cpus_and_their_gpus(tmp_path):
+    """Every job that loads or reads a model declares ``threads`` (the model's ``threads``: 4 on CUDA, 1 for the tiny
+    CPU models, whose numbers depend on torch's thread count), the profile sets no ``cpus_per_task``, so the plugin
+    asks SLURM for that many CPUs; GPU jobs keep their own ``gpu`` request with no ``--resources`` (none is needed
+    under SLURM). A dry run caps threads at ``--cores`` (1 unless given), a SLURM run does not: hence ``--cores 64``."""
+    pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install -e '.[slurm]'")
+    from _snakemake import planned_jobs
+    from snakemake_executor_plugin_slurm_jobstep import get_cpu_setting
+
+    profile = yaml.safe_load((PROFILE / "config.yaml").read_text())
+    assert not any("cpus_per_task" in r for r in [profile["default-resources"], *profile["set-resources"].values()])
+    out = _snakemake(tmp_path, "results/gdn1.3b/drrqr_50/eval.json", "results/tiny-dn/drrqr_50/eval.json",
+                     "--profile", str(PROFILE), "-n", "--cores", "64")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    torch_rules = {"pretrain", "qk_weights", "calibrate", "eval_baseline", "select_channels", "prune", "rft"}
+    seen = set()
+    for job in planned_jobs(text):
+        model, rule = job["wildcards"].get("model"), job["rule"]
+        if rule in torch_rules:
+            assert job["threads"] == (4 if model == "gdn1.3b" else 1), job
+            seen.add((rule, model))
+        else:
+            assert job["threads"] == 1, job
+        assert "cpus_per_task" not in job["resources"], job
+        if rule in ("calibrate", "eval_baseline", "prune", "rft"):
+            assert job["resources"]["gpu"] == ("1" if model == "gdn1.3b" else "0"), job
+    assert seen == {(r, m) for r in torch_rules for m in ("gdn1.3b", "tiny-dn") if (r, m) != ("pretrain", "gdn1.3b")}
+
+    class Job:  # what the plugin reads of a job to build sbatch's CPU option
+        threads = 4
+        resources = type("Resources", (dict,), {"get": dict.get})()
+
+    assert get_cpu_setting(Job(), gpu=True) == "--cpus-per-task=4"

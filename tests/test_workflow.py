@@ -5,7 +5,8 @@ A copy of the workflow (Snakefile, rules, scripts, package, schema) runs the tin
 - nothing reruns when nothing changed,
 - editing the DRRQR selector's code schedules only DRRQR selections and their dependents,
 - a Grad-only setting touches only Grad jobs,
-- an RFT setting reruns only RFT and what reads it; switching RFT off drops it from the summaries.
+- an RFT setting reruns only RFT and what reads it; switching RFT off drops it from the summaries,
+- the commands of docs/workflow.md's "Rerunning one step" plan exactly the jobs the docs name.
 """
 
 from __future__ import annotations
@@ -127,11 +128,42 @@ def test_rft_setting_reruns_only_rft(finished_run):
     finally:
         cfg_path.write_text(original)
     assert set(jobs) == {"rft", "summarize", "comparison_table"}, jobs
-    assert len(jobs["rft"]) == 3 * 4  # three methods, four declared outputs each
+    assert len(jobs["rft"]) == 3 * 5  # three methods, five declared outputs each
     assert set(jobs_off) == {"summarize", "comparison_table"}, jobs_off
 
 
-def test_all_paper_adds_rank_analysis_and_tables(finished_run):
+def _documented_rerun_commands() -> list[str]:
+    """The commands of docs/workflow.md's "Rerunning one step", in order, without their comments."""
+    doc = (ROOT / "docs" / "workflow.md").read_text()
+    section = doc.split("## Rerunning one step", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.startswith("snakemake ")]
+
+
+def test_documented_rerun_commands_plan_what_the_docs_say(finished_run):
+    """docs/workflow.md's commands for rerunning one step, run as written (through bash, for the globs) with ``-n``
+    on the finished run, the tiny default's tiny-dn replaced by this config's wf-dn (its only model, so a "column" is
+    one cell): each plans exactly the jobs the docs list, all of the drrqr cell."""
+    from _snakemake import job_counts
+
+    commands = _documented_rerun_commands()
+    cell = {"select_channels": 1, "prune": 1, "rft": 1, "summarize": 1}
+    expected = [{"select_channels": 1}, cell, {"select_channels": 1}, {**cell, "comparison_table": 1, "all": 1}]
+    assert len(commands) == len(expected), commands
+    until = "snakemake results/tiny-dn/drrqr_50/eval.json --forcerun select_channels --until select_channels"
+    assert f"`{until}`" in (ROOT / "docs" / "workflow.md").read_text()  # "plans the same single job as the first"
+    commands, expected = [*commands, until], [*expected, {"select_channels": 1}]
+    for command, counts in zip(commands, expected):
+        line = command.replace("tiny-dn", "wf-dn").replace("snakemake", f"{sys.executable} -m snakemake", 1)
+        out = subprocess.run(["bash", "-c", f"{line} -n"], cwd=finished_run, capture_output=True, text=True,
+                             timeout=300)
+        text = out.stdout + out.stderr
+        assert out.returncode == 0, (command, text[-3000:])
+        assert job_counts(text) == counts, (command, job_counts(text))
+        outputs = [p for rule, paths in _jobs(text).items() if rule not in ("comparison_table", "all") for p in paths]
+        assert outputs and all("drrqr_50" in p for p in outputs), (command, outputs)
+    assert planned_outputs(finished_run) == {}  # dry runs: still complete
+
     """``all_paper`` = the default outputs plus rank.json per checkpoint and the Table 5/6/overlap tables."""
     run = _snakemake(finished_run, "--cores", "2", "all_paper")
     assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
@@ -182,11 +214,13 @@ def test_report_has_tables_and_figures(finished_run, tmp_path):
 
 def _dry_run_shipped(tmp_path: Path, cfg: dict, target: str) -> dict[str, list[str]]:
     """rule -> planned outputs of ``snakemake -n target`` with the repository's workflow and ``cfg`` in an empty
-    work directory (nothing exists there, so every job of the target is planned)."""
+    work directory (nothing exists there, so every job of the target is planned), one GPU granted (speed jobs need
+    one)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "-n"]
-    out = subprocess.run([*cmd, target], capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run([*cmd, target, "--resources", "gpu=1"], capture_output=True, text=True, timeout=300,
+                         check=False)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     return _jobs(out.stdout + out.stderr)
 

@@ -506,6 +506,7 @@ def rank_analysis(checkpoint: str | Path, settings: dict[str, Any], info: dict[s
     ``extra``'s method and pct): a pruned checkpoint's ``prune_record.json`` and the ``selection``, and the
     ``activations`` for the selection's calibration id and head sizes (:mod:`statereduce.artifacts`).
     """
+    from statereduce.checkpoints import base_checkpoint
     from statereduce.data import load_split, token_blocks
     from statereduce.h5files import H5Artifact
     from statereduce.models import load_model
@@ -538,7 +539,9 @@ def rank_analysis(checkpoint: str | Path, settings: dict[str, Any], info: dict[s
                                           {lay: d["Q"] for lay, d in data.items()}, keep)
         cond["per_head"] = [{"layer": lay, "head": h, **v} for (lay, h), v in sorted(cond["per_head"].items())]
         doc["conditioning"] = {**cond, "activations": str(activations), "selection": str(selection)}
+    base = base_checkpoint(model)
     doc["provenance"] = {"checkpoint": str(checkpoint), "model": info["model"], "corpus": settings["corpus_spec"],
-                         "split": "heldout", **(extra or {})}
+                         "split": "heldout", **({"base_checkpoint": base} if base is not None else {}),
+                         **(extra or {})}
     write_json(out_path, jsonable(doc))
     return doc

@@ -183,7 +183,8 @@ def _comparable(doc: Mapping[str, Any]) -> dict:
 
 def _brief_provenance(doc: Mapping[str, Any]) -> dict:
     p = doc.get("provenance", {})
-    return {k: p.get(k) for k in ("checkpoint", "model_id", "date", "versions")}
+    brief = {k: p.get(k) for k in ("checkpoint", "model_id", "date", "versions")}
+    return {**brief, "base_checkpoint": p["base_checkpoint"]} if "base_checkpoint" in p else brief
 
 
 def _now() -> str:

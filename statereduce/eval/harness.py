@@ -25,8 +25,10 @@ the same numbers as 1, and fla never takes its varlen path (which an attention m
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import numbers
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -343,7 +345,9 @@ def evaluate_and_write(
     """Evaluate a loaded model and write its ``eval.json`` (the whole body of an evaluation rule).
 
     Local tasks (the held-out perplexity task, then each ``local_tasks`` writer's tasks) are written
-    into ``task_dir``, which is then passed as ``include_path`` together with ``include_path``. Tasks
+    into ``task_dir``, which is then passed as ``include_path`` together with ``include_path``; without a
+    ``task_dir`` they go to a temporary folder that is removed afterwards, so that neither the task files nor the
+    ``datasets`` cache lm-eval builds beside them (Arrow files, ``.lock`` files) are left next to ``out_path``. Tasks
     whose ``task_max_length`` exceeds ``max_length`` run in a second lm-eval call with that window (so
     the RULER 4K prompts of the ``recall`` suite are never cut while WikiText keeps its 2K windows);
     the results are merged and ``settings.runs`` lists every call's tasks and window.
@@ -362,28 +366,35 @@ def evaluate_and_write(
         local_tasks: ``{label: writer}``; each ``writer(task_dir)`` writes local tasks and returns their
             names. A label that is a suite name (``recall_probe``) gives that suite its tasks.
         include_path: more folders of already written local tasks.
-        task_dir: folder for the local tasks (default: a folder next to ``out_path``).
-        checkpoint, model_id, extra_provenance: provenance fields.
+        task_dir: folder for the local tasks, kept afterwards (default: a temporary folder, removed).
+        checkpoint, model_id, extra_provenance: provenance fields; the model's ``base_checkpoint``
+            (:func:`statereduce.checkpoints.base_checkpoint`) is added when it has one.
 
     Returns:
         The written document: :func:`statereduce.eval.documents.eval_record` plus ``suites``
         (``{suite: {summary: value or None}}``) when ``eval_cfg["suites"]`` is non-empty.
     """
+    from statereduce.checkpoints import base_checkpoint
     from statereduce.eval.suites import summarize_suites
 
     unknown = sorted(set(eval_cfg) - set(EVAL_CFG_KEYS))
     if unknown:
         raise ValueError(f"unknown eval_cfg keys {unknown}; valid: {', '.join(EVAL_CFG_KEYS)}")
-    task_dir = Path(task_dir) if task_dir is not None else Path(out_path).parent / "lm_eval_tasks"
-    local, written = write_local_tasks(task_dir, heldout_docs, local_tasks)
-    tasks = local + [t for t in eval_cfg.get("tasks") or [] if t not in local]
-    if not tasks:
-        raise ValueError("nothing to evaluate: eval_cfg['tasks'] is empty and no local tasks were given")
-    paths = ([task_dir] if local else []) + _as_list(include_path)
-    result = evaluate_windows(model, tokenizer, tasks, paths, eval_cfg)
+    with contextlib.ExitStack() as stack:
+        if task_dir is None:
+            task_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="statereduce-lm-eval-"))
+        task_dir = Path(task_dir)
+        local, written = write_local_tasks(task_dir, heldout_docs, local_tasks)
+        tasks = local + [t for t in eval_cfg.get("tasks") or [] if t not in local]
+        if not tasks:
+            raise ValueError("nothing to evaluate: eval_cfg['tasks'] is empty and no local tasks were given")
+        paths = ([task_dir] if local else []) + _as_list(include_path)
+        result = evaluate_windows(model, tokenizer, tasks, paths, eval_cfg)
     if eval_cfg.get("suites"):
         result["suites"] = summarize_suites(result["metrics"], eval_cfg["suites"], written)
-    extra = {"state": state_record(model), "checkpoint": checkpoint, "model_id": model_id, **(extra_provenance or {})}
+    base = base_checkpoint(model)
+    extra = {"state": state_record(model), "checkpoint": checkpoint, "model_id": model_id,
+             **({"base_checkpoint": base} if base is not None else {}), **(extra_provenance or {})}
     return write_eval_json(out_path, result, extra)
 
 

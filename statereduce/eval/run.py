@@ -44,8 +44,9 @@ def evaluate_loaded(model, tokenizer, checkpoint: str | Path, settings: dict[str
     ``settings`` is a model's ``eval`` config (:func:`statereduce.config.model_eval`); its ``suites`` are
     expanded here too (idempotent), so plain ``{"tasks": [...], "suites": [...]}`` works as well. Local
     tasks (the ``heldout`` perplexity task, the ``recall_probe`` suite's MQAR levels from
-    :mod:`statereduce.eval.recall`) are written to ``.lm_eval_tasks/`` next to ``out_path`` and scored in the
-    same lm-eval call as the other tasks; the document gets a ``suites`` block of suite averages.
+    :mod:`statereduce.eval.recall`) are written to a temporary folder (removed afterwards: nothing but
+    ``out_path`` is written under ``results/``) and scored in the same lm-eval call as the other tasks; the
+    document gets a ``suites`` block of suite averages.
     """
     from statereduce.eval.harness import evaluate_and_write
     from statereduce.eval.suites import expand_eval
@@ -68,5 +69,4 @@ def evaluate_loaded(model, tokenizer, checkpoint: str | Path, settings: dict[str
     if suites:
         cfg["suites"] = suites
     return evaluate_and_write(model, tokenizer, out_path, eval_cfg=cfg, heldout_docs=docs, local_tasks=local,
-                              task_dir=Path(out_path).parent / ".lm_eval_tasks", checkpoint=str(checkpoint),
-                              model_id=info["model"], extra_provenance=extra)
+                              checkpoint=str(checkpoint), model_id=info["model"], extra_provenance=extra)
