@@ -73,6 +73,8 @@ rule rank_tables:
         ),
     log:
         "logs/rank_tables/rank_tables.log",
+    benchmark:
+        "benchmarks/rank_tables/rank_tables.tsv",
     conda:
         conda_env("lm_eval")
     script:
@@ -146,6 +148,8 @@ rule study_tables:
         calibrations=get_study_calibrations,
     log:
         "logs/study_tables/study_tables.log",
+    benchmark:
+        "benchmarks/study_tables/study_tables.tsv",
     conda:
         conda_env("lm_eval")
     script:
@@ -191,6 +195,8 @@ rule convolution_tables:
         models=get_convolution_models,
     log:
         "logs/convolution_tables/convolution_tables.log",
+    benchmark:
+        "benchmarks/convolution_tables/convolution_tables.tsv",
     conda:
         conda_env("lm_eval")
     script:
@@ -231,6 +237,8 @@ rule tables_html:
         ),
     log:
         "logs/tables_html/tables_html.log",
+    benchmark:
+        "benchmarks/tables_html/tables_html.tsv",
     conda:
         conda_env("lm_eval")
     script:

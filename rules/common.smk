@@ -113,7 +113,8 @@ def get_final_output():
 
 def base_marker(model):
     """The file that marks a finished base artifact of ``model``."""
-    kind = "pretrain.json" if "pretrain" in MODELS[model] else "source.json"
+    m = MODELS[model]
+    kind = "pretrain.json" if "pretrain" in m else "init.json" if "init" in m else "source.json"
     return f"results/{model}/base/{kind}"
 
 

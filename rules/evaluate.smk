@@ -29,6 +29,8 @@ rule summarize:
         "results/{model}/{method}_{pct}/eval.json",
     log:
         "logs/summarize/{model}/{method}_{pct}.log",
+    benchmark:
+        "benchmarks/summarize/{model}/{method}_{pct}.tsv",
     conda:
         conda_env("lm_eval")
     script:
@@ -50,6 +52,8 @@ rule comparison_table:
         csv="results/tables/comparison.csv",
     log:
         "logs/comparison_table/comparison.log",
+    benchmark:
+        "benchmarks/comparison_table/comparison.tsv",
     conda:
         conda_env("lm_eval")
     script:

@@ -30,7 +30,33 @@ rule base_source:
         family=lambda wildcards: MODELS[wildcards.model]["family"],
     log:
         "logs/base_source/{model}.log",
+    benchmark:
+        "benchmarks/base_source/{model}.tsv",
     conda:
         conda_env("fla")
     script:
         "../workflow_scripts/base_source.py"
+
+
+rule init_random:
+    """An untrained checkpoint of a model's `init.arch` shape (random weights, byte-level tokenizer): what every stage
+    costs at a hub model's size where nothing can be downloaded."""
+    output:
+        marker="results/{model}/base/init.json",
+        config="results/{model}/base/config.json",
+        weights="results/{model}/base/model.safetensors",
+    params:
+        family=lambda wildcards: MODELS[wildcards.model]["family"],
+        init=lambda wildcards: MODELS[wildcards.model]["init"],
+        info=model_info,
+    threads: model_threads
+    resources:
+        gpu=gpu_of,
+    log:
+        "logs/init_random/{model}.log",
+    benchmark:
+        "benchmarks/init_random/{model}.tsv"
+    conda:
+        conda_env("fla")
+    script:
+        "../workflow_scripts/init_random.py"

@@ -13,7 +13,9 @@ rule speed_baseline:
     resources:
         gpu=one_gpu,
     log:
-        "logs/speed/{model}/baseline.log",
+        "logs/speed_baseline/{model}.log",
+    benchmark:
+        "benchmarks/speed_baseline/{model}.tsv",
     conda:
         conda_env("fla", device="cuda")
     script:
@@ -32,6 +34,8 @@ rule speed:
         gpu=one_gpu,
     log:
         "logs/speed/{model}/{method}_{pct}.log",
+    benchmark:
+        "benchmarks/speed/{model}/{method}_{pct}.tsv",
     conda:
         conda_env("fla", device="cuda")
     script:
@@ -58,6 +62,8 @@ rule speed_table:
         ),
     log:
         "logs/speed_table/speed_table.log",
+    benchmark:
+        "benchmarks/speed_table/speed_table.tsv",
     conda:
         conda_env("lm_eval")
     script:

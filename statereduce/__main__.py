@@ -85,6 +85,8 @@ def configured_models(path: Path) -> tuple[str, list[tuple[str, str, str]]]:
         spec = spec if isinstance(spec, dict) else {}
         if "pretrain" in spec:
             source = "trained from scratch by the workflow (pretrain)"
+        elif "init" in spec:
+            source = "random weights of a given shape (init)"
         elif "hub" in spec:
             hub = spec["hub"]
             source = f"hub {hub.get('id') if isinstance(hub, dict) else hub}"

@@ -28,8 +28,11 @@ memory (what the three writers store, and what :mod:`statereduce.api` hands to t
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import functools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,11 +202,43 @@ def capture_activations(
     return out_path
 
 
+@contextlib.contextmanager
+def recomputed_layers(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
+    """While active, each decoder layer runs under ``torch.utils.checkpoint`` (non-reentrant): the backward recomputes
+    a layer's activations from its input instead of keeping every layer's, so a backward's memory grows with one
+    layer's activations, not all of them. Works in ``eval()`` (unlike ``gradient_checkpointing_enable``, which
+    transformers applies in training mode only). The Grad backward of the Qwen3.5 9B shape over 8 × 2048 tokens
+    needed more than an H200's 140 GB without it (docs/paper_scale.md)."""
+    if not enabled:
+        yield
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    from statereduce.adapters.base import decoder_layers
+
+    def run(forward, *args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layers = list(decoder_layers(model))
+    saved = [layer.__dict__.get("forward") for layer in layers]  # an instance-level forward (hooks) to restore
+    for layer in layers:
+        layer.forward = functools.partial(run, layer.forward)
+    try:
+        yield
+    finally:
+        for layer, own in zip(layers, saved, strict=True):
+            if own is None:
+                del layer.forward
+            else:
+                layer.forward = own
+
+
 def grad_score_arrays(
     model: torch.nn.Module,
     blocks: torch.Tensor,
     *,
     batch_size: int = 4,
+    recompute: bool | None = None,
 ) -> dict[int, dict[str, np.ndarray]]:
     """Grad saliency of every q/k channel from the full model's LM loss; the scores ``grad_scores.h5`` holds.
 
@@ -215,10 +250,16 @@ def grad_score_arrays(
         model: loaded causal LM (its parameters' ``requires_grad`` is managed here).
         blocks: LongTensor [n_samples, seq_len].
         batch_size: sequences per backward pass.
+        recompute: recompute each decoder layer's activations in the backward instead of keeping them all
+            (:func:`recomputed_layers`); None: on CUDA only, where memory is the limit (the CPU results stay as
+            they were).
 
     Returns:
         {layer: {"grad_q": float64 [H, d_k], "grad_k": float64 [H, d_k]}}, the layers in the adapter's order.
     """
+    from statereduce.kernels.routing import route_backward
+
+    route_backward(model)  # the torch kernels on a GPU where fla refuses the family's backward
     adapter = get_adapter(model)
     mixers = adapter.mixer_layers()
     weights = {i: adapter.qk_weight_rows(m) for i, m in mixers}  # {layer: ((W, rows_q), (W, rows_k))}
@@ -229,13 +270,14 @@ def grad_score_arrays(
     model.eval()  # no dropout; autograd still records
     device = next(model.parameters()).device
     n_total = blocks.shape[0]
-    for start in tqdm(range(0, n_total, batch_size), desc="grad scores", unit="batch"):
-        batch = blocks[start : start + batch_size].to(device)
-        logits = model(input_ids=batch, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1), reduction="mean"
-        )
-        (loss * batch.shape[0] / n_total).backward()
+    with recomputed_layers(model, device.type == "cuda" if recompute is None else recompute):
+        for start in tqdm(range(0, n_total, batch_size), desc="grad scores", unit="batch"):
+            batch = blocks[start : start + batch_size].to(device)
+            logits = model(input_ids=batch, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1), reduction="mean"
+            )
+            (loss * batch.shape[0] / n_total).backward()
     h, d = adapter.num_heads, adapter.head_k_dim
     arrays: dict[int, dict[str, np.ndarray]] = {}
     for i, (q_side, k_side) in weights.items():

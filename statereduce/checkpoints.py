@@ -81,8 +81,8 @@ def checkpoint_provenance(folder: str | Path) -> dict[str, Any] | None:
     Returns:
         For a base folder with ``source.json``: ``checkpoint`` (the hub id or local folder), ``revision`` (hub) and
         ``sha256`` (a local folder's files, :func:`checkpoint_sha256`). For a pruned or fine-tuned checkpoint: its
-        ``prune_record.json``'s ``base_checkpoint``. None for a checkpoint the workflow trained (``pretrain.json``
-        records how).
+        ``prune_record.json``'s ``base_checkpoint``. None for a checkpoint the workflow made (``pretrain.json`` or
+        ``init.json`` records how).
     """
     folder = Path(folder)
     if (folder / SOURCE_FILE).is_file():

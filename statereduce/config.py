@@ -59,7 +59,9 @@ def check_schema(config: dict, schema: dict | None = None) -> None:
         return
     err = errors[0]
     if err.validator == "oneOf" and list(err.path)[:1] == ["models"]:
-        raise ConfigError(f"config error at {_where(err.path)}: a model needs exactly one of hub, local, pretrain")
+        raise ConfigError(
+            f"config error at {_where(err.path)}: a model needs exactly one of hub, local, pretrain, init"
+        )
     raise ConfigError(f"config error at {_where(err.path)}: {err.message}")
 
 
@@ -150,7 +152,7 @@ def check_eval(config: dict, model: str) -> dict:
 
 
 RFT_PRECISIONS = ("auto", "bf16", "fp32")
-RFT_KERNELS = ("fla", "torch")
+RFT_KERNELS = ("auto", "fla", "torch")
 
 # RFT settings (statereduce.rft): the paper's defaults (App. A). The embedded tiny models override sizes and LR in
 # config.yaml.
@@ -169,7 +171,7 @@ DEFAULT_RFT: dict[str, Any] = {
     "betas": [0.9, 0.999],
     "grad_clip": 1.0,
     "precision": "auto",  # auto: bf16 autocast on CUDA, fp32 on CPU
-    "kernels": "fla",  # torch: statereduce.kernels.fla_fallback on CUDA too (where fla's backward is refused or faults)
+    "kernels": "auto",  # statereduce.kernels.routing.backward_kernels: torch where fla refuses the backward, else fla
     "seed": 0,
     "log_every": 10,
     "save_every": 100,  # optimizer steps between resume checkpoints
@@ -306,10 +308,10 @@ def model_rank(config: dict, model: str) -> dict:
 def model_speed(config: dict, model: str) -> dict:
     """The speed-benchmark plan of ``model``: ``family``, ``arch`` and ``settings``.
 
-    ``arch`` (the family's config keywords) is ``models.<model>.speed.arch``, else the ``pretrain.arch`` of a model the
-    workflow trains; speed runs use random weights of that shape, so they need no checkpoint. ``settings`` are
-    :data:`statereduce.speed.DEFAULT_SPEED` updated by the top-level ``speed`` block, then by the model's own
-    ``speed`` block (part blocks key by key).
+    ``arch`` (the family's config keywords) is ``models.<model>.speed.arch``, else the ``pretrain.arch`` or
+    ``init.arch`` of a model the workflow makes; speed runs use random weights of that shape, so they need no
+    checkpoint. ``settings`` are :data:`statereduce.speed.DEFAULT_SPEED` updated by the top-level ``speed`` block,
+    then by the model's own ``speed`` block (part blocks key by key).
     """
     from statereduce.adapters import adapter_class, adapter_families
 
@@ -321,7 +323,7 @@ def model_speed(config: dict, model: str) -> dict:
     own = dict(m.get("speed", {}))
     arch = own.pop("arch", None)
     if arch is None:
-        arch = m.get("pretrain", {}).get("arch")
+        arch = (m.get("pretrain") or m.get("init") or {}).get("arch")
     if arch is None:
         raise ConfigError(f"model {model!r} has no architecture for speed runs: set models.{model}.speed.arch "
                           "(fla config keywords: hidden_size, num_hidden_layers, num_heads, ...)")
@@ -341,7 +343,7 @@ def model_speed(config: dict, model: str) -> dict:
 def model_dims(config: dict, model: str) -> dict | None:
     """(num_heads, head_k_dim, head_v_dim) of a model known from config alone, or None.
 
-    For a ``pretrain`` model the sizes come from its ``arch`` block through the adapter's ``arch_dims``
+    For a ``pretrain`` or ``init`` model the sizes come from its ``arch`` block through the adapter's ``arch_dims``
     (the config class's defaults for omitted keys), without importing fla. Raises ConfigError (one line) for
     an arch key the family's config class does not take. A hub model's are its ``dims``; a ``local`` model's are its
     ``dims``, else read the same way from its checkpoint's ``config.json`` (its ``text_config`` where it has one).
@@ -349,11 +351,12 @@ def model_dims(config: dict, model: str) -> dict | None:
     from statereduce.adapters import adapter_class
 
     m = config["models"][model]
-    if "pretrain" in m:
+    block = next((b for b in ("pretrain", "init") if b in m), None)
+    if block is not None:
         try:
-            d = adapter_class(m["family"]).arch_dims(m["pretrain"]["arch"])
+            d = adapter_class(m["family"]).arch_dims(m[block]["arch"])
         except ValueError as e:
-            raise ConfigError(f"models.{model}.pretrain.arch: {e}") from None
+            raise ConfigError(f"models.{model}.{block}.arch: {e}") from None
         return {"num_heads": d.num_heads, "head_k_dim": d.head_k_dim, "head_v_dim": d.head_v_dim}
     if m.get("local") and "dims" not in m:
         return _checkpoint_dims(m["family"], m["local"])
@@ -664,11 +667,13 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
     for name, m in cfg["models"].items():
         if m["family"] not in families:
             raise ConfigError(f"model {name!r}: unknown family {m['family']!r}; valid: {', '.join(families)}")
+        for block in ("pretrain", "init"):
+            if block in m:
+                try:
+                    adapter_class(m["family"]).check_arch(m[block]["arch"])
+                except ValueError as e:
+                    raise ConfigError(f"models.{name}.{block}.arch: {e}") from None
         if "pretrain" in m:
-            try:
-                adapter_class(m["family"]).check_arch(m["pretrain"]["arch"])
-            except ValueError as e:
-                raise ConfigError(f"models.{name}.pretrain.arch: {e}") from None
             check_share_conv(name, m)
         m.setdefault("dtype", "float32")
         m.setdefault("device", "cpu")

@@ -7,6 +7,9 @@ corpus (by default the embedded Python-stdlib corpus, :mod:`statereduce.data`) s
 something. On CPU the layers run through the family adapter's fallbacks (fla's through
 :mod:`statereduce.kernels.fla_fallback`).
 
+:func:`init_random` writes an untrained model of any shape instead (a model's ``init:`` source): the cost of every
+stage at a hub model's size, where nothing can be downloaded.
+
 Paper: Nazari & Rusch (2026), "On State Reduction in Linear Attention", Sec. 4 (the pretrained DeltaNet
 and Gated DeltaNet models that are pruned); the tiny models stand in for them offline.
 """
@@ -26,8 +29,8 @@ import torch
 from tqdm import tqdm
 
 from statereduce.data import corpus_provenance, load_split, token_stream
-from statereduce.models import tiny_config
-from statereduce.runtime import atomic_dir, versions
+from statereduce.models import DTYPES, save_checkpoint, tiny_config
+from statereduce.runtime import atomic_dir, versions, write_json
 from statereduce.tokenizer import byte_level_tokenizer
 
 # Defaults, tuned for the embedded tiny models (hidden 128, 4 layers, 2 heads, d_k = d_v = 64, ~1.1M parameters)
@@ -218,6 +221,61 @@ def pretrain(
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+INIT_RECORD = "init.json"
+"""The record of a checkpoint :func:`init_random` wrote (beside its config and weights)."""
+
+
+def init_random(
+    family: str, arch: dict[str, Any], out_dir: str | Path, *, seed: int = 0, dtype: str = "bfloat16",
+    device: str | torch.device = "cpu",
+) -> dict[str, Any]:
+    """Write an untrained checkpoint of ``family`` and shape ``arch`` (weights, config, byte-level tokenizer) and
+    ``init.json`` into ``out_dir``, atomically.
+
+    The weights are the config class's own initialisation, seeded, built directly on ``device`` in ``dtype`` (a 9B
+    model needs no copy in host memory). Every later stage treats the folder like a trained checkpoint; what they
+    cost (time, memory, file sizes) is that of a trained model of the same shape, what they measure of its quality
+    means nothing.
+
+    Args:
+        family: adapter family.
+        arch: keyword arguments of the family's config class (:func:`statereduce.models.tiny_config`; give
+            ``vocab_size`` for a hub model's embedding size: the byte-level tokenizer uses only its first 257 ids).
+        seed: seeds torch before the weights are drawn.
+        dtype: float32, bfloat16 or float16: the dtype of the saved weights.
+
+    Returns:
+        The record written to ``init.json``: family, arch, seed, dtype, parameter count, seconds, versions.
+    """
+    from statereduce.adapters import adapter_class
+
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    start = time.perf_counter()
+    family_adapter = adapter_class(family)
+    config = tiny_config(family, arch)
+    seed_everything(int(seed))
+    with torch.device(device):
+        model = family_adapter.build(config, dtype=DTYPES[dtype])
+    model.eval()
+    record = {
+        "family": family,
+        "arch": dict(arch),
+        "seed": int(seed),
+        "dtype": dtype,
+        "device": str(device),
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "weights": "random (the config class's initialisation); not a trained model",
+        "seconds": None,
+        "versions": versions(),
+    }
+    with atomic_dir(out_dir) as tmp:
+        save_checkpoint(model, byte_level_tokenizer(), tmp)
+        record["seconds"] = round(time.perf_counter() - start, 3)
+        write_json(tmp / INIT_RECORD, record)
     return record
 
 

@@ -458,7 +458,7 @@ def fingerprint(pruned_dir: str | Path, base_dir: str | Path, cfg: dict[str, Any
     h = hashlib.sha256()
     for path in (Path(pruned_dir) / "config.json", Path(pruned_dir) / "prune_record.json"):
         h.update(path.read_bytes() if path.is_file() else b"-")
-    for name in ("pretrain.json", "source.json", "config.json"):
+    for name in ("pretrain.json", "init.json", "source.json", "config.json"):
         path = Path(base_dir) / name
         h.update(path.read_bytes() if path.is_file() else b"-")
     h.update(json.dumps(jsonable({"cfg": cfg, "data": data}), sort_keys=True).encode())
@@ -524,7 +524,7 @@ def fine_tune(
         raise RuntimeError(f"torchrun started {world} processes but accelerate joined {acc.num_processes} "
                            f"(distributed type {acc.distributed_type}); every process would write {out_dir}")
     seed_everything(int(cfg["seed"]))
-    teacher, student, tokenizer = _load_pair(base_dir, pruned_dir, cfg, cpu, acc)
+    teacher, student, tokenizer, kernels = _load_pair(base_dir, pruned_dir, cfg, cpu, acc)
     blocks, data = _rft_data(tokenizer, corpus_spec, cfg, exclude_docs)
     key = fingerprint(pruned_dir, base_dir, cfg, data)
     resume = _resume_folder(resume_dir, key, acc)
@@ -549,6 +549,7 @@ def fine_tune(
             **({"base_checkpoint": base} if base is not None else {}),
             "student": str(pruned_dir),
             "saved_dtype": dtype,
+            "kernels": kernels,
             "fingerprint": key,
             **stats,
         }
@@ -565,18 +566,18 @@ def fine_tune(
 
 
 def _load_pair(base_dir: str | Path, pruned_dir: str | Path, cfg: dict[str, Any], cpu: bool, acc):
-    """``(teacher, student, tokenizer)`` on this process's device: the teacher in float32 on CPU and bfloat16 on
-    GPU, the student in float32; with ``kernels: torch`` fla's ops go to the torch fallbacks on CUDA too."""
+    """``(teacher, student, tokenizer, kernels)`` on this process's device: the teacher in float32 on CPU and
+    bfloat16 on GPU, the student in float32. ``kernels`` is what the student's backward uses
+    (:func:`statereduce.kernels.routing.route_backward` of ``cfg["kernels"]``: with ``torch`` fla's ops go to the
+    torch fallbacks on CUDA too)."""
     from statereduce.models import load_model
 
     here = "cpu" if cpu else acc.device  # under torchrun: this process's own GPU (cuda:LOCAL_RANK)
     teacher, tokenizer = load_model(base_dir, dtype="float32" if cpu else "bfloat16", device=here)
     student, _ = load_model(pruned_dir, dtype="float32", device=here)
-    if cfg["kernels"] == "torch":  # after load_model, which routes only CPU tensors to the fallback
-        from statereduce.adapters import get_adapter
+    from statereduce.kernels.routing import route_backward
 
-        get_adapter(student).install_fallbacks(torch_device_types=("cpu", "cuda"))
-    return teacher, student, tokenizer
+    return teacher, student, tokenizer, route_backward(student, cfg["kernels"])
 
 
 def _rft_data(tokenizer, corpus_spec: dict[str, Any], cfg: dict[str, Any],

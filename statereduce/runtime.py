@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.metadata
 import json
@@ -33,11 +34,24 @@ def start(log_path: str | Path | None, threads: int = 1, torch_threads: bool = T
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    log = logging.getLogger("statereduce")
     if torch_threads:
         import torch
 
         torch.set_num_threads(max(1, int(threads)))
-    return logging.getLogger("statereduce")
+        atexit.register(_log_peak_gpu_memory, log)
+    return log
+
+
+def _log_peak_gpu_memory(log: logging.Logger) -> None:
+    """At exit of a job that used CUDA: one log line with torch's peak allocated and reserved GPU memory, the number
+    docs/paper_scale.md reads per stage (Snakemake's benchmark TSVs hold host memory only)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i in range(torch.cuda.device_count()):
+            log.info("peak GPU memory on cuda:%d: %.2f GiB allocated, %.2f GiB reserved", i,
+                     torch.cuda.max_memory_allocated(i) / 2**30, torch.cuda.max_memory_reserved(i) / 2**30)
 
 
 def cpu_kind() -> str:

@@ -104,6 +104,31 @@ def test_grad_scores_match_autograd(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_grad_scores_with_recomputed_layers_equal_the_plain_backward(family, monkeypatch):
+    """Recomputing each layer in the backward (what CUDA runs use to fit the 9B shape) runs every layer through
+    torch.utils.checkpoint, gives the same scores and leaves the layers' forward as it was."""
+    import torch.utils.checkpoint
+
+    from statereduce.adapters.base import decoder_layers
+    from statereduce.capture import grad_score_arrays
+
+    calls = []
+    stock = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or stock(*a, **k))
+    blocks = tiny_inputs(batch=4, length=16)
+    plain = grad_score_arrays(tiny_model(family), blocks, batch_size=2, recompute=False)
+    assert not calls
+    model = tiny_model(family)
+    recomputed = grad_score_arrays(model, blocks, batch_size=2, recompute=True)
+    assert len(calls) == 2 * len(decoder_layers(model))  # two batches
+    assert plain.keys() == recomputed.keys()
+    for i in plain:
+        for name in ("grad_q", "grad_k"):
+            np.testing.assert_allclose(recomputed[i][name], plain[i][name], rtol=1e-6, atol=1e-12)
+    assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_selection_from_artifacts_prunes_the_model(tmp_path, family):
     model = tiny_model(family)
     adapter = get_adapter(model)

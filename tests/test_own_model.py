@@ -187,7 +187,7 @@ BAD_ENTRIES = {
                        r"model 'my-model': unknown family 'deltanet'; valid: delta_net, gated_deltanet, mamba2, "
                        r"qwen3_5"),
     "no_checkpoint": (lambda m, cfg: m.pop("local"),
-                      r"config error at models\.my-model: a model needs exactly one of hub, local, pretrain"),
+                      r"config error at models\.my-model: a model needs exactly one of hub, local, pretrain, init"),
     "missing_folder": (lambda m, cfg: m.update(local="/nonexistent/ckpt"),
                        r"models\.my-model\.local: '/nonexistent/ckpt' does not exist; expected an HF checkpoint "
                        r"folder with config\.json and its weights"),

@@ -270,3 +270,15 @@ def test_all_speed_plans_gpu_jobs_only_there(tmp_path):
                           str(tmp_path / "bad"), "-n", "all_speed"], capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "speed.models: unknown model 'dn13b'; valid: " in out.stdout + out.stderr
+
+
+def test_every_rule_that_runs_a_job_records_a_benchmark():
+    """Every rule with a job (script, shell or run) writes Snakemake's benchmark TSV (wall time, peak memory), which
+    docs/paper_scale.md reads; only target rules (inputs alone) have none."""
+    missing = []
+    for smk in sorted((ROOT / "rules").glob("*.smk")):
+        for block in re.split(r"\n(?=rule \w+:)", smk.read_text()):
+            name = re.match(r"rule (\w+):", block)
+            if name and re.search(r"^\s+(script|shell|run):", block, re.M) and "benchmark:" not in block:
+                missing.append(f"{smk.name}:{name.group(1)}")
+    assert not missing, f"rules without benchmark: {missing}"

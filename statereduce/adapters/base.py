@@ -170,6 +170,10 @@ class LinearAttentionAdapter(ABC):
 
     #: whether the GPU speed benchmarks (statereduce.speed) cover the family
     speed_benchmark: ClassVar[bool] = False
+    #: whether the family's training backward runs fla's gated delta rule chunk kernel, which fla 0.6.0 refuses on
+    #: Hopper GPUs with Triton >= 3.4.0, < 3.7.1 (:func:`statereduce.kernels.routing.backward_kernels` then picks the
+    #: torch fallbacks)
+    fla_gated_backward: ClassVar[bool] = False
 
     #: whether the family's recurrence scales q.k by 1/sqrt(d_k) (delta-rule kernels; not Mamba-2's scan): pruning then
     #: changes the scale (statereduce.prune, "Kernel scale")

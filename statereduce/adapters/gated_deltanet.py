@@ -34,6 +34,7 @@ class GatedDeltaNetAdapter(FlaAdapter):
 
     family = "gated_deltanet"
     cache_state_v_first = True  # fla's GatedDeltaNet calls its kernels with state_v_first=True
+    fla_gated_backward = True
     model_types = ("gated_deltanet",)
     config_class = LazyImport("fla.models:GatedDeltaNetConfig")
     layer_module = "fla.layers.gated_deltanet"

@@ -90,6 +90,7 @@ class Qwen35Adapter(TransformersAdapter):
     layer_module = LAYER_MODULE
     qk_readers = dict.fromkeys(KERNELS, _qk_of_call)
     rft_default_scope = "recurrent"  # paper Table 4: only the recurrent components are fine-tuned
+    fla_gated_backward = True  # with fla installed, transformers binds fla's chunk_gated_delta_rule
     # transformers 5.24 Qwen3_5TextConfig.__init__ keywords and defaults (pinned by tests/test_config.py)
     # fmt: off
     config_defaults: ClassVar[dict[str, Any]] = {

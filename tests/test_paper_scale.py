@@ -1,0 +1,138 @@
+"""The workflow at the paper's sizes (configs/gpu_paper_scale.yaml, docs/paper_scale.md), as far as a CPU can check it.
+
+Models of a hub model's shape with random weights (``init:``, rule init_random): the committed overlay dry-runs on a
+machine without a GPU and plans every stage; each model has its hub entry's shape; init_random writes a seeded
+checkpoint that the later stages load, through the workflow on a tiny shape. The kernel routing of a backward on a
+GPU where fla refuses it (``rft.kernels: auto``, Grad scores) picks the torch ops for the families that need it.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from _models import tiny_arch
+from _snakemake import job_counts, snakemake
+
+from statereduce.config import ConfigError, model_dims, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERLAY = ROOT / "configs" / "gpu_paper_scale.yaml"
+SELECTORS = 5
+
+
+def _merged() -> dict:
+    """config.yaml with the overlay, merged as ``--configfile`` merges it (dicts key by key)."""
+    def merge(a: dict, b: dict) -> dict:
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+        return out
+
+    return merge(yaml.safe_load((ROOT / "config.yaml").read_text()), yaml.safe_load(OVERLAY.read_text()))
+
+
+def test_overlay_dry_runs_every_stage_without_a_gpu(tmp_path):
+    """The overlay's default target plans the whole chain of both 1.3B shapes (five selectors at 50%, RFT, summaries)
+    and its other documented targets plan speed and capture -> select -> prune -> eval, on a machine without CUDA."""
+    out = snakemake(tmp_path, "-n", "--resources", "gpu=1", "--configfile", str(OVERLAY))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    counts = job_counts(out.stdout)
+    for rule, n in {"init_random": 2, "calibrate": 2, "grad_scores": 2, "qk_weights": 2, "eval_baseline": 2,
+                    "select_channels": 2 * SELECTORS, "prune": 2 * SELECTORS, "rft": 2 * SELECTORS,
+                    "summarize": 2 * SELECTORS, "comparison_table": 1}.items():
+        assert counts.get(rule) == n, (rule, counts)
+    targets = ["results/dn1.3b-init/drrqr_50/speed.json", "results/qwen35-9b-init/drrqr_50/pruned/eval.json",
+               "results/mamba2-370m-init/grad_50/pruned/eval.json"]
+    out = snakemake(tmp_path, *targets, "-n", "--resources", "gpu=1", "--configfile", str(OVERLAY))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    counts = job_counts(out.stdout)
+    # speed builds its own random weights; drrqr reads the calibration, grad the Grad scores
+    assert counts == {"init_random": 2, "speed": 1, "calibrate": 1, "grad_scores": 1, "qk_weights": 2,
+                      "select_channels": 2, "prune": 2}, counts
+
+
+def test_overlay_models_have_their_hub_entries_shapes():
+    """Each ``<hub key>-init`` model has the head sizes of the hub entry beside it (its ``dims``, or the speed
+    runs' arch of that shape), so that what it measures is what the hub model would cost."""
+    cfg = validate_config(_merged())
+    hub_keys = [name.removesuffix("-init") for name in cfg["models"] if name.endswith("-init")]
+    assert sorted(hub_keys) == sorted(n for n, m in cfg["models"].items() if "hub" in m)
+    for key in hub_keys:
+        hub, init = cfg["models"][key], cfg["models"][f"{key}-init"]
+        assert init["family"] == hub["family"], key
+        if "dims" in hub:
+            assert model_dims(cfg, f"{key}-init") == hub["dims"], key
+        if "speed" in hub:
+            assert init["init"]["arch"] == hub["speed"]["arch"], key
+
+
+def test_init_model_needs_one_source_and_a_valid_arch():
+    cfg = _merged()
+    both = copy.deepcopy(cfg)
+    both["models"]["dn1.3b-init"]["hub"] = {"id": "fla-hub/delta_net-1.3B-100B"}
+    with pytest.raises(ConfigError, match=r"models\.dn1\.3b-init: a model needs exactly one of hub, local, pretrain, "
+                                          r"init$"):
+        validate_config(both)
+    typo = copy.deepcopy(cfg)
+    typo["models"]["dn1.3b-init"]["init"]["arch"]["num_head"] = 16
+    with pytest.raises(ConfigError, match=r"^models\.dn1\.3b-init\.init\.arch: unknown arch key\(s\) \['num_head'\]"):
+        validate_config(typo)
+
+
+@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"])
+def test_init_random_writes_a_seeded_checkpoint_that_loads(tmp_path, family):
+    from statereduce.models import load_model
+    from statereduce.pretrain import INIT_RECORD, init_random
+
+    arch = tiny_arch(family, vocab_size=400)  # more ids than the byte-level tokenizer's 257, as at hub sizes
+    a = init_random(family, arch, tmp_path / "a", seed=3, dtype="float32")
+    init_random(family, arch, tmp_path / "b", seed=3, dtype="float32")
+    init_random(family, arch, tmp_path / "c", seed=4, dtype="float32")
+    assert yaml.safe_load((tmp_path / "a" / INIT_RECORD).read_text())["n_params"] == a["n_params"]
+    (ma, tok), (mb, _), (mc, _) = (load_model(tmp_path / k) for k in "abc")
+    assert ma.config.vocab_size == 400 and tok("ab")["input_ids"][-2:] == [97, 98]
+    sa, sb, sc = ma.state_dict(), mb.state_dict(), mc.state_dict()
+    assert sum(p.numel() for p in ma.parameters()) == a["n_params"]
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)
+    ids = torch.tensor([list(b"def f(x):\n    return x")])
+    assert torch.isfinite(ma(input_ids=ids).logits).all()
+
+
+def test_init_model_runs_capture_select_prune_eval_through_the_workflow(tmp_path):
+    """A tiny ``init`` model on the CPU through init_random -> calibrate -> select -> prune + evaluate."""
+    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    cfg["models"] = {"tiny-init": {
+        "family": "delta_net",
+        "init": {"arch": tiny_arch("delta_net", vocab_size=300, bos_token_id=256, eos_token_id=256), "seed": 0},
+        "calibration": {"corpus": "embedded", "n_samples": 4, "seq_len": 64, "rows_per_head": 64},
+        "eval": {"max_docs": 2, "max_doc_bytes": 256, "max_length": 512},
+    }}
+    cfg["targets"]["models"] = ["tiny-init"]
+    cfg.pop("studies")
+    cfg["speed"]["models"] = []
+    out = snakemake(tmp_path, "results/tiny-init/drrqr_50/pruned/eval.json", "--cores", "2", cfg=cfg, timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    base = tmp_path / "results" / "tiny-init" / "base"
+    assert {"init.json", "config.json", "model.safetensors"} <= {p.name for p in base.iterdir()}
+    assert (tmp_path / "benchmarks" / "init_random" / "tiny-init.tsv").is_file()
+    assert (tmp_path / "results" / "tiny-init" / "drrqr_50" / "pruned" / "eval.json").is_file()
+
+
+def test_auto_kernels_pick_torch_only_where_fla_refuses_the_family_backward(monkeypatch):
+    from statereduce.adapters import adapter_class
+    from statereduce.kernels import routing
+
+    assert routing.fla_refuses_gated_backward("cpu") is False
+    monkeypatch.setattr(routing, "fla_refuses_gated_backward", lambda device: True)
+    picks = {f: routing.backward_kernels(adapter_class(f), "cuda") for f in
+             ("delta_net", "gated_deltanet", "mamba2", "qwen3_5")}
+    assert picks == {"delta_net": "fla", "gated_deltanet": "torch", "mamba2": "fla", "qwen3_5": "torch"}
+    assert routing.backward_kernels(adapter_class("gated_deltanet"), "cuda", "fla") == "fla"
+    monkeypatch.setattr(routing, "fla_refuses_gated_backward", lambda device: False)
+    assert routing.backward_kernels(adapter_class("gated_deltanet"), "cuda") == "fla"
+    assert routing.backward_kernels(adapter_class("delta_net"), "cpu", "torch") == "torch"
