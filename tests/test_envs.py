@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from _pins import pypi_reachable
 
 ROOT = Path(__file__).resolve().parents[1]
 ENVS = ROOT / "envs"
@@ -99,20 +99,12 @@ def test_env_files_agree():
     assert {k: lm_eval[k] for k in fla} == fla and {"lm-eval", "matplotlib"} <= set(lm_eval)
 
 
-def _pypi_reachable() -> bool:
-    try:
-        socket.create_connection(("pypi.org", 443), timeout=5).close()
-        return True
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("name", ["lm_eval.yaml", "lm_eval_cuda.yaml"])  # each holds its fla env's pins too
 def test_env_file_resolves_with_pip(name, tmp_path):
     """pip's resolver, dry, on PyPI alone (``--isolated``: no local index or find-links): every pin exists for
     Python 3.11 on Linux and they fit together. The CPU env's PyTorch index is left out (it only swaps torch's
     build for one of the same version); the CUDA env must bring CUDA torch."""
-    if not _pypi_reachable():
+    if not pypi_reachable():
         pytest.skip("PyPI (pypi.org:443) is out of reach: the env files' pins cannot be resolved here")
     if sys.version_info[:2] != (3, 11):
         pytest.skip(f"the envs pin python=3.11; this is Python {sys.version_info[0]}.{sys.version_info[1]}")

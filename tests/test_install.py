@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tomllib
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _pins import canonical, constraints, pypi_reachable
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,20 +50,6 @@ def pip_install_args(command: str) -> list[str]:
     raise AssertionError(f"no '.venv/bin/pip install' step in {command!r}")
 
 
-def constraints() -> dict[str, str]:
-    pins = {}
-    for line in (ROOT / "constraints.txt").read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            name, version = line.split("==")
-            pins[canonical(name)] = version
-    return pins
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def test_quick_start_is_two_commands_that_install_from_constraints_and_run():
     first, second = quick_start()
     assert first.startswith("python3 -m venv .venv && ") and second.startswith("python3 -m venv .venv && ")
@@ -81,21 +67,13 @@ def test_ci_runs_the_readme_commands_verbatim():
     assert p.stdout.splitlines() == quick_start()
 
 
-def _pypi_reachable() -> bool:
-    try:
-        socket.create_connection(("pypi.org", 443), timeout=5).close()
-        return True
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("which", [0, 1], ids=["main-job", "tests"])
 def test_readme_install_resolves_on_the_public_index_alone(which, tmp_path):
     """pip's resolver, dry, on exactly the README's install arguments, seeing PyPI alone: no pip configuration file
     (``PIP_CONFIG_FILE=/dev/null``; ``--isolated`` alone still reads the global one), no environment variables, no
     local wheel folder. Every pinned package resolves to its constraints.txt version; on Linux x86-64 torch is PyPI's
     CUDA build and brings the Triton the constraints name."""
-    if not _pypi_reachable():
+    if not pypi_reachable():
         pytest.skip("PyPI (pypi.org:443) is out of reach: the README's install line cannot be resolved here")
     args = pip_install_args(quick_start()[which])
     report = tmp_path / "report.json"
