@@ -136,3 +136,23 @@ def test_auto_kernels_pick_torch_only_where_fla_refuses_the_family_backward(monk
     monkeypatch.setattr(routing, "fla_refuses_gated_backward", lambda device: False)
     assert routing.backward_kernels(adapter_class("gated_deltanet"), "cuda") == "fla"
     assert routing.backward_kernels(adapter_class("delta_net"), "cpu", "torch") == "torch"
+
+
+def test_rft_step_benchmark_measures_both_steps_side_by_side(tmp_path):
+    """scripts/bench_rft_step.py (the RFT-throughput target's measurement) runs end to end on a tiny shape: both
+    steps timed in one run, the ratio written."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_rft_step.py"), str(out), "--model", "tiny-dn",
+                        "--micro", "1", "2", "--steps", "2", "--batch", "2", "--seq-len", "32", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["d_k"] == [64, 32] and [r["micro_batch_size"] for r in doc["runs"]] == [1, 2]
+    for run in doc["runs"]:
+        assert run["plain"]["tokens_per_s"] > 0 and run["rft"]["tokens_per_s"] > 0
+        assert run["ratio"] == run["rft"]["tokens_per_s"] / run["plain"]["tokens_per_s"]
+    assert "| 2 |" in p.stdout

@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""RFT's training step against a plain bf16 training step of the same pruned model, side by side in one run.
+
+    python scripts/bench_rft_step.py OUT.json --config configs/gpu_paper_scale.yaml --model dn1.3b-init \
+        [--pct 50] [--micro 1 2 4 8] [--steps 6] [--seq-len 2048] [--batch 16]
+
+The model is the ``init.arch`` shape of ``--model`` in the config (``--config`` is an overlay of config.yaml) with
+random weights: the teacher in bf16, the student pruned at random to ``--pct`` percent of its key channels, in float32
+as RFT holds it. For each micro-batch size, on ``--steps`` optimizer steps of ``--batch`` sequences:
+
+- ``rft``: :func:`statereduce.rft.train` as the workflow runs it (LoRA, the bf16 teacher's forward, the KL over the
+  vocabulary, bf16 autocast, kernels by ``rft.kernels: auto``);
+- ``plain``: an ordinary LM training step of the same student (every parameter trained by AdamW, cross entropy,
+  bf16 autocast, the same micro-batches and kernel routing), the reference the issue's target names.
+
+Prints and writes steady tokens/s (the median over the steps after the first), the ratio rft / plain, and peak GPU
+memory. Random token ids below 257 (the byte-level tokenizer's) stand in for text. Runs on a CPU too (slowly), which
+the tests use with a tiny shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _model_spec(config: Path | None, model: str, arch_json: str | None) -> tuple[str, dict]:
+    """(family, arch) of ``model`` in config.yaml merged with the ``config`` overlay, or ``arch_json``'s."""
+    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    if config is not None:
+        cfg["models"].update(yaml.safe_load(config.read_text()).get("models", {}))
+    if model not in cfg["models"]:
+        raise SystemExit(f"unknown model {model!r}; valid: {', '.join(sorted(cfg['models']))}")
+    m = cfg["models"][model]
+    arch = json.loads(arch_json) if arch_json else (m.get("init") or m.get("pretrain") or m.get("speed") or {}).get(
+        "arch")
+    if arch is None:
+        raise SystemExit(f"model {model!r} has no init/pretrain/speed arch; give --arch-json")
+    return m["family"], arch
+
+
+def _steady(rates: list[float]) -> float:
+    return statistics.median(rates[1:] or rates)
+
+
+def _rft(student, teacher, blocks, micro: int, args) -> dict:
+    from statereduce.config import rft_settings
+    from statereduce.rft import attach_lora, train
+
+    cfg = rft_settings({"n_samples": blocks.shape[0], "seq_len": blocks.shape[1], "batch_size": args.batch,
+                        "micro_batch_size": micro, "log_every": 1, "save_every": 10**6})
+    peft_model, _ = attach_lora(copy.deepcopy(student), cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "log.jsonl"
+        train(peft_model, teacher, blocks, cfg, log_path=log, desc=f"rft micro {micro}")
+        rates = [json.loads(line)["tokens_per_s"] for line in log.read_text().splitlines()]
+    return {"tokens_per_s": _steady(rates), "per_step": rates}
+
+
+def _plain(student, blocks, micro: int, args, device) -> dict:
+    model = copy.deepcopy(student).train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    rates = []
+    for step in range(args.steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        batch = blocks[step * args.batch:(step + 1) * args.batch]
+        for chunk in batch.split(micro):
+            x = chunk.to(device)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits = model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                                     x[:, 1:].reshape(-1))
+            (loss * len(chunk) / len(batch)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        rates.append(batch.numel() / (time.perf_counter() - t0))
+    del model, opt
+    return {"tokens_per_s": _steady(rates), "per_step": rates}
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--config", type=Path, help="an overlay of config.yaml (e.g. configs/gpu_paper_scale.yaml)")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--arch-json", help="the arch as JSON instead of the model's")
+    ap.add_argument("--pct", type=float, default=50.0)
+    ap.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+
+    from statereduce.adapters import get_adapter
+    from statereduce.kernels.routing import route_backward
+    from statereduce.models import tiny_config
+    from statereduce.pretrain import seed_everything
+    from statereduce.prune import prune_model
+    from statereduce.runtime import versions
+
+    family, arch = _model_spec(args.config, args.model, args.arch_json)
+    device = torch.device(args.device)
+    from statereduce.adapters import adapter_class
+
+    adapter_cls = adapter_class(family)
+    adapter_cls.install_fallbacks()
+    seed_everything(0)
+    with torch.device(device):
+        teacher = adapter_cls.build(tiny_config(family, arch), dtype=torch.bfloat16 if device.type == "cuda"
+                                    else torch.float32).eval()
+    student = copy.deepcopy(teacher).float()
+    adapter = get_adapter(student)
+    d_k = adapter.head_k_dim
+    keep_n = d_k - round(d_k * args.pct / 100)
+    g = torch.Generator().manual_seed(0)
+    keep = {i: torch.stack([torch.randperm(d_k, generator=g)[:keep_n].sort().values
+                            for _ in range(adapter.num_heads)]) for i, _ in adapter.mixer_layers()}
+    prune_model(student, keep)
+    kernels = route_backward(student, "auto")
+    blocks = torch.randint(0, 257, (args.batch * args.steps, args.seq_len), generator=g)
+    out = {"model": args.model, "family": family, "arch": arch, "pct": args.pct, "d_k": [d_k, keep_n],
+           "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps, "device": str(device),
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "kernels": kernels,
+           "versions": versions(), "runs": []}
+    print(f"{args.model} ({family}) d_k {d_k} -> {keep_n}, {args.batch} x {args.seq_len} tokens per step, "
+          f"kernels {kernels}, on {out['gpu'] or device}")
+    print("| micro-batch | plain tokens/s | rft tokens/s | rft / plain | peak GiB plain / rft |")
+    print("| --- | --- | --- | --- | --- |")
+    for micro in args.micro:
+        row = {"micro_batch_size": micro}
+        for name in ("plain", "rft"):
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            try:
+                row[name] = (_plain(student, blocks, micro, args, device) if name == "plain"
+                             else _rft(student, teacher, blocks, micro, args))
+            except torch.OutOfMemoryError as err:
+                row[name] = {"error": f"out of memory: {' '.join(str(err).split())[:160]}"}
+            row[name]["peak_gib"] = _peak(device)
+        ok = all("tokens_per_s" in row[k] for k in ("plain", "rft"))
+        row["ratio"] = row["rft"]["tokens_per_s"] / row["plain"]["tokens_per_s"] if ok else None
+        out["runs"].append(row)
+        fmt = lambda r: f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "OOM"  # noqa: E731
+        peaks = " / ".join("–" if row[k]["peak_gib"] is None else f"{row[k]['peak_gib']:.1f}" for k in ("plain", "rft"))
+        ratio = f"{row['ratio']:.2f}" if ok else "–"
+        print(f"| {micro} | {fmt(row['plain'])} | {fmt(row['rft'])} | {ratio} | {peaks} |", flush=True)
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
