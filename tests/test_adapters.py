@@ -442,14 +442,27 @@ class TestQwen35(AdapterContract):
         assert Qwen35Adapter.config_updates(config, 16) == {"linear_key_head_dim": 16}
 
     def test_cpu_fallback_dispatches_by_device(self):
-        """With fla installed transformers binds fla's Triton kernel; CPU tensors go to transformers' torch one."""
+        """With fla installed transformers binds fla's Triton kernel; CPU tensors go to transformers' torch one: the
+        installed function gives on CPU exactly what the torch implementation gives, and the dispatcher sends
+        tensors of other devices to the stock function."""
+        from statereduce.adapters.qwen3_5 import _device_dispatch
+
         Qwen35Adapter.install_fallbacks()
         Qwen35Adapter.install_fallbacks()  # idempotent
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 8, 2, 16, generator=g) for _ in range(3))
+        gate, beta = -torch.rand(1, 8, 2, generator=g), torch.rand(1, 8, 2, generator=g)
         for name in self.kernel_names:
             fn = getattr(qwen_modeling, name)
             stock = fn._statereduce_stock
             assert getattr(stock, "_statereduce_stock", None) is None
             assert fn.__wrapped__ is stock
+            reference = getattr(stock, "__wrapped__", stock)  # transformers' own torch implementation
+            got, state = fn(q, k, v, gate, beta, output_final_state=True)
+            want, want_state = reference(q, k, v, gate, beta, output_final_state=True)
+            assert torch.equal(got, want) and torch.equal(state, want_state)
+        routed = _device_dispatch(lambda *a, **kw: "stock", lambda *a, **kw: "reference", ("cpu",))
+        assert routed(q) == "reference" and routed(q.to("meta")) == "stock"
 
     def test_vision_language_checkpoint_loads_as_its_text_model(self, tmp_path):
         """Qwen3.5 hub checkpoints are vision-language models: ``load_model`` gives the text model (same logits),
