@@ -118,7 +118,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from statereduce.adapters import get_adapter
-    from statereduce.kernels.routing import route_backward
     from statereduce.models import tiny_config
     from statereduce.pretrain import seed_everything
     from statereduce.prune import prune_model
@@ -142,7 +141,7 @@ def main() -> None:
     keep = {i: torch.stack([torch.randperm(d_k, generator=g)[:keep_n].sort().values
                             for _ in range(adapter.num_heads)]) for i, _ in adapter.mixer_layers()}
     prune_model(student, keep)
-    kernels = route_backward(student, "auto")
+    kernels = adapter.route_backward("auto")
     blocks = torch.randint(0, 257, (args.batch * args.steps, args.seq_len), generator=g)
     out = {"model": args.model, "family": family, "arch": arch, "pct": args.pct, "d_k": [d_k, keep_n],
            "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps, "device": str(device),

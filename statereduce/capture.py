@@ -257,10 +257,8 @@ def grad_score_arrays(
     Returns:
         {layer: {"grad_q": float64 [H, d_k], "grad_k": float64 [H, d_k]}}, the layers in the adapter's order.
     """
-    from statereduce.kernels.routing import route_backward
-
-    route_backward(model)  # the torch kernels on a GPU where fla refuses the family's backward
     adapter = get_adapter(model)
+    adapter.route_backward()  # the torch kernels on a GPU where fla refuses the family's backward
     mixers = adapter.mixer_layers()
     weights = {i: adapter.qk_weight_rows(m) for i, m in mixers}  # {layer: ((W, rows_q), (W, rows_k))}
     targets = {id(w) for pair in weights.values() for w, _ in pair}

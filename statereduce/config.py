@@ -171,7 +171,7 @@ DEFAULT_RFT: dict[str, Any] = {
     "betas": [0.9, 0.999],
     "grad_clip": 1.0,
     "precision": "auto",  # auto: bf16 autocast on CUDA, fp32 on CPU
-    "kernels": "auto",  # statereduce.kernels.routing.backward_kernels: torch where fla refuses the backward, else fla
+    "kernels": "auto",  # the adapter's backward_kernels: torch where fla refuses the family's backward, else fla
     "seed": 0,
     "log_every": 10,
     "save_every": 100,  # optimizer steps between resume checkpoints

@@ -568,16 +568,16 @@ def fine_tune(
 def _load_pair(base_dir: str | Path, pruned_dir: str | Path, cfg: dict[str, Any], cpu: bool, acc):
     """``(teacher, student, tokenizer, kernels)`` on this process's device: the teacher in float32 on CPU and
     bfloat16 on GPU, the student in float32. ``kernels`` is what the student's backward uses
-    (:func:`statereduce.kernels.routing.route_backward` of ``cfg["kernels"]``: with ``torch`` fla's ops go to the
-    torch fallbacks on CUDA too)."""
+    (the adapter's ``route_backward`` of ``cfg["kernels"]``: with ``torch`` fla's ops go to the torch fallbacks on
+    CUDA too)."""
     from statereduce.models import load_model
 
     here = "cpu" if cpu else acc.device  # under torchrun: this process's own GPU (cuda:LOCAL_RANK)
     teacher, tokenizer = load_model(base_dir, dtype="float32" if cpu else "bfloat16", device=here)
     student, _ = load_model(pruned_dir, dtype="float32", device=here)
-    from statereduce.kernels.routing import route_backward
+    from statereduce.adapters import get_adapter
 
-    return teacher, student, tokenizer, route_backward(student, cfg["kernels"])
+    return teacher, student, tokenizer, get_adapter(student).route_backward(cfg["kernels"])
 
 
 def _rft_data(tokenizer, corpus_spec: dict[str, Any], cfg: dict[str, Any],

@@ -129,13 +129,12 @@ def test_auto_kernels_pick_torch_only_where_fla_refuses_the_family_backward(monk
 
     assert routing.fla_refuses_gated_backward("cpu") is False
     monkeypatch.setattr(routing, "fla_refuses_gated_backward", lambda device: True)
-    picks = {f: routing.backward_kernels(adapter_class(f), "cuda") for f in
-             ("delta_net", "gated_deltanet", "mamba2", "qwen3_5")}
+    picks = {f: adapter_class(f).backward_kernels("cuda") for f in ("delta_net", "gated_deltanet", "mamba2", "qwen3_5")}
     assert picks == {"delta_net": "fla", "gated_deltanet": "torch", "mamba2": "fla", "qwen3_5": "torch"}
-    assert routing.backward_kernels(adapter_class("gated_deltanet"), "cuda", "fla") == "fla"
+    assert adapter_class("gated_deltanet").backward_kernels("cuda", "fla") == "fla"
     monkeypatch.setattr(routing, "fla_refuses_gated_backward", lambda device: False)
-    assert routing.backward_kernels(adapter_class("gated_deltanet"), "cuda") == "fla"
-    assert routing.backward_kernels(adapter_class("delta_net"), "cpu", "torch") == "torch"
+    assert adapter_class("gated_deltanet").backward_kernels("cuda") == "fla"
+    assert adapter_class("delta_net").backward_kernels("cpu", "torch") == "torch"
 
 
 def test_rft_step_benchmark_measures_both_steps_side_by_side(tmp_path):

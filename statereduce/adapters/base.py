@@ -171,8 +171,7 @@ class LinearAttentionAdapter(ABC):
     #: whether the GPU speed benchmarks (statereduce.speed) cover the family
     speed_benchmark: ClassVar[bool] = False
     #: whether the family's training backward runs fla's gated delta rule chunk kernel, which fla 0.6.0 refuses on
-    #: Hopper GPUs with Triton >= 3.4.0, < 3.7.1 (:func:`statereduce.kernels.routing.backward_kernels` then picks the
-    #: torch fallbacks)
+    #: Hopper GPUs with Triton >= 3.4.0, < 3.7.1 (:meth:`backward_kernels` then picks the torch fallbacks)
     fla_gated_backward: ClassVar[bool] = False
 
     #: whether the family's recurrence scales q.k by 1/sqrt(d_k) (delta-rule kernels; not Mamba-2's scan): pruning then
@@ -469,6 +468,27 @@ class LinearAttentionAdapter(ABC):
         from statereduce.kernels import fla_fallback
 
         fla_fallback.install(torch_device_types=torch_device_types)
+
+    @classmethod
+    def backward_kernels(cls, device: str | torch.device, requested: str = "auto") -> str:
+        """``"fla"`` or ``"torch"`` for a backward pass on ``device``: ``requested`` unless it is ``"auto"``, which
+        picks ``"torch"`` where fla refuses the backward of a family that needs it (:attr:`fla_gated_backward`,
+        :func:`statereduce.kernels.routing.fla_refuses_gated_backward`), else ``"fla"``. On CPU both mean the torch
+        fallbacks (fla's kernels are Triton-only)."""
+        if requested != "auto":
+            return requested
+        from statereduce.kernels import routing
+
+        return "torch" if cls.fla_gated_backward and routing.fla_refuses_gated_backward(device) else "fla"
+
+    def route_backward(self, requested: str = "auto") -> str:
+        """Apply :meth:`backward_kernels` to the model: with ``"torch"`` on CUDA, the family's kernel calls on CUDA
+        tensors go to the torch fallbacks too (``load_model`` routes only CPU tensors). Returns the choice."""
+        device = next(self.model.parameters()).device
+        kernels = self.backward_kernels(device, requested)
+        if kernels == "torch" and device.type == "cuda":
+            self.install_fallbacks(torch_device_types=("cpu", "cuda"))
+        return kernels
 
     @classmethod
     def build(cls, config, dtype: torch.dtype = torch.float32) -> nn.Module:
