@@ -219,10 +219,7 @@ def get_corpus_spec(name):
     and a missing file fails when the jobs are planned, not when one of them runs."""
     spec = dict(CFG["corpora"][name])
     if spec["source"] != "files":
-        return spec
-    if ("paths" in spec) == ("splits" in spec):
-        raise WorkflowError(f"corpora.{name}: a files corpus needs exactly one of 'paths' (split by fractions) "
-                            "or 'splits' (files per split)")
+        return spec  # a files corpus has exactly one of paths and splits (validate_config)
 
     def resolve(where, paths):
         out = []

@@ -664,6 +664,10 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
     cfg = canonical(copy.deepcopy(config))
     families = adapter_families()
     corpora = cfg["corpora"]
+    for name, spec in corpora.items():
+        if spec["source"] == "files" and ("paths" in spec) == ("splits" in spec):
+            raise ConfigError(f"corpora.{name}: a files corpus needs exactly one of 'paths' (split by fractions) "
+                              "or 'splits' (files per split)")
     for name, m in cfg["models"].items():
         if m["family"] not in families:
             raise ConfigError(f"model {name!r}: unknown family {m['family']!r}; valid: {', '.join(families)}")
