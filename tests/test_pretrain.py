@@ -125,6 +125,11 @@ def test_load_model_from_source_json(checkpoints, tmp_path):
     ckpt, _, _ = checkpoints["delta_net"]
     base = tmp_path / "base"
     rec = write_hub_source(base, str(ckpt), revision=None, dtype="float32")
+    import hashlib
+
+    sha = rec.pop("sha256")  # a local folder's files, each hashed (statereduce.checkpoints)
+    assert sha["model.safetensors"] == hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(sha)
     assert rec == {
         "hub_id": str(ckpt),
         "revision": None,
@@ -132,6 +137,7 @@ def test_load_model_from_source_json(checkpoints, tmp_path):
         "resolved": False,
         "dtype": "float32",
     }
+    rec["sha256"] = sha
     assert json.loads((base / "source.json").read_text()) == rec
     assert [p.name for p in base.iterdir()] == ["source.json"]
     m_src, tok_src = load_model(base)
