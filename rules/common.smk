@@ -125,7 +125,7 @@ def get_base(wildcards):
 def get_checkpoint_files(wildcards):
     """The files of a ``local`` model's checkpoint that loading reads (config, weights, tokenizer:
     statereduce.checkpoints.checkpoint_files): inputs of base_source and of every job that loads the base model, so
-    that new weights rerun them and everything downstream. None for hub models and models the workflow trains."""
+    that new weights rerun them and everything downstream. Empty for hub models and models the workflow makes."""
     from statereduce.checkpoints import checkpoint_files
 
     local = MODELS[wildcards.model].get("local")

@@ -117,22 +117,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
 
-    from statereduce.adapters import get_adapter
-    from statereduce.models import tiny_config
-    from statereduce.pretrain import seed_everything
+    from statereduce.adapters import adapter_class, get_adapter
+    from statereduce.models import build_random
     from statereduce.prune import prune_model
     from statereduce.runtime import versions
 
     family, arch = _model_spec(args.config, args.model, args.arch_json)
     device = torch.device(args.device)
-    from statereduce.adapters import adapter_class
-
-    adapter_cls = adapter_class(family)
-    adapter_cls.install_fallbacks()
-    seed_everything(0)
-    with torch.device(device):
-        teacher = adapter_cls.build(tiny_config(family, arch), dtype=torch.bfloat16 if device.type == "cuda"
-                                    else torch.float32).eval()
+    adapter_class(family).install_fallbacks()
+    teacher = build_random(family, arch, dtype="bfloat16" if device.type == "cuda" else "float32", device=device).eval()
     student = copy.deepcopy(teacher).float()
     adapter = get_adapter(student)
     d_k = adapter.head_k_dim

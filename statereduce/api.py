@@ -34,7 +34,7 @@ from torch import nn
 
 from statereduce.adapters import LinearAttentionAdapter, adapter_class, adapter_families, get_adapter
 from statereduce.capture import activation_arrays, grad_score_arrays, qk_weight_arrays
-from statereduce.models import DTYPES, tiny_config
+from statereduce.models import build_random
 from statereduce.pretrain import mean_loss
 from statereduce.prune import PruneRecord, prune_model, save_pruned
 from statereduce.select import head_data, run_selector, write_selection
@@ -123,14 +123,8 @@ def build(family: str, *, seed: int = 0, dtype: str = "float32", **arch: Any) ->
     Raises:
         ValueError: one line, for an unknown family, dtype or config keyword.
     """
-    cls = adapter_class(family)
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    config = tiny_config(family, arch)
-    cls.install_fallbacks()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cls.build(config, dtype=DTYPES[dtype])
+    model = build_random(family, arch, seed=seed, dtype=dtype)
+    adapter_class(family).install_fallbacks()
     return model.eval()
 
 

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from statereduce import __version__
 from statereduce.adapters import get_adapter
-from statereduce.h5files import atomic_h5, layer_group, write_attrs
+from statereduce.h5files import write_layers
 from statereduce.checkpoints import base_checkpoint
 
 
@@ -181,25 +181,14 @@ def capture_activations(
         batch_size: sequences per forward pass.
         attrs: provenance attributes to store (model, revision, corpus, ...).
     """
-    out_path = Path(out_path)
-    adapter = get_adapter(model)
     arrays, n_tokens = activation_arrays(model, blocks, rows_per_head=rows_per_head, seed=seed, batch_size=batch_size)
-    layers = list(arrays)
-    with atomic_h5(out_path) as f:
-        for i, arr in arrays.items():
-            g = f.create_group(layer_group(i))
-            g.create_dataset("K", data=arr["K"], dtype="float32")
-            g.create_dataset("Q", data=arr["Q"], dtype="float32")
-            g.create_dataset("xnorm", data=arr["xnorm"])
-            g.attrs["layer"] = i
-        write_attrs(f, _meta(model, adapter, layers) | {
-            "n_samples": int(blocks.shape[0]),
-            "seq_len": int(blocks.shape[1]),
-            "seed": seed,
-            "rows_per_head": rows_per_head,
-            "n_tokens": n_tokens,
-        } | dict(attrs or {}))
-    return out_path
+    return write_layers(out_path, arrays, _meta(model, list(arrays)) | {
+        "n_samples": int(blocks.shape[0]),
+        "seq_len": int(blocks.shape[1]),
+        "seed": seed,
+        "rows_per_head": rows_per_head,
+        "n_tokens": n_tokens,
+    } | dict(attrs or {}))
 
 
 @contextlib.contextmanager
@@ -311,19 +300,9 @@ def grad_scores(
         batch_size: sequences per backward pass.
         attrs: provenance attributes.
     """
-    out_path = Path(out_path)
-    adapter = get_adapter(model)
     arrays = grad_score_arrays(model, blocks, batch_size=batch_size)
-    with atomic_h5(out_path) as f:
-        for i, arr in arrays.items():
-            g = f.create_group(layer_group(i))
-            for name in ("grad_q", "grad_k"):
-                g.create_dataset(name, data=arr[name])
-            g.attrs["layer"] = i
-        write_attrs(f, _meta(model, adapter, list(arrays))
-                    | {"n_samples": int(blocks.shape[0]), "seq_len": int(blocks.shape[1])}
-                    | dict(attrs or {}))
-    return out_path
+    return write_layers(out_path, arrays, _meta(model, list(arrays))
+                        | {"n_samples": int(blocks.shape[0]), "seq_len": int(blocks.shape[1])} | dict(attrs or {}))
 
 
 def qk_weight_arrays(model: torch.nn.Module) -> dict[int, dict[str, np.ndarray]]:
@@ -340,21 +319,14 @@ def qk_weight_arrays(model: torch.nn.Module) -> dict[int, dict[str, np.ndarray]]
 
 def export_qk_weights(model: torch.nn.Module, out_path: str | Path, *, attrs: dict | None = None) -> Path:
     """Write the head rows of every layer's q/k projections to ``qk.h5`` (float32 [H, d_k, hidden])."""
-    adapter = get_adapter(model)
     arrays = qk_weight_arrays(model)
-    with atomic_h5(out_path) as f:
-        for i, arr in arrays.items():
-            g = f.create_group(layer_group(i))
-            g.create_dataset("W_q", data=arr["W_q"])
-            g.create_dataset("W_k", data=arr["W_k"])
-            g.attrs["layer"] = i
-        write_attrs(f, _meta(model, adapter, list(arrays)) | dict(attrs or {}))
-    return Path(out_path)
+    return write_layers(out_path, arrays, _meta(model, list(arrays)) | dict(attrs or {}))
 
 
-def _meta(model: torch.nn.Module, adapter, layers: list[int]) -> dict:
+def _meta(model: torch.nn.Module, layers: list[int]) -> dict:
     """Attributes every per-layer HDF5 artifact carries; ``base_checkpoint`` (JSON) for a hub or local model
-    (:func:`statereduce.models.base_checkpoint`)."""
+    (:func:`statereduce.checkpoints.base_checkpoint`)."""
+    adapter = get_adapter(model)
     base = base_checkpoint(model)
     return {
         "base_checkpoint": json.dumps(base, sort_keys=True) if base is not None else None,

@@ -47,6 +47,19 @@ def write_attrs(f: h5py.File, attrs: Mapping) -> None:
             f.attrs[k] = v
 
 
+def write_layers(path: str | Path, arrays: Mapping[int, Mapping[str, np.ndarray]], attrs: Mapping) -> Path:
+    """Write a per-layer artifact atomically: one group per layer (:func:`layer_group`) holding its named arrays
+    (their own dtypes) and a ``layer`` attribute, then the file's attributes (None values left out)."""
+    with atomic_h5(path) as f:
+        for i, named in arrays.items():
+            g = f.create_group(layer_group(i))
+            for name, data in named.items():
+                g.create_dataset(name, data=data)
+            g.attrs["layer"] = i
+        write_attrs(f, attrs)
+    return Path(path)
+
+
 @dataclass
 class H5Artifact:
     """Read access to a per-layer HDF5 artifact (weights, activations or gradient scores).

@@ -75,6 +75,26 @@ def tiny_config(family: str, arch: dict[str, Any]):
     return cls(**{**defaults, **arch})
 
 
+def build_random(family: str, arch: dict[str, Any], *, seed: int = 0, dtype: str = "float32",
+                 device: str | torch.device = "cpu"):
+    """A randomly initialised causal LM of ``family`` with the config :func:`tiny_config` makes of ``arch``: the config
+    class's own initialisation after ``torch.manual_seed(seed)`` (torch's global CPU generator is left as it was),
+    built directly on ``device`` in ``dtype`` (a 9B model needs no copy in host memory).
+
+    Raises:
+        ValueError: one line, for an unknown family, dtype or config keyword.
+    """
+    from statereduce.adapters import adapter_class
+
+    cls = adapter_class(family)
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    config = tiny_config(family, arch)
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        return cls.build(config, dtype=DTYPES[dtype])
+
+
 def resolve_revision(hub_id: str, revision: str | None) -> tuple[str | None, bool]:
     """(commit sha, True) from the hub, or (revision as given, False) when offline / unreachable / local."""
     if Path(hub_id).expanduser().is_dir():

@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from statereduce.data import corpus_provenance, load_split, token_stream
-from statereduce.models import DTYPES, save_checkpoint, tiny_config
+from statereduce.models import build_random, save_checkpoint, tiny_config
 from statereduce.runtime import atomic_dir, versions, write_json
 from statereduce.tokenizer import byte_level_tokenizer
 
@@ -250,17 +250,8 @@ def init_random(
     Returns:
         The record written to ``init.json``: family, arch, seed, dtype, parameter count, seconds, versions.
     """
-    from statereduce.adapters import adapter_class
-
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     start = time.perf_counter()
-    family_adapter = adapter_class(family)
-    config = tiny_config(family, arch)
-    seed_everything(int(seed))
-    with torch.device(device):
-        model = family_adapter.build(config, dtype=DTYPES[dtype])
-    model.eval()
+    model = build_random(family, arch, seed=int(seed), dtype=dtype, device=device).eval()
     record = {
         "family": family,
         "arch": dict(arch),

@@ -60,16 +60,15 @@ def cpu_kind() -> str:
     CPU, and kernels of different CPUs round differently (README: "The same numbers on another CPU")."""
     import platform
 
-    name, flags = platform.processor() or platform.machine(), ""
+    found: dict[str, str] = {}
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():  # the first processor's lines
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and name in ("", platform.processor(), platform.machine()):
-                name = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = f" {value.strip()} "
-    width = next((isa.upper() for isa in ("avx512f", "avx2", "avx") if f" {isa} " in flags), None)
-    return f"{name} ({width.replace('F', '') if width == 'AVX512F' else width})" if width else name
+            found.setdefault(key.strip(), value.strip())
+    name, flags = found.get("model name") or platform.machine(), set(found.get("flags", "").split())
+    width = next((label for flag, label in (("avx512f", "AVX512"), ("avx2", "AVX2"), ("avx", "AVX")) if flag in flags),
+                 None)
+    return f"{name} ({width})" if width else name
 
 
 def _umask() -> int:
