@@ -118,6 +118,14 @@ def base_marker(model):
     return f"results/{model}/base/{kind}"
 
 
+def models_made_by(kind):
+    """A wildcard regex of the models whose base artifact the rule for ``kind`` ("pretrain", "init") makes: pretrain and
+    init_random both write results/{model}/base/config.json, and each may claim only its own models (a regex that
+    matches nothing where none are configured)."""
+    names = [m for m in MODELS if kind in MODELS[m]]
+    return "|".join(re.escape(m) for m in names) or "(?!)"
+
+
 def get_base(wildcards):
     return base_marker(wildcards.model)
 

@@ -3,6 +3,8 @@ rule pretrain:
     output:
         marker="results/{model}/base/pretrain.json",
         config="results/{model}/base/config.json",
+    wildcard_constraints:
+        model=models_made_by("pretrain"),
     params:
         family=lambda wc: MODELS[wc.model]["family"],
         pretrain=get_pretrain,
@@ -45,6 +47,8 @@ rule init_random:
         marker="results/{model}/base/init.json",
         config="results/{model}/base/config.json",
         weights="results/{model}/base/model.safetensors",
+    wildcard_constraints:
+        model=models_made_by("init"),
     params:
         family=lambda wildcards: MODELS[wildcards.model]["family"],
         init=lambda wildcards: MODELS[wildcards.model]["init"],

@@ -55,6 +55,16 @@ def test_overlay_dry_runs_every_stage_without_a_gpu(tmp_path):
                       "select_channels": 2, "prune": 2}, counts
 
 
+def test_a_base_config_target_names_the_rule_of_its_model_source(tmp_path):
+    """pretrain and init_random both write results/{model}/base/config.json: a target naming that file plans the one
+    rule of the model's own source (an ambiguity error otherwise), with pretrained and init models in one config."""
+    for model, rule in (("tiny-dn", "pretrain"), ("dn1.3b-init", "init_random")):
+        out = snakemake(tmp_path, f"results/{model}/base/config.json", "-n", "--resources", "gpu=1",
+                        "--configfile", str(OVERLAY))
+        assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+        assert job_counts(out.stdout) == {rule: 1}, out.stdout[-3000:]
+
+
 def test_overlay_models_have_their_hub_entries_shapes():
     """Each ``<hub key>-init`` model has the head sizes of the hub entry beside it (its ``dims``, or the speed
     runs' arch of that shape), so that what it measures is what the hub model would cost."""
