@@ -14,13 +14,18 @@ as RFT holds it. For each micro-batch size, on ``--steps`` optimizer steps of ``
   bf16 autocast, the same micro-batches and kernel routing), the reference the issue's target names.
 
 Prints and writes steady tokens/s (the median over the steps after the first), the ratio rft / plain, and peak GPU
-memory. Random token ids below 257 (the byte-level tokenizer's) stand in for text. Runs on a CPU too (slowly), which
+memory; OUT.json after every measurement. ``--profile DIR`` then runs two more steps of each kind at the first
+micro-batch size under ``torch.profiler`` (after the timed runs, so that Triton's autotuning is done and the profile
+shows the steady step) and writes their operators by device time (``DIR/<plain|rft>_micro<N>.txt``) and the share
+of wall time the device was busy (OUT.json's ``profile``): a low share means the step waits on the host (launches,
+syncs), a high one on the kernels listed first. Random token ids below 257 (the byte-level tokenizer's) stand in for text. Runs on a CPU too (slowly), which
 the tests use with a tiny shape.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -94,6 +99,28 @@ def _plain(student, blocks, micro: int, args, device) -> dict:
     return {"tokens_per_s": _steady(rates), "per_step": rates}
 
 
+@contextlib.contextmanager
+def _profiled(folder: Path, name: str, device, row: dict):
+    """Run the block under torch.profiler; write its table to ``folder`` and its wall time and device-busy time into
+    ``row``."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        yield
+        _sync(device)
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.txt").write_text(events.table(sort_by=sort, row_limit=45, max_name_column_width=70))
+    busy = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA) / 1e6
+    row.update({"table": f"{name}.txt", "wall_s": wall, "device_busy_s": busy,
+                "device_busy_share": busy / wall if device.type == "cuda" else None})
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -115,6 +142,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--profile", type=Path, metavar="DIR", help="then profile two steady steps of each kind; operator tables into DIR")
     args = ap.parse_args()
 
     from statereduce.adapters import adapter_class, get_adapter
@@ -151,11 +179,11 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             try:
-                row[name] = (_plain(student, blocks, micro, args, device) if name == "plain"
-                             else _rft(student, teacher, blocks, micro, args))
+                row[name] = _measure(name, student, teacher, blocks, micro, args, device)
             except torch.OutOfMemoryError as err:
                 row[name] = {"error": f"out of memory: {' '.join(str(err).split())[:160]}"}
             row[name]["peak_gib"] = _peak(device)
+            args.out.write_text(json.dumps({**out, "runs": [*out["runs"], row]}, indent=1) + "\n")
         ok = all("tokens_per_s" in row[k] for k in ("plain", "rft"))
         row["ratio"] = row["rft"]["tokens_per_s"] / row["plain"]["tokens_per_s"] if ok else None
         out["runs"].append(row)
@@ -164,6 +192,19 @@ def main() -> None:
         ratio = f"{row['ratio']:.2f}" if ok else "–"
         print(f"| {micro} | {fmt(row['plain'])} | {fmt(row['rft'])} | {ratio} | {peaks} |", flush=True)
         args.out.write_text(json.dumps(out, indent=1) + "\n")
+    if args.profile is not None:
+        short = argparse.Namespace(**{**vars(args), "steps": 2})
+        micro, out["profile"] = args.micro[0], {}
+        for name in ("plain", "rft"):
+            with _profiled(args.profile, f"{name}_micro{micro}", device, out["profile"].setdefault(name, {})):
+                _measure(name, student, teacher, blocks, micro, short, device)
+            args.out.write_text(json.dumps(out, indent=1) + "\n")
+        print(json.dumps(out["profile"], indent=1))
+
+
+def _measure(name: str, student, teacher, blocks, micro: int, args, device) -> dict:
+    return (_plain(student, blocks, micro, args, device) if name == "plain"
+            else _rft(student, teacher, blocks, micro, args))
 
 
 if __name__ == "__main__":

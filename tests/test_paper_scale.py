@@ -149,14 +149,15 @@ def test_auto_kernels_pick_torch_only_where_fla_refuses_the_family_backward(monk
 
 def test_rft_step_benchmark_measures_both_steps_side_by_side(tmp_path):
     """scripts/bench_rft_step.py (the RFT-throughput target's measurement) runs end to end on a tiny shape: both
-    steps timed in one run, the ratio written."""
+    steps timed in one run, the ratio written, and the profiled steady steps' tables."""
     import json
     import subprocess
     import sys
 
     out = tmp_path / "bench.json"
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_rft_step.py"), str(out), "--model", "tiny-dn",
-                        "--micro", "1", "2", "--steps", "2", "--batch", "2", "--seq-len", "32", "--device", "cpu"],
+                        "--micro", "1", "2", "--steps", "2", "--batch", "2", "--seq-len", "32", "--device", "cpu",
+                        "--profile", str(tmp_path / "prof")],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -165,3 +166,6 @@ def test_rft_step_benchmark_measures_both_steps_side_by_side(tmp_path):
         assert run["plain"]["tokens_per_s"] > 0 and run["rft"]["tokens_per_s"] > 0
         assert run["ratio"] == run["rft"]["tokens_per_s"] / run["plain"]["tokens_per_s"]
     assert "| 2 |" in p.stdout
+    for name in ("plain", "rft"):  # the steady steps' operator tables
+        assert doc["profile"][name]["wall_s"] > 0
+        assert "aten::" in (tmp_path / "prof" / doc["profile"][name]["table"]).read_text()
