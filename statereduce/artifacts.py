@@ -12,6 +12,7 @@ Imports nothing heavy (selection jobs use it without torch).
 
 from __future__ import annotations
 
+import json
 import numbers
 import os
 from collections.abc import Mapping
@@ -109,3 +110,32 @@ def check_provenance(path: str | os.PathLike, recorded: Mapping[str, Any], expec
     was = ", ".join(f"{k}={_plain(recorded[k])!r}" for k in diffs)
     wants = ", ".join(f"{k}={_plain(expected[k])!r}" for k in diffs)
     raise ArtifactError(f"{path} was written with {was}; this job expects {wants}; {remedy(path)}")
+
+
+PRUNE_RECORD = "prune_record.json"
+"""The record a pruned (or RFT) checkpoint folder holds (:mod:`statereduce.prune`)."""
+
+
+def check_prune_record(checkpoint: str | os.PathLike, expected: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``prune_record.json`` of a pruned (or RFT) checkpoint as a dict, checked against a job's expectations.
+
+    Args:
+        checkpoint: the checkpoint folder.
+        expected: what the reading job expects (``params.info`` with the ``method`` and ``pct`` of its path);
+            the record's model (recorded in ``extra`` from the selection file), family, method and pct must agree
+            (:func:`statereduce.artifacts.check_provenance`).
+    Raises:
+        ArtifactError: one line, for a record that is not JSON or was written for another job.
+    """
+    path = Path(checkpoint) / PRUNE_RECORD
+    if not path.is_file():
+        raise missing(path)
+    try:
+        record = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise unreadable(path, "JSON", err) from None
+    if not isinstance(record, dict):
+        raise ArtifactError(f"{path} is not a prune record (not a JSON object); {remedy(path)}")
+    extra = record.get("extra") if isinstance(record.get("extra"), dict) else {}
+    check_provenance(path, {**record, "model": extra.get("model")}, expected)
+    return record

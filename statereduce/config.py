@@ -313,11 +313,11 @@ def model_speed(config: dict, model: str) -> dict:
     checkpoint. ``settings`` are :data:`statereduce.speed.DEFAULT_SPEED` updated by the top-level ``speed`` block,
     then by the model's own ``speed`` block (part blocks key by key).
     """
-    from statereduce.adapters import adapter_class, adapter_families
+    from statereduce.families import family_names, family_spec
 
     m = config["models"][model]
-    if not adapter_class(m["family"]).speed_benchmark:
-        covered = ", ".join(f for f in adapter_families() if adapter_class(f).speed_benchmark)
+    if not family_spec(m["family"]).speed_benchmark:
+        covered = ", ".join(f for f in family_names() if family_spec(f).speed_benchmark)
         raise ConfigError(f"model {model!r}: the speed benchmarks do not cover family {m['family']!r}; "
                           f"they cover {covered}")
     own = dict(m.get("speed", {}))
@@ -328,7 +328,7 @@ def model_speed(config: dict, model: str) -> dict:
         raise ConfigError(f"model {model!r} has no architecture for speed runs: set models.{model}.speed.arch "
                           "(fla config keywords: hidden_size, num_hidden_layers, num_heads, ...)")
     try:
-        adapter_class(m["family"]).check_arch(arch)
+        family_spec(m["family"]).check_arch(arch)
     except ValueError as e:
         raise ConfigError(f"models.{model}.speed.arch: {e}") from None
     settings = copy.deepcopy(config.get("speed", {}))
@@ -343,18 +343,18 @@ def model_speed(config: dict, model: str) -> dict:
 def model_dims(config: dict, model: str) -> dict | None:
     """(num_heads, head_k_dim, head_v_dim) of a model known from config alone, or None.
 
-    For a ``pretrain`` or ``init`` model the sizes come from its ``arch`` block through the adapter's ``arch_dims``
+    For a ``pretrain`` or ``init`` model the sizes come from its ``arch`` block through the family spec's ``arch_dims``
     (the config class's defaults for omitted keys), without importing fla. Raises ConfigError (one line) for
     an arch key the family's config class does not take. A hub model's are its ``dims``; a ``local`` model's are its
     ``dims``, else read the same way from its checkpoint's ``config.json`` (its ``text_config`` where it has one).
     """
-    from statereduce.adapters import adapter_class
+    from statereduce.families import family_spec
 
     m = config["models"][model]
     block = next((b for b in ("pretrain", "init") if b in m), None)
     if block is not None:
         try:
-            d = adapter_class(m["family"]).arch_dims(m[block]["arch"])
+            d = family_spec(m["family"]).arch_dims(m[block]["arch"])
         except ValueError as e:
             raise ConfigError(f"models.{model}.{block}.arch: {e}") from None
         return {"num_heads": d.num_heads, "head_k_dim": d.head_k_dim, "head_v_dim": d.head_v_dim}
@@ -366,9 +366,9 @@ def model_dims(config: dict, model: str) -> dict | None:
 def _checkpoint_dims(family: str, folder: str) -> dict | None:
     """(num_heads, head_k_dim, head_v_dim) from a checkpoint folder's ``config.json`` through the adapter's
     ``arch_dims``; None when it cannot be read that way (the jobs check the loaded model)."""
-    from statereduce.adapters import adapter_class
+    from statereduce.families import family_spec
 
-    cls = adapter_class(family)
+    cls = family_spec(family)
     try:
         cfg = json.loads((Path(folder).expanduser() / "config.json").read_text())
         cfg = cfg.get("text_config") or cfg
@@ -380,7 +380,7 @@ def _checkpoint_dims(family: str, folder: str) -> dict | None:
 
 def check_reduction(config: dict, model: str, pct: float) -> int:
     """Check that removing ``pct`` percent of ``model``'s key channels is possible; return d_k'."""
-    from statereduce.adapters import adapter_class
+    from statereduce.families import family_spec
     from statereduce.selectors import n_keep_for
 
     if not 0 < pct < 100:
@@ -391,7 +391,7 @@ def check_reduction(config: dict, model: str, pct: float) -> int:
     try:
         n_keep = n_keep_for(dims["head_k_dim"], pct)
         if "head_v_dim" in dims:
-            adapter_class(config["models"][model]["family"]).check_reduction(
+            family_spec(config["models"][model]["family"]).check_reduction(
                 dims["head_k_dim"], dims["head_v_dim"], n_keep
             )
     except ValueError as e:
@@ -537,7 +537,7 @@ def check_convolution_study(config: dict, study: dict) -> list[tuple[str, str, f
     Raises:
         ConfigError: one line naming the bad value and the valid ones.
     """
-    from statereduce.adapters.conv_sharing import SHARE_CONV  # Table 14's rows, in the paper's order
+    from statereduce.families import SHARE_CONV  # Table 14's rows, in the paper's order
     from statereduce.selectors import MethodSpec, format_method, selector_names
 
     where, models = "studies.convolutions", config["models"]
@@ -563,33 +563,6 @@ def check_convolution_study(config: dict, study: dict) -> list[tuple[str, str, f
             for sel in study["selectors"]]
 
 
-def check_family(checkpoint: str, revision: str | None, family: str, download: bool = False) -> None:
-    """Raise a one-line ValueError if the checkpoint's ``config.json`` has a ``model_type`` the family does not take.
-
-    Reads a local folder's ``config.json``, else the hub's (fetched when ``download``, else from the cache only);
-    does nothing when neither is available.
-    """
-    from statereduce.adapters import adapter_class
-
-    folder = Path(checkpoint).expanduser()
-    path: Any = folder / "config.json" if folder.is_dir() else None
-    if path is None:
-        from huggingface_hub import hf_hub_download, try_to_load_from_cache
-
-        try:
-            path = (hf_hub_download(checkpoint, "config.json", revision=revision, etag_timeout=15) if download
-                    else try_to_load_from_cache(checkpoint, "config.json", revision=revision))
-        except Exception:  # noqa: BLE001 -- no network, private repo: the load itself reports it
-            path = None
-    if not isinstance(path, (str, Path)) or not Path(path).is_file():
-        return
-    model_type = json.loads(Path(path).read_text()).get("model_type")
-    valid = adapter_class(family).model_types
-    if model_type is not None and model_type not in valid:
-        raise ValueError(f"{checkpoint!r} is a {model_type!r} checkpoint, not {family} "
-                         f"(model_type {', '.join(map(repr, valid))}); fix the id or the family")
-
-
 def check_checkpoint_family(model: str, family: str, where: str, checkpoint: str, revision: str | None = None) -> None:
     """Check that the checkpoint ``checkpoint`` (a local folder or a hub id) is of ``family`` where its ``config.json``
     can be read without the network (a local folder, or a hub id in the Hugging Face cache); otherwise the base
@@ -598,6 +571,8 @@ def check_checkpoint_family(model: str, family: str, where: str, checkpoint: str
     Raises:
         ConfigError: one line naming the model, the checkpoint, its ``model_type`` and the family's.
     """
+    from statereduce.families import check_family
+
     try:
         check_family(checkpoint, revision, family)
     except ValueError as e:
@@ -636,7 +611,7 @@ def check_share_conv(model: str, m: dict) -> None:
     Raises:
         ConfigError: one line naming the model, the value and what is valid.
     """
-    from statereduce.adapters.conv_sharing import check_share_conv as check
+    from statereduce.families import check_share_conv as check
 
     share = m["pretrain"].get("share_conv", "none")
     try:
@@ -658,11 +633,11 @@ def canonical(obj):
 def validate_config(config: dict, schema: dict | None = None) -> dict:
     """Validate ``config`` fully; return a canonical copy (sorted keys) with defaults filled.
     Raises ConfigError (one line)."""
-    from statereduce.adapters import adapter_class, adapter_families
+    from statereduce.families import family_names, family_spec
 
     check_schema(config, schema)
     cfg = canonical(copy.deepcopy(config))
-    families = adapter_families()
+    families = family_names()
     corpora = cfg["corpora"]
     for name, spec in corpora.items():
         if spec["source"] == "files" and ("paths" in spec) == ("splits" in spec):
@@ -674,7 +649,7 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
         for block in ("pretrain", "init"):
             if block in m:
                 try:
-                    adapter_class(m["family"]).check_arch(m[block]["arch"])
+                    family_spec(m["family"]).check_arch(m[block]["arch"])
                 except ValueError as e:
                     raise ConfigError(f"models.{name}.{block}.arch: {e}") from None
         if "pretrain" in m:

@@ -136,7 +136,7 @@ def write_hub_source(
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     sha, resolved = resolve_revision(hub_id, revision)
     if family is not None:
-        from statereduce.config import check_family
+        from statereduce.families import check_family
 
         check_family(hub_id, sha if resolved else revision, family, download=resolved)
     record: dict[str, Any] = {

@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from statereduce.data import corpus_provenance, load_split, token_stream
 from statereduce.models import build_random, save_checkpoint, tiny_config
-from statereduce.runtime import atomic_dir, versions, write_json
+from statereduce.runtime import atomic_dir, lr_at, seed_everything, versions, write_json  # noqa: F401  (lr_at re-exported)
 from statereduce.tokenizer import byte_level_tokenizer
 
 # Defaults, tuned for the embedded tiny models (hidden 128, 4 layers, 2 heads, d_k = d_v = 64, ~1.1M parameters)
@@ -55,17 +52,6 @@ DEFAULT_TRAIN: dict[str, Any] = {
 }
 
 
-def lr_at(step: int, cfg: dict[str, Any]) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup over ``warmup`` steps, then cosine
-    decay from ``lr`` to ``min_lr`` (default ``lr / 10``) at the last step."""
-    lr, warmup, steps = float(cfg["lr"]), int(cfg["warmup"]), int(cfg["steps"])
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - 1 - warmup)
-    floor = lr / 10 if cfg.get("min_lr") is None else float(cfg["min_lr"])
-    return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
 def _train_cfg(train_cfg: dict[str, Any]) -> dict[str, Any]:
     bad = sorted(set(train_cfg) - set(DEFAULT_TRAIN))
     if bad:
@@ -78,13 +64,6 @@ def _train_cfg(train_cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"train warmup must be in [0, steps={cfg['steps']}), got {cfg['warmup']}")
     cfg["betas"] = [float(b) for b in cfg["betas"]]
     return cfg
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

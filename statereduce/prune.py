@@ -37,13 +37,13 @@ from torch import nn
 from statereduce import __version__
 from statereduce.adapters import ChannelRows, LinearAttentionAdapter, get_adapter
 from statereduce.adapters.conv_sharing import filters_equal
-from statereduce.kernels.shapes import record_note
-from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
+from statereduce.artifacts import PRUNE_RECORD, check_prune_record  # noqa: F401  (check_prune_record re-exported)
 from statereduce.checkpoints import base_checkpoint
+from statereduce.kernels.shapes import record_note
 from statereduce.models import save_checkpoint
 from statereduce.runtime import atomic_dir, versions
 
-RECORD_NAME = "prune_record.json"
+RECORD_NAME = PRUNE_RECORD
 RECORD_FORMAT = 1
 _NUMBER_LIST = re.compile(r"\[\n\s*(-?[\d.e+-]+(?:,\n\s*-?[\d.e+-]+)*)\n\s*\]")
 
@@ -261,31 +261,6 @@ def load_prune_record(path: str | os.PathLike) -> PruneRecord:
     """Read a record from a checkpoint directory or a ``prune_record.json`` path."""
     path = Path(path)
     return PruneRecord.from_json((path / RECORD_NAME if path.is_dir() else path).read_text())
-
-
-def check_prune_record(checkpoint: str | os.PathLike, expected: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``prune_record.json`` of a pruned (or RFT) checkpoint as a dict, checked against a job's expectations.
-
-    Args:
-        checkpoint: the checkpoint folder.
-        expected: what the reading job expects (``params.info`` with the ``method`` and ``pct`` of its path);
-            the record's model (recorded in ``extra`` from the selection file), family, method and pct must agree
-            (:func:`statereduce.artifacts.check_provenance`).
-    Raises:
-        ArtifactError: one line, for a record that is not JSON or was written for another job.
-    """
-    path = Path(checkpoint) / RECORD_NAME
-    if not path.is_file():
-        raise missing(path)
-    try:
-        record = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise unreadable(path, "JSON", err) from None
-    if not isinstance(record, dict):
-        raise ArtifactError(f"{path} is not a prune record (not a JSON object); {remedy(path)}")
-    extra = record.get("extra") if isinstance(record.get("extra"), dict) else {}
-    check_provenance(path, {**record, "model": extra.get("model")}, expected)
-    return record
 
 
 def transform_note(transforms: Mapping[int, torch.Tensor], counts: Mapping[str, int]) -> dict[str, Any]:

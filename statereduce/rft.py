@@ -45,8 +45,7 @@ from tqdm import tqdm
 
 from statereduce.adapters.conv_sharing import model_conv_sharing, tie_qk_convs, untie_convs
 from statereduce.config import rft_settings
-from statereduce.pretrain import lr_at, seed_everything
-from statereduce.runtime import atomic_dir, atomic_file, jsonable, read_json, write_json
+from statereduce.runtime import atomic_dir, atomic_file, jsonable, lr_at, read_json, seed_everything, write_json
 
 RECORD_FILE = "rft_record.json"
 LOG_FILE = "train_log.jsonl"
@@ -735,7 +734,7 @@ def run_rft(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, p
     ``plan["gpus"] > 1`` training runs under ``torchrun`` (one process per GPU, DDP through accelerate) and the saved
     checkpoint is then loaded for evaluation; otherwise everything runs in this process and the merged model
     is evaluated in memory. First the pruned checkpoint's ``prune_record.json`` must have been written for this
-    job: ``info``'s model and family, ``extra``'s method and pct (:func:`statereduce.prune.check_prune_record`).
+    job: ``info``'s model and family, ``extra``'s method and pct (:func:`statereduce.artifacts.check_prune_record`).
 
     Returns:
         The ``eval.json`` document of the RFT checkpoint.
@@ -743,7 +742,7 @@ def run_rft(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, p
     from statereduce.data import load_split
     from statereduce.eval.run import evaluate_checkpoint, evaluate_loaded
     from statereduce.eval.tasks import HELDOUT
-    from statereduce.prune import check_prune_record
+    from statereduce.artifacts import check_prune_record
 
     check_prune_record(pruned_dir, {**info, **(extra or {})})
     exclude = load_split(eval_settings["corpus_spec"], "heldout") if HELDOUT in eval_settings["tasks"] else []

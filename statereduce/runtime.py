@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -197,3 +198,25 @@ def versions() -> dict[str, str | None]:
         except importlib.metadata.PackageNotFoundError:
             out[key] = None
     return out
+
+
+# ---- training (pretraining and RFT) ------------------------------------------------------------------------
+def lr_at(step: int, cfg: dict[str, Any]) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup over ``warmup`` steps, then cosine
+    decay from ``lr`` to ``min_lr`` (default ``lr / 10``) at the last step."""
+    lr, warmup, steps = float(cfg["lr"]), int(cfg["warmup"]), int(cfg["steps"])
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - 1 - warmup)
+    floor = lr / 10 if cfg.get("min_lr") is None else float(cfg["min_lr"])
+    return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -1,10 +1,15 @@
-"""The package's layers import downward only (docs/architecture.md): the kernel layer imports nothing else from the
-package, the adapters only kernels, code that drives models reads family facts from the adapters (no fla layer
-modules of its own), and no two modules import each other, at top level or inside functions."""
+"""The package's layers import downward only (docs/architecture.md): every module sits in one layer of the map below
+and imports only from its own layer or lower ones (stages never from each other); the kernel layer imports nothing
+else from the package, the family specs nothing at all and no torch (config validation reads them: planning a run
+imports no torch), the adapters only kernels and specs; code that drives models reads family facts from the
+adapters (no fla layer modules of its own); and no two modules import each other, at top level or inside
+functions."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,15 +63,70 @@ def test_kernel_layer_imports_nothing_else_from_the_package(name):
 
 
 @pytest.mark.parametrize("name", [n for n in MODULES if _under(n, "statereduce.adapters")])
-def test_adapters_import_only_kernels(name):
-    others = {m for m in _package_imports(name) if not _under(m, "statereduce.kernels", "statereduce.adapters")}
+def test_adapters_import_only_kernels_and_family_specs(name):
+    others = {m for m in _package_imports(name)
+              if not _under(m, "statereduce.kernels", "statereduce.families", "statereduce.adapters")}
     assert not others, f"{name} imports {sorted(others)}"
 
 
-@pytest.mark.parametrize("name", [n for n in MODULES if not _under(n, "statereduce.adapters", "statereduce.kernels")])
-def test_only_adapters_and_kernels_name_fla_layer_modules(name):
-    """Code outside the adapters and kernels asks an adapter for every family fact: it imports no fla layer or
-    model module (importing ``fla`` itself to register its models, or its utilities, is fine)."""
+@pytest.mark.parametrize("name", [n for n in MODULES if _under(n, "statereduce.families")])
+def test_family_specs_import_no_torch_and_nothing_else_from_the_package(name):
+    others = {m for m in _package_imports(name) if not _under(m, "statereduce.families")}
+    heavy = {m for m in _imports(MODULES[name]) if _under(m, "torch", "numpy", "transformers")}
+    assert not others and not heavy, f"{name} imports {sorted(others | heavy)}"
+
+
+#: docs/architecture.md's map, lowest layer first: (layer, module prefixes); a module belongs to the layer of its
+#: longest matching prefix.
+LAYERS = [
+    ("kernels", ["statereduce.kernels"]),
+    ("families", ["statereduce.families"]),
+    ("adapters", ["statereduce.adapters"]),
+    ("selectors", ["statereduce.selectors"]),
+    ("foundations", ["statereduce", "statereduce.models", "statereduce.data", "statereduce.tokenizer",
+                     "statereduce.checkpoints", "statereduce.h5files", "statereduce.artifacts", "statereduce.runtime",
+                     "statereduce.selection_file"]),
+    ("services", ["statereduce.eval", "statereduce.analysis", "statereduce.speed", "statereduce.config"]),
+    ("stages", ["statereduce.pretrain", "statereduce.capture", "statereduce.select", "statereduce.prune",
+                "statereduce.rft", "statereduce.analysis.rank"]),
+    ("api", ["statereduce.api", "statereduce.__main__"]),
+]
+
+
+def _layer(name: str) -> int:
+    matches = [(len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes if _under(name, p)]
+    assert matches, f"{name} is in no layer of LAYERS (docs/architecture.md): add it"
+    return max(matches)[1]
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_module_imports_only_its_layer_or_lower_ones(name):
+    """Upward imports break the map; a stage importing another stage ties two rules' code together (what they share
+    belongs in a lower layer)."""
+    here = _layer(name)
+    bad = sorted(m for m in _package_imports(name) if _layer(m) > here)
+    if LAYERS[here][0] == "stages":
+        bad += sorted(m for m in _package_imports(name) if _layer(m) == here and not _under(m, name))
+    assert not bad, f"{name} ({LAYERS[here][0]}) imports {bad}"
+
+
+def test_validating_the_default_config_imports_no_torch():
+    """The Snakefile validates the config on every dry run: it reads the family specs, never the adapters."""
+    code = ("import sys, yaml; from statereduce.config import validate_config; "
+            "validate_config(yaml.safe_load(open('config.yaml'))); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'fla', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+OWN_FLA = ("statereduce.adapters", "statereduce.families", "statereduce.kernels")
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if not _under(n, *OWN_FLA)])
+def test_only_adapters_specs_and_kernels_name_fla_layer_modules(name):
+    """Code outside the adapters, family specs and kernels asks them for every family fact: it imports no fla layer
+    or model module (importing ``fla`` itself to register its models, or its utilities, is fine)."""
     bad = {m for m in _imports(MODULES[name]) if _under(m, "fla.layers", "fla.models") and m != "fla.models"}
     assert not bad, f"{name} imports {sorted(bad)}"
 

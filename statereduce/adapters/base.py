@@ -8,39 +8,41 @@ outside ``statereduce/adapters`` may branch on ``model_type``. Adapters are pure
 itself is done by the verb functions of :mod:`statereduce.prune`, driven by the rows and sizes an
 adapter hands out.
 
-Everything that depends only on the config is a classmethod (``dims``, ``reduced_config``,
-``mixer_layer_indices``, ``config_state_shape``), so the workflow can validate a run before any
-weights are loaded; the instance properties and methods are conveniences over ``model.config``.
-``arch_dims``/``check_arch`` go one step further and need no config object at all: they work from an
-``arch`` dict and ``config_defaults``, so validating a config never imports fla (which costs ~15 s);
-adapter modules import fla only inside the methods that use it.
+Everything that depends only on the config (``dims``, ``reduced_config``, ``mixer_layer_indices``,
+``config_state_shape``, ``arch_dims``, ...) is a classmethod of the family's spec
+(:mod:`statereduce.families`), which each adapter subclasses: the workflow validates a run from the specs before
+any weights are loaded and without importing torch or fla. The instance properties and methods here are
+conveniences over ``model.config``; adapter modules import fla only inside the methods that use it.
 
-To add a family: write ``adapters/<family>.py`` with a subclass of :class:`LinearAttentionAdapter`
-decorated with ``@register_adapter``, import it in ``adapters/__init__.py``, and add a subclass of
-the contract test class in ``tests/test_adapters.py``.
+To add a family: write its spec in ``families/<family>.py`` (``@register_family``, imported in
+``families/__init__.py``), then ``adapters/<family>.py`` with a subclass of the spec and of
+:class:`LinearAttentionAdapter` decorated with ``@register_adapter``, import it in ``adapters/__init__.py``, and add
+a subclass of the contract test class in ``tests/test_adapters.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import importlib
-import numbers
 import types
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from statereduce.families.base import Dims, FamilySpec, LazyImport, StateShape, family_spec  # noqa: F401  (re-exported)
 
 _ADAPTERS: dict[str, type[LinearAttentionAdapter]] = {}
 
 
 def register_adapter(cls: type[LinearAttentionAdapter]) -> type[LinearAttentionAdapter]:
-    """Class decorator: register an adapter under its ``family`` name."""
+    """Class decorator: register an adapter under its ``family`` name (a subclass of that family's spec)."""
+    if not issubclass(cls, family_spec(cls.family)):
+        raise TypeError(f"adapter {cls.__name__} does not subclass the spec of family {cls.family!r}")
     if cls.family in _ADAPTERS:
         raise ValueError(f"adapter family {cls.family!r} registered twice")
     _ADAPTERS[cls.family] = cls
@@ -85,49 +87,7 @@ QKOfCall = Callable[[tuple, dict], tuple[torch.Tensor, torch.Tensor]]
 XCallback = Callable[[int, torch.Tensor], None]
 
 
-class LazyImport:
-    """A class attribute that is ``module:name``, imported on first access (keeps fla out of config validation).
-
-    ``config_class = LazyImport("fla.models:DeltaNetConfig")`` reads ``cls.config_class`` as the class itself.
-    """
-
-    def __init__(self, target: str):
-        self.target = target
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        module, _, name = self.target.partition(":")
-        return getattr(importlib.import_module(module), name)
-
-
 RFT_SCOPES = ("all", "recurrent")  # what recovery fine-tuning may train (LinearAttentionAdapter.rft_roots)
-
-
-@dataclass(frozen=True)
-class StateShape:
-    """Recurrent and conv state of one linear-attention layer, per sequence."""
-
-    num_heads: int  # heads of the recurrent state (value heads under GVA)
-    d_k: int
-    d_v: int
-    conv_channels: int  # channels of all short-conv states of the layer (q + k + v); 0 without short conv
-    conv_width: int
-
-    @property
-    def recurrent_elems(self) -> int:
-        return self.num_heads * self.d_k * self.d_v
-
-    @property
-    def conv_elems(self) -> int:
-        return self.conv_channels * self.conv_width
-
-
-class Dims(NamedTuple):
-    """Head sizes (H, HV, d_k, d_v) of a family's linear-attention layers, read from a config."""
-
-    num_heads: int  # H: q/k heads
-    num_v_heads: int  # HV: value heads (GVA: HV = r * H, value head i reads key head i // r)
-    head_k_dim: int  # d_k
-    head_v_dim: int  # d_v
 
 
 @dataclass(frozen=True)
@@ -150,15 +110,9 @@ def head_major_rows(num_heads: int, d_k: int, offset: int = 0) -> torch.Tensor:
     return offset + torch.arange(num_heads * d_k, dtype=torch.long).reshape(num_heads, d_k)
 
 
-class LinearAttentionAdapter(ABC):
-    """Structural facts about one family."""
-
-    family: ClassVar[str]  # config name of the family, e.g. "delta_net"
-    model_types: ClassVar[tuple[str, ...]]  # HF config.model_type values handled
-    config_class: ClassVar[type]  # the HF config class of the family (a LazyImport: fla loads on access)
-    # every keyword argument of ``config_class.__init__`` with fla's default, copied so that config
-    # validation needs no fla import; tests/test_config.py pins it against the real signature
-    config_defaults: ClassVar[dict[str, Any]]
+class LinearAttentionAdapter(FamilySpec):
+    """Structural facts about one family's loaded models; the config facts come from its
+    :class:`~statereduce.families.base.FamilySpec`, which each adapter subclasses."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -167,95 +121,6 @@ class LinearAttentionAdapter(ABC):
     def config(self):
         """The model's live config (``prune_model`` rewrites it in place)."""
         return self.model.config
-
-    #: whether the GPU speed benchmarks (statereduce.speed) cover the family
-    speed_benchmark: ClassVar[bool] = False
-    #: whether the family's training backward runs fla's gated delta rule chunk kernel, which fla 0.6.0 refuses on
-    #: Hopper GPUs with Triton >= 3.4.0, < 3.7.1 (:meth:`backward_kernels` then picks the torch fallbacks)
-    fla_gated_backward: ClassVar[bool] = False
-
-    #: whether the family's recurrence scales q.k by 1/sqrt(d_k) (delta-rule kernels; not Mamba-2's scan): pruning then
-    #: changes the scale (statereduce.prune, "Kernel scale")
-    kernel_scale: ClassVar[bool] = True
-
-    # ---- config-only facts (usable without weights) -------------------------------------------
-    @classmethod
-    @abstractmethod
-    def dims(cls, config) -> Dims:
-        """(H, HV, d_k, d_v) of the linear-attention layers described by ``config``."""
-
-    @classmethod
-    def check_arch(cls, arch: dict[str, Any]) -> None:
-        """Raise a one-line ValueError if ``arch`` has a key that ``config_class`` does not take.
-
-        Args:
-            arch: keyword arguments for ``config_class`` (a ``pretrain.arch`` block of the workflow config).
-        """
-        bad = sorted(set(arch) - set(cls.config_defaults))
-        if bad:
-            raise ValueError(
-                f"unknown arch key(s) {bad} for family {cls.family!r}; valid: {', '.join(sorted(cls.config_defaults))}"
-            )
-
-    @classmethod
-    def arch_dims(cls, arch: dict[str, Any]) -> Dims:
-        """:meth:`dims` of ``config_class(**arch)``, computed without building it (no fla import).
-
-        Args:
-            arch: keyword arguments for ``config_class``; omitted ones take ``config_defaults``.
-        Raises:
-            ValueError: an unknown key (:meth:`check_arch`).
-        """
-        cls.check_arch(arch)
-        return cls.dims(types.SimpleNamespace(**{**cls.config_defaults, **arch}))
-
-    @classmethod
-    @abstractmethod
-    def mixer_layer_indices(cls, config) -> list[int]:
-        """Indices of the linear-attention layers of ``config`` (softmax-attention layers excluded)."""
-
-    @classmethod
-    @abstractmethod
-    def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
-        """Config fields (name -> new value) that describe d_k = d_k_new with everything else unchanged.
-        Raises ValueError (one line, with values) if the family cannot express it."""
-
-    @classmethod
-    @abstractmethod
-    def mixer_updates(cls, config, d_k_new: int) -> dict[str, Any]:
-        """Attributes (name -> new value) of each mixer module that change with d_k = d_k_new."""
-
-    @classmethod
-    @abstractmethod
-    def config_state_shape(cls, config) -> StateShape:
-        """Per-layer, per-sequence recurrent/conv state shape described by ``config``."""
-
-    @classmethod
-    def reduced_config(cls, config, d_k_new: int):
-        """A copy of ``config`` describing d_k = d_k_new, everything else unchanged.
-
-        Args:
-            config: the family's HF config.
-            d_k_new: the new key/query head size d_k' (1 <= d_k' <= d_k).
-        Raises:
-            ValueError: one line with the values, if the family cannot express d_k'.
-        """
-        new = copy.deepcopy(config)
-        for name, value in cls.config_updates(config, d_k_new).items():
-            setattr(new, name, value)
-        return new
-
-    @classmethod
-    def check_reduction(cls, head_k_dim: int, head_v_dim: int, d_k_new: int) -> None:
-        """Raise a one-line ValueError unless d_k = head_k_dim can shrink to d_k_new with d_v = head_v_dim kept.
-
-        The config-free part of :meth:`config_updates`' checks (usable from head sizes alone); the base checks
-        ``1 <= d_k_new <= d_k``, families add what their config fields impose.
-        """
-        if isinstance(d_k_new, bool) or not isinstance(d_k_new, numbers.Integral) or not 1 <= d_k_new <= head_k_dim:
-            raise ValueError(
-                f"d_k'={d_k_new!r} is invalid for {cls.family}; valid: an integer in [1, d_k={head_k_dim}]"
-            )
 
     # ---- structure ----------------------------------------------------------------------------
     @abstractmethod

@@ -14,22 +14,20 @@ convolution, so a rotation carries it over exactly.
   recovery fine-tuning of a model whose filters are shared) and unties them into stock modules whose tied filters
   are exactly equal, so the saved checkpoint is a standard one; :func:`untie_convs` does the same for every tied
   conv of a model, including copies (peft's ``modules_to_save``);
-* :func:`check_share_conv` validates the option against a family and its ``arch`` without importing fla.
+* :func:`~statereduce.families.base.check_share_conv` (re-exported here) validates the option against a family
+  and its ``arch`` without importing torch or fla.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from statereduce.adapters.base import LinearAttentionAdapter, adapter_class, adapter_families
-
-SHARE_CONV = ("none", "head", "all")
-"""Values of ``share_conv``: a filter per channel (stock), one per head, one per layer (each of q and k)."""
+from statereduce.adapters.base import LinearAttentionAdapter
+from statereduce.families.base import SHARE_CONV, check_share_conv, share_conv_families  # noqa: F401  (re-exported)
 
 
 def filters_equal(weight: torch.Tensor, groups: int = 1) -> bool:
@@ -141,32 +139,3 @@ def untie_convs(model: nn.Module) -> int:
         module.__class__ = type(cls.__name__, cls.__bases__, own)
         parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
     return len(tied)
-
-
-def share_conv_families() -> list[str]:
-    """The families whose adapter tells how q/k convolutions are shared (overrides
-    :meth:`LinearAttentionAdapter.conv_sharing`): those with q and k short convolutions in modules of their own."""
-    base = LinearAttentionAdapter.conv_sharing
-    return [f for f in adapter_families() if adapter_class(f).conv_sharing is not base]
-
-
-def check_share_conv(family: str, share: str, arch: Mapping[str, Any]) -> None:
-    """Raise a one-line ValueError unless a model of ``family`` with config fields ``arch`` can train with
-    ``share_conv = share`` (needs no fla import).
-
-    Args:
-        family: an adapter family.
-        share: the ``pretrain.share_conv`` value.
-        arch: the ``pretrain.arch`` block (omitted keys take the adapter's ``config_defaults``).
-    """
-    if share not in SHARE_CONV:
-        raise ValueError(f"unknown share_conv {share!r}; valid: {', '.join(SHARE_CONV)}")
-    if share == "none":
-        return
-    valid = share_conv_families()
-    if family not in valid:
-        raise ValueError(f"share_conv {share!r} needs q/k short convolutions in modules of their own, which family "
-                         f"{family!r} does not have; valid: share_conv none, or a family of {', '.join(valid)}")
-    cls = adapter_class(family)
-    if not {**cls.config_defaults, **arch}.get("use_short_conv", True):
-        raise ValueError(f"share_conv {share!r} needs short convolutions; valid with use_short_conv false: none")

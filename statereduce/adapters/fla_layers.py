@@ -60,7 +60,6 @@ class FlaAdapter(LinearAttentionAdapter):
     (softmax-attention layers of fla hybrids are skipped), q and k captured where they enter the layer module's
     kernel functions, and decoding routed through the layer module's one-token recurrent function."""
 
-    speed_benchmark = True
     recurrent_function: ClassVar[str]  # layer_module's one-token recurrent function, routed by decode_patches
 
     @classmethod
@@ -71,12 +70,6 @@ class FlaAdapter(LinearAttentionAdapter):
         from statereduce.kernels import shapes
 
         shapes.install(cls.layer_module, cls.padded_kernels)
-
-    @classmethod
-    def mixer_layer_indices(cls, config) -> list[int]:
-        from fla.models.configuration_utils import get_attention_spec
-
-        return [i for i in range(config.num_hidden_layers) if get_attention_spec(config.attn, layer_idx=i) is None]
 
     def mixer_layers(self) -> list[tuple[int, nn.Module]]:
         mixer = self.mixer_class

@@ -34,33 +34,21 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
-from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from statereduce.adapters.base import (
     ChannelRows,
-    Dims,
-    LazyImport,
-    StateShape,
     TransformersAdapter,
     decoder_layers,
     head_major_rows,
     register_adapter,
 )
+from statereduce.families.qwen3_5 import Qwen35Family, text_config
 
 LAYER_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
 KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
-LINEAR = "linear_attention"
-
-
-def _text(config):
-    """The text config of a Qwen3.5 config (the vision-language ``qwen3_5`` nests it as ``text_config``)."""
-    text = getattr(config, "text_config", None)
-    return text if text is not None else config
-
-
 def _qk_of_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     q = kwargs["query"] if "query" in kwargs else args[0]
     k = kwargs["key"] if "key" in kwargs else args[1]
@@ -81,72 +69,15 @@ def _device_dispatch(stock: Callable, reference: Callable, device_types: tuple[s
 
 
 @register_adapter
-class Qwen35Adapter(TransformersAdapter):
+class Qwen35Adapter(Qwen35Family, TransformersAdapter):
     """Qwen3.5: ``linear_key_head_dim`` carries d_k of the Gated DeltaNet layers; attention layers stay."""
 
-    family = "qwen3_5"
-    model_types = ("qwen3_5_text", "qwen3_5")
-    config_class = LazyImport("transformers.models.qwen3_5:Qwen3_5TextConfig")
     layer_module = LAYER_MODULE
     qk_readers = dict.fromkeys(KERNELS, _qk_of_call)
     rft_default_scope = "recurrent"  # paper Table 4: only the recurrent components are fine-tuned
-    fla_gated_backward = True  # with fla installed, transformers binds fla's chunk_gated_delta_rule
-    # transformers 5.24 Qwen3_5TextConfig.__init__ keywords and defaults (pinned by tests/test_config.py)
-    # fmt: off
-    config_defaults: ClassVar[dict[str, Any]] = {
-        "transformers_version": None, "architectures": None, "output_hidden_states": False, "return_dict": True,
-        "dtype": None, "chunk_size_feed_forward": 0, "is_encoder_decoder": False, "id2label": None, "label2id": None,
-        "problem_type": None, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
-        "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_act": "silu",
-        "max_position_embeddings": 32768, "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True,
-        "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0,
-        "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "layer_types": None, "pad_token_id": None,
-        "bos_token_id": None, "eos_token_id": None,
-    }
-    # fmt: on
-
-    @classmethod
-    def dims(cls, config) -> Dims:
-        c = _text(config)
-        h, hv = c.linear_num_key_heads, c.linear_num_value_heads
-        if hv % h:
-            raise ValueError(f"Qwen3.5 linear_num_value_heads={hv} is not a multiple of linear_num_key_heads={h}")
-        return Dims(num_heads=h, num_v_heads=hv, head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim)
-
-    @classmethod
-    def mixer_layer_indices(cls, config) -> list[int]:
-        c = _text(config)
-        types = c.layer_types or [LINEAR if (i + 1) % 4 else "full_attention" for i in range(c.num_hidden_layers)]
-        return [i for i, kind in enumerate(types) if kind == LINEAR]
-
-    @classmethod
-    def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
-        """``linear_key_head_dim = d_k'`` (of the text config; a Python int: the config is strict)."""
-        d = cls.dims(config)
-        cls.check_reduction(d.head_k_dim, d.head_v_dim, d_k_new)
-        return {"linear_key_head_dim": int(d_k_new)}
-
-    @classmethod
-    def reduced_config(cls, config, d_k_new: int):
-        """The reduced text config (of the text config, for a vision-language ``qwen3_5`` config)."""
-        return super().reduced_config(_text(config), d_k_new)
-
-    @classmethod
-    def mixer_updates(cls, config, d_k_new: int) -> dict[str, Any]:
-        h, hv, _, d_v = cls.dims(config)
-        key_dim = h * int(d_k_new)
-        return {"head_k_dim": int(d_k_new), "key_dim": key_dim, "conv_dim": 2 * key_dim + hv * d_v}
-
-    @classmethod
-    def config_state_shape(cls, config) -> StateShape:
-        h, hv, d_k, d_v = cls.dims(config)
-        return StateShape(num_heads=hv, d_k=d_k, d_v=d_v, conv_channels=2 * h * d_k + hv * d_v,
-                          conv_width=_text(config).linear_conv_kernel_dim)
-
     @property
     def config(self):
-        return _text(self.model.config)
+        return text_config(self.model.config)
 
     def mixer_layers(self) -> list[tuple[int, nn.Module]]:
         return [(i, layer.linear_attn) for i, layer in enumerate(decoder_layers(self.model))

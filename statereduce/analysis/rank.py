@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from torch import nn
 from statereduce import __version__
 from statereduce.adapters import get_adapter
 from statereduce.runtime import jsonable
+from statereduce.selectors.overlap import as_layers, head_keep, keep_overlap  # noqa: F401  (keep_overlap re-exported)
 
 HeadKey = tuple[int, int]  # (layer index, head index)
 
@@ -282,40 +283,6 @@ def pearson(baseline: Mapping[HeadKey, float], method: Mapping[HeadKey, float]) 
     return float(a @ b) / denom if denom > 0 else math.nan
 
 
-KeepSpec = Sequence[Sequence[int]] | np.ndarray  # per-head kept channel indices of one layer, [H][d_k']
-
-
-def _as_layers(x, name: str) -> dict[int, object]:
-    """A per-layer mapping as is; a single layer's value as {0: value}."""
-    if isinstance(x, Mapping):
-        return dict(x)
-    if x is None:
-        raise ValueError(f"{name} is None; expected an array or a {{layer: array}} mapping")
-    return {0: x}
-
-
-def _head_keep(keep: KeepSpec | None, num_heads: int, d_k: int, where: str) -> list[np.ndarray]:
-    """Per head, the kept channel indices [d_k'] or, for a transform selection, the transform [d_k', d_k]."""
-    if keep is None:
-        return [np.arange(d_k)] * num_heads
-    if len(keep) != num_heads:
-        raise ValueError(f"{where}: keep has {len(keep)} heads, the activations have H={num_heads}")
-    if np.asarray(keep[0]).ndim == 2:  # transforms
-        out = [np.asarray(t, dtype=np.float64) for t in keep]
-        if any(t.shape[1] != d_k for t in out):
-            raise ValueError(f"{where}: transforms of shapes {[t.shape for t in out]} for d_k={d_k}")
-        return out
-    out = []
-    for head, idx in enumerate(keep):
-        idx = np.asarray(idx, dtype=np.int64).ravel()
-        if idx.size == 0 or idx.min() < 0 or idx.max() >= d_k or np.unique(idx).size != idx.size:
-            raise ValueError(
-                f"{where} head {head}: keep={idx.tolist()} is invalid; valid: distinct indices in [0, d_k={d_k})"
-            )
-        out.append(idx)
-    return out
-
-
 def selected_conditioning(K, Q, keep=None) -> dict:
     """Conditioning of the selected columns of the calibration matrix M = [Q; K] per head (paper Table 6).
 
@@ -328,14 +295,14 @@ def selected_conditioning(K, Q, keep=None) -> dict:
         K, Q: calibration keys / queries as stored in ``activations.h5``, [H, N, d_k] for one layer, or
             {layer: [H, N, d_k]} for several.
         keep: the selection: per-head kept indices [H][d_k'] (one layer) or {layer: [H][d_k']}, or transforms
-            [H, d_k', d_k] / {layer: [H, d_k', d_k]} (as :func:`statereduce.select.read_selection` returns); None
-            keeps every channel (the baseline).
+            [H, d_k', d_k] / {layer: [H, d_k', d_k]} (as :func:`~statereduce.selection_file.read_selection`
+            returns); None keeps every channel (the baseline).
     Returns:
         {"per_head": {(layer, head): {"sigma_min", "sigma_max", "kappa"}}, "median": {"sigma_min",
         "sigma_max", "kappa"}, "n_heads"}; a single layer is reported as layer 0.
     """
-    K_layers, Q_layers = _as_layers(K, "K"), _as_layers(Q, "Q")
-    keep_layers = {layer: None for layer in K_layers} if keep is None else _as_layers(keep, "keep")
+    K_layers, Q_layers = as_layers(K, "K"), as_layers(Q, "Q")
+    keep_layers = {layer: None for layer in K_layers} if keep is None else as_layers(keep, "keep")
     if set(K_layers) != set(Q_layers) or set(K_layers) != set(keep_layers):
         raise ValueError(
             f"K, Q and keep cover different layers: {sorted(K_layers)}, {sorted(Q_layers)}, {sorted(keep_layers)}"
@@ -345,7 +312,7 @@ def selected_conditioning(K, Q, keep=None) -> dict:
         k, q = np.asarray(K_layers[layer]), np.asarray(Q_layers[layer])
         if k.ndim != 3 or k.shape != q.shape:
             raise ValueError(f"layer {layer}: K {k.shape} and Q {q.shape} must both be [H, N, d_k]")
-        for head, idx in enumerate(_head_keep(keep_layers[layer], k.shape[0], k.shape[2], f"layer {layer}")):
+        for head, idx in enumerate(head_keep(keep_layers[layer], k.shape[0], k.shape[2], f"layer {layer}")):
             m = np.concatenate([q[head], k[head]], axis=0).astype(np.float64)
             m = m @ idx.T if idx.ndim == 2 else m[:, idx]  # a transform selection projects: M T^T
             if np.isfinite(m).all():
@@ -361,53 +328,6 @@ def selected_conditioning(K, Q, keep=None) -> dict:
         for name in ("sigma_min", "sigma_max", "kappa")
     }
     return {"per_head": per_head, "median": median, "n_heads": len(per_head)}
-
-
-def keep_overlap(keep_a, keep_b, d_k: int) -> dict:
-    """Per-head overlap of two selections against the random expectation (paper App. C.2).
-
-    For each head, ``shared = |A ∩ B|`` and ``fraction = shared / d_k'``. Two independent uniformly random
-    d_k'-subsets of d_k channels share d_k'^2 / d_k channels in expectation (hypergeometric mean), a fraction
-    d_k' / d_k.
-
-    Args:
-        keep_a, keep_b: per-head kept indices [H][d_k'] of one layer, or {layer: [H][d_k']} (as
-            :func:`statereduce.select.read_selection` returns); both must cover the same heads with the same d_k'.
-        d_k: channels per head before pruning.
-    Returns:
-        {"per_head": {(layer, head): {"shared", "fraction"}}, "median_shared", "median_fraction",
-        "random_shared", "random_fraction", "d_k", "d_k_new", "n_heads"}; a single layer is reported as layer 0.
-    """
-    if isinstance(d_k, bool) or not isinstance(d_k, (int, np.integer)) or d_k < 1:
-        raise ValueError(f"d_k={d_k!r} is invalid; valid: a positive integer")
-    a_layers, b_layers = _as_layers(keep_a, "keep_a"), _as_layers(keep_b, "keep_b")
-    if set(a_layers) != set(b_layers):
-        raise ValueError(f"keep_a and keep_b cover different layers: {sorted(a_layers)} vs {sorted(b_layers)}")
-    per_head: dict[HeadKey, dict[str, float]] = {}
-    sizes = set()
-    for layer in sorted(a_layers):
-        heads = len(a_layers[layer])
-        a = _head_keep(a_layers[layer], heads, d_k, f"keep_a layer {layer}")
-        b = _head_keep(b_layers[layer], heads, d_k, f"keep_b layer {layer}")
-        for head, (ia, ib) in enumerate(zip(a, b)):
-            if ia.size != ib.size:
-                raise ValueError(f"layer {layer} head {head}: keep_a keeps {ia.size} channels, keep_b {ib.size}")
-            sizes.add(int(ia.size))
-            shared = int(np.intersect1d(ia, ib).size)
-            per_head[(layer, head)] = {"shared": shared, "fraction": shared / ia.size}
-    if len(sizes) > 1:
-        raise ValueError(f"selections keep different numbers of channels across heads: {sorted(sizes)}")
-    d_k_new = sizes.pop() if sizes else 0
-    return {
-        "per_head": per_head,
-        "median_shared": float(np.median([v["shared"] for v in per_head.values()])) if per_head else math.nan,
-        "median_fraction": float(np.median([v["fraction"] for v in per_head.values()])) if per_head else math.nan,
-        "random_shared": d_k_new**2 / d_k,
-        "random_fraction": d_k_new / d_k,
-        "d_k": int(d_k),
-        "d_k_new": d_k_new,
-        "n_heads": len(per_head),
-    }
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -511,12 +431,12 @@ def rank_analysis(checkpoint: str | Path, settings: dict[str, Any], info: dict[s
     from statereduce.h5files import H5Artifact
     from statereduce.models import load_model
     from statereduce.runtime import jsonable, read_json, write_json
-    from statereduce.select import read_selection
+    from statereduce.selection_file import read_selection
 
     expected = {**info, **(extra or {})}
     keep = None
     if selection is not None:
-        from statereduce.prune import check_prune_record
+        from statereduce.artifacts import check_prune_record
 
         check_prune_record(checkpoint, expected)
         keep, sel_meta = read_selection(selection, expect=expected)

@@ -279,7 +279,7 @@ def overlap_frame(selections: dict[tuple[str, str, float], dict], d_k: dict[str,
         One row per (model, pct, method_a, method_b): d_k', median shared channels, median fraction and the
         random-selection expectation d_k'^2 / d_k.
     """
-    from statereduce.analysis.rank import keep_overlap
+    from statereduce.selectors.overlap import keep_overlap
 
     rows = []
     groups: dict[tuple[str, float], dict[str, dict]] = {}

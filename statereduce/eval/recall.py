@@ -15,8 +15,9 @@ query), then the scored query ``ab=``. The answer is the value assigned to ``ab`
 
 The query repeats the key line's bytes up to the value, so the value's bytes follow ``=`` directly,
 exactly as in the context (the task's ``target_delimiter`` is empty). This compact format is one the
-embedded tiny models can learn (docs/experiments/recall_format: with ``kx = 47`` they stayed at
-chance); it suits byte-level and BPE tokenizers alike. Scoring is lm-eval's ``multiple_choice``:
+embedded tiny models can learn (the spaced format ``kx = 47`` stayed at chance for them; the runs are in
+git history at commit a3498a9, docs/experiments/recall_format/); it suits byte-level and BPE tokenizers
+alike. Scoring is lm-eval's ``multiple_choice``:
 the log-likelihood of the choice after the prompt for ``n_choices`` distinct candidates, all of them
 values present in the context exactly once, so that value frequency gives no hint (chance is
 ``1 / n_choices``); metric ``acc``. ``acc_norm`` is not reported: every candidate has the same
@@ -48,13 +49,13 @@ import string
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from statereduce.eval.harness import evaluate_model
 from statereduce.eval.suites import RECALL_PROBE_DEFAULTS, recall_probe_settings
 from statereduce.eval.tasks import TASK_NAME_RE, write_multiple_choice_task
+
+if TYPE_CHECKING:
+    from torch import nn
 
 TASK_PREFIX = "recall_mqar"
 """Prefix of the task names and the lm-eval tag that selects every written level."""
@@ -458,6 +459,8 @@ def evaluate_recall(
     """
     names = write_recall_tasks(task_dir, levels, n_docs, seed)
     check_recall_fits(tokenizer, task_dir, names, max_length)
+    from statereduce.eval.harness import evaluate_model  # torch and lm-eval: only where a model runs
+
     result = evaluate_model(
         model,
         tokenizer,

@@ -1,0 +1,241 @@
+"""What a model family is, from its config alone: the facts the workflow validates a run with, importing no torch.
+
+A :class:`FamilySpec` subclass per family names its HF config class and that class's keyword defaults, and derives
+from a config (or from a workflow ``arch`` block) the head sizes, the linear-attention layers, the config fields
+that describe a smaller key dimension and the per-layer state. The family's adapter
+(:mod:`statereduce.adapters`) subclasses its spec and adds everything that needs a loaded model; configuration
+validation (:mod:`statereduce.config`) and the Snakefile use the specs alone, so that planning a run imports neither
+torch nor fla.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import numbers
+import types
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+_FAMILIES: dict[str, type[FamilySpec]] = {}
+
+SHARE_CONV = ("none", "head", "all")
+"""Values of ``share_conv``: a filter per channel (stock), one per head, one per layer (each of q and k)."""
+
+
+def register_family(cls: type[FamilySpec]) -> type[FamilySpec]:
+    """Class decorator: register a family spec under its ``family`` name."""
+    if cls.family in _FAMILIES:
+        raise ValueError(f"model family {cls.family!r} registered twice")
+    _FAMILIES[cls.family] = cls
+    return cls
+
+
+def family_names() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def family_spec(family: str) -> type[FamilySpec]:
+    """The spec class for a family name, with a one-line error listing valid names."""
+    try:
+        return _FAMILIES[family]
+    except KeyError:
+        raise ValueError(f"unknown model family {family!r}; valid: {', '.join(family_names())}") from None
+
+
+class LazyImport:
+    """A class attribute that is ``module:name``, imported on first access (keeps fla out of config validation).
+
+    ``config_class = LazyImport("fla.models:DeltaNetConfig")`` reads ``cls.config_class`` as the class itself.
+    """
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """Recurrent and conv state of one linear-attention layer, per sequence."""
+
+    num_heads: int  # heads of the recurrent state (value heads under GVA)
+    d_k: int
+    d_v: int
+    conv_channels: int  # channels of all short-conv states of the layer (q + k + v); 0 without short conv
+    conv_width: int
+
+    @property
+    def recurrent_elems(self) -> int:
+        return self.num_heads * self.d_k * self.d_v
+
+    @property
+    def conv_elems(self) -> int:
+        return self.conv_channels * self.conv_width
+
+
+class Dims(NamedTuple):
+    """Head sizes (H, HV, d_k, d_v) of a family's linear-attention layers, read from a config."""
+
+    num_heads: int  # H: q/k heads
+    num_v_heads: int  # HV: value heads (GVA: HV = r * H, value head i reads key head i // r)
+    head_k_dim: int  # d_k
+    head_v_dim: int  # d_v
+
+
+class FamilySpec(ABC):
+    """The config facts of one family (class attributes and classmethods only)."""
+
+    family: ClassVar[str]  # config name of the family, e.g. "delta_net"
+    model_types: ClassVar[tuple[str, ...]]  # HF config.model_type values handled
+    config_class: ClassVar[type]  # the HF config class of the family (a LazyImport: loads on access)
+    # every keyword argument of ``config_class.__init__`` with its default, copied so that config
+    # validation needs no fla import; tests/test_config.py pins it against the real signature
+    config_defaults: ClassVar[dict[str, Any]]
+
+    #: whether the GPU speed benchmarks (statereduce.speed) cover the family
+    speed_benchmark: ClassVar[bool] = False
+    #: whether the family's training backward runs fla's gated delta rule chunk kernel, which fla 0.6.0 refuses on
+    #: Hopper GPUs with Triton >= 3.4.0, < 3.7.1 (the adapter's ``backward_kernels`` then picks the torch fallbacks)
+    fla_gated_backward: ClassVar[bool] = False
+    #: whether the family's recurrence scales q.k by 1/sqrt(d_k) (delta-rule kernels; not Mamba-2's scan): pruning then
+    #: changes the scale (statereduce.prune, "Kernel scale")
+    kernel_scale: ClassVar[bool] = True
+    #: whether q and k have short convolutions in modules of their own, whose filters can be shared
+    #: (``pretrain.share_conv``, :mod:`statereduce.adapters.conv_sharing`)
+    qk_conv_modules: ClassVar[bool] = False
+
+    @classmethod
+    @abstractmethod
+    def dims(cls, config) -> Dims:
+        """(H, HV, d_k, d_v) of the linear-attention layers described by ``config``."""
+
+    @classmethod
+    def check_arch(cls, arch: dict[str, Any]) -> None:
+        """Raise a one-line ValueError if ``arch`` has a key that ``config_class`` does not take.
+
+        Args:
+            arch: keyword arguments for ``config_class`` (a ``pretrain.arch`` block of the workflow config).
+        """
+        bad = sorted(set(arch) - set(cls.config_defaults))
+        if bad:
+            raise ValueError(
+                f"unknown arch key(s) {bad} for family {cls.family!r}; valid: {', '.join(sorted(cls.config_defaults))}"
+            )
+
+    @classmethod
+    def arch_dims(cls, arch: dict[str, Any]) -> Dims:
+        """:meth:`dims` of ``config_class(**arch)``, computed without building it (no fla import).
+
+        Args:
+            arch: keyword arguments for ``config_class``; omitted ones take ``config_defaults``.
+        Raises:
+            ValueError: an unknown key (:meth:`check_arch`).
+        """
+        cls.check_arch(arch)
+        return cls.dims(types.SimpleNamespace(**{**cls.config_defaults, **arch}))
+
+    @classmethod
+    @abstractmethod
+    def mixer_layer_indices(cls, config) -> list[int]:
+        """Indices of the linear-attention layers of ``config`` (softmax-attention layers excluded)."""
+
+    @classmethod
+    @abstractmethod
+    def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
+        """Config fields (name -> new value) that describe d_k = d_k_new with everything else unchanged.
+        Raises ValueError (one line, with values) if the family cannot express it."""
+
+    @classmethod
+    @abstractmethod
+    def mixer_updates(cls, config, d_k_new: int) -> dict[str, Any]:
+        """Attributes (name -> new value) of each mixer module that change with d_k = d_k_new."""
+
+    @classmethod
+    @abstractmethod
+    def config_state_shape(cls, config) -> StateShape:
+        """Per-layer, per-sequence recurrent/conv state shape described by ``config``."""
+
+    @classmethod
+    def reduced_config(cls, config, d_k_new: int):
+        """A copy of ``config`` describing d_k = d_k_new, everything else unchanged.
+
+        Args:
+            config: the family's HF config.
+            d_k_new: the new key/query head size d_k' (1 <= d_k' <= d_k).
+        Raises:
+            ValueError: one line with the values, if the family cannot express d_k'.
+        """
+        new = copy.deepcopy(config)
+        for name, value in cls.config_updates(config, d_k_new).items():
+            setattr(new, name, value)
+        return new
+
+    @classmethod
+    def check_reduction(cls, head_k_dim: int, head_v_dim: int, d_k_new: int) -> None:
+        """Raise a one-line ValueError unless d_k = head_k_dim can shrink to d_k_new with d_v = head_v_dim kept.
+
+        The config-free part of :meth:`config_updates`' checks (usable from head sizes alone); the base checks
+        ``1 <= d_k_new <= d_k``, families add what their config fields impose.
+        """
+        if isinstance(d_k_new, bool) or not isinstance(d_k_new, numbers.Integral) or not 1 <= d_k_new <= head_k_dim:
+            raise ValueError(
+                f"d_k'={d_k_new!r} is invalid for {cls.family}; valid: an integer in [1, d_k={head_k_dim}]"
+            )
+
+
+def share_conv_families() -> list[str]:
+    """The families with q and k short convolutions in modules of their own (``qk_conv_modules``)."""
+    return [f for f in family_names() if family_spec(f).qk_conv_modules]
+
+
+def check_share_conv(family: str, share: str, arch: Mapping[str, Any]) -> None:
+    """Raise a one-line ValueError unless a model of ``family`` with config fields ``arch`` can train with
+    ``share_conv = share`` (paper App. B.5, Table 14).
+
+    Args:
+        family: a model family.
+        share: the ``pretrain.share_conv`` value.
+        arch: the ``pretrain.arch`` block (omitted keys take the family's ``config_defaults``).
+    """
+    if share not in SHARE_CONV:
+        raise ValueError(f"unknown share_conv {share!r}; valid: {', '.join(SHARE_CONV)}")
+    if share == "none":
+        return
+    valid = share_conv_families()
+    if family not in valid:
+        raise ValueError(f"share_conv {share!r} needs q/k short convolutions in modules of their own, which family "
+                         f"{family!r} does not have; valid: share_conv none, or a family of {', '.join(valid)}")
+    if not {**family_spec(family).config_defaults, **arch}.get("use_short_conv", True):
+        raise ValueError(f"share_conv {share!r} needs short convolutions; valid with use_short_conv false: none")
+
+
+def check_family(checkpoint: str, revision: str | None, family: str, download: bool = False) -> None:
+    """Raise a one-line ValueError if the checkpoint's ``config.json`` has a ``model_type`` the family does not take.
+
+    Reads a local folder's ``config.json``, else the hub's (fetched when ``download``, else from the cache only);
+    does nothing when neither is available.
+    """
+    folder = Path(checkpoint).expanduser()
+    path: Any = folder / "config.json" if folder.is_dir() else None
+    if path is None:
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+        try:
+            path = (hf_hub_download(checkpoint, "config.json", revision=revision, etag_timeout=15) if download
+                    else try_to_load_from_cache(checkpoint, "config.json", revision=revision))
+        except Exception:  # noqa: BLE001 -- no network, private repo: the load itself reports it
+            path = None
+    if not isinstance(path, (str, Path)) or not Path(path).is_file():
+        return
+    model_type = json.loads(Path(path).read_text()).get("model_type")
+    valid = family_spec(family).model_types
+    if model_type is not None and model_type not in valid:
+        raise ValueError(f"{checkpoint!r} is a {model_type!r} checkpoint, not {family} "
+                         f"(model_type {', '.join(map(repr, valid))}); fix the id or the family")

@@ -1,0 +1,19 @@
+"""What the fla families (DeltaNet, Gated DeltaNet) share: fla's hybrid layer layout and q/k convolutions of their
+own."""
+
+from __future__ import annotations
+
+from statereduce.families.base import FamilySpec
+
+
+class FlaFamily(FamilySpec):
+    """An fla linear-attention family: softmax-attention layers of fla hybrids (``config.attn``) are not mixers."""
+
+    speed_benchmark = True
+    qk_conv_modules = True
+
+    @classmethod
+    def mixer_layer_indices(cls, config) -> list[int]:
+        from fla.models.configuration_utils import get_attention_spec
+
+        return [i for i in range(config.num_hidden_layers) if get_attention_spec(config.attn, layer_idx=i) is None]

@@ -1,0 +1,119 @@
+"""The selection file: ``results/{model}/select/{method}_{pct}.parquet``, one row per (layer, head) with the kept
+channel indices (sorted), or for a transform selector (``pca``) the head's transform ``T`` [d_k', d_k] (row-major),
+and, where the selector has scores, their scores. The file's key/value metadata records the format version
+(:data:`SELECTION_FORMAT`), the kind (``index`` or ``transform``), model, family, selector, variant, pct, d_k, d_k',
+calibration id, seed, options and version. Reading validates the rows against the metadata (head count, d_k', sorted
+in-range indices, orthonormal transforms) and checks that the file was written for the reading job
+(:mod:`statereduce.artifacts`). Written by the selection stage (:mod:`statereduce.select`), read by pruning and the
+rank analysis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
+from statereduce.selectors.registry import check_transform
+
+SELECTION_FORMAT = 2
+
+
+def write_selection(path: str | Path, rows, meta: dict) -> Path:
+    """Write the selection Parquet file atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table(
+        {
+            "layer": pa.array([r[0] for r in rows], pa.int32()),
+            "head": pa.array([r[1] for r in rows], pa.int32()),
+            "keep": pa.array([None if r[2].keep is None else np.asarray(r[2].keep, dtype=np.int64).tolist()
+                              for r in rows], pa.list_(pa.int64())),
+            "transform": pa.array([None if r[2].transform is None else np.asarray(r[2].transform, np.float64).ravel()
+                                   .tolist() for r in rows], pa.list_(pa.float64())),
+            "scores": pa.array(
+                [None if r[2].scores is None else np.asarray(r[2].scores, np.float64).tolist() for r in rows],
+                pa.list_(pa.float64()),
+            ),
+        }
+    )
+    table = table.replace_schema_metadata({"statereduce": json.dumps(meta, sort_keys=True)})
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def read_selection(path: str | Path,
+                   expect: dict | None = None) -> tuple[dict[int, list[list[int]] | np.ndarray], dict]:
+    """Read a selection file: ({layer: [kept indices of head 0, head 1, ...]}, metadata) for an index selection,
+    ({layer: float64 [H, d_k', d_k] transforms}, metadata) for a transform selection (``meta["kind"]``).
+
+    Args:
+        path: the Parquet file :func:`write_selection` wrote.
+        expect: what the reading job expects (e.g. ``params.info`` with the ``method`` and ``pct`` of its path);
+            the file must have been written for it (:func:`statereduce.artifacts.check_provenance`).
+
+    Raises:
+        ArtifactError: one line naming the file and the rule that rebuilds it, for a file that is not a
+            selection file or was written for another model, method or pct.
+    """
+    if not Path(path).exists():
+        raise missing(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:
+        raise unreadable(path, "Parquet", err) from None
+    absent = [c for c in ("layer", "head", "keep") if c not in table.column_names]
+    if b"statereduce" not in (table.schema.metadata or {}) or absent:
+        what = f"column {absent[0]!r}" if absent else "statereduce metadata"
+        raise ArtifactError(f"{path} is not a selection file (it has no {what}); {remedy(path)}")
+    try:
+        meta = json.loads(table.schema.metadata[b"statereduce"])
+    except ValueError as err:
+        raise unreadable(path, "selection", err) from None
+    fmt = meta.setdefault("format", 1)
+    kind = meta.setdefault("kind", "index")
+    if fmt not in (1, SELECTION_FORMAT) or kind not in ("index", "transform") or (fmt == 1 and kind != "index"):
+        raise ArtifactError(f"{path}: selection format {fmt!r} / kind {kind!r} is not supported; valid: format 1 "
+                            f"(index) or {SELECTION_FORMAT} (index or transform); {remedy(path)}")
+    df = table.to_pydict()
+    check_provenance(path, meta, expect)
+    column = "transform" if kind == "transform" else "keep"
+    if column not in df:
+        raise ArtifactError(f"{path} is a {kind} selection without a {column!r} column; {remedy(path)}")
+    by_layer: dict[int, dict[int, list]] = {}
+    for layer, head, value in zip(df["layer"], df["head"], df[column]):
+        by_layer.setdefault(layer, {})[head] = value
+    try:
+        out = {layer: _check_heads(heads, kind, meta) for layer, heads in by_layer.items()}
+    except (ValueError, RuntimeError) as err:
+        raise ArtifactError(f"{path}: {err}; {remedy(path)}") from None
+    return out, meta
+
+
+def _check_heads(heads: dict[int, list], kind: str, meta: dict) -> list[list[int]] | np.ndarray:
+    """One layer's rows of a selection file, checked against the metadata: heads 0..H-1, each with d_k' sorted
+    in-range indices or an orthonormal [d_k', d_k] transform."""
+    n_heads, d_k, d_new = meta.get("num_heads"), meta.get("d_k"), meta.get("d_k_new")
+    if n_heads is not None and sorted(heads) != list(range(int(n_heads))):
+        raise ValueError(f"heads {sorted(heads)} where the metadata says num_heads={n_heads}")
+    rows = [heads[h] for h in sorted(heads)]
+    if kind == "index":
+        for h, keep in enumerate(rows):
+            k = np.asarray(keep if keep is not None else [], dtype=np.int64)
+            if keep is None or (d_new is not None and k.size != int(d_new)) or np.any(np.diff(k) <= 0) or (
+                    k.size and (k[0] < 0 or (d_k is not None and k[-1] >= int(d_k)))):
+                raise ValueError(f"head {h}: kept indices {keep} are not {d_new} sorted channels of d_k={d_k}")
+        return rows
+    return np.stack([check_transform(np.asarray(t if t is not None else [], np.float64).reshape(int(d_new), int(d_k)),
+                                     int(d_new), int(d_k), f"head {h}") for h, t in enumerate(rows)])
