@@ -35,7 +35,6 @@ TINY_DEFAULTS: dict[str, Any] = {
     "bos_token_id": 256,
     "eos_token_id": 256,
     "pad_token_id": None,  # fla's and Qwen3.5's default; Mamba-2's is 1 (a byte here)
-    "fuse_cross_entropy": False,
 }
 
 
@@ -58,8 +57,9 @@ def tiny_config(family: str, arch: dict[str, Any]):
             ``Qwen3_5TextConfig``: ``linear_key_head_dim`` = d_k, ``layer_types``).
         arch: keyword arguments of the family's config class. Defaults added unless given:
             ``vocab_size`` 257, ``bos_token_id``/``eos_token_id`` 256 (the byte tokenizer's EOS),
-            ``fuse_cross_entropy`` False (fla's configs); ``pad_token_id`` None (fla and Qwen3.5 use it as the
-            embedding's ``padding_idx``, which would freeze EOS); everything else keeps the class default.
+            the family's ``config_overrides`` (fla's: ``fuse_cross_entropy`` False); ``pad_token_id`` None (fla
+            and Qwen3.5 use it as the embedding's ``padding_idx``, which would freeze EOS); everything else keeps the
+            class default.
 
     Raises:
         ValueError: unknown family, or a key the config class does not take (typos would otherwise
@@ -71,8 +71,10 @@ def tiny_config(family: str, arch: dict[str, Any]):
     bad = sorted(set(arch) - set(valid))
     if bad:
         raise ValueError(f"unknown arch key(s) {bad} for family {family!r} ({cls.__name__}); valid: {', '.join(valid)}")
-    defaults = {k: v for k, v in TINY_DEFAULTS.items() if k in params}  # fuse_cross_entropy: fla's configs only
-    return cls(**{**defaults, **arch})
+    from statereduce.adapters import adapter_class
+
+    defaults = {k: v for k, v in TINY_DEFAULTS.items() if k in params}
+    return cls(**{**defaults, **adapter_class(family).config_overrides, **arch})
 
 
 def build_random(family: str, arch: dict[str, Any], *, seed: int = 0, dtype: str = "float32",
@@ -187,8 +189,8 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     The model class is the adapter's ``causal_lm_class`` (transformers' ``Mamba2ForCausalLM``: fla's own
     ``mamba2`` registration overrides the Auto mapping) or ``AutoModelForCausalLM``.
 
-    Always imports ``fla`` (which registers its models with the Auto classes) and, for configs that
-    have it, sets ``fuse_cross_entropy=False`` (fla's fused loss is CUDA-only; the plain loss is exact).
+    Always imports ``fla`` (which registers its models with the Auto classes) and applies the family's
+    ``config_overrides`` (fla's: ``fuse_cross_entropy=False``; the fused loss is CUDA-only).
     The model carries :func:`~statereduce.checkpoints.checkpoint_provenance` of ``base`` as
     :data:`~statereduce.checkpoints.BASE_ATTR` (:func:`~statereduce.checkpoints.base_checkpoint`), which the artifacts
     written from it record.
@@ -218,9 +220,7 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     config = AutoConfig.from_pretrained(model_id, revision=revision)
     adapter = adapter_for_config(config)
     adapter.install_fallbacks()  # CPU tensors to the torch kernels; CUDA calls at shapes fla mishandles padded
-    kwargs: dict[str, Any] = {"revision": revision, "dtype": DTYPES[dtype]}
-    if "fuse_cross_entropy" in adapter.config_defaults:  # fla's configs (AutoConfig may give fla's for mamba2)
-        kwargs["fuse_cross_entropy"] = False
+    kwargs: dict[str, Any] = {"revision": revision, "dtype": DTYPES[dtype], **adapter.config_overrides}
     model = (adapter.causal_lm_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
     model.to(device).eval()
     setattr(model, BASE_ATTR, checkpoint_provenance(base))

@@ -91,9 +91,10 @@ def kept_rows(n_rows: int, entry: ChannelRows, keep: torch.Tensor) -> torch.Tens
     return mask.nonzero().squeeze(1)
 
 
-def slice_rows(module: nn.Module, rows: torch.Tensor, what: str) -> None:
+def slice_rows(module: nn.Module, rows: torch.Tensor, what: str, conv_attrs: tuple[str, ...] = ()) -> None:
     """Keep ``rows`` of an ``nn.Linear`` (output features: weight and bias rows, ``out_features``) or a depthwise
-    ``nn.Conv1d`` (channels: weight, bias, ``in_channels``/``out_channels``/``groups``, fla's ``hidden_size``)."""
+    ``nn.Conv1d`` (channels: weight, bias, ``in_channels``/``out_channels``/``groups``, and ``conv_attrs``, the
+    adapter's ``conv_channel_attrs``)."""
     depthwise = module.groups == module.in_channels == module.out_channels if isinstance(module, nn.Conv1d) else True
     if not depthwise:
         raise ValueError(
@@ -110,8 +111,9 @@ def slice_rows(module: nn.Module, rows: torch.Tensor, what: str) -> None:
         module.out_features = n
         return
     module.in_channels = module.out_channels = module.groups = n
-    if hasattr(module, "hidden_size"):  # fla ShortConvolution
-        module.hidden_size = n
+    for name in conv_attrs:
+        if hasattr(module, name):
+            setattr(module, name, n)
 
 
 def mix_filters(weight: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
@@ -196,7 +198,7 @@ def slice_mixer(
         if transform is not None:
             for key, n in transform_rows(entry.module, entry, transform, entry.name).items():
                 counts[key] += n
-        slice_rows(entry.module, rows, entry.name)
+        slice_rows(entry.module, rows, entry.name, adapter.conv_channel_attrs)
     set_mixer_dims(mixer, updates)
     return counts
 

@@ -224,6 +224,10 @@ class LinearAttentionAdapter(FamilySpec):
             roots.extend(n for n in norms if isinstance(n, nn.Module))
         return [(names[id(m)], m) for m in roots]
 
+    #: attributes of the family's depthwise conv modules that hold their channel count besides ``nn.Conv1d``'s
+    #: (``in_channels``, ``out_channels``, ``groups``); pruning sets them with the sliced channels
+    conv_channel_attrs: ClassVar[tuple[str, ...]] = ()
+
     #: names (last component) of ``nn.Linear`` modules inside :meth:`rft_roots` that get no LoRA and stay frozen
     lora_excluded: ClassVar[tuple[str, ...]] = ()
 
@@ -235,20 +239,8 @@ class LinearAttentionAdapter(FamilySpec):
 
     def unfuse_for_lora(self) -> Callable[[], None]:
         """Make every LoRA target go through its own ``forward`` during RFT; return a function that undoes it.
-
-        fla's ``GatedMLP`` with ``fuse_swiglu`` (the default) hands ``down_proj.weight`` straight to a fused
-        SwiGLU-linear kernel, so a LoRA wrapper on ``down_proj`` would never run (and its merge would add
-        an update that training never saw). Unfused, the MLP computes the same ``down_proj(swiglu(g, u))``.
-        """
-        touched = [m for m in self.model.modules() if getattr(m, "fuse_swiglu", False) and hasattr(m, "down_proj")]
-        for m in touched:
-            m.fuse_swiglu = False
-
-        def undo() -> None:
-            for m in touched:
-                m.fuse_swiglu = True
-
-        return undo
+        Nothing to do unless the family fuses a LoRA target into a kernel (fla's, :mod:`.fla_layers`)."""
+        return lambda: None
 
     # ---- capture ------------------------------------------------------------------------------
     #: the module whose globals the family's layers call for the recurrence, e.g. "fla.layers.delta_net"
@@ -394,42 +386,6 @@ class LinearAttentionAdapter(FamilySpec):
                     if isinstance(t, torch.Tensor):
                         out.append(t)
         return out
-
-    # ---- facts the fused one-token step of fla's layers reads (statereduce.adapters.fla_layers) ---------
-    #: the family's fla layer class (a LazyImport) whose one-token decode the fused step may take over; None: none
-    mixer_class: ClassVar[Any] = None
-    block_class: ClassVar[Any] = None
-    """The fla decoder block holding ``mixer_class`` (the fused decode step also takes over its one-token forward)."""
-
-    @classmethod
-    def fused_decode_rows(cls, layer: nn.Module) -> list[str] | None:
-        """The layer's projections that follow q, k, v (and the output gate g) in the fused step's packed projection,
-        in order, or None when the fused step does not cover the layer's configuration (the default)."""
-        return None
-
-    @classmethod
-    def fused_conv_extra(cls, layer: nn.Module, kernel: str) -> tuple[int, str | None] | None:
-        """For fla's kernels: the first ``E`` columns of the tail that the fused step's conv launch should write
-        contiguous, and through which ``statereduce.kernels.conv.EXTRA_ACTIVATIONS`` entry; None: none."""
-        return None
-
-    @classmethod
-    def fused_conv_l2norm(cls, layer: nn.Module, kernel: str) -> int | None:
-        """For fla's kernels: the head size over which the fused step's conv launch should L2-normalise q and k
-        (``statereduce.kernels.conv.conv_step``'s ``l2norm``), for a function that would normalise them in launches
-        of its own; None: the conv leaves them as they are (the default)."""
-        return None
-
-    @classmethod
-    def fused_recurrent_step(cls, layer: nn.Module, kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             tail: torch.Tensor, state: torch.Tensor,
-                             extra: torch.Tensor | None = None) -> torch.Tensor:
-        """One token's recurrent step of ``layer`` with ``kernel`` (``statereduce.speed.inplace.KERNELS``), ``state``
-        updated in place; q, k ``[N, 1, H, d_k]`` and v ``[N, 1, HV, d_v]`` are views into the convolved rows,
-        ``tail`` the packed projection's columns of :meth:`fused_decode_rows`, ``extra`` the conv launch's output for
-        :meth:`fused_conv_extra`; q and k come L2-normalised where :meth:`fused_conv_l2norm` asked for it. Returns o
-        ``[N, 1, HV, d_v]``."""
-        raise NotImplementedError(f"{cls.family} has no fused decode step")
 
 
 class TransformersAdapter(LinearAttentionAdapter):

@@ -107,6 +107,9 @@ class FamilySpec(ABC):
     #: whether the family's recurrence scales q.k by 1/sqrt(d_k) (delta-rule kernels; not Mamba-2's scan): pruning then
     #: changes the scale (statereduce.prune, "Kernel scale")
     kernel_scale: ClassVar[bool] = True
+    #: config fields every model of the family is built and loaded with (:func:`statereduce.models.load_model`,
+    #: :func:`statereduce.models.tiny_config`; an ``arch`` block may still set them)
+    config_overrides: ClassVar[dict[str, Any]] = {}
     #: whether q and k have short convolutions in modules of their own, whose filters can be shared
     #: (``pretrain.share_conv``, :mod:`statereduce.adapters.conv_sharing`)
     qk_conv_modules: ClassVar[bool] = False

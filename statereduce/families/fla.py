@@ -11,6 +11,7 @@ class FlaFamily(FamilySpec):
 
     speed_benchmark = True
     qk_conv_modules = True
+    config_overrides = {"fuse_cross_entropy": False}  # fla's fused loss is CUDA-only; the plain loss is exact
 
     @classmethod
     def mixer_layer_indices(cls, config) -> list[int]:

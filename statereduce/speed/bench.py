@@ -149,15 +149,15 @@ def model_config(family: str, arch: Mapping[str, Any], pct: float = 0):
 
 
 def build_model(config, dtype: torch.dtype, device: str = "cuda"):
-    """A randomly initialised causal LM of ``config`` on ``device`` in ``dtype``, in eval mode."""
-    from transformers import AutoModelForCausalLM  # the config came from its adapter, which registered the family
-
+    """A randomly initialised causal LM of ``config`` on ``device`` in ``dtype``, in eval mode (the adapter's
+    :meth:`~statereduce.adapters.base.LinearAttentionAdapter.build`)."""
     from statereduce.adapters import adapter_for_config
 
-    adapter_for_config(config).install_fallbacks()  # on CUDA: calls at shapes stock fla mishandles are padded
+    adapter = adapter_for_config(config)
+    adapter.install_fallbacks()  # on CUDA: calls at shapes stock fla mishandles are padded
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = adapter.build(config, dtype=dtype)
     return model.eval()
 
 
