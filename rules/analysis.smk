@@ -4,9 +4,9 @@ rule rank_baseline:
     input:
         base=get_base,
         checkpoint=get_checkpoint_files,
-        activations="results/{model}/calib/default/activations.h5",
+        activations=layout.path(layout.ACTIVATIONS, calib="default"),
     output:
-        "results/{model}/baseline/rank.json",
+        layout.BASELINE_RANK,
     params:
         info=model_info,
         rank=get_rank,
@@ -29,7 +29,7 @@ rule rank:
     input:
         unpack(get_rank_inputs),
     output:
-        "results/{model}/{method}_{pct}/rank.json",
+        layout.RANK,
     params:
         info=model_info,
         rank=get_rank,
@@ -53,24 +53,9 @@ rule rank_tables:
         baselines=get_baseline_ranks,
         selections=get_target_selections,
     output:
-        utilization=report(
-            "results/tables/rank_utilization.md",
-            caption="../report/rank_utilization.rst",
-            category="Tables",
-            labels={"table": "rank utilization (Table 5)", "format": "Markdown"},
-        ),
-        conditioning=report(
-            "results/tables/conditioning.md",
-            caption="../report/conditioning.rst",
-            category="Tables",
-            labels={"table": "[Q; K] conditioning (Table 6)", "format": "Markdown"},
-        ),
-        overlap=report(
-            "results/tables/overlap.md",
-            caption="../report/overlap.rst",
-            category="Tables",
-            labels={"table": "kept-channel overlap (App. C.2)", "format": "Markdown"},
-        ),
+        utilization=table_report("rank_utilization", "md"),
+        conditioning=table_report("conditioning", "md"),
+        overlap=table_report("overlap", "md"),
     log:
         "logs/rank_tables/rank_tables.log",
     benchmark:
@@ -88,14 +73,14 @@ rule figures:
         unpack(get_figure_inputs),
     output:
         utilization=report(
-            "results/figures/{model}_utilization_{pct}.png",
+            layout.figure("{model}_utilization_{pct}"),
             caption="../report/utilization.rst",
             category="Figures",
             subcategory="{model}",
             labels={"figure": "rank utilization per head (Fig. 3)", "pct": "{pct}% removed"},
         ),
         spectrum=report(
-            "results/figures/{model}_spectrum_{pct}.png",
+            layout.figure("{model}_spectrum_{pct}"),
             caption="../report/spectrum.rst",
             category="Figures",
             subcategory="{model}",
@@ -117,32 +102,12 @@ rule study_tables:
     input:
         summaries=get_study_summaries,
     output:
-        calibration=report(
-            "results/tables/calibration_study.md",
-            caption="../report/calibration_study.rst",
-            category="Tables",
-            labels={"table": "calibration sensitivity (Tables 2, 7)", "format": "Markdown"},
-        ),
-        calibration_csv="results/tables/calibration_study.csv",
-        calibration_html=report(
-            "results/tables/calibration_study.html",
-            caption="../report/calibration_study.rst",
-            category="Tables",
-            labels={"table": "calibration sensitivity (Tables 2, 7)", "format": "HTML"},
-        ),
-        scoring=report(
-            "results/tables/scoring_ablation.md",
-            caption="../report/scoring_ablation.rst",
-            category="Tables",
-            labels={"table": "K / Q / K+Q scoring (Table 16)", "format": "Markdown"},
-        ),
-        scoring_csv="results/tables/scoring_ablation.csv",
-        scoring_html=report(
-            "results/tables/scoring_ablation.html",
-            caption="../report/scoring_ablation.rst",
-            category="Tables",
-            labels={"table": "K / Q / K+Q scoring (Table 16)", "format": "HTML"},
-        ),
+        calibration=table_report("calibration_study", "md"),
+        calibration_csv=layout.table("calibration_study", "csv"),
+        calibration_html=table_report("calibration_study", "html"),
+        scoring=table_report("scoring_ablation", "md"),
+        scoring_csv=layout.table("scoring_ablation", "csv"),
+        scoring_html=table_report("scoring_ablation", "html"),
     params:
         studies=get_studies,
         calibrations=get_study_calibrations,
@@ -163,32 +128,12 @@ rule convolution_tables:
         baselines=get_convolution_baselines,
         pruned=get_convolution_pruned,
     output:
-        shared=report(
-            "results/tables/shared_convolutions.md",
-            caption="../report/shared_convolutions.rst",
-            category="Tables",
-            labels={"table": "shared convolutions (Table 14)", "format": "Markdown"},
-        ),
-        shared_csv="results/tables/shared_convolutions.csv",
-        shared_html=report(
-            "results/tables/shared_convolutions.html",
-            caption="../report/shared_convolutions.rst",
-            category="Tables",
-            labels={"table": "shared convolutions (Table 14)", "format": "HTML"},
-        ),
-        pca=report(
-            "results/tables/pca_convolutions.md",
-            caption="../report/pca_convolutions.rst",
-            category="Tables",
-            labels={"table": "PCA and convolutions (Table 15)", "format": "Markdown"},
-        ),
-        pca_csv="results/tables/pca_convolutions.csv",
-        pca_html=report(
-            "results/tables/pca_convolutions.html",
-            caption="../report/pca_convolutions.rst",
-            category="Tables",
-            labels={"table": "PCA and convolutions (Table 15)", "format": "HTML"},
-        ),
+        shared=table_report("shared_convolutions", "md"),
+        shared_csv=layout.table("shared_convolutions", "csv"),
+        shared_html=table_report("shared_convolutions", "html"),
+        pca=table_report("pca_convolutions", "md"),
+        pca_csv=layout.table("pca_convolutions", "csv"),
+        pca_html=table_report("pca_convolutions", "html"),
     params:
         study=get_convolution_study,
         cells=get_convolution_cells,
@@ -206,35 +151,15 @@ rule convolution_tables:
 rule tables_html:
     """HTML pages of the Markdown tables: the Snakemake report shows HTML inline (Markdown only as a download)."""
     input:
-        comparison="results/tables/comparison.md",
-        utilization="results/tables/rank_utilization.md",
-        conditioning="results/tables/conditioning.md",
-        overlap="results/tables/overlap.md",
+        comparison=layout.table("comparison", "md"),
+        utilization=layout.table("rank_utilization", "md"),
+        conditioning=layout.table("conditioning", "md"),
+        overlap=layout.table("overlap", "md"),
     output:
-        comparison=report(
-            "results/tables/comparison.html",
-            caption="../report/comparison.rst",
-            category="Tables",
-            labels={"table": "pruned vs. baseline (Tables 20, 21)", "format": "HTML"},
-        ),
-        utilization=report(
-            "results/tables/rank_utilization.html",
-            caption="../report/rank_utilization.rst",
-            category="Tables",
-            labels={"table": "rank utilization (Table 5)", "format": "HTML"},
-        ),
-        conditioning=report(
-            "results/tables/conditioning.html",
-            caption="../report/conditioning.rst",
-            category="Tables",
-            labels={"table": "[Q; K] conditioning (Table 6)", "format": "HTML"},
-        ),
-        overlap=report(
-            "results/tables/overlap.html",
-            caption="../report/overlap.rst",
-            category="Tables",
-            labels={"table": "kept-channel overlap (App. C.2)", "format": "HTML"},
-        ),
+        comparison=table_report("comparison", "html"),
+        utilization=table_report("rank_utilization", "html"),
+        conditioning=table_report("conditioning", "html"),
+        overlap=table_report("overlap", "html"),
     log:
         "logs/tables_html/tables_html.log",
     benchmark:

@@ -4,7 +4,7 @@ rule calibrate:
         base=get_base,
         checkpoint=get_checkpoint_files,
     output:
-        "results/{model}/calib/{calib}/activations.h5",
+        layout.ACTIVATIONS,
     params:
         info=model_info,
         calibration=get_calibration,
@@ -28,7 +28,7 @@ rule grad_scores:
         base=get_base,
         checkpoint=get_checkpoint_files,
     output:
-        "results/{model}/calib/{calib}/grad_scores.h5",
+        layout.GRAD_SCORES,
     params:
         info=model_info,
         calibration=get_calibration,
@@ -53,7 +53,7 @@ rule qk_weights:
         base=get_base,
         checkpoint=get_checkpoint_files,
     output:
-        "results/{model}/weights/qk.h5",
+        layout.QK_WEIGHTS,
     params:
         info=model_info,
     threads: model_threads

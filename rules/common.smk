@@ -16,6 +16,7 @@ from snakemake.exceptions import ResourceValidationError, WorkflowError
 from snakemake_interface_executor_plugins.settings import ExecMode
 
 from statereduce import config as srconfig
+from statereduce import layout
 from statereduce.selectors import METHOD_REGEX, parse_method
 from statereduce.select import selector_code_files
 
@@ -80,7 +81,7 @@ for _option, _values in (("--forcerun", CLI.forcerun), ("--until", CLI.until), (
 wildcard_constraints:
     model="|".join(re.escape(m) for m in MODELS),
     method=METHOD_REGEX,
-    pct=r"\d+(\.\d+)?",
+    pct=layout.PCT_RE,
     calib=r"[a-z0-9]+",
 
 
@@ -98,24 +99,24 @@ def checked(fn):
 
 def _targets():
     """(model, method, pct as in paths) of every targeted combination."""
-    return [(m, method, srconfig.format_pct(pct)) for m in TARGETS["models"] for method in TARGETS["methods"]
+    return [(m, method, layout.format_pct(pct)) for m in TARGETS["models"] for method in TARGETS["methods"]
             for pct in TARGETS["pcts"]]
 
 
 def target_summaries():
     """The summary of every targeted (model, method, pct)."""
-    return [f"results/{m}/{method}_{pct}/eval.json" for m, method, pct in _targets()]
+    return [layout.path(layout.SUMMARY, model=m, method=method, pct=pct) for m, method, pct in _targets()]
 
 
 def get_final_output():
-    return ["results/tables/comparison.md", *get_baselines(None), *target_summaries()]
+    return [layout.table("comparison", "md"), *get_baselines(None), *target_summaries()]
 
 
 def base_marker(model):
     """The file that marks a finished base artifact of ``model``."""
     m = MODELS[model]
     kind = "pretrain.json" if "pretrain" in m else "init.json" if "init" in m else "source.json"
-    return f"results/{model}/base/{kind}"
+    return layout.path(f"{layout.BASE}/{kind}", model=model)
 
 
 def models_made_by(kind):
@@ -145,6 +146,25 @@ CONDA_ENVS = {
     "cpu": {"fla": "envs/fla.yaml", "lm_eval": "envs/lm_eval.yaml"},
     "cuda": {"fla": "envs/fla_cuda.yaml", "lm_eval": "envs/lm_eval_cuda.yaml"},
 }
+
+
+#: The tables of results/tables/ in the Snakemake report: name -> its label (the caption is report/<name>.rst).
+TABLES = {
+    "comparison": "pruned vs. baseline (Tables 20, 21)",
+    "rank_utilization": "rank utilization (Table 5)",
+    "conditioning": "[Q; K] conditioning (Table 6)",
+    "overlap": "kept-channel overlap (App. C.2)",
+    "calibration_study": "calibration sensitivity (Tables 2, 7)",
+    "scoring_ablation": "K / Q / K+Q scoring (Table 16)",
+    "shared_convolutions": "shared convolutions (Table 14)",
+    "pca_convolutions": "PCA and convolutions (Table 15)",
+}
+
+
+def table_report(name, ext):
+    """results/tables/<name>.<ext> (md or html) as an item of the report's Tables category."""
+    return report(layout.table(name, ext), caption=f"../report/{name}.rst", category="Tables",
+                  labels={"table": TABLES[name], "format": {"md": "Markdown", "html": "HTML"}[ext]})
 
 
 def conda_env(stack, device=None):
@@ -256,6 +276,20 @@ def get_pretrain(wildcards):
     return p
 
 
+def pretrain_threads(wildcards):
+    """``threads`` of a pretrain job: ``pretrain.train.threads`` (default 1)."""
+    return get_pretrain(wildcards)["train"].get("threads", 1)
+
+
+def get_init(wildcards):
+    """The ``init`` block (arch, seed) of a model of random weights (rule init_random)."""
+    return MODELS[wildcards.model]["init"]
+
+
+def get_family(wildcards):
+    return MODELS[wildcards.model]["family"]
+
+
 def get_pretrain_corpus(wildcards):
     return get_corpus_spec(get_pretrain(wildcards)["corpus"])
 
@@ -277,11 +311,11 @@ def get_select_inputs(wildcards):
     from statereduce.selectors import get_selector
 
     needs = set(get_selector(spec.selector).needs)
-    inputs = {"weights": f"results/{wildcards.model}/weights/qk.h5", "code": selector_code_files(spec.selector)}
+    inputs = {"weights": layout.path(layout.QK_WEIGHTS, model=wildcards.model), "code": selector_code_files(spec.selector)}
     if needs & {"activations", "xnorm"}:
-        inputs["activations"] = f"results/{wildcards.model}/calib/{spec.calib}/activations.h5"
+        inputs["activations"] = layout.path(layout.ACTIVATIONS, model=wildcards.model, calib=spec.calib)
     if "grad" in needs:
-        inputs["grads"] = f"results/{wildcards.model}/calib/{spec.calib}/grad_scores.h5"
+        inputs["grads"] = layout.path(layout.GRAD_SCORES, model=wildcards.model, calib=spec.calib)
     return inputs
 
 
@@ -335,14 +369,14 @@ def get_rft_gpus(wildcards, rulename):
 def get_rft_inputs(wildcards):
     if not rft_active(wildcards.model):
         raise WorkflowError(f"RFT is off for model {wildcards.model!r} (rft.activate: false); it has no rft/ artifact")
-    stage = f"results/{wildcards.model}/{wildcards.method}_{wildcards.pct}"
+    stage = layout.path(layout.STAGE, model=wildcards.model, method=wildcards.method, pct=wildcards.pct)
     return {"base": get_base(wildcards), "checkpoint": get_checkpoint_files(wildcards),
             "pruned": f"{stage}/pruned/config.json", "record": f"{stage}/pruned/prune_record.json"}
 
 
 def get_summary_inputs(wildcards):
-    stage = f"results/{wildcards.model}/{wildcards.method}_{wildcards.pct}"
-    inputs = {"baseline": f"results/{wildcards.model}/baseline/eval.json", "pruned": f"{stage}/pruned/eval.json",
+    stage = layout.path(layout.STAGE, model=wildcards.model, method=wildcards.method, pct=wildcards.pct)
+    inputs = {"baseline": layout.path(layout.BASELINE_EVAL, model=wildcards.model), "pruned": f"{stage}/pruned/eval.json",
               "record": f"{stage}/pruned/prune_record.json"}
     if rft_active(wildcards.model):
         inputs["rft"] = f"{stage}/rft/eval.json"
@@ -357,40 +391,40 @@ def get_rank(wildcards):
 
 def get_rank_inputs(wildcards):
     spec = parse_method(wildcards.method)
-    stage = f"results/{wildcards.model}/{wildcards.method}_{wildcards.pct}"
-    return {"pruned": f"{stage}/pruned/config.json", "baseline": f"results/{wildcards.model}/baseline/rank.json",
-            "selection": f"results/{wildcards.model}/select/{wildcards.method}_{wildcards.pct}.parquet",
-            "activations": f"results/{wildcards.model}/calib/{spec.calib}/activations.h5"}
+    stage = layout.path(layout.STAGE, model=wildcards.model, method=wildcards.method, pct=wildcards.pct)
+    return {"pruned": f"{stage}/pruned/config.json", "baseline": layout.path(layout.BASELINE_RANK, model=wildcards.model),
+            "selection": layout.path(layout.SELECTION, model=wildcards.model, method=wildcards.method, pct=wildcards.pct),
+            "activations": layout.path(layout.ACTIVATIONS, model=wildcards.model, calib=spec.calib)}
 
 
 def get_target_ranks(wildcards):
-    return [f"results/{m}/{method}_{pct}/rank.json" for m, method, pct in _targets()]
+    return [layout.path(layout.RANK, model=m, method=method, pct=pct) for m, method, pct in _targets()]
 
 
 def get_target_selections(wildcards):
-    return [f"results/{m}/select/{method}_{pct}.parquet" for m, method, pct in _targets()]
+    return [layout.path(layout.SELECTION, model=m, method=method, pct=pct) for m, method, pct in _targets()]
 
 
 def get_baseline_ranks(wildcards):
-    return [f"results/{m}/baseline/rank.json" for m in TARGETS["models"]]
+    return [layout.path(layout.BASELINE_RANK, model=m) for m in TARGETS["models"]]
 
 
 def get_figure_inputs(wildcards):
     """Rule figures: the baseline's rank.json and that of every targeted method of the model at ``pct``."""
-    return {"baseline": f"results/{wildcards.model}/baseline/rank.json",
-            "ranks": [f"results/{wildcards.model}/{method}_{wildcards.pct}/rank.json" for method in TARGETS["methods"]]}
+    return {"baseline": layout.path(layout.BASELINE_RANK, model=wildcards.model),
+            "ranks": [layout.path(layout.RANK, model=wildcards.model, method=method, pct=wildcards.pct) for method in TARGETS["methods"]]}
 
 
 def figure_outputs():
     """The rank-analysis figures of every targeted (model, pct): utilization histograms and one head's spectrum."""
-    return [f"results/figures/{m}_{kind}_{srconfig.format_pct(pct)}.png" for m in TARGETS["models"]
+    return [layout.figure(f"{m}_{kind}_{layout.format_pct(pct)}") for m in TARGETS["models"]
             for pct in TARGETS["pcts"] for kind in ("utilization", "spectrum")]
 
 
 def study_summaries():
     """The summary of every cell of the calibration and scoring studies (paper Tables 2/7 and 16), each once, in
     table order."""
-    paths = [f"results/{m}/{method}_{srconfig.format_pct(pct)}/eval.json"
+    paths = [layout.path(layout.SUMMARY, model=m, method=method, pct=pct)
              for name, cells in STUDIES.items() if name != "convolutions" for m, method, pct in cells]
     return list(dict.fromkeys(paths))
 
@@ -407,13 +441,13 @@ def get_convolution_models(wildcards):
 
 def get_convolution_pruned(wildcards):
     """The convolution study's cells, read before RFT (paper Table 15): each pruned model's evaluation."""
-    return [f"results/{m}/{method}_{srconfig.format_pct(pct)}/pruned/eval.json"
+    return [layout.path(f"{layout.PRUNED}/eval.json", model=m, method=method, pct=pct)
             for m, method, pct in get_convolution_cells(wildcards)]
 
 
 def get_convolution_baselines(wildcards):
     """The unpruned evaluation of every model of the convolution study (paper Table 14, Table 15's 0% row)."""
-    return [f"results/{m}/baseline/eval.json" for m in get_convolution_models(wildcards)]
+    return [layout.path(layout.BASELINE_EVAL, model=m) for m in get_convolution_models(wildcards)]
 
 
 def get_convolution_study(wildcards):
@@ -445,15 +479,15 @@ def study_outputs():
         names += ["calibration_study", "scoring_ablation"]
     if "convolutions" in STUDIES:
         names += ["shared_convolutions", "pca_convolutions"]
-    return [f"results/tables/{name}.{ext}" for name in names for ext in ("md", "html")]
+    return [layout.table(name, ext) for name in names for ext in ("md", "html")]
 
 
 def get_paper_output():
     """``all_paper``: the default outputs plus the rank analysis, its tables (paper Tables 5, 6, App. C.2) and
     figures (Figs. 2, 3, 5), the studies' tables (Tables 2/7, 16: their cells are ordinary summaries; Tables 14-15:
     unpruned and pre-RFT evaluations) and HTML pages of the tables for the Snakemake report."""
-    tables = ["results/tables/rank_utilization.md", "results/tables/conditioning.md", "results/tables/overlap.md"]
-    pages = [f"results/tables/{name}.html" for name in ("comparison", "rank_utilization", "conditioning", "overlap")]
+    tables = [layout.table(name, "md") for name in ("rank_utilization", "conditioning", "overlap")]
+    pages = [layout.table(name, "html") for name in ("comparison", "rank_utilization", "conditioning", "overlap")]
     return [*get_final_output(), *tables, *figure_outputs(), *pages, *study_outputs()]
 
 
@@ -462,7 +496,7 @@ def get_summaries(wildcards):
 
 
 def get_baselines(wildcards):
-    return [f"results/{m}/baseline/eval.json" for m in TARGETS["models"]]
+    return [layout.path(layout.BASELINE_EVAL, model=m) for m in TARGETS["models"]]
 
 
 # ---- speed (GPU; paper Sec. 5, App. G.1) ----------------------------------------------------------------------
@@ -481,9 +515,9 @@ def get_speed(wildcards):
 
 def speed_outputs():
     """``all_speed``: every speed model's baseline speed.json (which holds all its ratios), the table and figure."""
-    return [*[f"results/{m}/baseline/speed.json" for m in SPEED_MODELS], "results/tables/speed.md",
-            "results/figures/speedup.png"]
+    return [*[layout.path(layout.BASELINE_SPEED, model=m) for m in SPEED_MODELS], layout.table("speed", "md"),
+            layout.figure("speedup")]
 
 
 def get_speed_docs(wildcards):
-    return [f"results/{m}/baseline/speed.json" for m in SPEED_MODELS]
+    return [layout.path(layout.BASELINE_SPEED, model=m) for m in SPEED_MODELS]

@@ -4,7 +4,7 @@ rule eval_baseline:
         base=get_base,
         checkpoint=get_checkpoint_files,
     output:
-        "results/{model}/baseline/eval.json",
+        layout.BASELINE_EVAL,
     params:
         info=model_info,
         eval=get_eval,
@@ -26,7 +26,7 @@ rule summarize:
     input:
         unpack(get_summary_inputs),
     output:
-        "results/{model}/{method}_{pct}/eval.json",
+        layout.SUMMARY,
     log:
         "logs/summarize/{model}/{method}_{pct}.log",
     benchmark:
@@ -43,13 +43,8 @@ rule comparison_table:
         summaries=get_summaries,
         baselines=get_baselines,
     output:
-        md=report(
-            "results/tables/comparison.md",
-            caption="../report/comparison.rst",
-            category="Tables",
-            labels={"table": "pruned vs. baseline (Tables 20, 21)", "format": "Markdown"},
-        ),
-        csv="results/tables/comparison.csv",
+        md=table_report("comparison", "md"),
+        csv=layout.table("comparison", "csv"),
     log:
         "logs/comparison_table/comparison.log",
     benchmark:

@@ -1,15 +1,15 @@
 rule pretrain:
     """Train an embedded tiny model (byte-level tokenizer) into an HF checkpoint folder."""
     output:
-        marker="results/{model}/base/pretrain.json",
-        config="results/{model}/base/config.json",
+        marker=f"{layout.BASE}/pretrain.json",
+        config=f"{layout.BASE}/config.json",
     wildcard_constraints:
         model=models_made_by("pretrain"),
     params:
-        family=lambda wc: MODELS[wc.model]["family"],
+        family=get_family,
         pretrain=get_pretrain,
         corpus=get_pretrain_corpus,
-    threads: lambda wc: MODELS[wc.model]["pretrain"]["train"].get("threads", 1)
+    threads: pretrain_threads
     log:
         "logs/pretrain/{model}.log",
     benchmark:
@@ -26,10 +26,10 @@ rule base_source:
     input:
         checkpoint=get_checkpoint_files,
     output:
-        "results/{model}/base/source.json",
+        f"{layout.BASE}/source.json",
     params:
         source=get_source,
-        family=lambda wildcards: MODELS[wildcards.model]["family"],
+        family=get_family,
     log:
         "logs/base_source/{model}.log",
     benchmark:
@@ -44,14 +44,14 @@ rule init_random:
     """An untrained checkpoint of a model's `init.arch` shape (random weights, byte-level tokenizer): what every stage
     costs at a hub model's size where nothing can be downloaded."""
     output:
-        marker="results/{model}/base/init.json",
-        config="results/{model}/base/config.json",
-        weights="results/{model}/base/model.safetensors",
+        marker=f"{layout.BASE}/init.json",
+        config=f"{layout.BASE}/config.json",
+        weights=f"{layout.BASE}/model.safetensors",
     wildcard_constraints:
         model=models_made_by("init"),
     params:
-        family=lambda wildcards: MODELS[wildcards.model]["family"],
-        init=lambda wildcards: MODELS[wildcards.model]["init"],
+        family=get_family,
+        init=get_init,
         info=model_info,
     threads: model_threads
     resources:

@@ -5,12 +5,12 @@ rule prune:
     input:
         base=get_base,
         checkpoint=get_checkpoint_files,
-        selection="results/{model}/select/{method}_{pct}.parquet",
+        selection=layout.SELECTION,
     output:
-        record="results/{model}/{method}_{pct}/pruned/prune_record.json",
-        config="results/{model}/{method}_{pct}/pruned/config.json",
-        weights="results/{model}/{method}_{pct}/pruned/model.safetensors",
-        eval="results/{model}/{method}_{pct}/pruned/eval.json",
+        record=f"{layout.PRUNED}/prune_record.json",
+        config=f"{layout.PRUNED}/config.json",
+        weights=f"{layout.PRUNED}/model.safetensors",
+        eval=f"{layout.PRUNED}/eval.json",
     params:
         info=model_info,
         eval=get_eval,

@@ -5,17 +5,17 @@ rule rft:
     input:
         unpack(get_rft_inputs),
     output:
-        config="results/{model}/{method}_{pct}/rft/config.json",
-        weights="results/{model}/{method}_{pct}/rft/model.safetensors",
-        record="results/{model}/{method}_{pct}/rft/rft_record.json",
-        train_log="results/{model}/{method}_{pct}/rft/train_log.jsonl",
-        eval="results/{model}/{method}_{pct}/rft/eval.json",
+        config=f"{layout.RFT}/config.json",
+        weights=f"{layout.RFT}/model.safetensors",
+        record=f"{layout.RFT}/rft_record.json",
+        train_log=f"{layout.RFT}/train_log.jsonl",
+        eval=f"{layout.RFT}/eval.json",
     params:
         info=model_info,
         rft=get_rft,
         corpus=get_rft_corpus,
         eval=get_eval,
-        resume="results/{model}/{method}_{pct}/.rft_resume",
+        resume=layout.RFT_RESUME,
     threads: model_threads
     resources:
         gpu=get_rft_gpus,

@@ -4,7 +4,7 @@ rule select_channels:
     input:
         unpack(get_select_inputs),
     output:
-        "results/{model}/select/{method}_{pct}.parquet",
+        layout.SELECTION,
     params:
         info=model_info,
         selector=get_selector_options,

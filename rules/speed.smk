@@ -5,7 +5,7 @@
 rule speed_baseline:
     """Decode, prefill and mixer-only speed of the unpruned model and of every `speed.pcts` ratio, in one job."""
     output:
-        "results/{model}/baseline/speed.json",
+        layout.BASELINE_SPEED,
     params:
         info=model_info,
         speed=get_speed,
@@ -25,7 +25,7 @@ rule speed_baseline:
 rule speed:
     """Speed of the {pct} ratio beside the baseline, measured in the same job (the method does not change shapes)."""
     output:
-        "results/{model}/{method}_{pct}/speed.json",
+        layout.SPEED,
     params:
         info=model_info,
         speed=get_speed,
@@ -49,13 +49,13 @@ rule speed_table:
         get_speed_docs,
     output:
         md=report(
-            "results/tables/speed.md",
+            layout.table("speed", "md"),
             caption="../report/speed.rst",
             category="Tables",
             labels={"table": "speed (Tables 17-19)", "format": "Markdown"},
         ),
         figure=report(
-            "results/figures/speedup.png",
+            layout.figure("speedup"),
             caption="../report/speedup.rst",
             category="Figures",
             labels={"figure": "speedup vs batch (Fig. 4)"},

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from statereduce import layout
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
@@ -413,44 +414,38 @@ def check_method(config: dict, method: str) -> None:
         )
 
 
-#: Folders of ``results/{model}/`` whose name is not a ``<method>_<pct>`` stage.
-RESULT_FOLDERS = ("base", "baseline", "calib", "select", "weights")
-
-
 def check_target(config: dict, target: str) -> None:
     """Check a requested path under ``results/`` against the configuration, before any job is planned.
 
     ``results/{model}/...`` must name a configured model, ``calib/{calib}/...`` a calibration id of it, and
     ``select/{method}_{pct}.parquet`` and ``{method}_{pct}/...`` a valid method token (:func:`check_method`) and a
     pct the model can take (:func:`check_reduction`). Other paths (tables, figures, outside ``results/``) are
-    left to Snakemake.
+    left to Snakemake. The layout is :mod:`statereduce.layout`'s.
 
     Raises:
         ConfigError: one line: the target, its unknown or impossible part, and the valid choices.
     """
-    parts = Path(target).parts
-    if len(parts) < 3 or parts[0] != "results" or parts[1] in ("tables", "figures"):
+    found = layout.parse(target)
+    if found is None:
         return
-    model, folder = parts[1], parts[2]
     try:
-        if model not in config["models"]:
-            raise ConfigError(f"unknown model {model!r}; valid: {', '.join(sorted(config['models']))}")
-        if folder == "calib" and len(parts) > 3:
-            model_calibration(config, model, parts[3])
-        if folder in RESULT_FOLDERS and not (folder == "select" and len(parts) > 3):
+        if found.model not in config["models"]:
+            raise ConfigError(f"unknown model {found.model!r}; valid: {', '.join(sorted(config['models']))}")
+        if found.calib is not None:
+            model_calibration(config, found.model, found.calib)
+        if found.stage is None:
             return
-        stage = parts[3].removesuffix(".parquet") if folder == "select" else folder
-        method, sep, pct = stage.rpartition("_")
-        if not sep:
+        if found.method is None:
             raise ConfigError(
-                f"{stage!r} is neither <method>_<pct> (e.g. drrqr_75) nor one of {', '.join(RESULT_FOLDERS)}"
+                f"{found.stage!r} is neither <method>_<pct> (e.g. drrqr_75) nor one of {', '.join(layout.FOLDERS)}"
             )
-        check_method(config, method)
-        if not re.fullmatch(r"\d+(\.\d+)?", pct):
+        check_method(config, found.method)
+        if not layout.is_pct(found.pct):
             raise ConfigError(
-                f"pct {pct!r} in {stage!r} is not a number such as 75 or 37.5 (percent of key channels removed)"
+                f"pct {found.pct!r} in {found.stage!r} is not a number such as 75 or 37.5 (percent of key channels "
+                "removed)"
             )
-        check_reduction(config, model, float(pct))
+        check_reduction(config, found.model, float(found.pct))
     except ConfigError as e:
         raise ConfigError(f"{target}: {e}") from None
 
@@ -696,8 +691,3 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
             raise ConfigError(f"speed.models: unknown model {name!r}; valid: {', '.join(sorted(cfg['models']))}")
         model_speed(cfg, name)
     return cfg
-
-
-def format_pct(pct: float) -> str:
-    """Path form of a pct: 50 -> '50', 37.5 -> '37.5'."""
-    return str(int(pct)) if float(pct).is_integer() else str(pct)

@@ -85,7 +85,7 @@ LAYERS = [
     ("selectors", ["statereduce.selectors"]),
     ("foundations", ["statereduce", "statereduce.models", "statereduce.data", "statereduce.tokenizer",
                      "statereduce.checkpoints", "statereduce.h5files", "statereduce.artifacts", "statereduce.runtime",
-                     "statereduce.selection_file"]),
+                     "statereduce.selection_file", "statereduce.layout"]),
     ("services", ["statereduce.eval", "statereduce.analysis", "statereduce.speed", "statereduce.config"]),
     ("stages", ["statereduce.pretrain", "statereduce.capture", "statereduce.select", "statereduce.prune",
                 "statereduce.rft", "statereduce.analysis.rank"]),

@@ -1,12 +1,11 @@
 """rule comparison_table: results/tables/comparison.{md,csv} from every targeted summary."""
-from pathlib import Path
-
+from statereduce import layout
 from statereduce.runtime import read_json, start  # noqa: E402
 
 log = start(snakemake.log[0], torch_threads=False)
 from statereduce.analysis.tables import write_comparison  # noqa: E402
 
 summaries = [read_json(p) for p in snakemake.input.summaries]
-baselines = {Path(p).parts[-3]: read_json(p) for p in snakemake.input.baselines}
+baselines = {layout.parse(p).model: read_json(p) for p in snakemake.input.baselines}
 df = write_comparison(summaries, baselines, snakemake.output.md, snakemake.output.csv)
 log.info("wrote %d rows to %s", len(df), snakemake.output.md)

@@ -25,7 +25,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FormatStrFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from statereduce.config import format_pct
+from statereduce.layout import format_pct
 from statereduce.runtime import atomic_file, json_number
 
 DPI = 150

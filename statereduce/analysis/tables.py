@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from statereduce.config import format_pct
+from statereduce.layout import format_pct
 from statereduce.runtime import json_number
 
 PRIMARY = ("heldout", "bits_per_byte")  # (task, metric) shown first when present

@@ -1,0 +1,68 @@
+"""The results layout (statereduce.layout): templates filled by ``path`` read back by ``parse``, pct forms, and the
+paths the rules write (a dry run of the default target) all parse to their model, stage and calibration."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from _snakemake import snakemake
+
+from statereduce import layout
+
+
+@pytest.mark.parametrize("pct, text", [(50, "50"), (50.0, "50"), (37.5, "37.5"), ("75", "75")])
+def test_format_pct(pct, text):
+    assert layout.format_pct(pct) == text
+
+
+def test_path_fills_the_given_wildcards_and_leaves_the_others():
+    assert layout.path(layout.SUMMARY, model="m", method="drrqr", pct=50.0) == "results/m/drrqr_50/eval.json"
+    assert layout.path(layout.ACTIVATIONS, calib="default") == "results/{model}/calib/default/activations.h5"
+    assert layout.table("comparison", "md") == "results/tables/comparison.md"
+    assert layout.figure("speedup") == "results/figures/speedup.png"
+
+
+@pytest.mark.parametrize("template, parts, expect", [
+    (layout.SELECTION, {"model": "m", "method": "drrqr.n16", "pct": 37.5},
+     {"folder": "select", "stage": "drrqr.n16_37.5", "method": "drrqr.n16", "pct": "37.5", "calib": None}),
+    (f"{layout.PRUNED}/config.json", {"model": "dn1.3b", "method": "grad-k", "pct": 75},
+     {"folder": "grad-k_75", "stage": "grad-k_75", "method": "grad-k", "pct": "75", "rest": ("pruned", "config.json")}),
+    (layout.GRAD_SCORES, {"model": "m", "calib": "seed1"},
+     {"folder": "calib", "stage": None, "method": None, "calib": "seed1", "rest": ("seed1", "grad_scores.h5")}),
+    (layout.BASELINE_EVAL, {"model": "m"}, {"folder": "baseline", "stage": None, "rest": ("eval.json",)}),
+    (f"{layout.BASE}/config.json", {"model": "m"}, {"folder": "base", "stage": None}),
+])
+def test_parse_reads_back_what_path_writes(template, parts, expect):
+    found = layout.parse(layout.path(template, **parts))
+    assert found is not None and found.model == parts["model"]
+    for key, value in expect.items():
+        assert getattr(found, key) == value, key
+
+
+@pytest.mark.parametrize("target", ["results/tables/comparison.md", "results/figures/x.png", "logs/x.log", "results"])
+def test_parse_leaves_paths_outside_a_models_results(target):
+    assert layout.parse(target) is None
+
+
+def test_a_stage_that_is_no_method_and_pct_keeps_only_its_name():
+    found = layout.parse("results/m/drrqr/eval.json")
+    assert (found.stage, found.method, found.pct) == ("drrqr", None, None)
+
+
+def test_every_path_the_default_target_plans_parses_to_its_jobs_wildcards(tmp_path):
+    out = snakemake(tmp_path, "-n", "--cores", "1")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    jobs = re.findall(r"output: (.+)\n(?:.+\n)*?\s+wildcards: (.+)", out.stdout)  # within one job block
+    assert len(jobs) > 20, out.stdout[-2000:]
+    for outputs, wildcards in jobs:
+        wc = dict(w.split("=", 1) for w in wildcards.split(", "))
+        for target in outputs.split(", "):
+            found = layout.parse(target)
+            if found is None:
+                continue
+            assert found.model == wc["model"], target
+            if "method" in wc:
+                assert (found.method, found.pct) == (wc["method"], wc["pct"]), target
+            if "calib" in wc:
+                assert found.calib == wc["calib"], target
