@@ -57,6 +57,8 @@ def inputs(n, h, hv, k, v, gated, dtype=torch.bfloat16, t=1):
 
 
 def reference(q, k, v, beta, g, a_log, dt_bias, state, gated):
+    """fla's own ``fused_recurrent_*`` function on a copy of ``state`` (it returns a new state tensor): what the
+    in-place steps must give on the GPU."""
     from fla.ops.delta_rule import fused_recurrent_delta_rule
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 

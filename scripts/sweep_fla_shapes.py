@@ -5,9 +5,10 @@ For DeltaNet and Gated DeltaNet, the chunk and the fused recurrent kernel, each 
 (``--pcts``, percent of key channels removed, plus the unpruned width) gives for d_k in {64, 128, 256}, and each
 d_v in {64, 128, 256, 512}: one process runs the kernel forward and backward on bf16 inputs (q and k L2-normalised in
 the kernel, as fla's layers call it; an initial state; the final state returned) and compares the output, the final
-state and the gradients of q, k, v, beta (g) and the initial state with a float64 per-step recurrence. A process
-per case, because an illegal memory access loses the CUDA context. ``--padded`` cases call the kernel through
-:func:`statereduce.kernels.shapes.call_padded` (q and k zero-padded), as the adapters route faulty shapes.
+state and the gradients of q, k, v, beta (g) and the initial state with the float64 per-step recurrence
+:func:`statereduce.kernels.reference.delta_rule`. A process per case, because an illegal memory access loses the CUDA
+context. ``--padded`` cases call the kernel through :func:`statereduce.kernels.shapes.call_padded` (q and k
+zero-padded), as the adapters route faulty shapes.
 
 Usage::
 
@@ -51,23 +52,6 @@ def key_widths(d_ks: list[int], pcts: list[float]) -> list[int]:
     return sorted(out)
 
 
-def _reference(family, q, k, v, beta, g, h0, scale):
-    """float64 per-step delta rule, fla's conventions: S [K, V]; (GDN: S *= exp(g_t)); u = beta (v - S^T k);
-    S += k u^T; o = S^T (q * scale). q, k [B, T, H, K] (already L2-normalised), v [B, T, H, V]."""
-    import torch
-
-    s = h0.clone()
-    outs = []
-    for t in range(q.shape[1]):
-        if g is not None:
-            s = s * g[:, t].exp()[..., None, None]
-        kt = k[:, t]
-        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", s, kt))
-        s = s + kt[..., :, None] * u[..., None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t] * scale))
-    return torch.stack(outs, 1), s
-
-
 def run_case(family: str, kernel: str, d_k: int, d_v: int, padded: bool, T: int, B: int = 1, H: int = 2) -> dict:
     import torch
     import torch.nn.functional as F
@@ -76,6 +60,7 @@ def run_case(family: str, kernel: str, d_k: int, d_v: int, padded: bool, T: int,
     import fla.ops.delta_rule as dr
     import fla.ops.gated_delta_rule as gdr
 
+    from statereduce.kernels.reference import delta_rule
     from statereduce.kernels.shapes import call_padded
 
     fn = {**vars(dr), **vars(gdr)}[KERNELS[family, kernel]]
@@ -97,7 +82,8 @@ def run_case(family: str, kernel: str, d_k: int, d_v: int, padded: bool, T: int,
     # reference in float64 (q, k normalised outside: the kernel normalises in float32)
     ref_in = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
     qn, kn = F.normalize(ref_in["q"], dim=-1), F.normalize(ref_in["k"], dim=-1)
-    o_ref, s_ref = _reference(family, qn, kn, ref_in["v"], ref_in["beta"], ref_in.get("g"), ref_in["h0"], scale)
+    o_ref, s_ref = delta_rule(qn, kn, ref_in["v"], ref_in["beta"], ref_in.get("g"), scale=scale,
+                              initial_state=ref_in["h0"])
     ((o_ref * do.double()).sum() + (s_ref * dh.double()).sum()).backward()
 
     args = dict(scale=scale, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True)

@@ -4,10 +4,14 @@
 2 heads of d_k = 32, vocab 300 (``fuse_cross_entropy=False`` for fla's configs, from ``tiny_config``);
 keyword overrides go to the family's config class through :func:`statereduce.models.tiny_config`. The
 family adapter's ``install_fallbacks()`` is called first so the models run on CPU.
+
+:func:`tiny_arch` gives the arch dict of every test model, these and the smaller ones the pretraining tests train on
+the byte-level tokenizer (``small=True, byte_vocab=True``).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -30,15 +34,38 @@ TINY: dict[str, dict[str, Any]] = {
                 "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                 "layer_types": ["linear_attention", "linear_attention", "full_attention"]},
 }
+# Smaller still, for the tests that pretrain (a few steps each): hidden 32, 2 layers, d_k = 16; DeltaNet d_v = 16,
+# Gated DeltaNet d_v = 16, Mamba-2 4 heads of 16 in 2 groups of N = 16, Qwen3.5 2 value heads of 16 and layers
+# [linear, attention].
+SMALL: dict[str, dict[str, Any]] = {
+    "delta_net": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "expand_k": 1.0, "expand_v": 1.0},
+    "gated_deltanet": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 16, "expand_v": 1.0},
+    "mamba2": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 16, "n_groups": 2,
+               "state_size": 16, "chunk_size": 16},
+    "qwen3_5": {"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "head_dim": 16, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+                "linear_num_value_heads": 2, "linear_value_head_dim": 16,
+                "layer_types": ["linear_attention", "full_attention"]},
+}
 COMMON: dict[str, Any] = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2}  # tiny_config adds the rest
 
 
-def tiny_arch(family: str, **overrides: Any) -> dict[str, Any]:
-    """The arch dict of the test model of ``family`` (``COMMON`` + ``TINY``, with ``overrides`` applied), for
-    :func:`statereduce.models.tiny_config`."""
-    if family not in TINY:
-        raise ValueError(f"no tiny config for family {family!r}; valid: {', '.join(sorted(TINY))}")
-    return {**COMMON, **TINY[family], **overrides}
+def tiny_arch(family: str, *, small: bool = False, byte_vocab: bool = False, **overrides: Any) -> dict[str, Any]:
+    """The arch dict of a test model of ``family``, for :func:`statereduce.models.tiny_config` (or the family's
+    config class): ``COMMON`` + ``TINY`` (the models of :func:`tiny_model`) unless ``small`` or ``byte_vocab`` say
+    otherwise, with ``overrides`` applied (a copy: changing it changes no other test's model).
+
+    Args:
+        family: adapter family name.
+        small: the ``SMALL`` shape instead of ``TINY``.
+        byte_vocab: no vocabulary fields (no ``COMMON``): ``tiny_config`` then gives the byte-level tokenizer's 257
+            ids with BOS/EOS 256, as for the models the tests pretrain.
+        **overrides: config fields.
+    """
+    shapes = SMALL if small else TINY
+    if family not in shapes:
+        raise ValueError(f"no tiny config for family {family!r}; valid: {', '.join(sorted(shapes))}")
+    return copy.deepcopy({**({} if byte_vocab else COMMON), **shapes[family], **overrides})
 
 
 def tiny_model(family: str, seed: int = 0, conv_std: float | None = 0.3, **overrides: Any) -> nn.Module:

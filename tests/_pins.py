@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import socket
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _paths import ROOT
+
 _spec = importlib.util.spec_from_file_location("sync_envs", ROOT / "dev" / "sync_envs.py")
 _sync_envs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_sync_envs)

@@ -18,13 +18,13 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
 from _models import tiny_inputs, tiny_model
+from _paths import ROOT
 
 from statereduce import api
 from statereduce.adapters import adapter_families, get_adapter
@@ -34,7 +34,6 @@ from statereduce.select import read_selection, select_channels, write_selection
 from statereduce.selectors import selector_names
 from statereduce.tokenizer import byte_level_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "api.md"
 FAMILIES = ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"]
 CALIB = {"rows_per_head": 40, "seed": 3, "batch_size": 2}  # the same settings for both paths

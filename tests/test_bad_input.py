@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from _models import tiny_inputs, tiny_model
+from _snakemake import snakemake
 
 from statereduce.artifacts import ArtifactError
 from statereduce.capture import capture_activations, export_qk_weights, grad_scores
@@ -222,13 +222,6 @@ def test_unreadable_prune_record(tmp_path):
 
 
 # ---- 3. a local checkpoint path that is not a checkpoint --------------------------------------------------------
-@pytest.fixture(scope="module")
-def shipped_config() -> dict:
-    import yaml
-
-    return yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())
-
-
 def test_local_checkpoint_must_be_a_folder_with_config_json(shipped_config, tmp_path):
     import copy
 
@@ -261,9 +254,6 @@ def test_local_checkpoint_must_be_a_folder_with_config_json(shipped_config, tmp_
 
 
 # ---- 2. a requested path naming something unknown -----------------------------------------------------------------
-ROOT = Path(__file__).resolve().parents[1]
-
-
 @pytest.mark.parametrize("target, message", [
     ("results/tiny-dn/foo_75/eval.json",
      "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, pca, pca-adv, rand, swanda"),
@@ -295,15 +285,9 @@ def test_check_target(shipped_config, target, message):
 
 
 def _dry_run(workdir: Path, *targets: str, cfg: dict | None = None) -> subprocess.CompletedProcess:
-    """``snakemake -n targets`` of the repository's workflow in ``workdir`` with ``cfg`` (default: the shipped one)."""
-    import yaml
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    config = yaml.safe_load((ROOT / "config.yaml").read_text()) if cfg is None else cfg
-    (workdir / "config.yaml").write_text(yaml.safe_dump(config))
-    cmd = [sys.executable, "-m", "snakemake", "-n", "--quiet", "-s", str(ROOT / "Snakefile"),
-           "--directory", str(workdir)]
-    return subprocess.run([*cmd, *targets], capture_output=True, text=True, timeout=300)
+    """``snakemake -n --quiet targets`` of the repository's workflow in ``workdir`` with ``cfg`` (default: the shipped
+    one); ``--quiet`` last (it takes every word after it)."""
+    return snakemake(workdir, *targets, "-n", "--quiet", cfg=cfg)
 
 
 @pytest.mark.parametrize("target, message", [

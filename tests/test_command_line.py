@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from _snakemake import ROOT, job_counts, planned_jobs, snakemake
+from _paths import ROOT
+from _snakemake import job_counts, planned_jobs, snakemake
 
 HUB = "results/gdn1.3b/drrqr_50/eval.json"
 HUB_JOBS = {"base_source": 1, "qk_weights": 1, "calibrate": 1, "eval_baseline": 1, "select_channels": 1, "prune": 1,

@@ -14,17 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from _paths import ROOT
+from _snakemake import snakemake
 
 from statereduce.config import ConfigError, validate_config
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def base_config() -> dict:
-    with open(ROOT / "config.yaml") as f:
-        return yaml.safe_load(f)
 
 
 def _mutate(cfg: dict, case: str) -> dict:
@@ -80,14 +73,14 @@ CASES = {
 }
 
 
-def test_shipped_config_is_valid(base_config):
-    validate_config(base_config)
+def test_shipped_config_is_valid(shipped_config):
+    validate_config(shipped_config)
 
 
-def test_recall_mix_optional(base_config):
+def test_recall_mix_optional(shipped_config):
     """pretrain.recall_mix is optional; given, it passes validation unchanged (statereduce.eval.recall fills
     defaults)."""
-    cfg = copy.deepcopy(base_config)
+    cfg = copy.deepcopy(shipped_config)
     for m in ("tiny-dn", "tiny-gdn"):
         cfg["models"][m]["pretrain"].pop("recall_mix", None)
     assert not {"recall_mix"} & set(validate_config(cfg)["models"]["tiny-dn"]["pretrain"])
@@ -97,9 +90,9 @@ def test_recall_mix_optional(base_config):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_config_in_process(base_config, case):
+def test_bad_config_in_process(shipped_config, case):
     with pytest.raises(ConfigError) as exc:
-        validate_config(_mutate(base_config, case))
+        validate_config(_mutate(shipped_config, case))
     msg = str(exc.value)
     assert "\n" not in msg
     assert re.search(CASES[case], msg), msg
@@ -203,18 +196,14 @@ def test_bad_pct_in_requested_target_fails_at_dag_build(tmp_path):
 
 
 def _snakemake_dry(tmp_path: Path, cfg: dict | None, targets: list[str] = ()) -> subprocess.CompletedProcess:
-    """``snakemake -n`` in ``tmp_path`` with ``cfg`` (default: the shipped config) as its config.yaml."""
-    if cfg is None:
-        cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    args = [sys.executable, "-m", "snakemake", "-n", "--quiet", "all", "-s", str(ROOT / "Snakefile"),
-            "--directory", str(tmp_path)]
-    return subprocess.run(args + list(targets), capture_output=True, text=True, timeout=300)
+    """``snakemake -n`` in ``tmp_path`` with ``cfg`` (default: the shipped config) as its config.yaml; ``--quiet all``
+    last (it takes every word after it)."""
+    return snakemake(tmp_path, *targets, "-n", "--quiet", "all", cfg=cfg)
 
 
 @pytest.mark.parametrize("case", ["unknown_selector", "gdn_value_dim_not_integral", "unknown_key", "unknown_arch_key"])
-def test_bad_config_through_snakemake(base_config, tmp_path, case):
-    out = _snakemake_dry(tmp_path, _mutate(base_config, case))
+def test_bad_config_through_snakemake(shipped_config, tmp_path, case):
+    out = _snakemake_dry(tmp_path, _mutate(shipped_config, case))
     assert out.returncode != 0
     text = out.stderr + out.stdout
     assert re.search(CASES[case], text), text
@@ -252,8 +241,8 @@ STUDY_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(STUDY_CASES))
-def test_bad_studies_rejected(base_config, case):
-    cfg = copy.deepcopy(base_config)
+def test_bad_studies_rejected(shipped_config, case):
+    cfg = copy.deepcopy(shipped_config)
     mutate, pattern = STUDY_CASES[case]
     mutate(cfg["studies"])
     with pytest.raises(ConfigError) as exc:
@@ -263,16 +252,16 @@ def test_bad_studies_rejected(base_config, case):
     assert re.search(pattern, msg), msg
 
 
-def test_studies_cells(base_config):
+def test_studies_cells(shipped_config):
     """The shipped studies expand to one target per cell; no block, no cells."""
     from statereduce.config import check_studies
 
-    cells = check_studies(validate_config(base_config))
+    cells = check_studies(validate_config(shipped_config))
     assert len(cells["calibration"]) == 2 * 2 * 4 and len(cells["scoring"]) == 2 * 4 * 3
     assert ("tiny-dn", "grad.prose", 75.0) in cells["calibration"]
     assert ("tiny-dn", "drrqr", 75.0) in cells["calibration"]  # the default variant is the plain token
     assert [c[1] for c in cells["scoring"][:3]] == ["l1", "l1-k", "l1-q"]
-    cfg = copy.deepcopy(base_config)
+    cfg = copy.deepcopy(shipped_config)
     del cfg["studies"]
     assert check_studies(validate_config(cfg)) == {}
 
@@ -299,8 +288,8 @@ EVAL_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(EVAL_CASES))
-def test_bad_eval_rejected(base_config, case):
-    cfg = copy.deepcopy(base_config)
+def test_bad_eval_rejected(shipped_config, case):
+    cfg = copy.deepcopy(shipped_config)
     block, pattern = EVAL_CASES[case]
     cfg["models"]["tiny-dn"]["eval"].update(block)
     with pytest.raises(ConfigError) as exc:
@@ -310,21 +299,21 @@ def test_bad_eval_rejected(base_config, case):
     assert re.search(pattern, msg), msg
 
 
-def test_unknown_suite_without_schema_names_valid_ones(base_config):
+def test_unknown_suite_without_schema_names_valid_ones(shipped_config):
     """The package's own check (the schema's enum aside) names the bad suite and the valid ones."""
     from statereduce.config import model_eval
 
-    cfg = copy.deepcopy(base_config)
+    cfg = copy.deepcopy(shipped_config)
     cfg["models"]["tiny-dn"]["eval"]["suites"] = ["ruler"]
     match = r"^models\.tiny-dn\.eval: unknown evaluation suite 'ruler'; valid: lm, recall, recall_probe$"
     with pytest.raises(ConfigError, match=match):
         model_eval(cfg, "tiny-dn")
 
 
-def test_model_eval_expands_suites(base_config):
+def test_model_eval_expands_suites(shipped_config):
     from statereduce.config import model_eval
 
-    cfg = validate_config(base_config)
+    cfg = validate_config(shipped_config)
     ev = model_eval(cfg, "gdn1.3b")
     assert ev["suites"] == ["lm", "recall"]
     lm = ["wikitext", "lambada_openai", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "piqa"]

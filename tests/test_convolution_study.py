@@ -4,15 +4,15 @@ its place in ``all_paper``."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import yaml
+from _paths import ROOT
+from _snakemake import dry_run_outputs
 
 from statereduce.analysis.tables import convolution_frames, write_convolution_tables
 from statereduce.config import ConfigError, check_studies, validate_config
 
-ROOT = Path(__file__).resolve().parents[1]
 STUDY = {"models": {"none": "tiny-dn", "head": "tiny-dn-shared", "all": "tiny-dn-shared-all"},
          "selectors": ["pca-adv", "pca", "grad"], "pcts": [75, 50]}
 
@@ -83,10 +83,8 @@ def test_tables_layout_and_missing_cells(tmp_path):
 def test_all_paper_plans_the_convolution_tables(tmp_path):
     """``all_paper`` plans the convolution tables, the shared models' pretraining and every cell's pruned
     evaluation, without RFT for them; without the study, none of it."""
-    from test_workflow import _dry_run_shipped
-
     cfg = _config()
-    jobs = _dry_run_shipped(tmp_path / "paper", cfg, "all_paper")
+    jobs = dry_run_outputs(tmp_path / "paper", "all_paper", "--resources", "gpu=1", cfg=cfg)
     assert set(jobs["convolution_tables"]) == {f"results/tables/{name}_convolutions.{ext}"
                                                for name in ("shared", "pca") for ext in ("md", "csv", "html")}
     pruned = {p for p in jobs["prune"] if p.endswith("/pruned/eval.json")}
@@ -98,4 +96,4 @@ def test_all_paper_plans_the_convolution_tables(tmp_path):
     assert {p.split("/")[1] for p in jobs["pretrain"] if p.endswith("pretrain.json")} >= {
         "tiny-dn-shared", "tiny-dn-shared-all"}
     del cfg["studies"]["convolutions"]
-    assert "convolution_tables" not in _dry_run_shipped(tmp_path / "none", cfg, "all_paper")
+    assert "convolution_tables" not in dry_run_outputs(tmp_path / "none", "all_paper", "--resources", "gpu=1", cfg=cfg)

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import copy
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from _paths import ROOT
+from _snakemake import copy_workflow, snakemake
 
 from statereduce import data
 from statereduce.config import ConfigError, validate_config
 
-ROOT = Path(__file__).resolve().parents[1]
-COPY = ["Snakefile", "rules", "workflow_scripts", "statereduce", "schemas", "envs"]
 FRACTIONS = {"train": 0.6, "calib": 0.2, "heldout": 0.2}
 # rules the default target plans for a model trained by the workflow, pruned with grad and drrqr
 DEFAULT_RULES = {"pretrain", "qk_weights", "calibrate", "grad_scores", "select_channels", "prune", "rft", "summarize",
@@ -33,13 +31,7 @@ DEFAULT_RULES = {"pretrain", "qk_weights", "calibrate", "grad_scores", "select_c
 @pytest.fixture(scope="module")
 def workflow_copy(tmp_path_factory) -> Path:
     """A copy of the workflow with the corpus files of the ``files`` forms under its ``data/``."""
-    wf = tmp_path_factory.mktemp("workflow")
-    for name in COPY:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, wf / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, wf / name)
+    wf = copy_workflow(tmp_path_factory.mktemp("workflow"))
     (wf / "data").mkdir()
     for name, text in corpus_files().items():
         (wf / "data" / name).write_text(text, encoding="utf-8")
@@ -70,10 +62,7 @@ def tiny_config(spec: dict) -> dict:
 
 def dry_run(workflow: Path, workdir: Path, cfg: dict) -> subprocess.CompletedProcess:
     """``snakemake -n`` of the default target with ``cfg`` in the empty work directory ``workdir``."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "snakemake", "-n", "-s", str(workflow / "Snakefile"), "--directory", str(workdir)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    return snakemake(workdir, "-n", cfg=cfg, workflow=workflow)
 
 
 def planned_rules(out: subprocess.CompletedProcess) -> set[str]:

@@ -8,18 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _paths import ROOT
 
 from statereduce import data
-from statereduce.tokenizer import byte_level_tokenizer
 
 # Real text files next to the repository (not part of it): the tests that read them skip without them.
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED_DATA = ROOT.parent / "shared" / "data"
 SMALL_EMBEDDED = {"source": "embedded", "max_bytes": 600_000}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return byte_level_tokenizer()
 
 
 def need_shared(name: str) -> Path:

@@ -1,4 +1,4 @@
-"""The conda environments of `--sdm conda` (envs/*.yaml, rules/common.smk: conda_env).
+"""The conda environments of `--sdm conda` (envs/*.yaml, rules/resources.smk: conda_env).
 
 * GPU jobs (models with ``device: cuda``, the speed rules) get the CUDA envs, CPU jobs the CPU ones, and config
   ``conda_envs`` points either at the user's own: checked with Snakemake's ``--list-conda-envs`` through a stand-in
@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _paths import ROOT
 from _pins import pypi_reachable
+from _snakemake import snakemake
 
-ROOT = Path(__file__).resolve().parents[1]
 ENVS = ROOT / "envs"
 FAKE_CONDA = """#!/bin/sh
 case "$*" in
@@ -54,11 +55,11 @@ def _listed_envs(tmp_path: Path, targets: list[str], *configfiles: Path) -> set[
     bin_dir.mkdir()
     (bin_dir / "conda").write_text(FAKE_CONDA)
     (bin_dir / "conda").chmod(0o755)
-    cmd = [sys.executable, "-m", "snakemake", "-n", "--sdm", "conda", "--list-conda-envs", "--cores", "1"]
+    args = ["-n", "--sdm", "conda", "--list-conda-envs", "--cores", "1"]
     if configfiles:
-        cmd += ["--configfile", "config.yaml", *map(str, configfiles)]
+        args += ["--configfile", "config.yaml", *map(str, configfiles)]
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    p = subprocess.run([*cmd, "--", *targets], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    p = snakemake(work, *args, "--", *targets, workflow=work, cwd=work, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     lines = p.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("environment\t"))

@@ -13,18 +13,17 @@ import json
 import math
 import os
 import re
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
+from _models import tiny_arch
 
 from statereduce.eval import documents as ed
 from statereduce.eval import harness as ev
 from statereduce.eval import tasks as et
-from statereduce.tokenizer import byte_level_tokenizer
 
 EOS = 256
 DOCS = [
@@ -37,47 +36,22 @@ DOCS = [
 ]
 
 
-def _wait_for_fla_fallback(timeout_s: float = 1800.0):
-    """The fallback is written by another helper; wait for it (60 s between checks)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            from statereduce.kernels import fla_fallback
-
-            return fla_fallback
-        except ImportError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(60)
-
-
 @pytest.fixture(scope="module")
 def model():
-    _wait_for_fla_fallback().install()
+    from statereduce.kernels import fla_fallback
+
+    fla_fallback.install()
     from fla.models import DeltaNetConfig, DeltaNetForCausalLM
 
     torch.manual_seed(0)
-    cfg = DeltaNetConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_heads=2,
-        vocab_size=257,
-        fuse_cross_entropy=False,
-        bos_token_id=EOS,
-        eos_token_id=EOS,
-        pad_token_id=EOS,
-    )
+    arch = tiny_arch("delta_net", vocab_size=257, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
+    cfg = DeltaNetConfig(**arch, fuse_cross_entropy=False)
     m = DeltaNetForCausalLM(cfg)
     with torch.no_grad():  # fla's conv init (std 0.02) leaves the model almost uniform; make it less trivial
         for name, p in m.named_parameters():
             if "conv1d" in name or "embeddings" in name:
                 p.normal_(0.0, 0.5)
     return m.float().eval()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return byte_level_tokenizer()
 
 
 def _window_nll(model, inputs: list[int], targets: list[int]) -> float:

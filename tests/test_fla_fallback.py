@@ -1,9 +1,10 @@
 """Tests for statereduce.kernels.fla_fallback: the pure-PyTorch versions of fla's DeltaNet / Gated DeltaNet kernels.
 
-The delta-rule ops are checked against an independent token-by-token recurrence written here from the paper's
-equations (Nazari & Rusch 2026, Sec. 2), in float64, in the paper's ``[V, K]`` state layout, with GVA done by
-explicit indexing: outputs, final states and gradients w.r.t. every input. The small modules are checked against
-their formulas, and whole stock fla models are run on CPU (training step, cached decoding vs full forward).
+The delta-rule ops are checked against the independent token-by-token recurrence of
+:mod:`statereduce.kernels.reference`, written from the paper's equations (Nazari & Rusch 2026, Sec. 2), in float64,
+in the paper's ``[V, K]`` state layout, with GVA done by explicit indexing: outputs, final states and gradients w.r.t.
+every input. The small modules are checked against their formulas, and whole stock fla models are run on CPU
+(training step, cached decoding vs full forward).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import tiny_arch
 
 from statereduce.kernels import fla_fallback as ff
+from statereduce.kernels.reference import delta_rule, gated_deltanet_gate
 
 ff.install()
 
@@ -35,42 +38,6 @@ from fla.modules import (
 )
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*")
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# independent reference: S_t = alpha_t S_{t-1} + beta_t (v_t - alpha_t S_{t-1} k_t) k_t^T,  o_t = scale * S_t q_t
-# --------------------------------------------------------------------------------------------------------------------
-def ref_gated_delta(q, k, v, beta, g=None, scale=None, h0=None, l2=False):
-    """Paper recurrence, float64. q, k: [B,T,H,K]; v: [B,T,HV,V]; beta: [B,T,HV] or [B,T,HV,V]; g: [B,T,HV] log
-    decay or None (DeltaNet). h0 and the returned state are [B, HV, V, K] (paper layout S in R^{V x K})."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    r = HV // H
-    q, k, v, beta = q.double(), k.double(), v.double(), beta.double()
-    if l2:
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    scale = K**-0.5 if scale is None else scale
-    outs, finals = [], []
-    for i in range(HV):
-        kh = i // r  # value head i reads key head i // r
-        S = torch.zeros(B, V, K, dtype=torch.float64) if h0 is None else h0[:, i].double()
-        o_i = []
-        for t in range(T):
-            kt, qt = k[:, t, kh], q[:, t, kh]
-            alpha = torch.ones(B, 1, 1, dtype=torch.float64) if g is None else g[:, t, i].double().exp()[:, None, None]
-            Sa = alpha * S
-            bt = beta[:, t, i] if beta.dim() == 4 else beta[:, t, i, None]
-            delta = bt * (v[:, t, i] - torch.einsum("bvk,bk->bv", Sa, kt))
-            S = Sa + delta[:, :, None] * kt[:, None, :]
-            o_i.append(scale * torch.einsum("bvk,bk->bv", S, qt))
-        outs.append(torch.stack(o_i, 1))
-        finals.append(S)
-    return torch.stack(outs, 2), torch.stack(finals, 1)
-
-
-def gdn_gate(a, A_log, dt_bias):
-    return -A_log.double().exp() * torch.log1p(torch.exp(a.double() + dt_bias.double()))
 
 
 def make_inputs(B, T, H, HV, K, V, gated, h0, seed=0, headwise_beta=False):
@@ -142,7 +109,8 @@ def test_delta_rule_matches_reference(shape, mode, gated):
         ("fused_recurrent", True): ff.fused_recurrent_gated_delta_rule,
     }[mode, gated]
     o, ht = run_ours(fn, x, gated, l2, scale, chunk if mode == "chunk" else None, kv_first=gated)
-    o_ref, ht_ref = ref_gated_delta(x["q"], x["k"], x["v"], x["beta"], x.get("g"), scale, x.get("h0"), l2)
+    o_ref, ht_ref = delta_rule(x["q"], x["k"], x["v"], x["beta"], x.get("g"), scale=scale, initial_state=x.get("h0"),
+                               l2norm=l2, state_v_first=True)
     assert o.shape == (B, T, HV, V) and o.dtype == x["v"].dtype
     assert_close(o, o_ref, "output")
     assert_close(ht, ht_ref, "final state")
@@ -165,7 +133,7 @@ def test_headwise_beta_recurrent_matches_reference():
         output_final_state=True,
         state_v_first=True,
     )
-    o_ref, ht_ref = ref_gated_delta(x["q"], x["k"], x["v"], x["beta"], x["g"], None, x["h0"])
+    o_ref, ht_ref = delta_rule(x["q"], x["k"], x["v"], x["beta"], x["g"], initial_state=x["h0"], state_v_first=True)
     assert_close(o, o_ref, "output")
     assert_close(ht, ht_ref, "final state")
 
@@ -187,8 +155,9 @@ def test_in_kernel_gate_and_beta_sigmoid():
     dt_bias = torch.randn(HV, dtype=torch.float64, generator=gen)
     for neg in (False, True):
         beta_ref = torch.sigmoid(b_logit) * (2.0 if neg else 1.0)
-        o_ref, ht_ref = ref_gated_delta(
-            x["q"], x["k"], x["v"], beta_ref, gdn_gate(a, A_log, dt_bias), None, x["h0"], l2=True
+        g_ref = gated_deltanet_gate(a, A_log, dt_bias)
+        o_ref, ht_ref = delta_rule(
+            x["q"], x["k"], x["v"], beta_ref, g_ref, initial_state=x["h0"], l2norm=True, state_v_first=True
         )
         for fn, extra in ((ff.chunk_gated_delta_rule, {"chunk_size": 8}), (ff.fused_recurrent_gated_delta_rule, {})):
             o, ht = fn(
@@ -443,22 +412,13 @@ def test_uninstall_restores_originals():
 # whole stock fla models on CPU
 # --------------------------------------------------------------------------------------------------------------------
 def tiny_models():
-    dn = DeltaNetConfig(
-        hidden_size=32, num_heads=2, num_hidden_layers=2, vocab_size=64, fuse_cross_entropy=False, use_gate=False
-    )
-    dn_gate = DeltaNetConfig(
-        hidden_size=32, num_heads=2, num_hidden_layers=1, vocab_size=64, fuse_cross_entropy=False, use_gate=True
-    )
-    gdn = GatedDeltaNetConfig(
-        hidden_size=32,
-        num_heads=2,
-        head_dim=16,
-        num_v_heads=4,
-        expand_v=1.0,
-        num_hidden_layers=2,
-        vocab_size=64,
-        fuse_cross_entropy=False,
-    )
+    """Stock fla models of the tests' small shapes (hidden 32, d_k 16), vocabulary 64: DeltaNet with and without its
+    output gate, Gated DeltaNet with 4 value heads on 2 key heads (GVA)."""
+    dn = DeltaNetConfig(**tiny_arch("delta_net", small=True, vocab_size=64), fuse_cross_entropy=False, use_gate=False)
+    dn_gate = DeltaNetConfig(**tiny_arch("delta_net", small=True, num_hidden_layers=1, vocab_size=64),
+                             fuse_cross_entropy=False, use_gate=True)
+    gdn = GatedDeltaNetConfig(**tiny_arch("gated_deltanet", small=True, num_v_heads=4, vocab_size=64),
+                              fuse_cross_entropy=False)
     return [
         ("deltanet", DeltaNetForCausalLM, dn),
         ("deltanet-gate", DeltaNetForCausalLM, dn_gate),

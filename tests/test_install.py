@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _paths import ROOT
 from _pins import canonical, constraints, pypi_reachable
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 

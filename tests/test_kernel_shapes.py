@@ -3,7 +3,7 @@
 * the rule in ``FAULTY`` agrees with every case of the recorded GPU sweep (docs/results/fla_shapes_h200.json):
   faulty exactly where stock fla was wrong or faulted, and the padded calls the sweep ran were right;
 * the zero-padded call equals the unpadded one (output, final state, every gradient) for all four delta-rule kernels,
-  against the float64 per-step recurrence of the sweep script;
+  and the float64 per-step recurrence (statereduce.kernels.reference, as in the sweep script);
 * the guard sends faulty shapes (and only those) through the padded call, leaves calls that fla_fallback routes to
   torch alone, and the DeltaNet / Gated DeltaNet adapters install it when a model is loaded;
 * prune_record.json says whether the pruned shape is one stock fla mishandles.
@@ -12,21 +12,22 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _paths import ROOT
 
 from statereduce.kernels import fla_fallback, shapes
+from statereduce.kernels.reference import delta_rule
 
-ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ROOT / "docs" / "results" / "fla_shapes_h200.json"
 ROUTED = ROOT / "docs" / "results" / "shapes_routed_h200.json"
-sys.path.insert(0, str(ROOT / "scripts"))
-import sweep_fla_shapes  # noqa: E402
+_spec = importlib.util.spec_from_file_location("sweep_fla_shapes", ROOT / "scripts" / "sweep_fla_shapes.py")
+sweep_fla_shapes = importlib.util.module_from_spec(_spec)  # the sweep script: its kernels and its grid of key widths
+_spec.loader.exec_module(sweep_fla_shapes)
 
 KERNEL_OF = {(f, k): name for (f, k), name in sweep_fla_shapes.KERNELS.items()}
 
@@ -139,23 +140,24 @@ def test_padded_call_equals_unpadded_and_reference(name, d_k):
     for what, a, b in [("o", o1, o0), ("final state", s1, s0), *((f"d{n}", g1[n], g0[n]) for n in g0)]:
         assert _rel(a, b) < 1e-5, f"{what}: padded vs unpadded relative error {_rel(a, b):.2e}"
     x = _inputs(family, d_k, 32)
-    o_ref, s_ref = sweep_fla_shapes._reference(
-        family, F.normalize(x["q"], dim=-1), F.normalize(x["k"], dim=-1), x["v"], x["beta"], x.get("g"),
-        x["initial_state"], d_k**-0.5)
+    o_ref, s_ref = delta_rule(F.normalize(x["q"], dim=-1), F.normalize(x["k"], dim=-1), x["v"], x["beta"], x.get("g"),
+                              scale=d_k**-0.5, initial_state=x["initial_state"])
     assert _rel(o1, o_ref.detach()) < 1e-5 and _rel(s1, s_ref.detach()) < 1e-5
 
 
-def test_padded_call_with_key_gate_and_value_first_state():
-    """fused_recurrent_gated_delta_rule's key gate ``gk`` and the ``state_v_first`` layout are padded right."""
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["state-kv", "state-vk"])
+def test_padded_call_with_key_gate_and_value_first_state(state_v_first):
+    """fused_recurrent_gated_delta_rule's key gate ``gk`` and the ``state_v_first`` layout are padded right (the torch
+    version takes both: an error there is a failure)."""
     fn = fla_fallback.fused_recurrent_gated_delta_rule
     x = _inputs("gated_deltanet", 16, 32)
     x.pop("g")
     x["gk"] = F.logsigmoid(torch.randn(2, 70, 2, 16, dtype=torch.float64) + 3).requires_grad_()
-    try:
-        ref = fn(**x, output_final_state=True)
-    except (TypeError, NotImplementedError) as e:
-        pytest.skip(f"the torch fused_recurrent_gated_delta_rule takes no key gate: {e}")
-    got = shapes.call_padded(fn, 64, **x, output_final_state=True)
+    if state_v_first:
+        x["initial_state"] = x["initial_state"].detach().transpose(-1, -2).contiguous().requires_grad_()
+    ref = fn(**x, output_final_state=True, state_v_first=state_v_first)
+    got = shapes.call_padded(fn, 64, **x, output_final_state=True, state_v_first=state_v_first)
+    assert got[1].shape == x["initial_state"].shape
     torch.testing.assert_close(got[0], ref[0])
     torch.testing.assert_close(got[1], ref[1])
 

@@ -13,17 +13,17 @@ import copy
 import hashlib
 import json
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from _models import tiny_arch
+from _paths import ROOT
+from _snakemake import copy_workflow, job_outputs, snakemake
 
 from statereduce.config import CALIBRATION_DEFAULTS, EVAL_DEFAULTS, ConfigError, load_schema, validate_config
 
-ROOT = Path(__file__).resolve().parents[1]
 OVERLAY = ROOT / "configs" / "my_model.yaml"
 MODEL = "my-model"
 TARGET = f"results/{MODEL}/drrqr_50/eval.json"
@@ -56,32 +56,21 @@ def _overlay(local: Path) -> dict:
 def _snakemake(work: Path, *args: str) -> subprocess.CompletedProcess:
     """Snakemake on the workflow copy in ``work``: targets and options in ``args``, the overlay last (``--configfile``
     takes every path after it)."""
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(work / "Snakefile"), "--directory", str(work), *args,
-           "--configfile", str(work / "my_model.yaml")]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    return snakemake(work, *args, "--configfile", str(work / "my_model.yaml"), workflow=work, timeout=1200)
 
 
 def _planned(work: Path) -> tuple[dict[str, list[str]], str]:
     """(rule -> planned outputs, the dry run's text) of ``snakemake -n TARGET``."""
-    from test_workflow import _jobs
-
     out = _snakemake(work, TARGET, "-n")
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    return _jobs(out.stdout + out.stderr), out.stdout + out.stderr
+    return job_outputs(out.stdout + out.stderr), out.stdout + out.stderr
 
 
 @pytest.fixture(scope="module")
 def own_run(tmp_path_factory) -> dict:
     """The workflow (shipped config.yaml) in a temporary folder, the overlay pointed at a tiny checkpoint, planned and
     run to the end."""
-    from test_workflow import COPY
-
-    work = tmp_path_factory.mktemp("own")
-    for name in [*COPY, "config.yaml"]:
-        src = ROOT / name
-        (shutil.copytree if src.is_dir() else shutil.copy2)(
-            src, work / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if src.is_dir() else {})
-        )
+    work = copy_workflow(tmp_path_factory.mktemp("own"), ROOT / "config.yaml")
     ckpt = tmp_path_factory.mktemp("ckpt")
     _save_checkpoint(ckpt, seed=0)
     (work / "my_model.yaml").write_text(yaml.safe_dump(_overlay(ckpt)))
@@ -154,9 +143,9 @@ def test_new_weights_rerun_base_source_and_everything_downstream(own_run):
 
 # ---- bad minimal entries: one line each, before any job ---------------------------------------------------------
 @pytest.fixture(scope="module")
-def shipped_with_overlay() -> dict:
+def shipped_with_overlay(shipped_config) -> dict:
     """config.yaml extended by configs/my_model.yaml, as ``--configfile`` merges them (targets and the model)."""
-    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    cfg = copy.deepcopy(shipped_config)
     overlay = yaml.safe_load(OVERLAY.read_text())
     cfg["targets"] = overlay["targets"]
     cfg["models"].update(overlay["models"])
@@ -169,8 +158,7 @@ def fake_checkpoint(tmp_path) -> Path:
     and lists the weights)."""
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "delta_net", "hidden_size": 64, "num_heads": 2,
-                                                    "expand_k": 1.0, "expand_v": 1.0}))  # d_k = 32
+    (folder / "config.json").write_text(json.dumps({"model_type": "delta_net", **tiny_arch("delta_net")}))  # d_k = 32
     (folder / "model.safetensors").write_bytes(b"")
     return folder
 
@@ -234,10 +222,7 @@ def test_minimal_entry_is_valid(shipped_with_overlay, fake_checkpoint):
 
 def test_shipped_overlay_names_its_placeholder_before_any_job(tmp_path):
     """Run as shipped, the overlay stops the dry run in one line naming the placeholder path."""
-    shutil.copy2(ROOT / "config.yaml", tmp_path / "config.yaml")
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "-n",
-           TARGET, "--configfile", str(OVERLAY)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = snakemake(tmp_path, "-n", TARGET, "--configfile", str(OVERLAY))
     text = out.stdout + out.stderr
     assert out.returncode != 0
     assert ("models.my-model.local: '/path/to/checkpoint' does not exist; expected an HF checkpoint folder with "

@@ -9,17 +9,16 @@ GPU where fla refuses it (``rft.kernels: auto``, Grad scores) picks the torch op
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from _models import tiny_arch
+from _paths import ROOT
 from _snakemake import job_counts, snakemake
 
 from statereduce.config import ConfigError, model_dims, validate_config
 
-ROOT = Path(__file__).resolve().parents[1]
 OVERLAY = ROOT / "configs" / "gpu_paper_scale.yaml"
 SELECTORS = 5
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from _models import SMALL, tiny_arch
 from safetensors.torch import load_file
 
 from statereduce import pretrain as pt
@@ -15,16 +16,7 @@ from statereduce.models import load_model, tiny_config, write_hub_source
 from statereduce.pretrain import DEFAULT_TRAIN, lr_at, pretrain
 
 CORPUS = {"source": "embedded", "max_bytes": 600_000}
-ARCH = {
-    "delta_net": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "expand_k": 1.0, "expand_v": 1.0},
-    "gated_deltanet": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 16, "expand_v": 1.0},
-    "mamba2": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 16, "n_groups": 2,
-               "state_size": 16, "chunk_size": 16},
-    "qwen3_5": {"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64, "num_attention_heads": 2,
-                "num_key_value_heads": 1, "head_dim": 16, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
-                "linear_num_value_heads": 2, "linear_value_head_dim": 16,
-                "layer_types": ["linear_attention", "full_attention"]},
-}
+ARCH = {family: tiny_arch(family, small=True, byte_vocab=True) for family in SMALL}  # hidden 32, d_k 16
 TRAIN = {
     "steps": 5,
     "batch_size": 2,

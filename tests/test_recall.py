@@ -23,7 +23,6 @@ from _models import tiny_model
 from torch import nn
 
 from statereduce.eval import recall as rc
-from statereduce.tokenizer import byte_level_tokenizer
 
 
 def _lines(doc: dict) -> list[str]:
@@ -225,11 +224,6 @@ def test_write_recall_tasks_files(tmp_path):
 LEVELS = [4, {"n_pairs": 8, "depth": 0.0}, {"n_pairs": 8, "n_choices": 3, "n_queries": 3}]
 N_DOCS = 12
 SEED = 11
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return byte_level_tokenizer()
 
 
 def _level_docs(level) -> list[dict]:

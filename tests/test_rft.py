@@ -13,12 +13,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from _models import random_keep, tiny_inputs, tiny_model
+from _models import random_keep, tiny_arch, tiny_inputs, tiny_model
+from _paths import ROOT
 from safetensors.torch import load_file
 
 from statereduce import rft as ft
@@ -29,17 +29,15 @@ from statereduce.pretrain import _eval_blocks, mean_loss, pretrain
 from statereduce.prune import prune_model, save_pruned
 from statereduce.tokenizer import byte_level_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
 CORPUS = {"source": "embedded", "max_bytes": 600_000}
+# tiny_model's shapes trained on the byte-level tokenizer, with Gated DeltaNet d_v = 32, Mamba-2 4 heads of 32 (chunk
+# 32) and Qwen3.5 2 value heads of 32 in layers [linear, attention, linear]
 ARCH = {
-    "delta_net": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "expand_k": 1.0, "expand_v": 1.0},
-    "gated_deltanet": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32, "expand_v": 1.0},
-    "mamba2": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 32, "expand": 2, "n_groups": 2,
-               "state_size": 32, "chunk_size": 32},
-    "qwen3_5": {"hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128, "num_attention_heads": 2,
-                "num_key_value_heads": 1, "head_dim": 32, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
-                "linear_num_value_heads": 2, "linear_value_head_dim": 32,
-                "layer_types": ["linear_attention", "full_attention", "linear_attention"]},
+    "delta_net": tiny_arch("delta_net", byte_vocab=True),
+    "gated_deltanet": tiny_arch("gated_deltanet", byte_vocab=True, expand_v=1.0),
+    "mamba2": tiny_arch("mamba2", byte_vocab=True, num_heads=4, head_dim=32, chunk_size=32),
+    "qwen3_5": tiny_arch("qwen3_5", byte_vocab=True, linear_num_value_heads=2, linear_value_head_dim=32,
+                         layer_types=["linear_attention", "full_attention", "linear_attention"]),
 }
 FAMILIES = list(ARCH)
 PRETRAIN = {"steps": 150, "batch_size": 4, "seq_len": 64, "lr": 1e-2, "warmup": 5, "seed": 0, "eval_blocks": 0}

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from _models import VOCAB, tiny_inputs, tiny_model
+from _models import VOCAB, tiny_arch, tiny_inputs, tiny_model
+from _paths import ROOT
 from safetensors.torch import load_file
 
 from statereduce import pretrain as pt
@@ -22,12 +22,8 @@ from statereduce.adapters import get_adapter
 from statereduce.adapters.conv_sharing import conv_sharing, model_conv_sharing, tie_qk_convs, untie_convs
 from statereduce.config import ConfigError, validate_config
 
-ROOT = Path(__file__).resolve().parents[1]
 CORPUS = {"source": "embedded", "max_bytes": 600_000}
-ARCH = {
-    "delta_net": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "expand_k": 1.0, "expand_v": 1.0},
-    "gated_deltanet": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 16, "expand_v": 1.0},
-}
+ARCH = {family: tiny_arch(family, small=True, byte_vocab=True) for family in ("delta_net", "gated_deltanet")}
 TRAIN = {"steps": 4, "batch_size": 2, "seq_len": 32, "lr": 1e-2, "warmup": 1, "seed": 7, "log_every": 2,
          "eval_blocks": 2}
 QK_CONVS = ("q_conv1d", "k_conv1d")
@@ -246,8 +242,7 @@ def test_default_share_conv_is_bit_identical(trained, tmp_path):
 
 
 def test_pretrain_rejects_share_conv_before_training(tmp_path):
-    arch = {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 16, "n_groups": 2,
-            "state_size": 16, "chunk_size": 16}
+    arch = tiny_arch("mamba2", small=True, byte_vocab=True)
     with pytest.raises(ValueError, match=r"^share_conv 'head' needs q/k short convolutions .* family 'mamba2'") as exc:
         pt.pretrain("mamba2", arch, CORPUS, TRAIN, tmp_path / "x", share_conv="head")
     assert "\n" not in str(exc.value)
@@ -260,16 +255,10 @@ def test_pretrain_rejects_share_conv_before_training(tmp_path):
 
 
 # ---- configuration -----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def base_config() -> dict:
-    with open(ROOT / "config.yaml") as f:
-        return yaml.safe_load(f)
-
-
-def test_shipped_shared_models(base_config):
+def test_shipped_shared_models(shipped_config):
     """tiny-dn-shared(-all) are tiny-dn plus share_conv, outside the default target; the option is part of the
     pretrain rule's params (the model's whole pretrain block), and models without it keep theirs unchanged."""
-    cfg = validate_config(base_config)
+    cfg = validate_config(shipped_config)
     models = cfg["models"]
     assert "share_conv" not in models["tiny-dn"]["pretrain"]  # not filled in: existing models' params unchanged
     for name, share in (("tiny-dn-shared", "head"), ("tiny-dn-shared-all", "all")):
@@ -290,8 +279,8 @@ def test_shipped_shared_models(base_config):
     ("tiny-gdn", "head", {"use_short_conv": False}, r"^models\.tiny-gdn\.pretrain\.share_conv: share_conv 'head' "
      r"needs short convolutions; valid with use_short_conv false: none$"),
 ], ids=["mamba2", "qwen3_5", "bad-value", "no-short-conv"])
-def test_bad_share_conv_rejected_in_one_line(base_config, model, share, arch, match):
-    cfg = copy.deepcopy(base_config)
+def test_bad_share_conv_rejected_in_one_line(shipped_config, model, share, arch, match):
+    cfg = copy.deepcopy(shipped_config)
     cfg["models"][model]["pretrain"]["share_conv"] = share
     cfg["models"][model]["pretrain"]["arch"].update(arch or {})
     with pytest.raises(ConfigError) as exc:
@@ -299,8 +288,8 @@ def test_bad_share_conv_rejected_in_one_line(base_config, model, share, arch, ma
     assert "\n" not in str(exc.value) and re.search(match, str(exc.value)), str(exc.value)
 
 
-def test_share_conv_none_valid_for_every_family(base_config):
-    cfg = copy.deepcopy(base_config)
+def test_share_conv_none_valid_for_every_family(shipped_config):
+    cfg = copy.deepcopy(shipped_config)
     for name in ("tiny-mamba2", "tiny-qwen35", "tiny-gdn"):
         cfg["models"][name]["pretrain"]["share_conv"] = "none"
     assert validate_config(cfg)["models"]["tiny-mamba2"]["pretrain"]["share_conv"] == "none"

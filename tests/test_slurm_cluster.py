@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _paths import ROOT
+from _snakemake import copy_workflow, snakemake
 
-ROOT = Path(__file__).resolve().parents[1]
-COPY = ["Snakefile", "rules", "workflow_scripts", "statereduce", "schemas", "envs"]
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
 pytestmark = pytest.mark.skipif(
@@ -126,11 +126,7 @@ def _wait(condition, message: str, seconds: float) -> None:
 
 def _workdir(path: Path) -> Path:
     """The workflow, the tests' tiny config and a test copy of profiles/slurm (small resources, squeue polling)."""
-    path.mkdir(parents=True)
-    for name in COPY:
-        src = ROOT / name
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, path / name)
-    shutil.copy2(ROOT / "tests" / "workflow" / "config.yaml", path / "config.yaml")
+    copy_workflow(path, ROOT / "tests" / "workflow" / "config.yaml")
     profile = yaml.safe_load((ROOT / "profiles" / "slurm" / "config.yaml").read_text())
     profile["default-resources"].update({"mem_mb": 1000, "cpus_per_task": 1, "runtime": 30})
     for resources in profile["set-resources"].values():
@@ -144,10 +140,9 @@ def _workdir(path: Path) -> Path:
 
 
 def _snakemake(work: Path, env: dict, *targets: str, background: bool = False):
-    cmd = [sys.executable, "-m", "snakemake", "--profile", "profile", *targets]
-    if background:
-        return subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    """Snakemake on the workflow copy in ``work`` through its test profile, run in ``work``."""
+    return snakemake(work, "--profile", "profile", *targets, workflow=work, cwd=work, env=env, timeout=900,
+                     background=background)
 
 
 def _jobs(env: dict) -> list[tuple[str, str, str]]:

@@ -6,28 +6,18 @@ checks the profile's keys and resources against the plugin; nothing is submitted
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import yaml
+from _paths import ROOT
+from _snakemake import planned_jobs, snakemake
 
-ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "slurm"
-
-
-def _snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.yaml").write_text((ROOT / "config.yaml").read_text())
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def test_profile_plans_hub_and_tiny_targets_without_slurm_or_conda(tmp_path):
     pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install -e '.[slurm]'")
-    out = _snakemake(tmp_path, "--profile", str(PROFILE), "-n", "results/gdn1.3b/drrqr_50/eval.json",
-                     "results/qwen35-9b/drrqr_50/eval.json", "results/tiny-dn/drrqr_50/eval.json")
+    out = snakemake(tmp_path, "--profile", str(PROFILE), "-n", "results/gdn1.3b/drrqr_50/eval.json",
+                    "results/qwen35-9b/drrqr_50/eval.json", "results/tiny-dn/drrqr_50/eval.json")
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     assert "conda" not in text.lower()  # software deployment is off unless --sdm conda is given
@@ -39,7 +29,7 @@ def test_profile_names_only_existing_rules_and_no_flags_the_plugin_refuses(tmp_p
     profile = yaml.safe_load((PROFILE / "config.yaml").read_text())
     assert "software-deployment-method" not in profile and profile["executor"] == "slurm"
     assert profile["rerun-incomplete"] is True and profile["latency-wait"] >= 30
-    out = _snakemake(tmp_path, "--list-rules")
+    out = snakemake(tmp_path, "--list-rules")
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     rules = set(out.stdout.split())
     assert set(profile["set-resources"]) <= rules, set(profile["set-resources"]) - rules
@@ -59,13 +49,12 @@ def test_jobs_ask_for_their_threads_as_cpus_and_their_gpus(tmp_path):
     asks SLURM for that many CPUs; GPU jobs keep their own ``gpu`` request with no ``--resources`` (none is needed
     under SLURM). A dry run caps threads at ``--cores`` (1 unless given), a SLURM run does not: hence ``--cores 64``."""
     pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install -e '.[slurm]'")
-    from _snakemake import planned_jobs
     from snakemake_executor_plugin_slurm_jobstep import get_cpu_setting
 
     profile = yaml.safe_load((PROFILE / "config.yaml").read_text())
     assert not any("cpus_per_task" in r for r in [profile["default-resources"], *profile["set-resources"].values()])
-    out = _snakemake(tmp_path, "results/gdn1.3b/drrqr_50/eval.json", "results/tiny-dn/drrqr_50/eval.json",
-                     "--profile", str(PROFILE), "-n", "--cores", "64")
+    out = snakemake(tmp_path, "results/gdn1.3b/drrqr_50/eval.json", "results/tiny-dn/drrqr_50/eval.json",
+                    "--profile", str(PROFILE), "-n", "--cores", "64")
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     torch_rules = {"pretrain", "qk_weights", "calibrate", "eval_baseline", "select_channels", "prune", "rft"}

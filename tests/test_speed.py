@@ -10,12 +10,14 @@ import sys
 
 import pytest
 import torch
+from _models import tiny_arch
+from _paths import ROOT
 
 from statereduce.speed import bench as speed
 from statereduce.analysis.tables import speed_markdown
 
-DN = {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "vocab_size": 97}
-GDN = {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32, "expand_v": 2.0, "vocab_size": 97}
+DN = tiny_arch("delta_net", vocab_size=97)
+GDN = tiny_arch("gated_deltanet", vocab_size=97)
 
 
 def test_settings_defaults_are_the_papers_protocol():
@@ -189,9 +191,8 @@ def test_cli_reads_the_config_of_the_current_directory_or_of_config(tmp_path):
     """``--model`` names come from ``config.yaml`` in the current directory, or the file ``--config`` names; a
     missing file or an unknown model fails with one line before any GPU is needed."""
     import shutil
-    from pathlib import Path
 
-    repo_config = Path(__file__).resolve().parent.parent / "config.yaml"
+    repo_config = ROOT / "config.yaml"
     cli = [sys.executable, "-m", "statereduce.speed", str(tmp_path / "s.json"), "--model", "tiny-dn"]
 
     def errors(*extra):
@@ -233,9 +234,8 @@ def test_speedup_figure_writes_png(tmp_path):
 def test_prune_triton_cache_keeps_loadable_kernels_and_drops_broken_groups(tmp_path):
     import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "dev" / "prune_triton_cache.py"
+    path = ROOT / "dev" / "prune_triton_cache.py"
     spec = importlib.util.spec_from_file_location("prune_triton_cache", path)
     prune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prune)
@@ -260,9 +260,8 @@ def test_interleaved_prefill_rotates_the_order_and_takes_per_round_ratios():
     """scripts/prefill_interleaved.py: every round times each model once, the order rotated every round, and
     the speedup is the median of per-round ratios, so a drift that slows every model alike cancels."""
     import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "prefill_interleaved.py"
+    path = ROOT / "scripts" / "prefill_interleaved.py"
     spec = importlib.util.spec_from_file_location("prefill_interleaved", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -290,9 +289,8 @@ def test_interleaved_prefill_rotates_the_order_and_takes_per_round_ratios():
 def test_interleaved_prefill_reads_the_config_it_is_given(tmp_path, capsys):
     """scripts/prefill_interleaved.py looks its models up in ``--config`` and fails with one line without it."""
     import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "prefill_interleaved.py"
+    path = ROOT / "scripts" / "prefill_interleaved.py"
     spec = importlib.util.spec_from_file_location("prefill_interleaved", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -19,48 +19,25 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _paths import ROOT
+from _snakemake import copy_workflow, dry_run_outputs, job_counts, job_outputs, snakemake
 
-ROOT = Path(__file__).resolve().parents[1]
-COPY = ["Snakefile", "rules", "workflow_scripts", "statereduce", "schemas", "envs"]
 
-
-def _snakemake(workdir: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(workdir / "Snakefile"), "--directory", str(workdir), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+def _snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    """Snakemake on the workflow copy in ``workdir``."""
+    return snakemake(workdir, *args, workflow=workdir, timeout=900)
 
 
 def planned_outputs(workdir: Path) -> dict[str, list[str]]:
     """rule -> output files of the jobs a dry run would execute."""
     out = _snakemake(workdir, "-n", "--printshellcmds")
     assert out.returncode == 0, out.stderr[-3000:]
-    return _jobs(out.stdout + out.stderr)
-
-
-def _jobs(dry_run_output: str) -> dict[str, list[str]]:
-    """rule -> output files of the jobs listed in a dry run's output."""
-    jobs: dict[str, list[str]] = {}
-    rule = None
-    for line in dry_run_output.splitlines():
-        m = re.match(r"^(?:local)?rule (\w+):", line.strip())
-        if m:
-            rule = m.group(1)
-            continue
-        m = re.match(r"^\s*output: (.*)$", line)
-        if m and rule:
-            jobs.setdefault(rule, []).extend(s.strip() for s in m.group(1).split(","))
-            rule = None
-    return jobs
+    return job_outputs(out.stdout + out.stderr)
 
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("wf")
-    for name in COPY:
-        src = ROOT / name
-        (shutil.copytree if src.is_dir() else shutil.copy2)(
-            src, work / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if src.is_dir() else {})
-        )
-    shutil.copy2(ROOT / "tests" / "workflow" / "config.yaml", work / "config.yaml")
+    work = copy_workflow(tmp_path_factory.mktemp("wf"), ROOT / "tests" / "workflow" / "config.yaml")
     run = _snakemake(work, "--cores", "2")
     assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
     assert (work / "results" / "tables" / "comparison.md").exists()
@@ -144,8 +121,6 @@ def test_documented_rerun_commands_plan_what_the_docs_say(finished_run):
     """docs/workflow.md's commands for rerunning one step, run as written (through bash, for the globs) with ``-n``
     on the finished run, the tiny default's tiny-dn replaced by this config's wf-dn (its only model, so a "column" is
     one cell): each plans exactly the jobs the docs list, all of the drrqr cell."""
-    from _snakemake import job_counts
-
     commands = _documented_rerun_commands()
     cell = {"select_channels": 1, "prune": 1, "rft": 1, "summarize": 1}
     expected = [{"select_channels": 1}, cell, {"select_channels": 1}, {**cell, "comparison_table": 1, "all": 1}]
@@ -160,10 +135,13 @@ def test_documented_rerun_commands_plan_what_the_docs_say(finished_run):
         text = out.stdout + out.stderr
         assert out.returncode == 0, (command, text[-3000:])
         assert job_counts(text) == counts, (command, job_counts(text))
-        outputs = [p for rule, paths in _jobs(text).items() if rule not in ("comparison_table", "all") for p in paths]
+        outputs = [p for rule, paths in job_outputs(text).items() if rule not in ("comparison_table", "all")
+                   for p in paths]
         assert outputs and all("drrqr_50" in p for p in outputs), (command, outputs)
     assert planned_outputs(finished_run) == {}  # dry runs: still complete
 
+
+def test_all_paper_adds_rank_analysis_and_tables(finished_run):
     """``all_paper`` = the default outputs plus rank.json per checkpoint and the Table 5/6/overlap tables."""
     run = _snakemake(finished_run, "--cores", "2", "all_paper")
     assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
@@ -212,25 +190,12 @@ def test_report_has_tables_and_figures(finished_run, tmp_path):
     assert "data:image/png" in html and "data:text/html" in html  # embedded, not linked
 
 
-def _dry_run_shipped(tmp_path: Path, cfg: dict, target: str) -> dict[str, list[str]]:
-    """rule -> planned outputs of ``snakemake -n target`` with the repository's workflow and ``cfg`` in an empty
-    work directory (nothing exists there, so every job of the target is planned), one GPU granted (speed jobs need
-    one)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "-n"]
-    out = subprocess.run([*cmd, target, "--resources", "gpu=1"], capture_output=True, text=True, timeout=300,
-                         check=False)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    return _jobs(out.stdout + out.stderr)
-
-
 def test_all_paper_plans_study_tables(tmp_path):
     """``all_paper`` with the shipped ``studies`` plans every study cell as an ordinary summary (calibration
     variants, -k/-q scorings) and the study tables (paper Tables 2/7, 16); ``all`` plans none of it, and a config
     without ``studies`` plans no study table."""
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
-    jobs = _dry_run_shipped(tmp_path / "paper", cfg, "all_paper")
+    jobs = dry_run_outputs(tmp_path / "paper", "all_paper", "--resources", "gpu=1", cfg=cfg)
     assert set(jobs["study_tables"]) == {
         f"results/tables/{name}.{ext}"
         for name in ("calibration_study", "scoring_ablation")
@@ -250,24 +215,22 @@ def test_all_paper_plans_study_tables(tmp_path):
     assert summaries == targets | cells  # every target and every study cell, each once
     calibrations = {p.split("/")[3] for p in jobs["calibrate"]}
     assert calibrations == {"default", "prose", "n16", "seed1"}
-    assert "study_tables" not in _dry_run_shipped(tmp_path / "all", cfg, "all")
+    assert "study_tables" not in dry_run_outputs(tmp_path / "all", "all", "--resources", "gpu=1", cfg=cfg)
     del cfg["studies"]
-    assert "study_tables" not in _dry_run_shipped(tmp_path / "none", cfg, "all_paper")
+    assert "study_tables" not in dry_run_outputs(tmp_path / "none", "all_paper", "--resources", "gpu=1", cfg=cfg)
 
 
 def test_all_speed_plans_gpu_jobs_only_there(tmp_path):
     """``all_speed`` plans one baseline speed job per ``speed.models`` model (GPU, random weights: no checkpoint,
     calibration or pruning job) and the speed table; the default target plans no speed job."""
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
-    jobs = _dry_run_shipped(tmp_path / "speed", cfg, "all_speed")
+    jobs = dry_run_outputs(tmp_path / "speed", "all_speed", "--resources", "gpu=1", cfg=cfg)
     assert set(jobs) == {"speed_baseline", "speed_table"}
     assert sorted(jobs["speed_baseline"]) == [f"results/{m}/baseline/speed.json" for m in ("dn1.3b", "gdn1.3b")]
-    assert not {"speed", "speed_baseline"} & set(_dry_run_shipped(tmp_path / "all", cfg, "all"))
+    assert not {"speed", "speed_baseline"} & set(dry_run_outputs(tmp_path / "all", "all", "--resources", "gpu=1",
+                                                                 cfg=cfg))
     cfg["speed"]["models"] = ["dn13b"]
-    (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "config.yaml").write_text(yaml.safe_dump(cfg))
-    out = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory",
-                          str(tmp_path / "bad"), "-n", "all_speed"], capture_output=True, text=True, timeout=300)
+    out = snakemake(tmp_path / "bad", "-n", "all_speed", cfg=cfg)
     assert out.returncode != 0
     assert "speed.models: unknown model 'dn13b'; valid: " in out.stdout + out.stderr
 
