@@ -1,5 +1,6 @@
 # statereduce: key/query channel pruning of linear-attention LMs (Nazari & Rusch, 2026).
-# Logic lives in the package `statereduce/`; rules/common.smk validates the config and defines inputs.
+# Logic lives in the package `statereduce/`; rules/common.smk validates the config and defines inputs, cli.smk checks
+# the command line, resources.smk says where jobs run and what they ask for.
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -12,6 +13,8 @@ report: "report/workflow.rst"
 
 
 include: "rules/common.smk"
+include: "rules/cli.smk"
+include: "rules/resources.smk"
 include: "rules/pretrain.smk"
 include: "rules/capture.smk"
 include: "rules/select.smk"

@@ -1,6 +1,5 @@
-# Config validation, wildcard constraints and every input function. Stage files hold only rules.
-import contextlib
-import io
+# Config validation, wildcard constraints and every input function (the command line's checks: cli.smk; conda
+# environments, GPU resources and report items: resources.smk). Stage files hold only rules.
 import os
 import re
 import sys
@@ -12,7 +11,7 @@ sys.path.insert(0, workflow.basedir)
 if workflow.basedir not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [workflow.basedir, os.environ.get("PYTHONPATH")]))
 
-from snakemake.exceptions import ResourceValidationError, WorkflowError
+from snakemake.exceptions import WorkflowError
 from snakemake_interface_executor_plugins.settings import ExecMode
 
 from statereduce import config as srconfig
@@ -28,54 +27,6 @@ except srconfig.ConfigError as e:
 MODELS = CFG["models"]
 TARGETS = CFG["targets"]
 STUDIES = srconfig.check_studies(CFG)  # study -> [(model, method, pct)]; empty without a `studies` block
-
-
-def command_line():
-    """Snakemake's own reading of the ``snakemake`` command line (targets, executor, profiles applied), or None when
-    Snakemake was started otherwise (its Python API, a job's own process).
-
-    Snakemake 9 reads this Snakefile before it hands the targets to the workflow (``workflow.dag_settings`` is still
-    unset here, an ``onstart`` handler runs only in real runs and after the jobs are planned, and a target that names
-    an unknown model matches no rule, so no input function sees it), and a dry run plans with the local dry-run
-    executor whatever ``--executor`` says. So both come from ``sys.argv``, through ``snakemake.cli.parse_args``: the
-    function ``snakemake`` itself parsed it with before it read this file, which gives the same result for any order
-    of options and targets that Snakemake accepts. (An option of several values, such as ``--resources``,
-    ``--forcerun`` or ``--until``, takes every word up to the next option: a target right after it is read as one of
-    its values by Snakemake itself, or stops Snakemake before it reads this file. Targets go first.)"""
-    prog = Path(sys.argv[0])
-    if prog.name != "snakemake" and prog.parts[-2:] != ("snakemake", "__main__.py"):
-        return None
-    try:
-        from snakemake.cli import parse_args
-
-        with contextlib.redirect_stderr(io.StringIO()):  # its "Using profile ..." line, printed once already
-            args = parse_args(sys.argv[1:])[1]
-    except (Exception, SystemExit):
-        return None
-    return args if args.mode == ExecMode.DEFAULT else None
-
-
-CLI = command_line()
-
-# A requested path under results/ naming an unknown model, selector or calibration, or an impossible pct, fails here
-# in one line with the valid choices (Snakemake alone would answer only "No rule to produce ...").
-for _target in sorted(CLI.targets) if CLI else []:
-    try:
-        srconfig.check_target(CFG, os.path.relpath(_target) if os.path.isabs(_target) else _target)
-    except srconfig.ConfigError as e:
-        raise WorkflowError(str(e)) from None
-
-# With no target, a list of rule names and paths after --forcerun, --until, --omit-from or --prioritize means that the
-# option took the targets: Snakemake would build the default target instead (`-R select_channels <target>` plans every
-# selection and all that depends on them) or stop with "BUG: Out of jobs ready" (`--until`). One line instead.
-for _option, _values in (("--forcerun", CLI.forcerun), ("--until", CLI.until), ("--omit-from", CLI.omit_from),
-                         ("--prioritize", CLI.prioritize)) if CLI and not CLI.targets else []:
-    _paths, _rules = sorted(v for v in _values or () if "/" in v), sorted(v for v in _values or () if "/" not in v)
-    if _paths and _rules:
-        raise WorkflowError(
-            f"no target was given: {_option} read {' '.join(_paths)} as its own values (it takes every word up to "
-            f"the next option); put the targets first: snakemake {' '.join(_paths)} {_option} {' '.join(_rules)} ..."
-        )
 
 
 wildcard_constraints:
@@ -141,98 +92,6 @@ def get_checkpoint_files(wildcards):
     return [str(p) for p in checkpoint_files(local)] if local else []
 
 
-# conda environments of `--sdm conda`: by where the job runs, and stack (envs/*.yaml say what each holds)
-CONDA_ENVS = {
-    "cpu": {"fla": "envs/fla.yaml", "lm_eval": "envs/lm_eval.yaml"},
-    "cuda": {"fla": "envs/fla_cuda.yaml", "lm_eval": "envs/lm_eval_cuda.yaml"},
-}
-
-
-#: The tables of results/tables/ in the Snakemake report: name -> its label (the caption is report/<name>.rst).
-TABLES = {
-    "comparison": "pruned vs. baseline (Tables 20, 21)",
-    "rank_utilization": "rank utilization (Table 5)",
-    "conditioning": "[Q; K] conditioning (Table 6)",
-    "overlap": "kept-channel overlap (App. C.2)",
-    "calibration_study": "calibration sensitivity (Tables 2, 7)",
-    "scoring_ablation": "K / Q / K+Q scoring (Table 16)",
-    "shared_convolutions": "shared convolutions (Table 14)",
-    "pca_convolutions": "PCA and convolutions (Table 15)",
-}
-
-
-def table_report(name, ext):
-    """results/tables/<name>.<ext> (md or html) as an item of the report's Tables category."""
-    return report(layout.table(name, ext), caption=f"../report/{name}.rst", category="Tables",
-                  labels={"table": TABLES[name], "format": {"md": "Markdown", "html": "HTML"}[ext]})
-
-
-def conda_env(stack, device=None):
-    """The ``conda:`` of a rule on ``stack`` (fla or lm_eval): the CUDA environment for jobs of models with
-    ``device: cuda`` (or every job, with ``device="cuda"``), the CPU one otherwise; config ``conda_envs`` overrides
-    either with an env file (relative to the working directory), an env folder or an existing env's name."""
-
-    def choose(wildcards):
-        where = device or (MODELS[wildcards.model]["device"] if "model" in wildcards.keys() else "cpu")
-        spec = CFG.get("conda_envs", {}).get(where, {}).get(stack)
-        if spec is None:
-            return str(Path(workflow.basedir) / CONDA_ENVS[where][stack])
-        if spec.endswith((".yaml", ".yml")) or os.path.isdir(spec):
-            return str(Path(spec).resolve())
-        return spec
-
-    return choose
-
-
-def runs_here():
-    """Whether this Snakemake runs the jobs itself (its local executor, dry runs of it included), as opposed to
-    submitting them (SLURM), touching outputs, or being a job's own process."""
-    if workflow.executor_plugin is None or workflow.touch or workflow.exec_mode != ExecMode.DEFAULT:
-        return False
-    if CLI is None:  # the Python API: a dry run is judged by the dry-run executor
-        return workflow.local_exec
-    from snakemake_interface_executor_plugins.registry import ExecutorPluginRegistry
-
-    return ExecutorPluginRegistry().get_plugin(CLI.executor or "local").common_settings.local_exec
-
-
-def gpu_request(n, rulename, wildcards):
-    """The ``gpu`` resource of a job that needs ``n`` GPUs.
-
-    Run on this machine, Snakemake would cut a job's request down to the run's ``--resources gpu=N`` (0 included)
-    and start it anyway, and without that option it starts every GPU job at once. So here a job that needs more GPUs
-    than the run was granted stops the run before any job starts (the ``onstart`` below; a dry run stops where it
-    lists the job). Jobs submitted by an executor plugin (SLURM) pass their request on: the plugin asks for that many
-    GPUs."""
-    granted = workflow.global_resources.get("gpu").value or 0
-    if n and granted < n and runs_here():
-        where = ", ".join(f"{k}={v}" for k, v in wildcards.items())
-        raise ResourceValidationError(
-            f"rule {rulename} ({where}) needs {n} GPU{'s' if n > 1 else ''} and this run was granted {granted}: "
-            "give it the machine's GPUs with --resources gpu=N (at most N GPU jobs then run at once), or run it "
-            "under --profile profiles/slurm"
-        )
-    return n
-
-
-def gpu_of(wildcards, rulename):
-    """GPU rules ask for one GPU for models configured with ``device: cuda`` (:func:`gpu_request`)."""
-    return gpu_request(1 if MODELS[wildcards.model]["device"] == "cuda" else 0, rulename, wildcards)
-
-
-def one_gpu(wildcards, rulename):
-    """Rules that always run on CUDA (speed) ask for one GPU (:func:`gpu_request`)."""
-    return gpu_request(1, rulename, wildcards)
-
-
-onstart:
-    # Snakemake evaluates a job's resources when the job is next to start; evaluating those of every planned job here
-    # makes a GPU job without a granted GPU (gpu_request) stop the run before its first job. A dry run meets the
-    # same error while it lists the jobs.
-    for _job in workflow.dag.needrun_jobs():
-        _job.resources
-
-
 def get_calibration(wildcards):
     return srconfig.model_calibration(CFG, wildcards.model, wildcards.calib)
 
@@ -242,27 +101,12 @@ def get_grad_settings(wildcards):
 
 
 def get_corpus_spec(name):
-    """The corpus spec ``corpora.<name>``. A ``files`` corpus's relative paths (under ``paths`` or ``splits``)
-    become paths under the workflow directory, so jobs read the same files whatever their working directory,
-    and a missing file fails when the jobs are planned, not when one of them runs."""
-    spec = dict(CFG["corpora"][name])
-    if spec["source"] != "files":
-        return spec  # a files corpus has exactly one of paths and splits (validate_config)
-
-    def resolve(where, paths):
-        out = []
-        for p in [paths] if isinstance(paths, str) else paths:
-            path = Path(workflow.basedir, Path(p).expanduser())  # an absolute path stays as it is
-            if not path.is_file():
-                raise WorkflowError(f"corpora.{name}.{where}: corpus file {str(path)!r} does not exist")
-            out.append(str(path))
-        return out
-
-    if "paths" in spec:
-        spec["paths"] = resolve("paths", spec["paths"])
-    else:
-        spec["splits"] = {split: resolve(f"splits.{split}", paths) for split, paths in spec["splits"].items()}
-    return spec
+    """The corpus spec ``corpora.<name>`` with a ``files`` corpus's paths under the workflow directory
+    (:func:`statereduce.config.corpus_spec`): a missing file fails when the jobs are planned."""
+    try:
+        return srconfig.corpus_spec(CFG, name, workflow.basedir)
+    except srconfig.ConfigError as e:
+        raise WorkflowError(str(e)) from None
 
 
 def get_calib_corpus(wildcards):

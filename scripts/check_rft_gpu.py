@@ -38,26 +38,6 @@ from statereduce import rft as finetune
 ARCH = {"hidden_size": 512, "num_hidden_layers": 4, "num_heads": 4, "expand_k": 0.5}  # defaults: d_k 64
 
 
-def family_arch(family: str, hidden: int, layers: int, heads: int, expand_k: float) -> dict:
-    """Config fields of a random model of ``family`` whose linear-attention layers have ``heads`` q/k heads of
-    d_k = hidden * expand_k / heads and value heads of hidden / heads channels (Qwen3.5: the last layer is softmax
-    attention; Mamba-2: two value heads per group, d_k = state_size)."""
-    d_k, d_v = int(hidden * expand_k / heads), hidden // heads
-    if family == "delta_net":
-        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_heads": heads, "expand_k": expand_k,
-                "expand_v": 1.0}
-    if family == "gated_deltanet":
-        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_heads": heads, "head_dim": d_k,
-                "expand_v": d_v / d_k}
-    if family == "mamba2":
-        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_heads": 2 * heads, "head_dim": d_v,
-                "expand": 2, "n_groups": heads, "state_size": d_k, "chunk_size": 256}
-    return {"hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": 2 * hidden,
-            "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2), "head_dim": d_v,
-            "linear_num_key_heads": heads, "linear_key_head_dim": d_k, "linear_num_value_heads": heads,
-            "linear_value_head_dim": d_v, "layer_types": ["linear_attention"] * (layers - 1) + ["full_attention"]}
-
-
 def _write(out: Path, doc: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
@@ -121,7 +101,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rft_gpu_"))
     torch.manual_seed(0)
     tok = byte_level_tokenizer()
-    arch = family_arch(args.family, args.hidden_size, args.layers, args.heads, args.expand_k)
+    d_k, d_v = int(args.hidden_size * args.expand_k / args.heads), args.hidden_size // args.heads
+    arch = adapter_class(args.family).sized_arch(args.hidden_size, args.layers, args.heads, d_k, d_v)
     doc["arch"], doc["family"], doc["kernels"] = arch, args.family, args.kernels
     model = adapter_class(args.family).build(tiny_config(args.family, arch))
     with torch.no_grad():
@@ -208,7 +189,7 @@ def main() -> None:
         # plain from_pretrained of the family's class (Mamba-2: transformers', which fla overrides in Auto)
         cls = adapter_class(args.family).causal_lm_class
         kind = f"{cls.__module__}:{cls.__name__}" if cls is not None else "transformers:AutoModelForCausalLM"
-        extra = "fuse_cross_entropy=False" if args.family in ("delta_net", "gated_deltanet") else ""
+        extra = ", ".join(f"{k}={v!r}" for k, v in adapter_class(args.family).config_overrides.items())
         code = (
             "import importlib, sys, torch, fla; mod, name = sys.argv[4].split(':'); "
             "cls = getattr(importlib.import_module(mod), name); "

@@ -110,6 +110,33 @@ def check_split(config: dict, corpus: str, split: str, where: str, why: str) -> 
                           f"{', '.join(have) or '(none)'}")
 
 
+def corpus_spec(config: dict, name: str, basedir: str | Path) -> dict:
+    """The spec ``corpora.<name>``; a ``files`` corpus's relative paths (under ``paths`` or ``splits``) made paths under
+    ``basedir`` (the workflow directory), so that jobs read the same files whatever their working directory.
+
+    Raises:
+        ConfigError: one line naming a corpus file that does not exist.
+    """
+    spec = dict(config["corpora"][name])
+    if spec["source"] != "files":
+        return spec  # a files corpus has exactly one of paths and splits (validate_config)
+
+    def resolve(where: str, paths: str | list[str]) -> list[str]:
+        out = []
+        for p in [paths] if isinstance(paths, str) else paths:
+            path = Path(basedir, Path(p).expanduser())  # an absolute path stays as it is
+            if not path.is_file():
+                raise ConfigError(f"corpora.{name}.{where}: corpus file {str(path)!r} does not exist")
+            out.append(str(path))
+        return out
+
+    if "paths" in spec:
+        spec["paths"] = resolve("paths", spec["paths"])
+    else:
+        spec["splits"] = {split: resolve(f"splits.{split}", paths) for split, paths in spec["splits"].items()}
+    return spec
+
+
 def model_eval(config: dict, model: str) -> dict:
     """The eval settings of ``model``: ``EVAL_DEFAULTS`` updated by ``models.<model>.eval``, suites expanded.
 

@@ -24,12 +24,14 @@ from statereduce.adapters import (
     DeltaNetAdapter,
     GatedDeltaNetAdapter,
     Mamba2Adapter,
+    LinearAttentionAdapter,
     Qwen35Adapter,
     adapter_class,
     adapter_families,
     adapter_for_config,
     get_adapter,
 )
+from statereduce.families import FamilySpec
 from statereduce.models import tiny_config
 
 
@@ -58,6 +60,27 @@ class AdapterContract:
         assert adapter_for_config(config) is self.adapter_cls
         assert type(get_adapter(model)) is self.adapter_cls
         assert isinstance(config, self.adapter_cls.config_class)
+
+    def test_gives_every_member_its_spec_and_adapter_declare(self):
+        """What a family must give: the abstract methods (ABC refuses the class without them) and the class attributes
+        that FamilySpec and LinearAttentionAdapter declare without a value; the spec registered for the family is
+        the adapter's base, and the q/k conv-sharing fact agrees with the adapter's conv_sharing."""
+        from statereduce.families import family_spec
+
+        cls = self.adapter_cls
+        assert not cls.__abstractmethods__
+        declared = {name for base in (FamilySpec, LinearAttentionAdapter) for name in base.__annotations__
+                    if name not in vars(base)}
+        missing = sorted(name for name in declared if not hasattr(cls, name))
+        assert not missing, f"{cls.__name__} lacks {missing}"
+        assert issubclass(cls, family_spec(self.family)) and family_spec(self.family).family == self.family
+        assert cls.qk_conv_modules == (cls.conv_sharing is not LinearAttentionAdapter.conv_sharing)
+
+    def test_sized_arch_has_the_head_sizes_asked_for(self):
+        arch = self.adapter_cls.sized_arch(128, 3, 2, 16, 32)
+        dims = self.adapter_cls.dims(tiny_config(self.family, arch))
+        assert (dims.num_heads, dims.head_k_dim, dims.head_v_dim) == (2, 16, 32)
+        assert len(self.adapter_cls.mixer_layer_indices(tiny_config(self.family, arch))) >= 2
 
     def test_dims_from_config_match_modules(self, model, config):
         h, hv, d_k, d_v = self.adapter_cls.dims(config)

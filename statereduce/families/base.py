@@ -120,6 +120,13 @@ class FamilySpec(ABC):
         """(H, HV, d_k, d_v) of the linear-attention layers described by ``config``."""
 
     @classmethod
+    @abstractmethod
+    def sized_arch(cls, hidden: int, layers: int, heads: int, d_k: int, d_v: int) -> dict[str, Any]:
+        """Config fields of a model of the family with ``layers`` layers of width ``hidden`` whose linear-attention
+        layers have ``heads`` q/k heads of d_k channels and value heads of d_v channels (for benchmarks and checks
+        at a chosen size; hybrids put a softmax-attention layer last)."""
+
+    @classmethod
     def check_arch(cls, arch: dict[str, Any]) -> None:
         """Raise a one-line ValueError if ``arch`` has a key that ``config_class`` does not take.
 

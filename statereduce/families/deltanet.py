@@ -39,6 +39,11 @@ class DeltaNetFamily(FlaFamily):
         return Dims(num_heads=h, num_v_heads=h, head_k_dim=key_dim // h, head_v_dim=value_dim // h)
 
     @classmethod
+    def sized_arch(cls, hidden: int, layers: int, heads: int, d_k: int, d_v: int) -> dict[str, Any]:
+        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_heads": heads,
+                "expand_k": heads * d_k / hidden, "expand_v": heads * d_v / hidden}
+
+    @classmethod
     def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
         """``expand_k = H * d_k' / hidden_size``, checked to give back exactly ``H * d_k'``."""
         d = cls.dims(config)

@@ -37,6 +37,11 @@ class GatedDeltaNetFamily(FlaFamily):
         return Dims(num_heads=h, num_v_heads=hv, head_k_dim=config.head_dim, head_v_dim=d_v)
 
     @classmethod
+    def sized_arch(cls, hidden: int, layers: int, heads: int, d_k: int, d_v: int) -> dict[str, Any]:
+        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_heads": heads, "head_dim": d_k,
+                "expand_v": d_v / d_k}
+
+    @classmethod
     def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
         """``head_dim = d_k'`` and ``expand_v = d_v / d_k'``, checked to give back exactly ``d_v``."""
         d = cls.dims(config)

@@ -41,6 +41,13 @@ class Mamba2Family(FamilySpec):
         return list(range(config.num_hidden_layers))
 
     @classmethod
+    def sized_arch(cls, hidden: int, layers: int, heads: int, d_k: int, d_v: int) -> dict[str, Any]:
+        """``heads`` groups (the q/k heads); value heads of d_v fill ``expand * hidden`` (expand 2); d_k is
+        ``state_size``."""
+        return {"hidden_size": hidden, "num_hidden_layers": layers, "num_heads": 2 * hidden // d_v, "head_dim": d_v,
+                "expand": 2, "n_groups": heads, "state_size": d_k, "chunk_size": 256}
+
+    @classmethod
     def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
         """``state_size = N'`` (a Python int: the config is strict)."""
         d = cls.dims(config)

@@ -54,6 +54,14 @@ class Qwen35Family(FamilySpec):
         return [i for i, kind in enumerate(types) if kind == LINEAR]
 
     @classmethod
+    def sized_arch(cls, hidden: int, layers: int, heads: int, d_k: int, d_v: int) -> dict[str, Any]:
+        """The last layer is softmax attention (``heads`` heads of d_v, half as many key/value heads)."""
+        return {"hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": 2 * hidden,
+                "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2), "head_dim": d_v,
+                "linear_num_key_heads": heads, "linear_key_head_dim": d_k, "linear_num_value_heads": heads,
+                "linear_value_head_dim": d_v, "layer_types": [LINEAR] * (layers - 1) + ["full_attention"]}
+
+    @classmethod
     def config_updates(cls, config, d_k_new: int) -> dict[str, Any]:
         """``linear_key_head_dim = d_k'`` (of the text config; a Python int: the config is strict)."""
         d = cls.dims(config)
