@@ -47,7 +47,8 @@ rule rank:
 
 
 rule rank_tables:
-    """Tables 5 and 6 and the selectors' kept-channel overlap (App. C.2) for every targeted (model, method, pct)."""
+    """Tables 5 and 6 and the selectors' kept-channel overlap (App. C.2) for every targeted (model, method, pct), with
+    their HTML pages for the report."""
     input:
         ranks=get_target_ranks,
         baselines=get_baseline_ranks,
@@ -56,6 +57,9 @@ rule rank_tables:
         utilization=table_report("rank_utilization", "md"),
         conditioning=table_report("conditioning", "md"),
         overlap=table_report("overlap", "md"),
+        utilization_html=table_report("rank_utilization", "html"),
+        conditioning_html=table_report("conditioning", "html"),
+        overlap_html=table_report("overlap", "html"),
     log:
         "logs/rank_tables/rank_tables.log",
     benchmark:
@@ -146,25 +150,3 @@ rule convolution_tables:
         conda_env("lm_eval")
     script:
         "../workflow_scripts/convolution_tables.py"
-
-
-rule tables_html:
-    """HTML pages of the Markdown tables: the Snakemake report shows HTML inline (Markdown only as a download)."""
-    input:
-        comparison=layout.table("comparison", "md"),
-        utilization=layout.table("rank_utilization", "md"),
-        conditioning=layout.table("conditioning", "md"),
-        overlap=layout.table("overlap", "md"),
-    output:
-        comparison=table_report("comparison", "html"),
-        utilization=table_report("rank_utilization", "html"),
-        conditioning=table_report("conditioning", "html"),
-        overlap=table_report("overlap", "html"),
-    log:
-        "logs/tables_html/tables_html.log",
-    benchmark:
-        "benchmarks/tables_html/tables_html.tsv",
-    conda:
-        conda_env("lm_eval")
-    script:
-        "../workflow_scripts/tables_html.py"

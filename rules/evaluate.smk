@@ -38,13 +38,15 @@ rule summarize:
 
 
 rule comparison_table:
-    """Every targeted (model, method, pct) before and after RFT beside its baseline (paper Tables 20/21 layout)."""
+    """Every targeted (model, method, pct) before and after RFT beside its baseline (paper Tables 20/21 layout), with
+    its HTML page for the report."""
     input:
         summaries=get_summaries,
         baselines=get_baselines,
     output:
         md=table_report("comparison", "md"),
         csv=layout.table("comparison", "csv"),
+        html=table_report("comparison", "html"),
     log:
         "logs/comparison_table/comparison.log",
     benchmark:
