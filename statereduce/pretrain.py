@@ -159,7 +159,8 @@ def pretrain(
         ``share_conv``.
     """
     from statereduce.adapters import adapter_class
-    from statereduce.adapters.conv_sharing import check_share_conv, tie_qk_convs
+    from statereduce.adapters.conv_sharing import tie_qk_convs
+    from statereduce.families import check_share_conv
 
     family_adapter = adapter_class(family)
     cfg = _train_cfg(train_cfg)

@@ -43,7 +43,7 @@ from statereduce.kernels.shapes import record_note
 from statereduce.models import save_checkpoint
 from statereduce.runtime import atomic_dir, versions
 
-RECORD_NAME = PRUNE_RECORD
+RECORD_NAME = PRUNE_RECORD  # the record's file name in a pruned checkpoint folder
 RECORD_FORMAT = 1
 _NUMBER_LIST = re.compile(r"\[\n\s*(-?[\d.e+-]+(?:,\n\s*-?[\d.e+-]+)*)\n\s*\]")
 

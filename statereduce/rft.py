@@ -246,7 +246,7 @@ def train(
     ``W`` takes every W-th of them, in micro-batches of ``micro_batch_size``, and gradients accumulate over
     its micro-batches (each micro-batch loss weighted by its share of the batch). AdamW on the trainable
     parameters; LR: linear warm-up over ``warmup_frac`` of the steps, then cosine to ``min_lr``
-    (:func:`statereduce.pretrain.lr_at`); gradient-norm clipping.
+    (:func:`statereduce.runtime.lr_at`); gradient-norm clipping.
 
     Args:
         student: peft-wrapped pruned model (:func:`attach_lora`).

@@ -5,7 +5,7 @@ from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
 from statereduce.models import load_model  # noqa: E402
-from statereduce.select import read_selection  # noqa: E402
+from statereduce.selection_file import read_selection  # noqa: E402
 from statereduce.prune import prune_model, save_pruned  # noqa: E402
 from statereduce.eval.run import evaluate_loaded  # noqa: E402
 

@@ -54,11 +54,9 @@ def adapter_families() -> list[str]:
 
 
 def adapter_class(family: str) -> type[LinearAttentionAdapter]:
-    """The adapter class for a family name, with a one-line error listing valid names."""
-    try:
-        return _ADAPTERS[family]
-    except KeyError:
-        raise ValueError(f"unknown model family {family!r}; valid: {', '.join(adapter_families())}") from None
+    """The adapter class for a family name; an unknown name gets the spec registry's one-line error."""
+    family_spec(family)
+    return _ADAPTERS[family]
 
 
 def adapter_for_config(config) -> type[LinearAttentionAdapter]:

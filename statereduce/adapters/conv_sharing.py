@@ -14,8 +14,8 @@ convolution, so a rotation carries it over exactly.
   recovery fine-tuning of a model whose filters are shared) and unties them into stock modules whose tied filters
   are exactly equal, so the saved checkpoint is a standard one; :func:`untie_convs` does the same for every tied
   conv of a model, including copies (peft's ``modules_to_save``);
-* :func:`~statereduce.families.base.check_share_conv` (re-exported here) validates the option against a family
-  and its ``arch`` without importing torch or fla.
+* :func:`statereduce.families.check_share_conv` validates the option against a family and its ``arch`` without
+  importing torch or fla.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from statereduce.adapters.base import LinearAttentionAdapter
-from statereduce.families.base import SHARE_CONV, check_share_conv, share_conv_families  # noqa: F401  (re-exported)
+from statereduce.families.base import SHARE_CONV
 
 
 def filters_equal(weight: torch.Tensor, groups: int = 1) -> bool:
@@ -101,7 +101,7 @@ def tie_qk_convs(adapter: LinearAttentionAdapter, share: str) -> Callable[[], No
 
     Args:
         adapter: the adapter of the model to train (``mixer_layers``, ``q_conv``, ``k_conv``, head sizes).
-        share: one of :data:`SHARE_CONV`.
+        share: one of :data:`~statereduce.families.base.SHARE_CONV`.
     Returns:
         ``untie()``: :func:`untie_convs` of the model, leaving every conv a stock module whose weight is a plain
         ``[H * d_k, 1, W]`` parameter with exactly equal tied filters (a standard checkpoint once saved).

@@ -271,8 +271,8 @@ def overlap_frame(selections: dict[tuple[str, str, float], dict], d_k: dict[str,
     """Median per-head overlap of kept channels between every two methods of a (model, pct) (paper App. C.2).
 
     Args:
-        selections: (model, method, pct) -> {layer: [H][d_k']} kept indices (:func:`statereduce.select.read_selection`);
-            transform selections are left out.
+        selections: (model, method, pct) -> {layer: [H][d_k']} kept indices
+            (:func:`statereduce.selection_file.read_selection`); transform selections are left out.
         d_k: model -> head size before pruning.
 
     Returns:
