@@ -11,18 +11,37 @@ Qwen3.5 (``in_proj_qkv``, ``conv1d``). The adapter names those modules and rows
 and ``prune_record.json`` atomically.
 
 Kernel scale: the pruned checkpoint uses the stock classes, whose delta-rule kernels (DeltaNet, Gated
-DeltaNet, Qwen3.5) use ``scale = d_k'**-0.5`` instead of the original ``d_k**-0.5``. The layer output is
-linear in the scale and passes through the per-head output RMSNorm, so the only effect is through that
-norm's eps: the pruned model equals the original with the dropped q/k channels zeroed (after conv and
-activation) exactly when the output norm's eps is multiplied by ``d_k/d_k'``. That cannot be stored in
-the stock config (the eps is shared with the block norms), so the checkpoint keeps the stock eps and
-differs from zero-masking by that eps effect only; the record says so. Mamba-2's scan has no scale:
-there pruning equals zeroing the dropped B/C channels (and their conv bias).
+DeltaNet, Qwen3.5) use ``scale = d_k'**-0.5`` instead of the original ``d_k**-0.5``. q and k are L2-normalised
+(or sum-normalised) in the kernel and the state does not depend on the q scale, so the mixer output is
+``c = sqrt(d_k/d_k')`` times that of the original with the dropped q/k channels zeroed (after conv and
+activation). It passes through the per-head output RMSNorm, and ``RMSNorm(c o; eps) = RMSNorm(o; eps/c^2)``: the
+pruned model equals zero-masking exactly when that norm's eps is multiplied by ``c^2 = d_k/d_k'``. The config
+holds one eps for that norm and the block norms (the spec's ``norm_eps_field``), so :func:`prune_model` offers
+two choices (``norm_eps``, :data:`NORM_EPS`):
+
+- ``"stock"`` (the default): the checkpoint keeps the stock eps and differs from zero-masking by that eps effect
+  only; the record says so (``kernel_scale``).
+- ``"exact"`` (:func:`exact_norm_eps`): the config's eps is multiplied by c^2, and every norm other than the
+  mixers' output norms is made to see a c times larger input, which an RMSNorm ignores apart from its eps
+  (``RMSNorm(c x; eps c^2) = RMSNorm(x; eps)``): the residual stream is multiplied by c (the input embedding and
+  every module that adds into it, ``adapter.residual_writers``), and so are the projections that feed norms off
+  the residual stream (Qwen3.5's attention q_norm/k_norm, ``adapter.norm_input_rows``). Every block norm then sees
+  ``c h`` with ``eps c^2``, every mixer output norm ``c o`` with ``eps c^2``, every residual writer adds c times
+  what it added under zero-masking, and the final norm sees ``c h``: the logits equal zero-masking up to float
+  rounding of the scaled weights (in bfloat16 a relative 2^-9 per weight where c is not a power of two; none at
+  c = 2, i.e. 75%). Only weights and the eps field change, so the checkpoint loads with the stock classes; the
+  live modules get the new eps too (``adapter.config_eps_attributes``), so the model in memory equals the one
+  reloaded. Refused (one line, before any change): tied input/output embeddings (scaling the embedding would
+  scale the logits) and what the spec's ``exact_norm_eps_refusal`` names.
+
+Mamba-2's scan has no scale: there pruning equals zeroing the dropped B/C channels (and their conv bias), and
+``"exact"`` changes nothing.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -35,7 +54,8 @@ import torch
 from torch import nn
 
 from statereduce import __version__
-from statereduce.adapters import ChannelRows, LinearAttentionAdapter, get_adapter
+from statereduce.adapters import ChannelRows, EpsAttribute, LinearAttentionAdapter, ScaledRows, get_adapter
+from statereduce.adapters.base import EPS_ATTRIBUTES
 from statereduce.adapters.conv_sharing import filters_equal
 from statereduce.artifacts import PRUNE_RECORD, check_prune_record  # noqa: F401  (check_prune_record re-exported)
 from statereduce.checkpoints import base_checkpoint
@@ -45,6 +65,8 @@ from statereduce.runtime import atomic_dir, versions
 
 RECORD_NAME = PRUNE_RECORD  # the record's file name in a pruned checkpoint folder
 RECORD_FORMAT = 1
+NORM_EPS = ("stock", "exact")
+"""Values of :func:`prune_model`'s ``norm_eps`` (module docstring, "Kernel scale")."""
 _NUMBER_LIST = re.compile(r"\[\n\s*(-?[\d.e+-]+(?:,\n\s*-?[\d.e+-]+)*)\n\s*\]")
 
 
@@ -212,7 +234,9 @@ class PruneRecord:
     under GVA each list serves ``num_v_heads // num_heads`` value heads. A transform selection leaves ``keep``
     empty and fills ``transform`` (the transforms' SHA-256 and how many conv filters were mixed or carried over;
     the transforms themselves are in the selection file). ``kernel_scale`` documents that the
-    stock kernels of the saved checkpoint use ``1/sqrt(d_k')`` (module docstring); ``fla_kernel_shapes`` whether
+    stock kernels of the saved checkpoint use ``1/sqrt(d_k')`` (module docstring) and, pruned with
+    ``norm_eps="exact"``, holds ``norm_eps`` (:func:`exact_norm_eps`: the eps field, c^2 = d_k/d_k', the eps before and
+    after, the residual scale c; the eps field is then in ``config_changes`` too); ``fla_kernel_shapes`` whether
     stock fla's kernels are known to mishandle the pruned head shape on CUDA (:mod:`statereduce.kernels.shapes`).
     ``base_checkpoint`` names the hub or local checkpoint that was pruned (a local one with the SHA-256 of its files,
     :func:`statereduce.checkpoints.checkpoint_provenance`); None for a model the workflow trained.
@@ -283,12 +307,17 @@ def transform_note(transforms: Mapping[int, torch.Tensor], counts: Mapping[str, 
     }
 
 
-def kernel_scale_note(d_k: int, d_k_new: int, scaled: bool = True) -> dict[str, Any]:
-    """The kernel-scale facts of a d_k -> d_k' pruning (module docstring); ``scaled`` False: a scan without one."""
+def kernel_scale_note(d_k: int, d_k_new: int, scaled: bool = True,
+                      norm_eps: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The kernel-scale facts of a d_k -> d_k' pruning (module docstring); ``scaled`` False: a scan without one.
+
+    ``norm_eps``: None for ``norm_eps="stock"`` (the entry as it always was); for ``"exact"``, the facts
+    :func:`exact_norm_eps` returns, stored under ``norm_eps`` (and the note says what was done)."""
     if not scaled:
-        return {"original": None, "pruned": None, "o_norm_eps_factor_for_exact_zeroing": None,
+        note = {"original": None, "pruned": None, "o_norm_eps_factor_for_exact_zeroing": None,
                 "note": "the scan has no q/k scale: the checkpoint equals the original with dropped channels zeroed"}
-    return {
+        return note if norm_eps is None else {**note, "norm_eps": dict(norm_eps)}
+    note = {
         "original": d_k**-0.5,
         "pruned": d_k_new**-0.5,
         "o_norm_eps_factor_for_exact_zeroing": d_k / d_k_new,
@@ -298,6 +327,119 @@ def kernel_scale_note(d_k: int, d_k_new: int, scaled: bool = True) -> dict[str, 
             f"original with dropped q/k channels zeroed only up to the o_norm eps (exact with eps * {d_k / d_k_new:g})"
         ),
     }
+    if norm_eps is None:
+        return note
+    note["norm_eps"] = dict(norm_eps)
+    if norm_eps["factor"] != 1:
+        note["note"] = (
+            f"stock kernels of the pruned checkpoint use scale 1/sqrt(d_k'={d_k_new}), not 1/sqrt(d_k={d_k}), so each "
+            f"mixer output is c = sqrt({d_k}/{d_k_new}) times that of zero-masking; norm_eps exact: the config's "
+            f"{norm_eps['field']} times c^2 = {d_k / d_k_new:g} ({norm_eps['before']!r} -> {norm_eps['after']!r}), the "
+            f"residual stream (input embedding and every residual writer) and the other inputs of norms reading it "
+            f"times c, so every RMSNorm sees what it saw under zero-masking: the checkpoint equals the original with "
+            f"dropped q/k channels zeroed up to float rounding of the scaled weights"
+        )
+    return note
+
+
+# ---- norm_eps="exact" ---------------------------------------------------------------------------
+def check_norm_eps(norm_eps: Any) -> str:
+    """``norm_eps`` if it is one of :data:`NORM_EPS`, else a one-line ValueError."""
+    if not isinstance(norm_eps, str) or norm_eps not in NORM_EPS:
+        raise ValueError(f"norm_eps={norm_eps!r} is not valid; valid: {', '.join(NORM_EPS)}")
+    return norm_eps
+
+
+EpsPlan = tuple[list[ScaledRows], list[EpsAttribute]]
+"""What :func:`exact_norm_eps` changes: the weights scaled by c, the live eps attributes set."""
+
+
+def plan_exact_norm_eps(adapter: LinearAttentionAdapter) -> EpsPlan:
+    """What :func:`exact_norm_eps` will change in ``adapter.model``, checked before anything changes.
+
+    Returns:
+        (``adapter.residual_writers() + adapter.norm_input_rows()``, the weights to scale by c;
+        ``adapter.config_eps_attributes()``, the live eps attributes to set).
+    Raises:
+        ValueError: one line, when the construction cannot be stored for the model
+            (:meth:`~statereduce.adapters.base.LinearAttentionAdapter.check_exact_norm_eps`: tied embeddings, the
+            spec's ``exact_norm_eps_refusal``), when a listed eps attribute does not hold the config's eps, when a
+            module holds the config's eps in an attribute the adapter does not list (a layout the construction was
+            not made for: that norm's input would not be scaled), or when a weight is listed twice.
+    """
+    adapter.check_exact_norm_eps()
+    field_name = adapter.norm_eps_field
+    eps = getattr(adapter.config, field_name)
+    attributes = adapter.config_eps_attributes()
+    listed = set()
+    for a in attributes:
+        value = getattr(a.module, a.attr)
+        if value != eps:
+            raise ValueError(f"norm_eps='exact': {a.name}.{a.attr} = {value!r} is not the config's {field_name} = "
+                             f"{eps!r}; use norm_eps='stock'")
+        listed.add((id(a.module), a.attr))
+    for name, module in adapter.model.named_modules():
+        for attr in EPS_ATTRIBUTES:
+            value = getattr(module, attr, None)
+            if isinstance(value, float) and value == eps and (id(module), attr) not in listed:
+                raise ValueError(f"norm_eps='exact': {name or 'the model'}.{attr} holds the config's {field_name} but "
+                                 f"the {adapter.family} adapter does not scale its input; use norm_eps='stock'")
+    scaled = adapter.residual_writers() + adapter.norm_input_rows()
+    seen = set()
+    for entry in scaled:
+        if not isinstance(entry.module, (nn.Linear, nn.Embedding)):
+            raise ValueError(f"norm_eps='exact': {entry.name} is a {type(entry.module).__name__}; only nn.Linear and "
+                             f"nn.Embedding weights are scaled")
+        if id(entry.module.weight) in seen:
+            raise ValueError(f"norm_eps='exact': the weight of {entry.name} is listed twice (or shared)")
+        seen.add(id(entry.module.weight))
+    return scaled, attributes
+
+
+def scale_rows(entry: ScaledRows, factor: float) -> None:
+    """Multiply ``entry.rows`` (all rows when None) of the module's weight and bias by ``factor``, in place, in the
+    parameter's dtype (one rounding per entry)."""
+    with torch.no_grad():
+        for p in (entry.module.weight, getattr(entry.module, "bias", None)):
+            if p is None:
+                continue
+            if entry.rows is None:
+                p.mul_(factor)
+            else:
+                rows = entry.rows.to(p.device)
+                p[rows] = p[rows] * factor
+
+
+def exact_norm_eps(adapter: LinearAttentionAdapter, factor: float, plan: EpsPlan | None = None) -> dict[str, Any]:
+    """Make the stock model equal zero-masking (module docstring, "Kernel scale"), in place: the config's norm eps
+    and every live eps attribute times ``factor`` = c^2 = d_k/d_k', the residual writers and norm inputs times c.
+
+    Args:
+        adapter: the pruned model's adapter.
+        factor: d_k/d_k' (1: nothing changes). A family without a kernel scale (Mamba-2) changes nothing.
+        plan: :func:`plan_exact_norm_eps`'s result, made before pruning changed anything (made here when None).
+    Returns:
+        the record's ``kernel_scale["norm_eps"]``: ``choice`` "exact", ``field`` (the config field), ``factor`` c^2,
+        ``before`` and ``after`` (the eps), ``residual_scale`` c, and how many weights (``scaled_weights``) and live
+        eps attributes (``eps_attributes``) changed.
+    """
+    field_name = adapter.norm_eps_field if adapter.kernel_scale else None
+    if field_name is None:
+        return {"choice": "exact", "field": None, "factor": 1.0, "before": None, "after": None, "residual_scale": 1.0,
+                "scaled_weights": 0, "eps_attributes": 0, "note": "the scan has no q/k scale: nothing to change"}
+    before = getattr(adapter.config, field_name)
+    if factor == 1:
+        return {"choice": "exact", "field": field_name, "factor": 1.0, "before": before, "after": before,
+                "residual_scale": 1.0, "scaled_weights": 0, "eps_attributes": 0}
+    scaled, attributes = plan if plan is not None else plan_exact_norm_eps(adapter)
+    after, c = before * factor, math.sqrt(factor)
+    for entry in scaled:
+        scale_rows(entry, c)
+    for a in attributes:
+        setattr(a.module, a.attr, after)
+    setattr(adapter.config, field_name, after)
+    return {"choice": "exact", "field": field_name, "factor": factor, "before": before, "after": after,
+            "residual_scale": c, "scaled_weights": len(scaled), "eps_attributes": len(attributes)}
 
 
 # ---- the orchestrator ---------------------------------------------------------------------------
@@ -376,13 +518,15 @@ def check_keep(adapter: LinearAttentionAdapter, keep: Mapping[int, Any]) -> tupl
     return out, d_k_new
 
 
-def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, Any] | None = None) -> PruneRecord:
+def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, Any] | None = None, *,
+                norm_eps: str = "stock") -> PruneRecord:
     """Slice the kept key/query channels out of every linear-attention layer, in place (paper Sec. 3.3).
 
-    Validates everything (selection and reduced config) before touching any weight, slices each mixer,
+    Validates everything (selection, reduced config, ``norm_eps``) before touching any weight, slices each mixer,
     then writes the adapter's config fields into ``model.config`` in place (so every module sharing it
-    sees them). Softmax-attention layers of hybrid models are left untouched. The result is a stock model
-    of the same class whose kernel scale is ``1/sqrt(d_k')`` (module docstring).
+    sees them). Softmax-attention layers of hybrid models are left untouched (with ``norm_eps="exact"``, apart from
+    the scaling of their output projections and Qwen3.5's q/k projections). The result is a stock model of the same
+    class whose kernel scale is ``1/sqrt(d_k')`` (module docstring).
 
     Args:
         model: a loaded causal LM with an adapter.
@@ -395,13 +539,20 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
             removed) fill the record's fields; ``family``, ``d_k``, ``d_k_new``, ``num_heads``, ``num_v_heads``
             and ``head_v_dim``, when present (e.g. a selection file's metadata), must agree with the model and
             ``keep``; every other JSON-serialisable entry goes to ``record.extra``.
+        norm_eps: ``"stock"`` keeps the config's norm eps: the checkpoint equals zero-masking up to the output
+            norms' eps (the record's ``kernel_scale`` names the factor that would make it exact). ``"exact"``
+            (:func:`exact_norm_eps`): equal to zero-masking to float precision, still a stock checkpoint; the
+            record's ``kernel_scale["norm_eps"]`` and ``config_changes`` hold the eps before and after. A no-op for
+            Mamba-2 (no kernel scale) and when every channel is kept.
     Returns:
         the :class:`PruneRecord`.
     Raises:
-        ValueError: one line, before any weight changes, for a bad selection, meta, or a d_k' the family's
-            config cannot express.
+        ValueError: one line, before any weight changes, for a bad selection, meta or ``norm_eps``, a d_k' the
+            family's config cannot express, or a model that ``norm_eps="exact"`` cannot be stored for
+            (:func:`plan_exact_norm_eps`: e.g. tied input/output embeddings).
     """
     meta = dict(meta or {})
+    check_norm_eps(norm_eps)
     adapter = get_adapter(model)
     transforms = None
     if is_transform_selection(keep):
@@ -430,6 +581,10 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
     except TypeError as err:
         raise ValueError(f"meta must be JSON-serialisable: {err}") from None
     source = meta.get("source_model") or meta.get("source") or getattr(config, "name_or_path", "") or "unknown"
+    eps_factor = d_k / d_k_new
+    eps_plan = None
+    if norm_eps == "exact" and adapter.kernel_scale and eps_factor != 1:
+        eps_plan = plan_exact_norm_eps(adapter)  # raises before any weight changes
 
     counts = {"mixed": 0, "shared": 0}
     for layer, mixer in adapter.mixer_layers():
@@ -439,6 +594,11 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
     changes = {name: [getattr(config, name), value] for name, value in config_updates.items()}
     for name, value in config_updates.items():
         setattr(config, name, value)
+    eps_note = None
+    if norm_eps == "exact":
+        eps_note = exact_norm_eps(adapter, eps_factor, eps_plan)
+        if eps_note["before"] != eps_note["after"]:
+            changes[eps_note["field"]] = [eps_note["before"], eps_note["after"]]
 
     return PruneRecord(
         source_model=str(source),
@@ -453,7 +613,7 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
         keep={} if transforms is not None else {layer: idx.tolist() for layer, idx in keep_t.items()},
         transform=transform_note(transforms, counts) if transforms is not None else {},
         config_changes=changes,
-        kernel_scale=kernel_scale_note(d_k, d_k_new, adapter.kernel_scale),
+        kernel_scale=kernel_scale_note(d_k, d_k_new, adapter.kernel_scale, eps_note),
         fla_kernel_shapes=record_note(tuple(adapter.padded_kernels), d_k_new, d_v),
         versions=versions(),
         extra=extra,

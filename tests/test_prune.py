@@ -6,7 +6,8 @@
    the rows of q_proj/k_proj, no conv bias and SiLU(0) = 0; Mamba-2: B and C rows of in_proj plus their conv
    weight and bias; Qwen3.5: q and k rows of in_proj_qkv). For the delta-rule families equality holds to 1e-5
    once the pruned output norm's eps is multiplied by d_k/d_k' (the kernel scale held at its original value)
-   and differs slightly without it; Mamba-2's scan has no scale, so its checkpoint equals zeroing as saved;
+   and differs slightly without it (the default ``norm_eps="stock"``; ``"exact"`` stores an equal checkpoint:
+   tests/test_norm_eps.py); Mamba-2's scan has no scale, so its checkpoint equals zeroing as saved;
 3. ``save_pruned`` + ``from_pretrained`` of the stock transformers class in a fresh process gives identical
    logits, and cached step-by-step decoding of the pruned model matches its full forward pass.
 """
@@ -257,6 +258,7 @@ class SlicingContract:
         agreeing = {**META, "d_k": D_K, "d_k_new": 8, "num_heads": 2, "family": self.family, "source": "x"}
         other = prune_model(self.model(), keep, {k: v for k, v in agreeing.items() if k != "source_model"})
         assert (other.source_model, other.extra) == ("x", {"calibration": "none"})
+        assert "norm_eps" not in record.kernel_scale  # the default, norm_eps="stock", records no norm_eps entry
         if get_adapter(model).kernel_scale:
             assert record.kernel_scale["pruned"] == 8**-0.5 and record.kernel_scale["original"] == D_K**-0.5
             assert record.kernel_scale["o_norm_eps_factor_for_exact_zeroing"] == 4.0

@@ -3,7 +3,8 @@
 An adapter wraps one loaded causal-LM and answers where the key/query channels of each linear-attention
 head live (:meth:`LinearAttentionAdapter.channel_rows`: rows of separate or fused projections and
 depthwise convolutions), how to capture K and Q as they enter the recurrence, how to write the reduced
-config, which class loads the family's checkpoints and which PyTorch fallbacks run it on CPU. Nothing
+config, which modules write into the residual stream and which norms read the config's eps (pruning with
+``norm_eps="exact"``), which class loads the family's checkpoints and which PyTorch fallbacks run it on CPU. Nothing
 outside ``statereduce/adapters`` may branch on ``model_type``. Adapters are pure mapping: the slicing
 itself is done by the verb functions of :mod:`statereduce.prune`, driven by the rows and sizes an
 adapter hands out.
@@ -103,6 +104,31 @@ class ChannelRows:
     k: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class ScaledRows:
+    """Rows of a module's weight (and bias) that pruning with ``norm_eps="exact"`` multiplies by c = sqrt(d_k/d_k')
+    (:func:`statereduce.prune.exact_norm_eps`): output features of an ``nn.Linear``, or the whole weight of an
+    ``nn.Embedding`` (``rows`` None: every row)."""
+
+    name: str  # the module's qualified name in the model, for messages and the record
+    module: nn.Module
+    rows: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class EpsAttribute:
+    """An attribute of a live module that the family's stock class sets from the config's norm eps
+    (``FamilySpec.norm_eps_field``): ``module.<attr>``, e.g. an RMSNorm's ``eps``."""
+
+    name: str  # the module's qualified name in the model
+    module: nn.Module
+    attr: str
+
+
+#: the attribute names under which the stock norm modules (and layers) of the supported families keep an eps
+EPS_ATTRIBUTES = ("eps", "variance_epsilon", "layer_norm_epsilon", "norm_eps")
+
+
 def head_major_rows(num_heads: int, d_k: int, offset: int = 0) -> torch.Tensor:
     """Rows ``offset + h*d_k + j`` as [H, d_k]: the head-major layout of a q or k block."""
     return offset + torch.arange(num_heads * d_k, dtype=torch.long).reshape(num_heads, d_k)
@@ -196,6 +222,45 @@ class LinearAttentionAdapter(FamilySpec):
         """Recurrent state bytes per sequence over all linear-attention layers (fp32 state by default)."""
         s = self.state_shape()
         return self.num_mixer_layers() * s.recurrent_elems * dtype_bytes
+
+    # ---- exact zero-masking through the norm eps (statereduce.prune, "Kernel scale") -----------------------
+    # After pruning, the stock delta-rule kernels scale q.k by 1/sqrt(d_k') instead of 1/sqrt(d_k): the mixer output
+    # is c = sqrt(d_k/d_k') times that of zero-masking, and its per-head RMSNorm sees it with the config's eps.
+    # norm_eps="exact" multiplies that eps (shared by every norm the field feeds) by c^2 and makes every other norm's
+    # input c times larger: the residual stream (the input embedding and every module that adds into it) and the
+    # projections that feed norms off the residual stream. These three members say where that is in the family.
+    def residual_writers(self) -> list[ScaledRows]:
+        """The input embedding and every module whose output is added to the residual stream (each block's mixer or
+        attention output projection and its MLP's down projection), weight and bias rows all scaled by c."""
+        raise NotImplementedError(f"{self.family} has no exact norm-eps construction")
+
+    def norm_input_rows(self) -> list[ScaledRows]:
+        """Projection rows (weight and bias) that feed a norm reading the config's eps from something other than the
+        residual stream (Qwen3.5's attention q_norm/k_norm read the query and key projections); the default: none."""
+        return []
+
+    def config_eps_attributes(self) -> list[EpsAttribute]:
+        """Every attribute of a live module that the stock class sets from ``config.<norm_eps_field>`` (the norms'
+        eps, and layers that keep a copy of it), so that the model in memory equals the one reloaded."""
+        raise NotImplementedError(f"{self.family} has no exact norm-eps construction")
+
+    def check_exact_norm_eps(self) -> None:
+        """Raise a one-line ValueError if ``norm_eps="exact"`` cannot be stored for this model: the spec's
+        :meth:`~statereduce.families.base.FamilySpec.exact_norm_eps_refusal`, or input and output embeddings that
+        share one weight in memory."""
+        reason = self.exact_norm_eps_refusal(self.model.config)
+        inp = self.model.get_input_embeddings()
+        out = self.model.get_output_embeddings()
+        if reason is None and out is not None and out.weight is inp.weight:
+            reason = ("the input and output embeddings share one weight, so scaling the residual stream would scale "
+                      "the logits")
+        if reason is not None:
+            raise ValueError(f"norm_eps='exact' cannot be stored for this {self.family} model: {reason}; "
+                             f"use norm_eps='stock'")
+
+    def qualified_names(self) -> dict[int, str]:
+        """{id(module): its qualified name in the model}, for the entries above."""
+        return {id(m): n for n, m in self.model.named_modules()}
 
     # ---- recovery fine-tuning -----------------------------------------------------------------
     #: The RFT scope of the family when the config says ``scope: auto``. Hybrids (Qwen3.5) set "recurrent":

@@ -45,7 +45,9 @@ from torch import nn
 
 from statereduce.adapters.base import (
     ChannelRows,
+    EpsAttribute,
     LinearAttentionAdapter,
+    ScaledRows,
     decoder_layers,
     head_major_rows,
 )
@@ -157,6 +159,29 @@ class FlaAdapter(LinearAttentionAdapter):
 
     def projection_input(self, mixer: nn.Module) -> nn.Module:
         return mixer.q_proj
+
+    # ---- exact zero-masking through the norm eps (LinearAttentionAdapter) ----------------------------------
+    def residual_writers(self) -> list[ScaledRows]:
+        """``embeddings``; per block (``DeltaNetBlock`` / ``GatedDeltaNetBlock``, whose forward is ``h + attn(
+        attn_norm(h))`` then ``h + mlp(mlp_norm(h))``) the mixer's ``o_proj`` (or, in an fla hybrid's softmax layer,
+        ``Attention.o_proj``) and the ``GatedMLP``'s ``down_proj``; none of them has a bias in fla 0.6."""
+        names = self.qualified_names()
+        modules = [self.model.get_input_embeddings()]
+        for block in decoder_layers(self.model):
+            modules += [block.attn.o_proj, block.mlp.down_proj]
+        return [ScaledRows(names[id(m)], m) for m in modules]
+
+    def config_eps_attributes(self) -> list[EpsAttribute]:
+        """``eps`` of each block's ``attn_norm`` and ``mlp_norm``, of each linear-attention mixer's ``o_norm`` (fla's
+        ``RMSNorm`` / ``FusedRMSNormGated``) and of the final ``norm`` (fla's or torch's ``RMSNorm`` by
+        ``fuse_norm``). fla's softmax ``Attention`` takes no eps from the config."""
+        names = self.qualified_names()
+        mixers = {id(m) for _, m in self.mixer_layers()}
+        modules = []
+        for block in decoder_layers(self.model):
+            modules += [block.attn_norm, block.mlp_norm] + ([block.attn.o_norm] if id(block.attn) in mixers else [])
+        modules.append(self.model.get_decoder().norm)
+        return [EpsAttribute(names[id(m)], m, "eps") for m in modules]
 
     def conv_sharing(self, mixer: nn.Module) -> str:
         """How ``mixer``'s ``q_conv1d`` / ``k_conv1d`` filters are shared: "head" (equal within each head), "all"

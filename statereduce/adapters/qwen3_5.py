@@ -2,7 +2,8 @@
 
 Qwen3.5 interleaves Gated DeltaNet layers (``Qwen3_5GatedDeltaNet``, ``linear_attn`` of a decoder layer) with
 softmax-attention layers (``self_attn``; ``layer_types``, by default every fourth layer). Only the Gated DeltaNet
-layers are pruned and fine-tuned; the attention layers, MLPs, embeddings and norms outside the mixers never change.
+layers are pruned and fine-tuned; the attention layers, MLPs, embeddings and norms outside the mixers never change
+(apart from the scaling of ``norm_eps="exact"``, below).
 
 Layout of a Gated DeltaNet layer (Hk = ``linear_num_key_heads``, HV = ``linear_num_value_heads``, d_k =
 ``linear_key_head_dim``, d_v = ``linear_value_head_dim``):
@@ -17,7 +18,11 @@ Layout of a Gated DeltaNet layer (Hk = ``linear_num_key_heads``, HV = ``linear_n
 Pruning sets ``linear_key_head_dim = d_k'``. Kernel scale: the stock kernels use ``1/sqrt(d_k')`` after pruning;
 the output goes through the per-head ``norm`` (``Qwen3_5RMSNormGated``), so the pruned model equals zeroing the
 dropped channels exactly when that norm's ``variance_epsilon`` is multiplied by d_k/d_k' (as for Gated DeltaNet,
-:mod:`statereduce.prune`).
+:mod:`statereduce.prune`). ``rms_norm_eps`` feeds every norm of the text model, so ``norm_eps="exact"`` multiplies it
+by d_k/d_k' and scales by sqrt(d_k/d_k') the residual stream (``embed_tokens``, each ``out_proj`` / ``o_proj`` and
+``down_proj``) and the query rows of the attention layers' ``q_proj`` and their ``k_proj``, which feed
+``q_norm``/``k_norm`` (:meth:`Qwen35Adapter.residual_writers`, :meth:`Qwen35Adapter.norm_input_rows`); with the
+default ``"stock"`` everything outside the Gated DeltaNet layers' q/k rows stays as it was.
 
 Capture: q and k ``[B, T, Hk, d_k]`` where they enter ``torch_chunk_gated_delta_rule`` /
 ``torch_recurrent_gated_delta_rule`` (the module globals the layer calls): post conv + SiLU, before the in-kernel
@@ -40,6 +45,8 @@ from torch import nn
 
 from statereduce.adapters.base import (
     ChannelRows,
+    EpsAttribute,
+    ScaledRows,
     TransformersAdapter,
     decoder_layers,
     head_major_rows,
@@ -90,6 +97,55 @@ class Qwen35Adapter(Qwen35Family, TransformersAdapter):
 
     def projection_input(self, mixer: nn.Module) -> nn.Module:
         return mixer.in_proj_qkv
+
+    # ---- exact zero-masking through the norm eps (LinearAttentionAdapter) ----------------------------------
+    def residual_writers(self) -> list[ScaledRows]:
+        """``embed_tokens``; per decoder layer (``h + mixer(input_layernorm(h))`` then ``h +
+        mlp(post_attention_layernorm(h))``) the Gated DeltaNet's ``out_proj`` or the attention's ``o_proj`` (with its
+        bias under ``attention_bias``) and the MLP's ``down_proj``."""
+        names = self.qualified_names()
+        modules = [self.model.get_input_embeddings()]
+        for layer in decoder_layers(self.model):
+            mixer = layer.linear_attn.out_proj if hasattr(layer, "linear_attn") else layer.self_attn.o_proj
+            modules += [mixer, layer.mlp.down_proj]
+        return [ScaledRows(names[id(m)], m) for m in modules]
+
+    def norm_input_rows(self) -> list[ScaledRows]:
+        """The attention layers' ``q_norm`` and ``k_norm`` read the query and key projections of the normalised
+        hidden state: the query rows of ``q_proj`` (per head ``[query (head_dim) | output gate (head_dim)]``; the gate
+        rows stay) and all of ``k_proj``."""
+        names, out = self.qualified_names(), []
+        for layer in decoder_layers(self.model):
+            attn = getattr(layer, "self_attn", None)
+            if attn is None:
+                continue
+            d = attn.head_dim
+            heads = attn.q_proj.out_features // (2 * d)
+            query = (torch.arange(heads)[:, None] * 2 * d + torch.arange(d)).reshape(-1)
+            out += [ScaledRows(names[id(attn.q_proj)], attn.q_proj, query), ScaledRows(names[id(attn.k_proj)],
+                                                                                      attn.k_proj)]
+        return out
+
+    def config_eps_attributes(self) -> list[EpsAttribute]:
+        """``eps`` of every ``Qwen3_5RMSNorm`` (each layer's ``input_layernorm`` and ``post_attention_layernorm``, the
+        attention layers' ``q_norm`` and ``k_norm``, the final ``norm``), ``variance_epsilon`` of each Gated DeltaNet's
+        ``norm`` (``Qwen3_5RMSNormGated``) and the copy the Gated DeltaNet layer keeps (``layer_norm_epsilon``)."""
+        names, out = self.qualified_names(), []
+
+        def add(module: nn.Module, attr: str = "eps") -> None:
+            out.append(EpsAttribute(names[id(module)], module, attr))
+
+        for layer in decoder_layers(self.model):
+            add(layer.input_layernorm)
+            add(layer.post_attention_layernorm)
+            if hasattr(layer, "linear_attn"):
+                add(layer.linear_attn.norm, "variance_epsilon")
+                add(layer.linear_attn, "layer_norm_epsilon")
+            else:
+                add(layer.self_attn.q_norm)
+                add(layer.self_attn.k_norm)
+        add(self.model.get_decoder().norm)
+        return out
 
     @classmethod
     def install_fallbacks(cls, torch_device_types: tuple[str, ...] = ("cpu",)) -> None:

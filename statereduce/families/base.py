@@ -107,6 +107,10 @@ class FamilySpec(ABC):
     #: whether the family's recurrence scales q.k by 1/sqrt(d_k) (delta-rule kernels; not Mamba-2's scan): pruning then
     #: changes the scale (statereduce.prune, "Kernel scale")
     kernel_scale: ClassVar[bool] = True
+    #: the config field of the RMSNorm eps that the per-head output norm of a delta-rule mixer shares with the block
+    #: norms (fla: ``norm_eps``, Qwen3.5: ``rms_norm_eps``); pruning with ``norm_eps="exact"`` multiplies it by
+    #: d_k/d_k' (statereduce.prune, "Kernel scale"). None for a family without a kernel scale (nothing to change)
+    norm_eps_field: ClassVar[str | None]
     #: config fields every model of the family is built and loaded with (:func:`statereduce.models.load_model`,
     #: :func:`statereduce.models.tiny_config`; an ``arch`` block may still set them)
     config_overrides: ClassVar[dict[str, Any]] = {}
@@ -186,6 +190,18 @@ class FamilySpec(ABC):
         for name, value in cls.config_updates(config, d_k_new).items():
             setattr(new, name, value)
         return new
+
+    @classmethod
+    def exact_norm_eps_refusal(cls, config) -> str | None:
+        """Why ``norm_eps="exact"`` pruning cannot be stored for a model of ``config`` (one line), or None.
+
+        The construction (statereduce.prune, "Kernel scale") multiplies the input embedding by c = sqrt(d_k/d_k'):
+        with input and output embeddings tied that would multiply the logits by c. Families add what else their
+        configs allow that the construction does not cover."""
+        if getattr(config, "tie_word_embeddings", False):
+            return ("the input and output embeddings are tied (tie_word_embeddings), so scaling the residual stream "
+                    "would scale the logits")
+        return None
 
     @classmethod
     def check_reduction(cls, head_k_dim: int, head_v_dim: int, d_k_new: int) -> None:

@@ -12,6 +12,15 @@ class FlaFamily(FamilySpec):
     speed_benchmark = True
     qk_conv_modules = True
     config_overrides = {"fuse_cross_entropy": False}  # fla's fused loss is CUDA-only; the plain loss is exact
+    norm_eps_field = "norm_eps"  # block norms, o_norm and the final norm (and attnres' norms) all read it
+
+    @classmethod
+    def exact_norm_eps_refusal(cls, config) -> str | None:
+        """Also refuses attention-residual blocks (``attnres_block_size``): their ``fused_attnres`` kernel mixes the
+        residuals under norms of its own, which the construction does not check (and which have no CPU path)."""
+        if getattr(config, "attnres_block_size", None) is not None:
+            return "attention-residual blocks (attnres_block_size) are not covered"
+        return super().exact_norm_eps_refusal(config)
 
     @classmethod
     def mixer_layer_indices(cls, config) -> list[int]:

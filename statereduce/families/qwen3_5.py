@@ -24,6 +24,9 @@ class Qwen35Family(FamilySpec):
     model_types = ("qwen3_5_text", "qwen3_5")
     config_class = LazyImport("transformers.models.qwen3_5:Qwen3_5TextConfig")
     fla_gated_backward = True  # with fla installed, transformers binds fla's chunk_gated_delta_rule
+    # every RMSNorm of the text model reads it: the block norms, the Gated DeltaNet layers' gated `norm`, the final norm
+    # and the attention layers' q_norm/k_norm
+    norm_eps_field = "rms_norm_eps"
     # transformers 5.24 Qwen3_5TextConfig.__init__ keywords and defaults (pinned by tests/test_config.py)
     # fmt: off
     config_defaults: ClassVar[dict[str, Any]] = {
@@ -67,6 +70,11 @@ class Qwen35Family(FamilySpec):
         d = cls.dims(config)
         cls.check_reduction(d.head_k_dim, d.head_v_dim, d_k_new)
         return {"linear_key_head_dim": int(d_k_new)}
+
+    @classmethod
+    def exact_norm_eps_refusal(cls, config) -> str | None:
+        """Of the text config, or of the vision-language config around it (either may say the embeddings are tied)."""
+        return super().exact_norm_eps_refusal(config) or super().exact_norm_eps_refusal(text_config(config))
 
     @classmethod
     def reduced_config(cls, config, d_k_new: int):
