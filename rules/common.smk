@@ -18,6 +18,7 @@ from statereduce import config as srconfig
 from statereduce import layout
 from statereduce.selectors import METHOD_REGEX, parse_method
 from statereduce.select import selector_code_files
+from statereduce.settings import HubSettings
 
 try:
     CFG = srconfig.validate_config(config)
@@ -93,7 +94,7 @@ def get_checkpoint_files(wildcards):
 
 
 def get_calibration(wildcards):
-    return srconfig.model_calibration(CFG, wildcards.model, wildcards.calib)
+    return srconfig.model_calibration(CFG, wildcards.model, wildcards.calib).to_dict()
 
 
 def get_grad_settings(wildcards):
@@ -110,7 +111,7 @@ def get_corpus_spec(name):
 
 
 def get_calib_corpus(wildcards):
-    return get_corpus_spec(get_calibration(wildcards)["corpus"])
+    return get_corpus_spec(srconfig.model_calibration(CFG, wildcards.model, wildcards.calib).corpus)
 
 
 def get_pretrain(wildcards):
@@ -121,8 +122,9 @@ def get_pretrain(wildcards):
 
 
 def pretrain_threads(wildcards):
-    """``threads`` of a pretrain job: ``pretrain.train.threads`` (default 1)."""
-    return get_pretrain(wildcards)["train"].get("threads", 1)
+    """``threads`` of a pretrain job: ``pretrain.train.threads`` (statereduce.settings.TrainSettings)."""
+    get_pretrain(wildcards)  # one line for a model without a pretrain block
+    return srconfig.model_pretrain(CFG, wildcards.model).train.threads
 
 
 def get_init(wildcards):
@@ -141,7 +143,8 @@ def get_pretrain_corpus(wildcards):
 def get_source(wildcards):
     m = MODELS[wildcards.model]
     if "hub" in m:
-        return {"hub_id": m["hub"]["id"], "revision": m["hub"].get("revision", "main"), "dtype": m["dtype"]}
+        hub = HubSettings.from_dict(m["hub"])
+        return {"hub_id": hub.id, "revision": hub.revision, "dtype": m["dtype"]}
     if m.get("local"):
         return {"hub_id": str(Path(m["local"]).expanduser().resolve()), "revision": None, "dtype": m["dtype"]}
     raise WorkflowError(f"model {wildcards.model!r} has no checkpoint: set models.{wildcards.model}.local (or hub)")
@@ -175,9 +178,9 @@ def get_selector_options(wildcards):
 
 def get_eval(wildcards):
     ev = srconfig.model_eval(CFG, wildcards.model)
-    if "heldout" in ev["tasks"]:
-        ev["corpus_spec"] = get_corpus_spec(srconfig.model_eval_corpus(CFG, wildcards.model))
-    return ev
+    if "heldout" in ev.tasks:
+        ev = ev.replace(corpus_spec=get_corpus_spec(srconfig.model_eval_corpus(CFG, wildcards.model)))
+    return ev.to_dict()
 
 
 def model_info(wildcards):
@@ -186,27 +189,27 @@ def model_info(wildcards):
 
 
 def model_threads(wildcards):
-    """``threads`` of a job that loads or reads the model: ``models.<name>.threads`` (config.DEFAULT_THREADS: 1 on
+    """``threads`` of a job that loads or reads the model: ``models.<name>.threads`` (settings.DEFAULT_THREADS: 1 on
     CPU, 4 on CUDA). The job's script gives torch that many threads; the SLURM plugin asks for that many CPUs."""
     return MODELS[wildcards.model]["threads"]
 
 
 def get_rft(wildcards):
     """The model's RFT plan (config.model_rft): activate, corpus, gpus, settings."""
-    return srconfig.model_rft(CFG, wildcards.model)
+    return srconfig.model_rft(CFG, wildcards.model).to_dict()
 
 
 def rft_active(model):
-    return bool(srconfig.model_rft(CFG, model)["activate"])
+    return bool(srconfig.model_rft(CFG, model).activate)
 
 
 def get_rft_corpus(wildcards):
-    return get_corpus_spec(get_rft(wildcards)["corpus"])
+    return get_corpus_spec(srconfig.model_rft(CFG, wildcards.model).corpus)
 
 
 def get_rft_gpus(wildcards, rulename):
     """The rft job's GPUs: ``rft.gpus`` for models on CUDA, none on CPU (:func:`gpu_request`)."""
-    n = int(get_rft(wildcards)["gpus"]) if MODELS[wildcards.model]["device"] == "cuda" else 0
+    n = int(srconfig.model_rft(CFG, wildcards.model).gpus) if MODELS[wildcards.model]["device"] == "cuda" else 0
     return gpu_request(n, rulename, wildcards)
 
 
@@ -230,7 +233,7 @@ def get_summary_inputs(wildcards):
 def get_rank(wildcards):
     """Rank-analysis settings of the model (config.model_rank) with the corpus spec resolved."""
     settings = srconfig.model_rank(CFG, wildcards.model)
-    return {**settings, "corpus_spec": get_corpus_spec(settings["corpus"])}
+    return settings.replace(corpus_spec=get_corpus_spec(settings.corpus)).to_dict()
 
 
 def get_rank_inputs(wildcards):
@@ -312,7 +315,7 @@ def get_study_calibrations(wildcards):
     study = CFG.get("studies", {}).get("calibration")
     if not study:
         return {}
-    return srconfig.canonical({m: {v: srconfig.model_calibration(CFG, m, v) for v in study["variants"]}
+    return srconfig.canonical({m: {v: srconfig.model_calibration(CFG, m, v).to_dict() for v in study["variants"]}
                                for m in study["models"]})
 
 
@@ -350,7 +353,7 @@ SPEED_MODELS = CFG.get("speed", {}).get("models", [])
 @checked
 def get_speed(wildcards):
     """The model's speed plan (config.model_speed); a pruned target measures the baseline and its own pct."""
-    plan = srconfig.model_speed(CFG, wildcards.model)
+    plan = srconfig.model_speed(CFG, wildcards.model).to_dict()
     pcts = [float(wildcards.pct)] if hasattr(wildcards, "pct") else plan["settings"].get("pcts")
     if pcts is not None:
         plan["settings"]["pcts"] = pcts

@@ -2,11 +2,12 @@
 """RFT's training step against a plain bf16 training step of the same pruned model, side by side in one run.
 
     python scripts/bench_rft_step.py OUT.json --config configs/gpu_paper_scale.yaml --model dn1.3b-init \
-        [--pct 50] [--micro 1 2 4 8] [--steps 6] [--seq-len 2048] [--batch 16]
+        [--pct 50] [--micro 1 4 auto] [--steps 6] [--seq-len 2048] [--batch 16]
 
 The model is the ``init.arch`` shape of ``--model`` in the config (``--config`` is an overlay of config.yaml) with
 random weights: the teacher in bf16, the student pruned at random to ``--pct`` percent of its key channels, in float32
-as RFT holds it. For each micro-batch size, on ``--steps`` optimizer steps of ``--batch`` sequences:
+as RFT holds it. For each micro-batch size (``auto``: what RFT's ``micro_batch_size: auto`` picks, for both kinds), on
+``--steps`` optimizer steps of ``--batch`` sequences:
 
 - ``rft``: :func:`statereduce.rft.train` as the workflow runs it (LoRA, the bf16 teacher's forward, the KL over the
   vocabulary, bf16 autocast, kernels by ``rft.kernels: auto``);
@@ -15,11 +16,12 @@ as RFT holds it. For each micro-batch size, on ``--steps`` optimizer steps of ``
 
 Prints and writes steady tokens/s (the median over the steps after the first), the ratio rft / plain, and peak GPU
 memory; OUT.json after every measurement. ``--profile DIR`` then runs two more steps of each kind at the first
-micro-batch size under ``torch.profiler`` (after the timed runs, so that Triton's autotuning is done and the profile
-shows the steady step) and writes their operators by device time (``DIR/<plain|rft>_micro<N>.txt``) and the share
-of wall time the device was busy (OUT.json's ``profile``): a low share means the step waits on the host (launches,
-syncs), a high one on the kernels listed first. Random token ids below 257 (the byte-level tokenizer's) stand in for text. Runs on a CPU too (slowly), which
-the tests use with a tiny shape.
+row's micro-batch size (for ``auto``, the size it picked) under ``torch.profiler`` (after the timed runs, so that
+Triton's autotuning is done and the profile shows the steady step) and writes their operators by device time
+(``DIR/<plain|rft>_micro<N>.txt``) and by host time (``..._host.txt``) and the share of wall time the device was busy
+(OUT.json's ``profile``): a low share means the step waits on the host (launches, syncs), a high one on the kernels
+listed first. Random token ids below 257 (the byte-level tokenizer's) stand in for text. Runs on a CPU too (slowly),
+which the tests use with a tiny shape.
 """
 
 from __future__ import annotations
@@ -56,22 +58,28 @@ def _model_spec(config: Path | None, model: str, arch_json: str | None) -> tuple
     return m["family"], arch
 
 
+def _micro(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 def _steady(rates: list[float]) -> float:
     return statistics.median(rates[1:] or rates)
 
 
 def _rft(student, teacher, blocks, micro: int, args) -> dict:
-    from statereduce.config import rft_settings
     from statereduce.rft import attach_lora, train
+    from statereduce.settings import RftSettings
 
-    cfg = rft_settings({"n_samples": blocks.shape[0], "seq_len": blocks.shape[1], "batch_size": args.batch,
-                        "micro_batch_size": micro, "log_every": 1, "save_every": 10**6})
+    blocks = blocks[: args.batch * args.steps]
+    cfg = RftSettings.from_dict({"n_samples": blocks.shape[0], "seq_len": blocks.shape[1], "batch_size": args.batch,
+                                 "micro_batch_size": micro, "log_every": 1, "save_every": 10**6})
     peft_model, _ = attach_lora(copy.deepcopy(student), cfg)
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "log.jsonl"
-        train(peft_model, teacher, blocks, cfg, log_path=log, desc=f"rft micro {micro}")
+        stats = train(peft_model, teacher, blocks, cfg, log_path=log, desc=f"rft micro {micro}")
         rates = [json.loads(line)["tokens_per_s"] for line in log.read_text().splitlines()]
-    return {"tokens_per_s": _steady(rates), "per_step": rates}
+    return {"tokens_per_s": _steady(rates), "per_step": rates, "micro_batch_size": stats["micro_batch_size"],
+            **({"micro_batch_probe": stats["micro_batch_probe"]} if "micro_batch_probe" in stats else {})}
 
 
 def _plain(student, blocks, micro: int, args, device) -> dict:
@@ -116,6 +124,9 @@ def _profiled(folder: Path, name: str, device, row: dict):
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{name}.txt").write_text(events.table(sort_by=sort, row_limit=45, max_name_column_width=70))
+    # the host's side: where a step that leaves the device idle spends its time
+    (folder / f"{name}_host.txt").write_text(events.table(sort_by="cpu_time_total", row_limit=60,
+                                                          max_name_column_width=70))
     busy = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA) / 1e6
     row.update({"table": f"{name}.txt", "wall_s": wall, "device_busy_s": busy,
                 "device_busy_share": busy / wall if device.type == "cuda" else None})
@@ -137,12 +148,14 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--arch-json", help="the arch as JSON instead of the model's")
     ap.add_argument("--pct", type=float, default=50.0)
-    ap.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--micro", type=_micro, nargs="+", default=[1, 4, "auto"],
+                    help="micro-batch sizes (integers, or auto: RFT's pick)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--profile", type=Path, metavar="DIR", help="then profile two steady steps of each kind; operator tables into DIR")
+    ap.add_argument("--profile", type=Path, metavar="DIR",
+                    help="then profile two steady steps of each kind; operator tables into DIR")
     args = ap.parse_args()
 
     from statereduce.adapters import adapter_class, get_adapter
@@ -174,12 +187,13 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- |")
     for micro in args.micro:
         row = {"micro_batch_size": micro}
-        for name in ("plain", "rft"):
+        for name in ("rft", "plain"):  # rft first: plain runs at the size an auto rft picked
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             try:
-                row[name] = _measure(name, student, teacher, blocks, micro, args, device)
+                size = row["rft"].get("micro_batch_size", 1) if name == "plain" and micro == "auto" else micro
+                row[name] = _measure(name, student, teacher, blocks, size, args, device)
             except torch.OutOfMemoryError as err:
                 row[name] = {"error": f"out of memory: {' '.join(str(err).split())[:160]}"}
             row[name]["peak_gib"] = _peak(device)
@@ -190,11 +204,12 @@ def main() -> None:
         fmt = lambda r: f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "OOM"  # noqa: E731
         peaks = " / ".join("–" if row[k]["peak_gib"] is None else f"{row[k]['peak_gib']:.1f}" for k in ("plain", "rft"))
         ratio = f"{row['ratio']:.2f}" if ok else "–"
-        print(f"| {micro} | {fmt(row['plain'])} | {fmt(row['rft'])} | {ratio} | {peaks} |", flush=True)
+        picked = f" ({row['rft']['micro_batch_size']})" if micro == "auto" and "micro_batch_size" in row["rft"] else ""
+        print(f"| {micro}{picked} | {fmt(row['plain'])} | {fmt(row['rft'])} | {ratio} | {peaks} |", flush=True)
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     if args.profile is not None:
         short = argparse.Namespace(**{**vars(args), "steps": 2})
-        micro, out["profile"] = args.micro[0], {}
+        micro, out["profile"] = out["runs"][0]["rft"].get("micro_batch_size", 1), {}
         for name in ("plain", "rft"):
             with _profiled(args.profile, f"{name}_micro{micro}", device, out["profile"].setdefault(name, {})):
                 _measure(name, student, teacher, blocks, micro, short, device)

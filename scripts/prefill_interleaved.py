@@ -27,6 +27,7 @@ import sys
 import torch
 
 from statereduce.runtime import write_json
+from statereduce.settings import SpeedSettings
 from statereduce.speed.bench import (
     _free,
     build_model,
@@ -69,13 +70,13 @@ def kernel_times(fn, top: int = 25) -> list[dict]:
     return [{"name": n[:120], "ms": round(t / 1e3, 3), "count": c} for n, t, c in kernel_rows(prof)[:top]]
 
 
-def measure(name: str, plan: tuple[str, dict, dict], cells: list[tuple[int, int]], rounds: int, steps: int,
+def measure(name: str, plan: tuple[str, dict, SpeedSettings], cells: list[tuple[int, int]], rounds: int, steps: int,
             profile: bool = False) -> dict:
     """Time every ratio of model ``name`` (``plan``: its ``(family, arch, settings)`` from :func:`workflow_model`)
     round by round on each ``(batch, length)`` of ``cells``."""
     family, arch, settings = plan
     pcts = speed_pcts(settings)
-    dtype = getattr(torch, settings["dtype"])
+    dtype = getattr(torch, settings.dtype)
     models = {p: build_model(model_config(family, arch, p), dtype) for p in pcts}
     doc = {"model": name, "family": family, "arch": arch, "pcts": pcts, "rounds": rounds,
            "steps": steps, "device": torch.cuda.get_device_name(), "cells": []}

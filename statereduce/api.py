@@ -39,6 +39,7 @@ from statereduce.pretrain import mean_loss
 from statereduce.prune import PruneRecord, prune_model, save_pruned
 from statereduce.select import head_data, run_selector, write_selection
 from statereduce.selectors import HeadSelection, get_selector, n_keep_for, parse_method
+from statereduce.settings import CalibrationSettings
 
 __all__ = ["Calibration", "Pruned", "Selection", "build", "calibrate", "mean_loss", "prune", "save", "select"]
 
@@ -132,9 +133,9 @@ def calibrate(
     model: nn.Module,
     blocks: Any,
     *,
-    rows_per_head: int = 2500,
-    seed: int = 0,
-    batch_size: int = 4,
+    rows_per_head: int = CalibrationSettings.rows_per_head,
+    seed: int = CalibrationSettings.seed,
+    batch_size: int = CalibrationSettings.batch_size,
     gradients: bool = False,
 ) -> Calibration:
     """Run calibration blocks through the model and keep the statistics the selectors read (paper App. B.2).
@@ -250,7 +251,8 @@ def select(
     return Selection(rows, meta)
 
 
-def prune(model: nn.Module, selection: Selection | Mapping[int, Any], *, inplace: bool = False) -> Pruned:
+def prune(model: nn.Module, selection: Selection | Mapping[int, Any], *, inplace: bool = False,
+          norm_eps: str = "stock") -> Pruned:
     """Slice the selected key/query channels out of every linear-attention layer (paper Sec. 3.3).
 
     The result is a stock model of the same class with a smaller d_k (``head_k_dim``, ``expand_k``, ``state_size``
@@ -261,6 +263,9 @@ def prune(model: nn.Module, selection: Selection | Mapping[int, Any], *, inplace
         selection: :func:`select`'s result, or a mapping {layer: [H, d_k'] channel indices} covering every
             linear-attention layer (or {layer: float [H, d_k', d_k]} transforms with orthonormal rows).
         inplace: prune ``model`` itself instead of a deep copy (no second copy of the weights in memory).
+        norm_eps: ``"stock"`` keeps the config's norm eps (the pruned model equals zero-masking up to the mixers'
+            output-norm eps, as the paper's checkpoints); ``"exact"`` equals zero-masking to float precision and is
+            still a stock checkpoint (:func:`statereduce.prune.exact_norm_eps`; refused for tied embeddings).
     Returns:
         ``Pruned(model, record)``.
     Raises:
@@ -275,7 +280,7 @@ def prune(model: nn.Module, selection: Selection | Mapping[int, Any], *, inplace
                          f"got {type(selection).__name__}")
     _adapter(model)
     target = model if inplace else copy.deepcopy(model)
-    return Pruned(target, prune_model(target, keep, meta))
+    return Pruned(target, prune_model(target, keep, meta, norm_eps=norm_eps))
 
 
 def save(pruned: Pruned, path: str | os.PathLike, tokenizer: Any = None) -> Path:

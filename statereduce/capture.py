@@ -44,6 +44,7 @@ from statereduce import __version__
 from statereduce.adapters import get_adapter
 from statereduce.h5files import write_layers
 from statereduce.checkpoints import base_checkpoint
+from statereduce.settings import CalibrationSettings
 
 
 class BottomKReservoir:
@@ -102,9 +103,9 @@ def activation_arrays(
     model: torch.nn.Module,
     blocks: torch.Tensor,
     *,
-    rows_per_head: int = 2500,
-    seed: int = 0,
-    batch_size: int = 4,
+    rows_per_head: int = CalibrationSettings.rows_per_head,
+    seed: int = CalibrationSettings.seed,
+    batch_size: int = CalibrationSettings.batch_size,
 ) -> tuple[dict[int, dict[str, np.ndarray]], int]:
     """Run the calibration blocks through ``model``; the statistics ``activations.h5`` holds, in memory.
 
@@ -165,9 +166,9 @@ def capture_activations(
     blocks: torch.Tensor,
     out_path: str | Path,
     *,
-    rows_per_head: int = 2500,
-    seed: int = 0,
-    batch_size: int = 4,
+    rows_per_head: int = CalibrationSettings.rows_per_head,
+    seed: int = CalibrationSettings.seed,
+    batch_size: int = CalibrationSettings.batch_size,
     attrs: dict | None = None,
 ) -> Path:
     """Run the calibration blocks through ``model`` and write ``activations.h5`` atomically.
@@ -226,7 +227,7 @@ def grad_score_arrays(
     model: torch.nn.Module,
     blocks: torch.Tensor,
     *,
-    batch_size: int = 4,
+    batch_size: int = CalibrationSettings.batch_size,
     recompute: bool | None = None,
 ) -> dict[int, dict[str, np.ndarray]]:
     """Grad saliency of every q/k channel from the full model's LM loss; the scores ``grad_scores.h5`` holds.
@@ -285,7 +286,7 @@ def grad_scores(
     blocks: torch.Tensor,
     out_path: str | Path,
     *,
-    batch_size: int = 4,
+    batch_size: int = CalibrationSettings.batch_size,
     attrs: dict | None = None,
 ) -> Path:
     """Grad saliency of every q/k channel from the full model's LM loss; writes ``grad_scores.h5``.

@@ -4,6 +4,9 @@
 errors) and then what a schema cannot express: known families and selectors, method tokens, corpus
 and calibration references, and that every targeted (model, pct) leaves at least one channel and a
 representable head size. Every error is one line naming the bad value and the valid choices.
+
+The ``model_*`` helpers build each stage's typed settings (:mod:`statereduce.settings`) from the validated config;
+the defaults are those classes' fields.
 """
 
 from __future__ import annotations
@@ -11,29 +14,23 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from statereduce import layout
+from statereduce.settings import (
+    CalibrationSettings,
+    DeviceSettings,
+    EvalSettings,
+    PretrainSettings,
+    RankSettings,
+    RftPlan,
+    RftSettings,
+    SpeedPlan,
+    SpeedSettings,
+)
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
-
-#: CPU threads of a model's jobs (``models.<name>.threads``) by its ``device``: one for the CPU models, whose numbers
-#: depend on torch's thread count; four for a GPU job's host-side work. Under SLURM they are each job's CPUs.
-DEFAULT_THREADS = {"cpu": 1, "cuda": 4}
-
-# The defaults of a model's optional blocks (a model needs only family, a checkpoint and calibration.corpus):
-# calibration (below), eval (below; the heldout task reads model_eval_corpus), rft (DEFAULT_RFT, the top-level rft
-# block of config.yaml; its text is the calibration corpus's train split, model_rft) and rank (RANK_DEFAULTS).
-CALIBRATION_DEFAULTS = {
-    "split": "calib", "n_samples": 32, "seq_len": 256, "seed": 0,
-    "rows_per_head": 2500, "batch_size": 4,
-}
-EVAL_DEFAULTS = {
-    "tasks": ["heldout"], "max_docs": 64, "max_doc_bytes": 2048,
-    "batch_size": 1, "max_length": 2048, "limit": None,
-}
 
 
 class ConfigError(ValueError):
@@ -63,21 +60,26 @@ def check_schema(config: dict, schema: dict | None = None) -> None:
         raise ConfigError(
             f"config error at {_where(err.path)}: a model needs exactly one of hub, local, pretrain, init"
         )
-    raise ConfigError(f"config error at {_where(err.path)}: {err.message}")
+    valid = err.schema.get("description") if err.validator in ("oneOf", "anyOf") else None
+    raise ConfigError(f"config error at {_where(err.path)}: {err.message}" + (f"; valid: {valid}" if valid else ""))
 
 
-def model_calibration(config: dict, model: str, calib: str = "default") -> dict:
-    """The calibration settings of ``model`` for calibration id ``calib`` (defaults filled)."""
-    cal = dict(CALIBRATION_DEFAULTS)
-    cal.update(config["models"][model].get("calibration", {}))
+def model_calibration(config: dict, model: str, calib: str = "default") -> CalibrationSettings:
+    """The calibration settings of ``model`` for calibration id ``calib``: the model's ``calibration`` block updated
+    by the variant ``calibrations.<calib>``."""
+    block = dict(config["models"][model].get("calibration", {}))
     if calib != "default":
         variants = config.get("calibrations", {})
         if calib not in variants:
             raise ConfigError(
                 f"unknown calibration {calib!r}; valid: default, {', '.join(sorted(variants)) or '(none)'}"
             )
-        cal.update(variants[calib])
-    if "corpus" not in cal:
+        block.update(variants[calib])
+    try:
+        cal = CalibrationSettings.from_dict(block)
+    except ValueError as e:
+        raise ConfigError(f"models.{model}.calibration: {e}") from None
+    if cal.corpus is None:
         raise ConfigError(f"models.{model}.calibration.corpus is not set: every model needs a calibration corpus "
                           f"(also its default evaluation and RFT text); valid: {', '.join(sorted(config['corpora']))}")
     return cal
@@ -137,8 +139,9 @@ def corpus_spec(config: dict, name: str, basedir: str | Path) -> dict:
     return spec
 
 
-def model_eval(config: dict, model: str) -> dict:
-    """The eval settings of ``model``: ``EVAL_DEFAULTS`` updated by ``models.<model>.eval``, suites expanded.
+def model_eval(config: dict, model: str) -> EvalSettings:
+    """The eval settings of ``model``: :class:`~statereduce.settings.EvalSettings` updated by
+    ``models.<model>.eval``, suites expanded.
 
     ``suites`` (:mod:`statereduce.eval.suites`) add their lm-eval tasks to ``tasks`` and, where needed, task
     ``metadata``, per-task windows (``task_max_length``) and ``recall_probe`` settings; without suites
@@ -146,119 +149,35 @@ def model_eval(config: dict, model: str) -> dict:
     """
     from statereduce.eval.suites import expand_eval
 
-    ev = dict(EVAL_DEFAULTS)
-    ev.update(config["models"][model].get("eval", {}))
     try:
-        return expand_eval(ev)
+        return expand_eval(EvalSettings.from_dict(config["models"][model].get("eval", {})))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"models.{model}.eval: {e}") from None
 
 
-def check_eval(config: dict, model: str) -> dict:
+def check_eval(config: dict, model: str) -> EvalSettings:
     """Validate the eval settings of ``model`` (suites, recall-probe levels, something to evaluate)."""
     ev = model_eval(config, model)
-    if not ev["tasks"] and not ev.get("suites"):
+    if not ev.tasks and not ev.suites:
         raise ConfigError(f"models.{model}.eval: nothing to evaluate; give tasks (e.g. [heldout]) or suites")
-    if "heldout" in ev["tasks"]:
+    if "heldout" in ev.tasks:
         corpus = model_eval_corpus(config, model)
         if corpus is None:
             raise ConfigError(f"models.{model}.eval: the heldout task needs a corpus; set models.{model}.eval.corpus "
                               f"or models.{model}.calibration.corpus")
         check_split(config, corpus, "heldout", f"models.{model}.eval",
                     "the heldout task reads it; set eval.corpus to another corpus")
-    if "recall_probe" in ev:
+    if ev.recall_probe is not None:
         from statereduce.eval.recall import RecallLevel
 
         try:
-            names = [RecallLevel.parse(lv).task_name for lv in ev["recall_probe"]["levels"]]
+            names = [RecallLevel.parse(lv).task_name for lv in ev.probe.levels]
         except (TypeError, ValueError) as e:
             raise ConfigError(f"models.{model}.eval.recall_probe.levels: {e}") from None
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ConfigError(f"models.{model}.eval.recall_probe.levels give duplicate task names {dupes}")
     return ev
-
-
-RFT_PRECISIONS = ("auto", "bf16", "fp32")
-RFT_KERNELS = ("auto", "fla", "torch")
-
-# RFT settings (statereduce.rft): the paper's defaults (App. A). The embedded tiny models override sizes and LR in
-# config.yaml.
-DEFAULT_RFT: dict[str, Any] = {
-    "lora": {"rank": 32, "alpha": 64, "dropout": 0.0},
-    "distill": {"temperature": 2.0, "kl_weight": 1.0, "lm_weight": 0.0},
-    "scope": "auto",  # auto (the adapter's default) | all | recurrent
-    "n_samples": 32000,
-    "seq_len": 2048,
-    "batch_size": 16,  # effective batch (sequences per optimizer step, over all processes)
-    "micro_batch_size": 1,  # sequences per forward pass; batch_size / (micro_batch_size * processes) accumulate
-    "lr": 1e-4,
-    "min_lr": 1e-5,
-    "warmup_frac": 0.05,
-    "weight_decay": 0.0,
-    "betas": [0.9, 0.999],
-    "grad_clip": 1.0,
-    "precision": "auto",  # auto: bf16 autocast on CUDA, fp32 on CPU
-    "kernels": "auto",  # the adapter's backward_kernels: torch where fla refuses the family's backward, else fla
-    "seed": 0,
-    "log_every": 10,
-    "save_every": 100,  # optimizer steps between resume checkpoints
-}
-_RFT_NESTED = ("lora", "distill")
-
-
-def rft_settings(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """:data:`DEFAULT_RFT` updated by ``overrides`` (``lora`` / ``distill`` merged key by key), checked.
-
-    Raises:
-        ValueError: one line naming the bad key or value and what is valid.
-    """
-    overrides = dict(overrides or {})
-    bad = sorted(set(overrides) - set(DEFAULT_RFT))
-    if bad:
-        raise ValueError(f"unknown rft key(s) {bad}; valid: {', '.join(sorted(DEFAULT_RFT))}")
-    cfg = copy.deepcopy(DEFAULT_RFT)
-    for key, value in overrides.items():
-        if key in _RFT_NESTED:
-            bad = sorted(set(value) - set(DEFAULT_RFT[key]))
-            if bad:
-                raise ValueError(f"unknown rft.{key} key(s) {bad}; valid: {', '.join(sorted(DEFAULT_RFT[key]))}")
-            cfg[key].update(value)
-        else:
-            cfg[key] = value
-    for key in ("n_samples", "seq_len", "batch_size", "micro_batch_size", "log_every", "save_every"):
-        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1:
-            raise ValueError(f"rft {key} must be an integer >= 1, got {cfg[key]!r}")
-    if cfg["batch_size"] % cfg["micro_batch_size"]:
-        raise ValueError(
-            f"rft batch_size={cfg['batch_size']} is not a multiple of micro_batch_size={cfg['micro_batch_size']}"
-        )
-    if cfg["n_samples"] < cfg["batch_size"]:
-        raise ValueError(f"rft n_samples={cfg['n_samples']} is smaller than one batch (batch_size={cfg['batch_size']})")
-    if not 0 <= float(cfg["warmup_frac"]) < 1:
-        raise ValueError(f"rft warmup_frac must be in [0, 1), got {cfg['warmup_frac']!r}")
-    if cfg["kernels"] not in RFT_KERNELS:
-        raise ValueError(f"unknown rft kernels {cfg['kernels']!r}; valid: {', '.join(RFT_KERNELS)}")
-    if cfg["precision"] not in RFT_PRECISIONS:
-        raise ValueError(f"unknown rft precision {cfg['precision']!r}; valid: {', '.join(RFT_PRECISIONS)}")
-    lora, distill = cfg["lora"], cfg["distill"]
-    if int(lora["rank"]) < 1 or float(lora["alpha"]) <= 0 or not 0 <= float(lora["dropout"]) < 1:
-        raise ValueError(f"rft lora needs rank >= 1, alpha > 0, dropout in [0, 1); got {lora}")
-    if float(distill["temperature"]) <= 0:
-        raise ValueError(f"rft distill temperature must be > 0, got {distill['temperature']!r}")
-    if (
-        float(distill["kl_weight"]) < 0
-        or float(distill["lm_weight"]) < 0
-        or not (float(distill["kl_weight"]) or float(distill["lm_weight"]))
-    ):
-        raise ValueError(f"rft distill weights must be >= 0 and not both 0; got {distill}")
-    if float(cfg["lr"]) <= 0 or float(cfg["min_lr"]) < 0:
-        raise ValueError(f"rft lr must be > 0 and min_lr >= 0; got lr={cfg['lr']!r}, min_lr={cfg['min_lr']!r}")
-    cfg["betas"] = [float(b) for b in cfg["betas"]]
-    return cfg
-
-
-RFT_WORKFLOW_KEYS = ("activate", "corpus", "gpus")  # rft keys the workflow reads; the rest go to finetune
 
 
 def _merge_rft(base: dict, over: dict) -> dict:
@@ -268,78 +187,75 @@ def _merge_rft(base: dict, over: dict) -> dict:
     return out
 
 
-def model_rft(config: dict, model: str) -> dict:
+def model_rft(config: dict, model: str) -> RftPlan:
     """The RFT plan of ``model``: top-level ``rft`` updated by ``models.<model>.rft``.
 
     Returns:
-        ``{"activate": bool, "corpus": corpus name, "gpus": int, "settings": finetune overrides}``; the
-        corpus defaults to the model's calibration corpus.
+        The :class:`~statereduce.settings.RftPlan`: ``activate``, ``corpus`` (default: the model's calibration
+        corpus), ``gpus`` and ``settings``, the fine-tuning keys as configured (typed: ``plan.finetune``).
     """
     merged = _merge_rft(config.get("rft", {}), config["models"][model].get("rft", {}))
-    plan = {
-        "activate": merged.pop("activate", True),
-        "corpus": merged.pop("corpus", None),
-        "gpus": merged.pop("gpus", 1),
-    }
-    if plan["corpus"] is None:
-        plan["corpus"] = config["models"][model].get("calibration", {}).get("corpus")
-    plan["settings"] = merged
-    return canonical(plan)
+    workflow = {key: merged.pop(key) for key in RftPlan.WORKFLOW_KEYS if key in merged}
+    plan = RftPlan(**workflow, settings=canonical(merged))
+    if plan.corpus is None:
+        plan = plan.replace(corpus=config["models"][model].get("calibration", {}).get("corpus"))
+    return plan
 
 
-def check_rft(config: dict, model: str) -> dict:
-    """Validate the RFT plan of ``model`` (settings through :func:`rft_settings`)."""
+def check_rft(config: dict, model: str) -> RftPlan:
+    """Validate the RFT plan of ``model`` (its fine-tuning settings through ``plan.finetune``)."""
     plan = model_rft(config, model)
-    if not plan["activate"]:
+    if not plan.activate:
         return plan
-    if plan["corpus"] is None:
+    if plan.corpus is None:
         raise ConfigError(f"model {model!r} has no RFT corpus: set models.{model}.rft.corpus (or a calibration corpus)")
-    if plan["corpus"] not in config["corpora"]:
+    if plan.corpus not in config["corpora"]:
         raise ConfigError(
-            f"models.{model}.rft.corpus: unknown corpus {plan['corpus']!r}; "
+            f"models.{model}.rft.corpus: unknown corpus {plan.corpus!r}; "
             f"valid: {', '.join(sorted(config['corpora']))}"
         )
-    check_split(config, plan["corpus"], "train", f"models.{model}.rft", "RFT trains on it; set rft.corpus")
+    check_split(config, plan.corpus, "train", f"models.{model}.rft", "RFT trains on it; set rft.corpus")
     try:
-        rft_settings(plan["settings"])
+        RftSettings.from_dict(plan.settings)
     except ValueError as e:
         raise ConfigError(f"models.{model}.rft (with the top-level rft block): {e}") from None
     return plan
 
 
-RANK_DEFAULTS = {"n_samples": 4, "seq_len": 512, "skip": 128, "stride": 64, "seed": 0, "spectrum_head": [0, 0]}
-
-
-def model_rank(config: dict, model: str) -> dict:
-    """Rank-analysis settings of ``model``: defaults, top-level ``rank``, then ``models.<model>.rank``.
+def model_rank(config: dict, model: str) -> RankSettings:
+    """Rank-analysis settings of ``model``: :class:`~statereduce.settings.RankSettings` updated by the top-level
+    ``rank`` block, then by ``models.<model>.rank``.
 
     The corpus (whose ``heldout`` split is analysed) defaults to the evaluation's (:func:`model_eval_corpus`).
     """
     m = config["models"][model]
-    out = {**RANK_DEFAULTS, **config.get("rank", {}), **m.get("rank", {})}
-    if out.get("corpus") is None:
-        out["corpus"] = model_eval_corpus(config, model)
-    if out["corpus"] is None:
+    try:
+        out = RankSettings.from_dict({**config.get("rank", {}), **m.get("rank", {})})
+    except ValueError as e:
+        raise ConfigError(f"models.{model}.rank (with the top-level rank block): {e}") from None
+    if out.corpus is None:
+        out = out.replace(corpus=model_eval_corpus(config, model))
+    if out.corpus is None:
         raise ConfigError(f"model {model!r} has no corpus for the rank analysis: set models.{model}.rank.corpus")
-    if out["corpus"] not in config["corpora"]:
+    if out.corpus not in config["corpora"]:
         raise ConfigError(
-            f"models.{model}.rank.corpus: unknown corpus {out['corpus']!r}; "
+            f"models.{model}.rank.corpus: unknown corpus {out.corpus!r}; "
             f"valid: {', '.join(sorted(config['corpora']))}"
         )
-    if out["skip"] >= out["seq_len"]:
+    if out.skip >= out.seq_len:
         raise ConfigError(
-            f"rank.skip={out['skip']} must be smaller than rank.seq_len={out['seq_len']} (model {model!r})"
+            f"rank.skip={out.skip} must be smaller than rank.seq_len={out.seq_len} (model {model!r})"
         )
-    return canonical(out)
+    return out
 
 
-def model_speed(config: dict, model: str) -> dict:
+def model_speed(config: dict, model: str) -> SpeedPlan:
     """The speed-benchmark plan of ``model``: ``family``, ``arch`` and ``settings``.
 
     ``arch`` (the family's config keywords) is ``models.<model>.speed.arch``, else the ``pretrain.arch`` or
     ``init.arch`` of a model the workflow makes; speed runs use random weights of that shape, so they need no
-    checkpoint. ``settings`` are :data:`statereduce.speed.DEFAULT_SPEED` updated by the top-level ``speed`` block,
-    then by the model's own ``speed`` block (part blocks key by key).
+    checkpoint. ``settings`` are the top-level ``speed`` block updated by the model's own ``speed`` block (part
+    blocks key by key), which update :class:`~statereduce.settings.SpeedSettings` (``plan.speed``; checked here).
     """
     from statereduce.families import family_names, family_spec
 
@@ -365,7 +281,12 @@ def model_speed(config: dict, model: str) -> dict:
         raise ConfigError(f"models.{model}.speed.models: 'models' belongs to the top-level speed block only")
     for key, value in own.items():
         settings[key] = {**settings.get(key, {}), **value} if isinstance(value, dict) else value
-    return canonical({"family": m["family"], "arch": arch, "settings": settings})
+    plan = SpeedPlan(**canonical({"family": m["family"], "arch": arch, "settings": settings}))
+    try:
+        SpeedSettings.from_dict(plan.settings)
+    except ValueError as e:
+        raise ConfigError(f"models.{model}.speed (with the top-level speed block): {e}") from None
+    return plan
 
 
 def model_dims(config: dict, model: str) -> dict | None:
@@ -566,8 +487,7 @@ def check_convolution_study(config: dict, study: dict) -> list[tuple[str, str, f
     for share, model in study["models"].items():
         if model not in models:
             raise ConfigError(f"{where}.models.{share}: unknown model {model!r}; valid: {', '.join(sorted(models))}")
-        pre = models[model].get("pretrain")
-        trained = None if pre is None else pre.get("share_conv", "none")
+        trained = model_pretrain(config, model).share_conv if "pretrain" in models[model] else None
         if trained is not None and trained != share:
             raise ConfigError(f"{where}.models.{share}: model {model!r} trains with share_conv {trained!r}; valid: a "
                               f"model whose pretrain.share_conv is {share!r} (or a hub/local model)")
@@ -625,19 +545,32 @@ def check_local(model: str, path: str | None) -> None:
                       "and its weights")
 
 
-def check_share_conv(model: str, m: dict) -> None:
+def model_pretrain(config: dict, model: str) -> PretrainSettings:
+    """The ``pretrain`` block of ``model`` (a model the workflow trains), typed: its ``train`` and ``recall_mix``
+    blocks update :class:`~statereduce.settings.TrainSettings` and :class:`~statereduce.settings.RecallMixSettings`.
+    The pretrain rule's params stay the block as configured (defaults are filled in the job), so that a model
+    without ``share_conv`` or ``recall_mix`` keeps the params it had.
+
+    Raises:
+        ConfigError: one line naming the model, the bad key or value and what is valid.
+    """
+    try:
+        return PretrainSettings.from_dict(config["models"][model]["pretrain"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"models.{model}.pretrain: {e}") from None
+
+
+def check_share_conv(model: str, family: str, pretrain: PretrainSettings) -> None:
     """Check ``models.<model>.pretrain.share_conv`` (paper App. B.5, Table 14): tied q/k conv filters need a family
-    with q and k short convolutions in modules of their own (:mod:`statereduce.adapters.conv_sharing`). Absent, it
-    is ``none`` and not filled in, so the pretrain rule's params of models without it stay as they were.
+    with q and k short convolutions in modules of their own (:mod:`statereduce.adapters.conv_sharing`).
 
     Raises:
         ConfigError: one line naming the model, the value and what is valid.
     """
     from statereduce.families import check_share_conv as check
 
-    share = m["pretrain"].get("share_conv", "none")
     try:
-        check(m["family"], share, m["pretrain"]["arch"])
+        check(family, pretrain.share_conv, pretrain.arch)
     except ValueError as e:
         raise ConfigError(f"models.{model}.pretrain.share_conv: {e}") from None
 
@@ -675,10 +608,8 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
                 except ValueError as e:
                     raise ConfigError(f"models.{name}.{block}.arch: {e}") from None
         if "pretrain" in m:
-            check_share_conv(name, m)
-        m.setdefault("dtype", "float32")
-        m.setdefault("device", "cpu")
-        m.setdefault("threads", DEFAULT_THREADS[m["device"]])
+            check_share_conv(name, m["family"], model_pretrain(cfg, name))
+        m.update(DeviceSettings.from_dict({k: m[k] for k in DeviceSettings.field_names() if k in m}).to_dict())
         check_local(name, m.get("local"))
         if m.get("local"):
             check_checkpoint_family(name, m["family"], "local", m["local"])
@@ -693,7 +624,7 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
                 )
     for name in cfg["models"]:
         cal = model_calibration(cfg, name)
-        check_split(cfg, cal["corpus"], cal["split"], f"models.{name}.calibration",
+        check_split(cfg, cal.corpus, cal.split, f"models.{name}.calibration",
                     "calibration reads it; set calibration.split")
         check_eval(cfg, name)
         check_rft(cfg, name)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,42 +29,8 @@ from tqdm import tqdm
 from statereduce.data import corpus_provenance, load_split, token_stream
 from statereduce.models import build_random, save_checkpoint, tiny_config
 from statereduce.runtime import atomic_dir, lr_at, seed_everything, versions, write_json  # noqa: F401  (lr_at re-exported)
+from statereduce.settings import SHARE_CONV_DEFAULT, RecallMixSettings, TrainSettings
 from statereduce.tokenizer import byte_level_tokenizer
-
-# Defaults, tuned for the embedded tiny models (hidden 128, 4 layers, 2 heads, d_k = d_v = 64, ~1.1M parameters)
-# on the embedded corpus: 700 steps x 4 x 128 = 358k tokens take ~150 s (DeltaNet) / ~165 s (Gated DeltaNet) on
-# one CPU thread and reach held-out losses of ~1.95 / ~1.64 nats per byte (uniform: ln 257 = 5.55). Measured
-# against batch 8 / 16 with fewer steps, seq_len 256, and lr 2e-3 / 6e-3 at the same token budget: more, smaller
-# steps won; lr 6e-3 hurt DeltaNet.
-DEFAULT_TRAIN: dict[str, Any] = {
-    "steps": 700,
-    "batch_size": 4,
-    "seq_len": 128,
-    "lr": 3e-3,
-    "min_lr": None,
-    "weight_decay": 0.1,
-    "betas": (0.9, 0.95),
-    "warmup": 50,
-    "grad_clip": 1.0,
-    "seed": 0,
-    "threads": 1,
-    "log_every": 10,
-    "eval_blocks": 16,
-}
-
-
-def _train_cfg(train_cfg: dict[str, Any]) -> dict[str, Any]:
-    bad = sorted(set(train_cfg) - set(DEFAULT_TRAIN))
-    if bad:
-        raise ValueError(f"unknown train key(s) {bad}; valid: {', '.join(sorted(DEFAULT_TRAIN))}")
-    cfg = {**DEFAULT_TRAIN, **train_cfg}
-    for key in ("steps", "batch_size", "seq_len", "threads", "log_every"):
-        if int(cfg[key]) < 1:
-            raise ValueError(f"train {key} must be >= 1, got {cfg[key]}")
-    if not 0 <= int(cfg["warmup"]) < int(cfg["steps"]):
-        raise ValueError(f"train warmup must be in [0, steps={cfg['steps']}), got {cfg['warmup']}")
-    cfg["betas"] = [float(b) for b in cfg["betas"]]
-    return cfg
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -108,11 +75,11 @@ def pretrain(
     family: str,
     arch: dict[str, Any],
     corpus_spec: dict[str, Any],
-    train_cfg: dict[str, Any],
+    train_cfg: TrainSettings | Mapping[str, Any],
     out_dir: str | Path,
     log_path: str | Path | None = None,
-    recall_mix: dict[str, Any] | None = None,
-    share_conv: str = "none",
+    recall_mix: RecallMixSettings | Mapping[str, Any] | None = None,
+    share_conv: str = SHARE_CONV_DEFAULT,
 ) -> dict[str, Any]:
     """Train a tiny stock model of ``family`` from scratch and save it as an HF checkpoint folder.
 
@@ -138,15 +105,15 @@ def pretrain(
             expand_v, ...).
         corpus_spec: a corpus spec (:func:`statereduce.data.load_split`); its ``train`` split is used for
             training, a few ``calib`` / ``heldout`` blocks for the final losses.
-        train_cfg: overrides of :data:`DEFAULT_TRAIN`: steps, batch_size, seq_len, lr, min_lr,
-            weight_decay, betas, warmup, grad_clip, seed, threads (``torch.set_num_threads``), log_every,
-            eval_blocks.
+        train_cfg: the optimisation (:class:`~statereduce.settings.TrainSettings`: steps, batch_size, seq_len, lr,
+            min_lr, weight_decay, betas, warmup, grad_clip, seed, threads (``torch.set_num_threads``), log_every,
+            eval_blocks); a mapping updates its defaults.
         out_dir: the checkpoint folder to create (replaced if it exists); written to a temporary sibling
             and renamed, so it is never half-written.
         log_path: optional extra JSONL file receiving the training log lines (the checkpoint always holds
             ``train_log.jsonl``).
-        recall_mix: optional ``{fraction, n_pairs, seed, pure_steps, pure_lr}``
-            (:func:`statereduce.eval.recall.recall_mix_settings`); ``None`` trains on the corpus alone.
+        recall_mix: recall documents mixed in (:class:`~statereduce.settings.RecallMixSettings`: fraction, n_pairs,
+            seed, pure_steps, pure_lr; a mapping updates its defaults); ``None`` trains on the corpus alone.
         share_conv: ``"none"`` (stock convolutions), ``"head"`` or ``"all"``; only for families with q and k short
             convolutions in modules of their own (DeltaNet, Gated DeltaNet).
 
@@ -163,38 +130,38 @@ def pretrain(
     from statereduce.families import check_share_conv
 
     family_adapter = adapter_class(family)
-    cfg = _train_cfg(train_cfg)
+    cfg = TrainSettings.coerce(train_cfg)
     check_share_conv(family, share_conv, arch)
-    mix = _mix_settings(recall_mix)
+    mix = None if recall_mix is None else RecallMixSettings.coerce(recall_mix)
     family_adapter.install_fallbacks()
-    torch.set_num_threads(int(cfg["threads"]))
-    seed = int(cfg["seed"])
+    torch.set_num_threads(int(cfg.threads))
+    seed = int(cfg.seed)
     seed_everything(seed)
     tokenizer = byte_level_tokenizer()
     config = tiny_config(family, arch)
-    stream, mix = _training_stream(tokenizer, corpus_spec, mix)
+    stream, mix_record = _training_stream(tokenizer, corpus_spec, mix)
     pure = _recall_phase(tokenizer, cfg, mix)
-    if stream.numel() < int(cfg["seq_len"]) + 1:
-        raise ValueError(f"train split too small: {stream.numel()} tokens for seq_len={cfg['seq_len']}")
+    if stream.numel() < int(cfg.seq_len) + 1:
+        raise ValueError(f"train split too small: {stream.numel()} tokens for seq_len={cfg.seq_len}")
     model = family_adapter.build(config, dtype=torch.float32)
     untie = tie_qk_convs(family_adapter(model), share_conv)  # "none": nothing changes
 
     with atomic_dir(out_dir) as tmp:
         log_paths = [tmp / "train_log.jsonl"] + ([Path(log_path)] if log_path is not None else [])
-        stats = _train_phases(model, stream, cfg, pure, mix, log_paths, family)
+        stats = _train_phases(model, stream, cfg, pure, mix_record, log_paths, family)
         untie()
         model.eval()
         record = {
             "family": family,
             "arch": dict(arch),
             "n_params": sum(p.numel() for p in model.parameters()),
-            "train": cfg,
+            "train": cfg.to_dict(),
             "corpus": corpus_provenance(corpus_spec),
-            **({"recall_mix": mix} if mix is not None else {}),
+            **({"recall_mix": mix_record} if mix_record is not None else {}),
             "share_conv": share_conv,
             **stats,
             "eval_loss": _eval_losses(model, tokenizer, corpus_spec, cfg),
-            "eval_blocks": {"n": int(cfg["eval_blocks"]), "seq_len": int(cfg["seq_len"]), "seed": seed},
+            "eval_blocks": {"n": int(cfg.eval_blocks), "seq_len": int(cfg.seq_len), "seed": seed},
             "loss_unit": "nats per token (byte-level tokenizer: nats per byte)",
             "versions": versions(),
         }
@@ -250,70 +217,62 @@ def init_random(
     return record
 
 
-def _mix_settings(recall_mix: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``recall_mix`` completed and checked (:func:`statereduce.eval.recall.recall_mix_settings`), or None."""
-    if recall_mix is None:
-        return None
-    from statereduce.eval.recall import recall_mix_settings
-
-    return recall_mix_settings(recall_mix)
-
-
 def _eval_losses(model: torch.nn.Module, tokenizer, corpus_spec: dict[str, Any],
-                 cfg: dict[str, Any]) -> dict[str, float | None]:
+                 cfg: TrainSettings) -> dict[str, float | None]:
     """Mean loss on ``eval_blocks`` seeded blocks of the ``calib`` and ``heldout`` splits (None for a split
     without a full block)."""
     losses: dict[str, float | None] = {}
     for split in ("calib", "heldout"):
-        blocks = _eval_blocks(tokenizer, corpus_spec, split, int(cfg["eval_blocks"]), int(cfg["seq_len"]),
-                              int(cfg["seed"]))
+        blocks = _eval_blocks(tokenizer, corpus_spec, split, int(cfg.eval_blocks), int(cfg.seq_len), int(cfg.seed))
         losses[split] = None if blocks is None else mean_loss(model, blocks)
     return losses
 
 
 def _training_stream(tokenizer, corpus_spec: dict[str, Any],
-                     mix: dict[str, Any] | None) -> tuple[torch.Tensor, dict[str, Any] | None]:
+                     mix: RecallMixSettings | None) -> tuple[torch.Tensor, dict[str, Any] | None]:
     """The token stream of the ``train`` split's documents, with ``mix``'s recall documents inserted among them.
 
     Returns:
-        ``(stream, mix)``; ``mix`` gains ``n_docs`` (recall documents) and ``byte_share`` (their share of the
-        training text's bytes), or stays None.
+        ``(stream, record)``: ``record`` is ``mix`` as a dict plus ``n_docs`` (recall documents) and ``byte_share``
+        (their share of the training text's bytes); None without ``mix``.
     """
     docs = load_split(corpus_spec, "train")
+    record = None
     if mix is not None:
         from statereduce.eval.recall import joined_bytes, mix_recall_docs
 
         corpus_bytes = sum(map(joined_bytes, docs))
-        docs, n_recall = mix_recall_docs(docs, mix["fraction"], mix["n_pairs"], mix["seed"])
+        docs, n_recall = mix_recall_docs(docs, mix.fraction, mix.n_pairs, mix.seed)
         byte_share = 1.0 - corpus_bytes / sum(map(joined_bytes, docs))
-        mix = {**mix, "n_docs": n_recall, "byte_share": byte_share}
-    return token_stream(tokenizer, docs), mix
+        record = {**mix.to_dict(), "n_docs": n_recall, "byte_share": byte_share}
+    return token_stream(tokenizer, docs), record
 
 
-def _recall_phase(tokenizer, cfg: dict[str, Any], mix: dict[str, Any] | None) -> tuple[torch.Tensor, dict] | None:
-    """``(stream, train config)`` of the recall-only first phase (``mix["pure_steps"]`` steps at peak
-    ``pure_lr``, the corpus phase's warmup, cosine to a tenth), or None without one."""
-    n_pure = 0 if mix is None else int(mix["pure_steps"])
+def _recall_phase(tokenizer, cfg: TrainSettings,
+                  mix: RecallMixSettings | None) -> tuple[torch.Tensor, TrainSettings] | None:
+    """``(stream, train settings)`` of the recall-only first phase (``mix.pure_steps`` steps at peak ``pure_lr``,
+    the corpus phase's warmup, cosine to a tenth), or None without one."""
+    n_pure = 0 if mix is None else int(mix.pure_steps)
     if n_pure <= 0:
         return None
     from statereduce.eval.recall import recall_stream_docs
 
-    pure_cfg = {**cfg, "steps": n_pure, "lr": mix["pure_lr"], "min_lr": None, "warmup": min(cfg["warmup"], n_pure - 1)}
-    pure_docs = recall_stream_docs(n_pure * int(cfg["batch_size"]) * int(cfg["seq_len"]), mix["n_pairs"], mix["seed"])
+    pure_cfg = cfg.replace(steps=n_pure, lr=mix.pure_lr, min_lr=None, warmup=min(cfg.warmup, n_pure - 1))
+    pure_docs = recall_stream_docs(n_pure * int(cfg.batch_size) * int(cfg.seq_len), mix.n_pairs, mix.seed)
     return token_stream(tokenizer, pure_docs), pure_cfg
 
 
-def _train_phases(model: torch.nn.Module, stream: torch.Tensor, cfg: dict[str, Any], pure: tuple | None,
+def _train_phases(model: torch.nn.Module, stream: torch.Tensor, cfg: TrainSettings, pure: tuple | None,
                   mix: dict[str, Any] | None, log_paths: list[Path], family: str) -> dict[str, Any]:
     """Run the recall-only phase ``pure`` (when given), then the corpus phase, logging both to ``log_paths``.
 
     Returns:
         The corpus phase's :func:`train_loop` statistics, with tokens and times covering both phases; the
-        recall phase's seconds go to ``mix["pure_seconds"]``.
+        recall phase's seconds go to ``mix["pure_seconds"]`` (``mix``: the recall mix's record).
     """
     if pure is None:
         return train_loop(model, stream, cfg, log_paths, f"pretrain {family}", step_offset=0, append=False)
-    n_pure = int(pure[1]["steps"])
+    n_pure = int(pure[1].steps)
     pure_stats = train_loop(model, pure[0], pure[1], log_paths, desc=f"pretrain {family} (recall only)")
     mix["pure_seconds"] = pure_stats["train_seconds"]
     stats = train_loop(model, stream, cfg, log_paths, f"pretrain {family}", step_offset=n_pure, append=True)
@@ -326,16 +285,16 @@ def _train_phases(model: torch.nn.Module, stream: torch.Tensor, cfg: dict[str, A
 def train_loop(
     model: torch.nn.Module,
     stream: torch.Tensor,
-    cfg: dict[str, Any],
+    cfg: TrainSettings,
     log_paths: list[Path],
     desc: str = "pretrain",
     step_offset: int = 0,
     append: bool = False,
 ) -> dict[str, Any]:
-    """The optimisation loop of :func:`pretrain` (``cfg`` already completed by defaults).
+    """The optimisation loop of :func:`pretrain`.
 
     Each step reads ``batch_size`` windows of ``seq_len`` tokens of ``stream`` at offsets drawn from a
-    generator seeded with ``cfg["seed"]``. Each call builds a fresh AdamW and follows the schedule of
+    generator seeded with ``cfg.seed``. Each call builds a fresh AdamW and follows the schedule of
     ``cfg``, so a second call is a second training phase. Writes a JSONL line every ``log_every`` steps
     (and at the last step) to each of ``log_paths``: step (plus ``step_offset``), mean loss since the
     previous line, lr, grad norm, tokens/s, elapsed wall and process-CPU seconds; ``append`` appends to
@@ -345,12 +304,10 @@ def train_loop(
         ``final_train_loss`` (mean loss of the last logged window), ``train_tokens``, ``train_seconds``,
         ``train_cpu_seconds``, ``tokens_per_s``.
     """
-    batch_size, seq_len, steps = int(cfg["batch_size"]), int(cfg["seq_len"]), int(cfg["steps"])
+    batch_size, seq_len, steps = int(cfg.batch_size), int(cfg.seq_len), int(cfg.steps)
     model.train()
-    opt = torch.optim.AdamW(
-        _param_groups(model, float(cfg["weight_decay"])), lr=lr_at(0, cfg), betas=tuple(cfg["betas"])
-    )
-    batch_gen = torch.Generator().manual_seed(int(cfg["seed"]))
+    opt = torch.optim.AdamW(_param_groups(model, float(cfg.weight_decay)), lr=lr_at(0, cfg), betas=tuple(cfg.betas))
+    batch_gen = torch.Generator().manual_seed(int(cfg.seed))
     offsets = torch.arange(seq_len)
     for p in log_paths:
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -372,10 +329,10 @@ def train_loop(
                 raise FloatingPointError(f"non-finite training loss {float(loss)} at step {step}")
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg["grad_clip"]))
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg.grad_clip))
             opt.step()
             recent.append(loss.item())
-            if (step + 1) % int(cfg["log_every"]) == 0 or step + 1 == steps:
+            if (step + 1) % int(cfg.log_every) == 0 or step + 1 == steps:
                 now = time.perf_counter()
                 rec = {
                     "step": step_offset + step + 1,

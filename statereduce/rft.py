@@ -34,7 +34,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,17 @@ from torch import nn
 from tqdm import tqdm
 
 from statereduce.adapters.conv_sharing import model_conv_sharing, tie_qk_convs, untie_convs
-from statereduce.config import rft_settings
-from statereduce.runtime import atomic_dir, atomic_file, jsonable, lr_at, read_json, seed_everything, write_json
+from statereduce.runtime import (
+    Schedule,
+    atomic_dir,
+    atomic_file,
+    jsonable,
+    lr_at,
+    read_json,
+    seed_everything,
+    write_json,
+)
+from statereduce.settings import EvalSettings, RftPlan, RftSettings
 
 RECORD_FILE = "rft_record.json"
 LOG_FILE = "train_log.jsonl"
@@ -56,15 +65,15 @@ class _Stop(Exception):
     """Raised by a ``stop_after`` test hook to simulate a killed run."""
 
 
-def n_steps(cfg: dict[str, Any]) -> int:
+def n_steps(cfg: RftSettings) -> int:
     """Optimizer steps of a run: ``n_samples // batch_size`` (one pass over the samples)."""
-    return cfg["n_samples"] // cfg["batch_size"]
+    return cfg.n_samples // cfg.batch_size
 
 
-def _schedule(cfg: dict[str, Any]) -> dict[str, Any]:
+def _schedule(cfg: RftSettings) -> Schedule:
     steps = n_steps(cfg)
-    warmup = min(round(cfg["warmup_frac"] * steps), steps - 1)
-    return {"lr": cfg["lr"], "min_lr": cfg["min_lr"], "warmup": warmup, "steps": steps}
+    warmup = min(round(cfg.warmup_frac * steps), steps - 1)
+    return Schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup=warmup, steps=steps)
 
 
 # ---- data -------------------------------------------------------------------------------------------
@@ -143,8 +152,9 @@ def rft_modules(model: nn.Module, scope: str = "auto") -> tuple[list[str], list[
     return lora, full, scope
 
 
-def attach_lora(model: nn.Module, cfg: dict[str, Any]):
-    """Wrap ``model`` in a peft LoRA model per ``cfg`` (:func:`rft_settings`); only RFT parameters train.
+def attach_lora(model: nn.Module, cfg: RftSettings):
+    """Wrap ``model`` in a peft LoRA model per ``cfg`` (:class:`~statereduce.settings.RftSettings`: ``scope``,
+    ``lora``); only RFT parameters train.
 
     Returns:
         (peft model, ``{"lora_targets", "trained_fully", "scope", "conv_sharing"}``): ``conv_sharing`` is how the
@@ -155,7 +165,7 @@ def attach_lora(model: nn.Module, cfg: dict[str, Any]):
 
     from statereduce.adapters import get_adapter
 
-    lora_targets, full, scope = rft_modules(model, cfg["scope"])
+    lora_targets, full, scope = rft_modules(model, cfg.scope)
     adapter = get_adapter(model)
     model._statereduce_refuse = adapter.unfuse_for_lora()  # merge() restores the fused kernels
     # shared q/k filters (pretrain.share_conv) stay tied while they train; merge() unties them
@@ -164,9 +174,9 @@ def attach_lora(model: nn.Module, cfg: dict[str, Any]):
     for p in model.parameters():
         p.requires_grad_(False)
     lcfg = LoraConfig(
-        r=int(cfg["lora"]["rank"]),
-        lora_alpha=float(cfg["lora"]["alpha"]),
-        lora_dropout=float(cfg["lora"]["dropout"]),
+        r=int(cfg.lora.rank),
+        lora_alpha=float(cfg.lora.alpha),
+        lora_dropout=float(cfg.lora.dropout),
         target_modules=lora_targets,
         modules_to_save=full,
         bias="none",
@@ -232,7 +242,7 @@ def train(
     student,
     teacher: nn.Module,
     blocks: torch.Tensor,
-    cfg: dict[str, Any],
+    cfg: RftSettings,
     *,
     resume_dir: str | Path | None = None,
     log_path: str | Path | None = None,
@@ -252,29 +262,34 @@ def train(
         student: peft-wrapped pruned model (:func:`attach_lora`).
         teacher: the unpruned model (frozen; run without gradients).
         blocks: LongTensor ``[n_samples, seq_len]`` (:func:`training_blocks`).
-        cfg: :func:`rft_settings` output.
+        cfg: the RFT settings (:class:`~statereduce.settings.RftSettings`).
         resume_dir: folder for ``resume.pt``; when it holds one, training continues from it.
         log_path: the JSONL log (rewritten from the resume state's lines, then appended).
         accelerator: an ``accelerate.Accelerator``; a default single-process one when None.
         stop_after: test hook: raise after this many optimizer steps (after any checkpoint at that step).
 
     Returns:
-        Training statistics: steps, tokens, seconds, tokens/s, final loss/KL/CE, resumed_from, and on CUDA each
+        Training statistics: steps, tokens, seconds, tokens/s, final loss/KL/CE, resumed_from, the micro-batch size
+        used (with ``micro_batch_probe`` when it was ``auto`` on a GPU: :func:`auto_micro_batch`), and on CUDA each
         process's peak allocated memory (``peak_memory_bytes``, by process index).
     """
     from accelerate import Accelerator
 
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     student, opt, params, steps, sched = _prepare_training(student, teacher, blocks, cfg, acc)
-    autocast = _autocast(cfg["precision"], acc.device)
+    autocast = _autocast(cfg.precision, acc.device)
     resume_file = Path(resume_dir) / RESUME_FILE if resume_dir is not None else None
     start_step, log_lines = _load_resume(resume_file, acc, student, opt)
-    bs, tokens_per_step = cfg["batch_size"], cfg["batch_size"] * blocks.shape[1]
+    bs, tokens_per_step = cfg.batch_size, cfg.batch_size * blocks.shape[1]
     student.train()
+    local = list(range(acc.process_index, bs, acc.num_processes))  # this process's positions within each batch
+    mbs, probe = cfg.micro_batch_size, None
+    if mbs == "auto":
+        mbs, probe = auto_micro_batch(student, teacher, blocks, cfg, acc, autocast, len(local))
+        opt.zero_grad(set_to_none=True)  # the probe's gradients are not training's
+    micro = [local[i : i + mbs] for i in range(0, len(local), mbs)]
     window: list[tuple[float, float, float]] = []
     t_start = t_window = time.perf_counter()
-    local = list(range(acc.process_index, bs, acc.num_processes))  # this process's positions within each batch
-    micro = [local[i : i + cfg["micro_batch_size"]] for i in range(0, len(local), cfg["micro_batch_size"])]
     with contextlib.ExitStack() as stack:
         log_file = _open_log(stack, log_path, acc, log_lines)
         bar = tqdm(range(start_step, steps), desc=desc, initial=start_step, total=steps, mininterval=5.0, unit="step",
@@ -284,13 +299,13 @@ def train(
             for group in opt.param_groups:
                 group["lr"] = lr
             totals = _accumulate_step(student, teacher, blocks, step, cfg, local, micro, acc, autocast)
-            grad_norm = acc.clip_grad_norm_(params, float(cfg["grad_clip"]))
+            grad_norm = acc.clip_grad_norm_(params, float(cfg.grad_clip))
             opt.step()
             opt.zero_grad(set_to_none=True)
             totals = acc.reduce(totals, reduction="mean")
             window.append(tuple(float(v) for v in totals))
             done = step + 1
-            if done % cfg["log_every"] == 0 or done == steps:
+            if done % cfg.log_every == 0 or done == steps:
                 now = time.perf_counter()
                 rec = _log_record(window, done, lr, grad_norm, tokens_per_step, now - t_window, now - t_start)
                 log_lines.append(rec)
@@ -299,14 +314,69 @@ def train(
                     log_file.flush()
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['kl']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 window, t_window = [], now
-            if resume_file is not None and (done % cfg["save_every"] == 0 and done < steps):
+            if resume_file is not None and (done % cfg.save_every == 0 and done < steps):
                 _checkpoint(resume_file, acc, student, opt, done, log_lines)
             if stop_after is not None and done >= stop_after:
                 raise _Stop(f"stopped after step {done} (test hook)")
-    return _train_stats(steps, start_step, tokens_per_step, time.perf_counter() - t_start, log_lines, acc)
+    stats = _train_stats(steps, start_step, tokens_per_step, time.perf_counter() - t_start, log_lines, acc)
+    return {**stats, "micro_batch_size": mbs, **({"micro_batch_probe": probe} if probe is not None else {})}
 
 
-def _prepare_training(student, teacher: nn.Module, blocks: torch.Tensor, cfg: dict[str, Any], acc):
+def auto_micro_batch(student, teacher: nn.Module, blocks: torch.Tensor, cfg: RftSettings, acc, autocast,
+                     n_local: int) -> tuple[int, dict[str, Any] | None]:
+    """``micro_batch_size: auto``: the largest divisor of ``n_local`` (this process's sequences per optimizer step)
+    whose micro-batches fit in the GPU's memory; 1 on a CPU, where a larger forward gains little.
+
+    On CUDA, one forward and backward of RFT's loss on 1 and on 2 sequences (the first of ``blocks``, gradients
+    not synchronised; the caller drops them) measure the peak memory a micro-batch adds per sequence and what it
+    needs besides; the choice keeps their sum within 85 % of what the device has free plus what this process
+    holds. A step is host-bound at small micro-batches (fla's and LoRA's per-call overhead), so throughput grows
+    with the micro-batch until the device is busy. Under several processes all take the smallest choice.
+
+    Returns:
+        ``(micro-batch size, probe record)``: bytes per sequence, fixed bytes and the budget (None on a CPU).
+    """
+    dev = acc.device
+    if dev.type != "cuda":
+        return 1, None
+    peaks: list[int] = []
+    for m in (1, 2)[: min(2, n_local)]:
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        try:
+            with acc.no_sync(student):
+                _micro_loss_backward(student, teacher, blocks[:m].to(dev), cfg, acc, autocast, 1.0)
+            torch.cuda.synchronize(dev)
+        except torch.OutOfMemoryError:
+            if m == 1:
+                raise
+            break
+        peaks.append(torch.cuda.max_memory_allocated(dev) - before)
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(dev)
+    budget = int(0.85 * (free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)))
+    mbs = fit_micro_batch(n_local, peaks, budget)
+    if acc.num_processes > 1:
+        mbs = int(acc.gather(torch.tensor([mbs], device=dev)).min())
+    per_seq = peaks[-1] - peaks[0] if len(peaks) == 2 else None
+    return mbs, {"peak_bytes": peaks, "bytes_per_sequence": per_seq, "budget_bytes": budget,
+                 "sequences_per_process": n_local}
+
+
+def fit_micro_batch(n_local: int, peaks: Sequence[int], budget: int) -> int:
+    """The largest divisor ``d`` of ``n_local`` with ``fixed + d * per_sequence <= budget``, from the peak bytes of a
+    micro-batch of 1 and of 2 sequences (``peaks``; ``per_sequence`` is their difference, ``fixed`` the rest of
+    the first); 1 when only the first was measured (2 did not fit, or ``n_local`` is 1)."""
+    if len(peaks) < 2:
+        return 1
+    per_seq = max(peaks[1] - peaks[0], 1)
+    fixed = max(peaks[0] - per_seq, 0)
+    return max([d for d in range(1, n_local + 1) if n_local % d == 0 and fixed + d * per_seq <= budget] or [1])
+
+
+def _prepare_training(student, teacher: nn.Module, blocks: torch.Tensor, cfg: RftSettings, acc):
     """Check the batch layout against ``blocks`` and the processes, build AdamW on the student's trainable
     parameters, let ``acc`` wrap student and optimizer, and freeze the teacher on the device.
 
@@ -314,15 +384,17 @@ def _prepare_training(student, teacher: nn.Module, blocks: torch.Tensor, cfg: di
         ``(student, optimizer, trainable parameters, steps, schedule)``.
     """
     world = acc.num_processes
-    bs, mbs = cfg["batch_size"], cfg["micro_batch_size"]
-    if bs % (mbs * world):
+    bs, mbs = cfg.batch_size, cfg.micro_batch_size
+    if mbs == "auto" and bs % world:
+        raise ValueError(f"rft batch_size={bs} is not divisible by processes={world}")
+    if mbs != "auto" and bs % (mbs * world):
         raise ValueError(f"rft batch_size={bs} is not divisible by micro_batch_size={mbs} x processes={world}")
     steps, sched = n_steps(cfg), _schedule(cfg)
     if blocks.shape[0] < steps * bs:
         raise ValueError(f"{blocks.shape[0]} samples for {steps} steps of batch {bs}")
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
-        params, lr=lr_at(0, sched), betas=tuple(cfg["betas"]), weight_decay=float(cfg["weight_decay"])
+        params, lr=lr_at(0, sched), betas=tuple(cfg.betas), weight_decay=float(cfg.weight_decay)
     )
     student, opt = acc.prepare(student, opt)
     teacher.to(acc.device).eval()
@@ -376,7 +448,7 @@ def _open_log(stack: contextlib.ExitStack, log_path: str | Path | None, acc, log
     return log_file
 
 
-def _accumulate_step(student, teacher: nn.Module, blocks: torch.Tensor, step: int, cfg: dict[str, Any],
+def _accumulate_step(student, teacher: nn.Module, blocks: torch.Tensor, step: int, cfg: RftSettings,
                      local: list[int], micro: list[list[int]], acc, autocast) -> torch.Tensor:
     """Forward and backward passes of this process's micro-batches of optimizer step ``step``, gradients
     accumulated (synchronised across processes on the last micro-batch only).
@@ -384,25 +456,33 @@ def _accumulate_step(student, teacher: nn.Module, blocks: torch.Tensor, step: in
     Returns:
         ``[loss, kl, ce]`` of this process's share of the batch (each micro-batch weighted by its share).
     """
-    bs, dist = cfg["batch_size"], cfg["distill"]
+    bs = cfg.batch_size
     totals = torch.zeros(3, device=acc.device)
     for j, idx in enumerate(micro):
         x = blocks[[step * bs + i for i in idx]].to(acc.device)
         sync = contextlib.nullcontext() if j == len(micro) - 1 else acc.no_sync(student)
+        share = len(idx) / len(local)
         with sync:
-            with torch.no_grad(), autocast:
-                t_logits = teacher(input_ids=x).logits
-            with autocast:
-                s_logits = student(input_ids=x).logits
-            loss, kl, ce = distill_loss(
-                s_logits, t_logits, x, dist["temperature"], dist["kl_weight"], dist["lm_weight"]
-            )
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite RFT loss {float(loss)} at step {step}")
-            share = len(idx) / len(local)
-            acc.backward(loss * share)
-        totals += torch.stack([loss.detach(), kl, ce]) * share
+            loss, kl, ce = _micro_loss_backward(student, teacher, x, cfg, acc, autocast, share, step)
+        totals += torch.stack([loss, kl, ce]) * share
     return totals
+
+
+def _micro_loss_backward(student, teacher: nn.Module, x: torch.Tensor, cfg: RftSettings, acc, autocast,
+                         share: float, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The teacher's forward, the student's forward and backward of ``share`` times RFT's loss on the micro-batch
+    ``x``. Returns the detached (loss, kl, ce)."""
+    dist = cfg.distill
+    with torch.no_grad(), autocast:
+        t_logits = teacher(input_ids=x).logits
+    with autocast:
+        s_logits = student(input_ids=x).logits
+    loss, kl, ce = distill_loss(s_logits, t_logits, x, dist.temperature, dist.kl_weight, dist.lm_weight)
+    if not torch.isfinite(loss):
+        where = f" at step {step}" if step is not None else " (micro-batch probe)"
+        raise FloatingPointError(f"non-finite RFT loss {float(loss)}{where}")
+    acc.backward(loss * share)
+    return loss.detach(), kl, ce
 
 
 def _train_stats(steps: int, start_step: int, tokens_per_step: int, seconds: float, log_lines: list[dict],
@@ -452,7 +532,7 @@ def _autocast(precision: str, device: torch.device):
 
 
 # ---- the stage --------------------------------------------------------------------------------------
-def fingerprint(pruned_dir: str | Path, base_dir: str | Path, cfg: dict[str, Any], data: dict[str, Any]) -> str:
+def fingerprint(pruned_dir: str | Path, base_dir: str | Path, cfg: RftSettings, data: dict[str, Any]) -> str:
     """What a resume checkpoint belongs to: the pruned and base artifacts' records and the settings."""
     h = hashlib.sha256()
     for path in (Path(pruned_dir) / "config.json", Path(pruned_dir) / "prune_record.json"):
@@ -460,7 +540,7 @@ def fingerprint(pruned_dir: str | Path, base_dir: str | Path, cfg: dict[str, Any
     for name in ("pretrain.json", "init.json", "source.json", "config.json"):
         path = Path(base_dir) / name
         h.update(path.read_bytes() if path.is_file() else b"-")
-    h.update(json.dumps(jsonable({"cfg": cfg, "data": data}), sort_keys=True).encode())
+    h.update(json.dumps(jsonable({"cfg": cfg.to_dict(), "data": data}), sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
@@ -468,7 +548,7 @@ def fine_tune(
     pruned_dir: str | Path,
     base_dir: str | Path,
     out_dir: str | Path,
-    cfg: dict[str, Any],
+    cfg: RftSettings | Mapping[str, Any],
     corpus_spec: dict[str, Any],
     *,
     exclude_docs: Sequence[str] = (),
@@ -489,7 +569,7 @@ def fine_tune(
         pruned_dir: the pruned checkpoint (``results/{model}/{method}_{pct}/pruned``).
         base_dir: the unpruned model's base artifact (teacher).
         out_dir: the RFT checkpoint folder to create.
-        cfg: :func:`rft_settings` output.
+        cfg: the RFT settings (:class:`~statereduce.settings.RftSettings`; a mapping updates its defaults).
         corpus_spec: corpus of the training samples (its ``train`` split).
         exclude_docs: held-out evaluation documents, never trained on.
         dtype: dtype of the saved checkpoint (training keeps float32 weights; bf16 autocast on CUDA).
@@ -511,7 +591,7 @@ def fine_tune(
     from statereduce.checkpoints import checkpoint_provenance
     from statereduce.models import DTYPES
 
-    cfg = rft_settings(cfg)
+    cfg = RftSettings.coerce(cfg)
     out_dir = Path(out_dir)
     cpu = torch.device(device).type == "cpu"
     if not cpu and not torch.cuda.is_available():  # accelerate would quietly train on the CPU
@@ -522,12 +602,12 @@ def fine_tune(
     if acc.num_processes != world:  # each process would train alone and write out_dir
         raise RuntimeError(f"torchrun started {world} processes but accelerate joined {acc.num_processes} "
                            f"(distributed type {acc.distributed_type}); every process would write {out_dir}")
-    seed_everything(int(cfg["seed"]))
+    seed_everything(int(cfg.seed))
     teacher, student, tokenizer, kernels = _load_pair(base_dir, pruned_dir, cfg, cpu, acc)
     blocks, data = _rft_data(tokenizer, corpus_spec, cfg, exclude_docs)
     key = fingerprint(pruned_dir, base_dir, cfg, data)
     resume = _resume_folder(resume_dir, key, acc)
-    seed_everything(int(cfg["seed"]))  # LoRA's initialisation
+    seed_everything(int(cfg.seed))  # LoRA's initialisation
     peft_model, modules = attach_lora(student, cfg)
     n_trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     with contextlib.ExitStack() as stack:
@@ -539,8 +619,8 @@ def fine_tune(
         del teacher
         base = checkpoint_provenance(base_dir)  # the teacher's checkpoint; a local one with its files' SHA-256
         record = {
-            "settings": cfg,
-            "schedule": _schedule(cfg),
+            "settings": cfg.to_dict(),
+            "schedule": _schedule(cfg).to_dict(),
             "modules": modules,
             "n_trainable": n_trainable,
             "data": data,
@@ -564,10 +644,10 @@ def fine_tune(
     return record
 
 
-def _load_pair(base_dir: str | Path, pruned_dir: str | Path, cfg: dict[str, Any], cpu: bool, acc):
+def _load_pair(base_dir: str | Path, pruned_dir: str | Path, cfg: RftSettings, cpu: bool, acc):
     """``(teacher, student, tokenizer, kernels)`` on this process's device: the teacher in float32 on CPU and
     bfloat16 on GPU, the student in float32. ``kernels`` is what the student's backward uses
-    (the adapter's ``route_backward`` of ``cfg["kernels"]``: with ``torch`` fla's ops go to the torch fallbacks on
+    (the adapter's ``route_backward`` of ``cfg.kernels``: with ``torch`` fla's ops go to the torch fallbacks on
     CUDA too)."""
     from statereduce.models import load_model
 
@@ -576,10 +656,10 @@ def _load_pair(base_dir: str | Path, pruned_dir: str | Path, cfg: dict[str, Any]
     student, _ = load_model(pruned_dir, dtype="float32", device=here)
     from statereduce.adapters import get_adapter
 
-    return teacher, student, tokenizer, get_adapter(student).route_backward(cfg["kernels"])
+    return teacher, student, tokenizer, get_adapter(student).route_backward(cfg.kernels)
 
 
-def _rft_data(tokenizer, corpus_spec: dict[str, Any], cfg: dict[str, Any],
+def _rft_data(tokenizer, corpus_spec: dict[str, Any], cfg: RftSettings,
               exclude_docs: Sequence[str]) -> tuple[torch.Tensor, dict[str, Any]]:
     """The training blocks of ``corpus_spec``'s ``train`` split (:func:`training_blocks`) and their record."""
     from statereduce.data import corpus_provenance, load_split
@@ -587,9 +667,9 @@ def _rft_data(tokenizer, corpus_spec: dict[str, Any], cfg: dict[str, Any],
     corpus_spec = dict(corpus_spec)
     if corpus_spec.get("source") == "hf" and corpus_spec.get("max_bytes") is None:
         # read a bounded prefix of a large hub split: 8 bytes per token is generous for BPE tokenizers on text
-        corpus_spec["max_bytes"] = 8 * cfg["n_samples"] * cfg["seq_len"]
+        corpus_spec["max_bytes"] = 8 * cfg.n_samples * cfg.seq_len
     blocks, data_info = training_blocks(
-        tokenizer, load_split(corpus_spec, "train"), cfg["n_samples"], cfg["seq_len"], cfg["seed"], exclude_docs
+        tokenizer, load_split(corpus_spec, "train"), cfg.n_samples, cfg.seq_len, cfg.seed, exclude_docs
     )
     return blocks, {"corpus": corpus_provenance(corpus_spec), "split": "train", **data_info}
 
@@ -657,7 +737,8 @@ def launch(
 
     if torch.device(device).type == "cuda" and torch.cuda.device_count() < int(gpus):
         raise ValueError(f"rft.gpus {int(gpus)} needs {int(gpus)} CUDA devices and torch sees "
-                         f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                         f"{torch.cuda.device_count()} "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
                          f"valid: rft.gpus up to {max(torch.cuda.device_count(), 1)}, or ask the job for more GPUs")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -724,17 +805,19 @@ if __name__ == "__main__":
     main()
 
 
-def run_rft(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, plan: dict[str, Any],
-            corpus_spec: dict, eval_settings: dict[str, Any], info: dict[str, Any], eval_out: str | Path, *,
+def run_rft(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, plan: RftPlan,
+            corpus_spec: dict, eval_settings: EvalSettings, info: dict[str, Any], eval_out: str | Path, *,
             resume_dir: str | Path | None = None, log_jsonl: str | Path | None = None,
             extra: dict[str, Any] | None = None) -> dict:
     """The ``rft`` stage: fine-tune the pruned checkpoint (:mod:`statereduce.rft`), save it, evaluate it.
 
     The held-out documents of the ``heldout`` evaluation task are excluded from the training data. With
-    ``plan["gpus"] > 1`` training runs under ``torchrun`` (one process per GPU, DDP through accelerate) and the saved
+    ``plan.gpus > 1`` training runs under ``torchrun`` (one process per GPU, DDP through accelerate) and the saved
     checkpoint is then loaded for evaluation; otherwise everything runs in this process and the merged model
-    is evaluated in memory. First the pruned checkpoint's ``prune_record.json`` must have been written for this
-    job: ``info``'s model and family, ``extra``'s method and pct (:func:`statereduce.artifacts.check_prune_record`).
+    is evaluated in memory. ``plan`` is the model's :class:`~statereduce.settings.RftPlan`, ``eval_settings`` its
+    :class:`~statereduce.settings.EvalSettings` (mappings are read by their ``from_dict``). First the pruned
+    checkpoint's ``prune_record.json`` must have been written for this job: ``info``'s model and family, ``extra``'s
+    method and pct (:func:`statereduce.artifacts.check_prune_record`).
 
     Returns:
         The ``eval.json`` document of the RFT checkpoint.
@@ -745,18 +828,19 @@ def run_rft(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, p
     from statereduce.artifacts import check_prune_record
 
     check_prune_record(pruned_dir, {**info, **(extra or {})})
-    exclude = load_split(eval_settings["corpus_spec"], "heldout") if HELDOUT in eval_settings["tasks"] else []
+    plan, eval_settings = RftPlan.coerce(plan), EvalSettings.coerce(eval_settings)
+    exclude = load_split(eval_settings.corpus_spec, "heldout") if HELDOUT in eval_settings.tasks else []
     out: dict[str, Any] = {}
 
     def evaluate(model, tokenizer, saved: Path) -> None:
         out["doc"] = evaluate_loaded(model.to(info["device"]), tokenizer, saved, eval_settings, info, eval_out, extra)
 
-    if int(plan.get("gpus", 1)) > 1:
-        launch(int(plan["gpus"]), pruned_dir, base_dir, out_dir, plan["settings"], corpus_spec,
+    if int(plan.gpus) > 1:
+        launch(int(plan.gpus), pruned_dir, base_dir, out_dir, plan.settings, corpus_spec,
                         exclude_docs=exclude, dtype=info["dtype"], device=info["device"], resume_dir=resume_dir,
                         log_path=log_jsonl)
         return evaluate_checkpoint(out_dir, eval_settings, info, eval_out, extra)
-    fine_tune(pruned_dir, base_dir, out_dir, plan["settings"], corpus_spec, exclude_docs=exclude,
+    fine_tune(pruned_dir, base_dir, out_dir, plan.settings, corpus_spec, exclude_docs=exclude,
                      dtype=info["dtype"], device=info["device"], resume_dir=resume_dir, log_path=log_jsonl,
                      on_saved=evaluate)
     return out["doc"]

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -201,14 +202,31 @@ def versions() -> dict[str, str | None]:
 
 
 # ---- training (pretraining and RFT) ------------------------------------------------------------------------
-def lr_at(step: int, cfg: dict[str, Any]) -> float:
+@dataclass(frozen=True)
+class Schedule:
+    """A learning-rate schedule (:func:`lr_at`): peak ``lr``, floor ``min_lr`` (None: ``lr / 10``), ``warmup`` and
+    ``steps`` optimizer steps."""
+
+    lr: float
+    min_lr: float | None
+    warmup: int
+    steps: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"lr": self.lr, "min_lr": self.min_lr, "warmup": self.warmup, "steps": self.steps}
+
+
+def lr_at(step: int, schedule: Schedule) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup over ``warmup`` steps, then cosine
-    decay from ``lr`` to ``min_lr`` (default ``lr / 10``) at the last step."""
-    lr, warmup, steps = float(cfg["lr"]), int(cfg["warmup"]), int(cfg["steps"])
+    decay from ``lr`` to ``min_lr`` (default ``lr / 10``) at the last step.
+
+    ``schedule`` is a :class:`Schedule`, or anything with those four attributes (the pretraining settings,
+    :class:`statereduce.settings.TrainSettings`)."""
+    lr, warmup, steps = float(schedule.lr), int(schedule.warmup), int(schedule.steps)
     if step < warmup:
         return lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - 1 - warmup)
-    floor = lr / 10 if cfg.get("min_lr") is None else float(cfg["min_lr"])
+    floor = lr / 10 if schedule.min_lr is None else float(schedule.min_lr)
     return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 

@@ -85,7 +85,7 @@ LAYERS = [
     ("selectors", ["statereduce.selectors"]),
     ("foundations", ["statereduce", "statereduce.models", "statereduce.data", "statereduce.tokenizer",
                      "statereduce.checkpoints", "statereduce.h5files", "statereduce.artifacts", "statereduce.runtime",
-                     "statereduce.selection_file", "statereduce.layout"]),
+                     "statereduce.selection_file", "statereduce.layout", "statereduce.settings"]),
     ("services", ["statereduce.eval", "statereduce.analysis", "statereduce.speed", "statereduce.config"]),
     ("stages", ["statereduce.pretrain", "statereduce.capture", "statereduce.select", "statereduce.prune",
                 "statereduce.rft", "statereduce.analysis.rank"]),
@@ -108,6 +108,13 @@ def test_every_module_imports_only_its_layer_or_lower_ones(name):
     if LAYERS[here][0] == "stages":
         bad += sorted(m for m in _package_imports(name) if _layer(m) == here and not _under(m, name))
     assert not bad, f"{name} ({LAYERS[here][0]}) imports {bad}"
+
+
+def test_settings_import_nothing_else_from_the_package_and_no_torch():
+    """The typed settings are built on every dry run (config validation) and read by every layer above them."""
+    others = _package_imports("statereduce.settings")
+    heavy = {m for m in _imports(MODULES["statereduce.settings"]) if _under(m, "torch", "numpy", "transformers")}
+    assert not others and not heavy, sorted(others | heavy)
 
 
 def test_validating_the_default_config_imports_no_torch():

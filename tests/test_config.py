@@ -315,16 +315,26 @@ def test_model_eval_expands_suites(shipped_config):
 
     cfg = validate_config(shipped_config)
     ev = model_eval(cfg, "gdn1.3b")
-    assert ev["suites"] == ["lm", "recall"]
+    assert ev.suites == ["lm", "recall"]
     lm = ["wikitext", "lambada_openai", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "piqa"]
-    assert ev["tasks"][:7] == lm
-    assert ev["tasks"][7:] == ["niah_single_1", "niah_single_2", "niah_single_3", "squad_completion", "swde"]
-    assert ev["metadata"] == {"max_seq_lengths": [2048, 4096]} and ev["max_length"] == 2048
-    assert set(ev["task_max_length"]) == {"niah_single_1", "niah_single_2", "niah_single_3"}
+    assert ev.tasks[:7] == lm
+    assert ev.tasks[7:] == ["niah_single_1", "niah_single_2", "niah_single_3", "squad_completion", "swde"]
+    assert ev.metadata == {"max_seq_lengths": [2048, 4096]} and ev.max_length == 2048
+    assert set(ev.task_max_length) == {"niah_single_1", "niah_single_2", "niah_single_3"}
     # a model without suites keeps exactly its configured settings (no new keys: its rules' params are unchanged)
     tiny = {k: v for k, v in cfg["models"]["tiny-dn"]["eval"].items() if k not in ("suites", "recall_probe")}
     cfg["models"]["tiny-dn"]["eval"] = tiny
-    assert not {"suites", "metadata", "task_max_length", "recall_probe"} & set(model_eval(cfg, "tiny-dn"))
+    assert not {"suites", "metadata", "task_max_length", "recall_probe"} & set(model_eval(cfg, "tiny-dn").to_dict())
     cfg["models"]["tiny-dn"]["eval"] = {**tiny, "suites": ["recall_probe"], "recall_probe": {"levels": [8]}}
     ev = model_eval(validate_config(cfg), "tiny-dn")
-    assert ev["tasks"] == tiny["tasks"] and ev["recall_probe"] == {"levels": [8], "n_docs": 100, "seed": 0}
+    assert ev.tasks == tiny["tasks"] and ev.recall_probe == {"levels": [8], "n_docs": 100, "seed": 0}
+
+
+@pytest.mark.parametrize("value", ["max", 0])
+def test_bad_micro_batch_names_what_is_valid(shipped_config, value):
+    """A value no alternative of the schema accepts fails naming the alternatives (the schema's description)."""
+    cfg = copy.deepcopy(shipped_config)
+    cfg["rft"]["micro_batch_size"] = value
+    with pytest.raises(ConfigError, match=r"^config error at rft\.micro_batch_size: .*; valid: an integer >= 1 .* or "
+                                          r"auto \(as many as fit on the GPU, 1 on a CPU\)$"):
+        validate_config(cfg)

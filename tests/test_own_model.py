@@ -22,7 +22,8 @@ from _models import tiny_arch
 from _paths import ROOT
 from _snakemake import copy_workflow, job_outputs, snakemake
 
-from statereduce.config import CALIBRATION_DEFAULTS, EVAL_DEFAULTS, ConfigError, load_schema, validate_config
+from statereduce.config import ConfigError, load_schema, validate_config
+from statereduce.settings import CalibrationSettings, EvalSettings
 
 OVERLAY = ROOT / "configs" / "my_model.yaml"
 MODEL = "my-model"
@@ -231,9 +232,10 @@ def test_shipped_overlay_names_its_placeholder_before_any_job(tmp_path):
 
 
 def test_schema_documents_the_defaults():
-    """The schema's `default`s of the calibration and eval blocks are the ones statereduce/config.py applies."""
+    """The schema's `default`s of the calibration and eval blocks are the ones the settings classes apply (every
+    other block: tests/test_settings.py)."""
     defs = load_schema()["$defs"]
-    for block, defaults in (("calibration", CALIBRATION_DEFAULTS), ("evaluation", EVAL_DEFAULTS)):
+    for block, defaults in (("calibration", CalibrationSettings().to_dict()), ("evaluation", EvalSettings().to_dict())):
         documented = {k: v["default"] for k, v in defs[block]["properties"].items() if "default" in v}
         assert documented == defaults, block
 

@@ -155,12 +155,14 @@ def test_rft_step_benchmark_measures_both_steps_side_by_side(tmp_path):
 
     out = tmp_path / "bench.json"
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_rft_step.py"), str(out), "--model", "tiny-dn",
-                        "--micro", "1", "2", "--steps", "2", "--batch", "2", "--seq-len", "32", "--device", "cpu",
+                        "--micro", "1", "2", "auto", "--steps", "2", "--batch", "2", "--seq-len", "32",
+                        "--device", "cpu",
                         "--profile", str(tmp_path / "prof")],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["d_k"] == [64, 32] and [r["micro_batch_size"] for r in doc["runs"]] == [1, 2]
+    assert doc["d_k"] == [64, 32] and [r["micro_batch_size"] for r in doc["runs"]] == [1, 2, "auto"]
+    assert doc["runs"][2]["rft"]["micro_batch_size"] == 1  # auto on a CPU
     for run in doc["runs"]:
         assert run["plain"]["tokens_per_s"] > 0 and run["rft"]["tokens_per_s"] > 0
         assert run["ratio"] == run["rft"]["tokens_per_s"] / run["plain"]["tokens_per_s"]

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from statereduce import pretrain as pt
 from statereduce.models import load_model, tiny_config, write_hub_source
-from statereduce.pretrain import DEFAULT_TRAIN, lr_at, pretrain
+from statereduce.pretrain import lr_at, pretrain
+from statereduce.settings import TrainSettings
 
 CORPUS = {"source": "embedded", "max_bytes": 600_000}
 ARCH = {family: tiny_arch(family, small=True, byte_vocab=True) for family in SMALL}  # hidden 32, d_k 16
@@ -58,7 +59,7 @@ def test_tiny_config_fields():
 
 
 def test_lr_schedule():
-    cfg = {**DEFAULT_TRAIN, "steps": 101, "warmup": 10, "lr": 1e-3, "min_lr": 1e-4}
+    cfg = TrainSettings(steps=101, warmup=10, lr=1e-3, min_lr=1e-4)
     assert lr_at(0, cfg) == pytest.approx(1e-4) and lr_at(9, cfg) == pytest.approx(1e-3)
     assert lr_at(10, cfg) == pytest.approx(1e-3) and lr_at(100, cfg) == pytest.approx(1e-4)
     assert lr_at(55, cfg) == pytest.approx(0.55e-3)
@@ -207,9 +208,10 @@ def test_pretrain_recall_mix(checkpoints, tmp_path, monkeypatch):
         recall_mix={**mix, "pure_steps": 3, "pure_lr": 2e-3},
     )
     first, second = calls[2:]
-    assert first["cfg"]["steps"] == 3 and first["cfg"]["lr"] == 2e-3 and first["cfg"]["warmup"] == TRAIN["warmup"]
+    assert first["cfg"].steps == 3 and first["cfg"].lr == 2e-3 and first["cfg"].warmup == TRAIN["warmup"]
+    assert first["cfg"].min_lr is None  # the recall phase's cosine ends at a tenth of its peak
     assert (first["step_offset"], first["append"], second["step_offset"], second["append"]) == (0, False, 3, True)
-    assert second["cfg"]["steps"] == TRAIN["steps"] and torch.equal(second["stream"], mixed)
+    assert second["cfg"].steps == TRAIN["steps"] and torch.equal(second["stream"], mixed)
     pure = first["stream"]
     assert pure.numel() >= 3 * TRAIN["batch_size"] * TRAIN["seq_len"] - 1  # its bytes, less the last EOS
     assert set(bytes(pure[pure < 256].tolist()).decode()) <= set("abcdefghijklmnopqrstuvwxyz0123456789=\n")

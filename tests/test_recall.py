@@ -23,6 +23,7 @@ from _models import tiny_model
 from torch import nn
 
 from statereduce.eval import recall as rc
+from statereduce.settings import RecallMixSettings
 
 
 def _lines(doc: dict) -> list[str]:
@@ -174,12 +175,12 @@ def test_mix_recall_docs_fraction_and_order():
 )
 def test_recall_mix_settings_rejects(spec, match):
     with pytest.raises(TypeError if "seed" in spec else ValueError, match=match):
-        rc.recall_mix_settings(spec)
+        RecallMixSettings.from_dict(spec)
 
 
 def test_recall_mix_settings_defaults():
-    assert rc.recall_mix_settings(None) == rc.RECALL_MIX_DEFAULTS
-    out = rc.recall_mix_settings({"fraction": 0.5, "n_pairs": (2,)})
+    assert RecallMixSettings.from_dict(None) == RecallMixSettings()
+    out = RecallMixSettings.from_dict({"fraction": 0.5, "n_pairs": (2,)}).to_dict()
     assert out == {"fraction": 0.5, "n_pairs": [2], "seed": 0, "pure_steps": 0, "pure_lr": 1e-3}
     docs = rc.recall_stream_docs(1000, [2, 4], seed=1)
     assert docs == rc.recall_stream_docs(1000, [2, 4], seed=1)

@@ -27,6 +27,7 @@ from statereduce.data import load_split
 from statereduce.models import load_model
 from statereduce.pretrain import _eval_blocks, mean_loss, pretrain
 from statereduce.prune import prune_model, save_pruned
+from statereduce.settings import DistillSettings, LoraSettings, RftSettings
 from statereduce.tokenizer import byte_level_tokenizer
 
 CORPUS = {"source": "embedded", "max_bytes": 600_000}
@@ -76,12 +77,12 @@ def _run(pair, out, **kw):
 
 # ---- settings and loss -----------------------------------------------------------------------------
 def test_settings_defaults_are_the_papers():
-    cfg = ft.rft_settings()
-    assert cfg["lora"] == {"rank": 32, "alpha": 64, "dropout": 0.0}
-    assert cfg["distill"] == {"temperature": 2.0, "kl_weight": 1.0, "lm_weight": 0.0}
-    assert (cfg["n_samples"], cfg["seq_len"], cfg["batch_size"]) == (32000, 2048, 16)
-    assert (cfg["lr"], cfg["min_lr"], cfg["warmup_frac"]) == (1e-4, 1e-5, 0.05)
-    assert ft.n_steps(cfg) == 2000 and ft._schedule(cfg)["warmup"] == 100
+    cfg = RftSettings()
+    assert cfg.lora == LoraSettings(rank=32, alpha=64, dropout=0.0)
+    assert cfg.distill == DistillSettings(temperature=2.0, kl_weight=1.0, lm_weight=0.0)
+    assert (cfg.n_samples, cfg.seq_len, cfg.batch_size) == (32000, 2048, 16)
+    assert (cfg.lr, cfg.min_lr, cfg.warmup_frac) == (1e-4, 1e-5, 0.05)
+    assert ft.n_steps(cfg) == 2000 and ft._schedule(cfg).warmup == 100
 
 
 @pytest.mark.parametrize(
@@ -94,12 +95,34 @@ def test_settings_defaults_are_the_papers():
         ({"precision": "fp16"}, "unknown rft precision 'fp16'; valid: auto, bf16, fp32"),
         ({"distill": {"kl_weight": 0.0, "lm_weight": 0.0}}, "not both 0"),
         ({"seq_len": 0}, "seq_len must be an integer >= 1, got 0"),
+        ({"micro_batch_size": "max"}, "micro_batch_size must be an integer >= 1 or auto, got 'max'"),
     ],
-    ids=["unknown-key", "unknown-lora-key", "accumulation", "too-few-samples", "precision", "no-loss", "seq_len"],
+    ids=["unknown-key", "unknown-lora-key", "accumulation", "too-few-samples", "precision", "no-loss", "seq_len",
+         "micro-batch"],
 )
 def test_settings_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
-        ft.rft_settings(overrides)
+        RftSettings.from_dict(overrides)
+
+
+def test_micro_batch_is_auto_by_default_and_fits_the_measured_memory():
+    assert RftSettings().micro_batch_size == "auto"
+    # 1 sequence peaks at 10 bytes, 2 at 15: 5 per sequence, 5 besides; within 30 bytes up to 5 fit, 4 divides 16
+    assert ft.fit_micro_batch(16, [10, 15], 30) == 4
+    assert ft.fit_micro_batch(16, [10, 15], 1000) == 16
+    assert ft.fit_micro_batch(6, [10, 15], 30) == 3
+    assert ft.fit_micro_batch(16, [10], 1000) == 1  # 2 sequences did not fit
+    assert ft.fit_micro_batch(16, [10, 15], 12) == 1  # not even 1 fits by the estimate: 1, and let it fail loudly
+
+
+def test_auto_micro_batch_on_a_cpu_trains_as_micro_batch_one(pairs, tmp_path):
+    """On a CPU ``auto`` is 1: the same run as ``micro_batch_size: 1``, bit for bit, and the record says so."""
+    cfg = {"n_samples": 8, "log_every": 1}
+    auto = _run(pairs["delta_net"], tmp_path / "auto", cfg={**cfg, "micro_batch_size": "auto"})
+    one = _run(pairs["delta_net"], tmp_path / "one", cfg={**cfg, "micro_batch_size": 1})
+    assert auto["micro_batch_size"] == one["micro_batch_size"] == 1 and "micro_batch_probe" not in auto
+    a, b = load_file(tmp_path / "auto" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_distill_loss_matches_hand_computation():
@@ -167,7 +190,7 @@ def test_rft_modules(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_merge_equals_unmerged_peft_model(family):
     model = tiny_model(family)
-    cfg = ft.rft_settings({"lora": {"rank": 4, "alpha": 8}})
+    cfg = RftSettings.from_dict({"lora": {"rank": 4, "alpha": 8}})
     torch.manual_seed(0)
     peft_model, _ = ft.attach_lora(model, cfg)
     with torch.no_grad():  # LoRA B starts at zero: give every trainable tensor a non-trivial value

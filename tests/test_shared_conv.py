@@ -21,6 +21,7 @@ from statereduce import pretrain as pt
 from statereduce.adapters import get_adapter
 from statereduce.adapters.conv_sharing import conv_sharing, model_conv_sharing, tie_qk_convs, untie_convs
 from statereduce.config import ConfigError, validate_config
+from statereduce.settings import TrainSettings
 
 CORPUS = {"source": "embedded", "max_bytes": 600_000}
 ARCH = {family: tiny_arch(family, small=True, byte_vocab=True) for family in ("delta_net", "gated_deltanet")}
@@ -59,7 +60,7 @@ def test_tied_filters_train_and_stay_tied(family, share, tmp_path):
     tied_start = [c.weight.detach().clone() for c in convs]
 
     stream = torch.randint(0, VOCAB, (4000,), generator=torch.Generator().manual_seed(0))
-    cfg = {**pt.DEFAULT_TRAIN, "steps": 3, "batch_size": 2, "seq_len": 16, "lr": 1e-2, "warmup": 1, "log_every": 3}
+    cfg = TrainSettings(steps=3, batch_size=2, seq_len=16, lr=1e-2, warmup=1, log_every=3)
     model.train()
     pt.train_loop(model, stream, cfg, [tmp_path / "log.jsonl"])
     model.eval()

@@ -13,8 +13,9 @@ import torch
 from _models import tiny_arch
 from _paths import ROOT
 
-from statereduce.speed import bench as speed
 from statereduce.analysis.tables import speed_markdown
+from statereduce.settings import PrefillSettings
+from statereduce.speed import bench as speed
 
 DN = tiny_arch("delta_net", vocab_size=97)
 GDN = tiny_arch("gated_deltanet", vocab_size=97)
@@ -22,11 +23,10 @@ GDN = tiny_arch("gated_deltanet", vocab_size=97)
 
 def test_settings_defaults_are_the_papers_protocol():
     s = speed.speed_settings()
-    assert s["decode"]["batches"] == [1, 2, 4, 8, 16, 32, 64]
-    assert ((s["decode"]["prompt"], s["decode"]["warmup"], s["decode"]["steps"], s["decode"]["trials"])
-            == (512, 10, 100, 3))
-    assert s["prefill"]["lengths"] == [2048, 8192, 16384] and s["mixer"]["seq_len"] == 2048
-    assert speed.speed_settings({"decode": {"batches": [64]}})["decode"]["steps"] == 100  # merged key by key
+    assert s.decode.batches == [1, 2, 4, 8, 16, 32, 64]
+    assert (s.decode.prompt, s.decode.warmup, s.decode.steps, s.decode.trials) == (512, 10, 100, 3)
+    assert s.prefill.lengths == [2048, 8192, 16384] and s.mixer.seq_len == 2048
+    assert speed.speed_settings({"decode": {"batches": [64]}}).decode.steps == 100  # merged key by key
 
 
 @pytest.mark.parametrize("over,msg", [
@@ -156,7 +156,7 @@ def test_time_call_measures_memory_eagerly_before_the_graph(monkeypatch):
     monkeypatch.setattr(speed, "graphed", graphed)
     monkeypatch.setattr(speed, "time_ms", time_ms)
     monkeypatch.setattr(speed, "device_ms", lambda fn: 0.5)
-    settings = {"warmup": 1, "steps": 2, "trials": 3, "graph": True, "profile": True}
+    settings = PrefillSettings(warmup=1, steps=2, trials=3, graph=True, profile=True)
     cell = {}
     speed._time_call(lambda: events.append("eager"), settings, cell)
     # two warm-ups (autotuning), one eager call under the memory probe, then the graph is captured and replayed
@@ -170,7 +170,7 @@ def test_time_call_measures_memory_eagerly_before_the_graph(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     events.clear()
     cell = {}
-    speed._time_call(lambda: events.append("eager"), {**settings, "profile": False}, cell)
+    speed._time_call(lambda: events.append("eager"), settings.replace(profile=False), cell)
     assert events[-1] == "eager" and cell["graph"] is False  # timed eagerly, and the cell says why
     assert cell["graph_error"] == "operation not permitted when stream is capturing" and "device_ms" not in cell
 
@@ -211,7 +211,7 @@ def test_cli_reads_the_config_of_the_current_directory_or_of_config(tmp_path):
         assert errors() == errors("--config", str(repo_config)) != []
         assert "CUDA" in errors()[0]
     family, arch, settings = speed.workflow_model("tiny-dn", repo_config, {"pcts": [50]})
-    assert family == "delta_net" and arch["hidden_size"] > 0 and settings["pcts"] == [50]
+    assert family == "delta_net" and arch["hidden_size"] > 0 and settings.pcts == [50]
 
 
 def test_speedup_figure_writes_png(tmp_path):

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from statereduce.eval import suites as su
+from statereduce.settings import EvalSettings, RecallProbeSettings
 
 LM_TASKS = ["wikitext", "lambada_openai", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "piqa"]
 RECALL_TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "squad_completion", "swde"]
@@ -49,26 +50,40 @@ TABLE10_BASELINE = {
 # ---------------------------------------------------------------------------------------------
 def test_expand_lm_and_recall():
     ev = su.expand_eval({"tasks": ["heldout", "wikitext"], "suites": ["lm", "recall"], "max_length": 2048})
-    assert ev["tasks"] == ["heldout", "wikitext"] + LM_TASKS[1:] + RECALL_TASKS  # configured first, each once
-    assert ev["suites"] == ["lm", "recall"]
-    assert ev["metadata"] == {"max_seq_lengths": [2048, 4096]}
-    assert ev["task_max_length"] == dict.fromkeys(RECALL_TASKS[:3], 4096 + 128)  # SQuAD/SWDE keep max_length
-    assert ev["max_length"] == 2048 and "recall_probe" not in ev
+    assert ev.tasks == ["heldout", "wikitext"] + LM_TASKS[1:] + RECALL_TASKS  # configured first, each once
+    assert ev.suites == ["lm", "recall"]
+    assert ev.metadata == {"max_seq_lengths": [2048, 4096]}
+    assert ev.task_max_length == dict.fromkeys(RECALL_TASKS[:3], 4096 + 128)  # SQuAD/SWDE keep max_length
+    assert ev.max_length == 2048 and ev.recall_probe is None
     assert su.expand_eval(ev) == ev  # idempotent: evaluate_loaded may expand model_eval's output again
 
 
 def test_expand_without_suites_is_unchanged():
-    ev = {"tasks": ["heldout"], "max_docs": 32, "batch_size": 16}
-    assert su.expand_eval(ev) == ev
-    assert su.expand_eval({**ev, "suites": []}) == {**ev, "suites": []}
+    ev = EvalSettings(tasks=["heldout"], max_docs=32, batch_size=16)
+    assert su.expand_eval(ev) is ev
+    assert su.expand_eval(ev.replace(suites=[])).to_dict() == {**ev.to_dict(), "suites": []}
 
 
 def test_expand_recall_probe_fills_defaults():
     ev = su.expand_eval({"tasks": [], "suites": ["recall_probe"]})
-    assert ev["tasks"] == [] and "metadata" not in ev and "task_max_length" not in ev
-    assert ev["recall_probe"] == {"levels": [4, 16, 64], "n_docs": 100, "seed": 0}
+    assert ev.tasks == [] and ev.metadata is None and ev.task_max_length is None
+    assert ev.recall_probe == {"levels": [4, 16, 64], "n_docs": 100, "seed": 0}
     ev = su.expand_eval({"tasks": [], "suites": ["recall_probe"], "recall_probe": {"levels": [8], "n_docs": 5}})
-    assert ev["recall_probe"] == {"levels": [8], "n_docs": 5, "seed": 0}
+    assert ev.recall_probe == {"levels": [8], "n_docs": 5, "seed": 0}
+    assert ev.probe == RecallProbeSettings(levels=[8], n_docs=5)
+
+
+def test_expansion_keeps_the_key_order_of_the_rules_params():
+    """A configured recall_probe block keeps its place (config order: before suites); one the suite adds comes last,
+    after metadata and task_max_length, as before the settings were typed (the params' repr is what Snakemake
+    compares)."""
+    configured = su.expand_eval(EvalSettings.from_dict({"recall_probe": {"levels": [8]}, "suites": ["recall_probe"]}))
+    assert list(configured.to_dict())[-2:] == ["recall_probe", "suites"]
+    added = su.expand_eval(EvalSettings.from_dict({"suites": ["recall", "recall_probe"]}))
+    assert list(added.to_dict())[-4:] == ["suites", "metadata", "task_max_length", "recall_probe"]
+    assert EvalSettings.from_dict(added.to_dict()).to_dict() == added.to_dict()
+    with_spec = added.replace(corpus_spec={"source": "embedded"}).to_dict()
+    assert list(with_spec)[-2:] == ["recall_probe", "corpus_spec"]
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from statereduce.models import load_model  # noqa: E402
 from statereduce.selection_file import read_selection  # noqa: E402
 from statereduce.prune import prune_model, save_pruned  # noqa: E402
 from statereduce.eval.run import evaluate_loaded  # noqa: E402
+from statereduce.settings import EvalSettings  # noqa: E402
 
 info, wc = snakemake.params.info, snakemake.wildcards
 model, tokenizer = load_model(Path(snakemake.input.base).parent, dtype=info["dtype"], device="cpu")
@@ -16,6 +17,6 @@ meta.update(source=str(Path(snakemake.input.base).parent), selection=snakemake.i
 record = prune_model(model, keep, meta)
 out_dir = save_pruned(model, tokenizer, record, Path(snakemake.output.record).parent)
 log.info("pruned d_k %s -> %s into %s", meta["d_k"], meta["d_k_new"], out_dir)
-doc = evaluate_loaded(model.to(info["device"]), tokenizer, out_dir, snakemake.params.eval, info,
-                      snakemake.output.eval, extra={"method": wc.method, "pct": float(wc.pct)})
+doc = evaluate_loaded(model.to(info["device"]), tokenizer, out_dir, EvalSettings.from_dict(snakemake.params.eval),
+                      info, snakemake.output.eval, extra={"method": wc.method, "pct": float(wc.pct)})
 log.info("metrics: %s", doc["metrics"])

@@ -6,9 +6,10 @@ from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
 from statereduce.analysis.rank import rank_analysis  # noqa: E402
+from statereduce.settings import RankSettings  # noqa: E402
 
 inp, wc = snakemake.input, snakemake.wildcards
-doc = rank_analysis(Path(inp.pruned).parent, snakemake.params.rank, snakemake.params.info, snakemake.output[0],
-                    baseline=inp.baseline, selection=inp.selection, activations=inp.activations,
+doc = rank_analysis(Path(inp.pruned).parent, RankSettings.from_dict(snakemake.params.rank), snakemake.params.info,
+                    snakemake.output[0], baseline=inp.baseline, selection=inp.selection, activations=inp.activations,
                     extra={"method": wc.method, "pct": float(wc.pct), "stage": "pruned"})
 log.info("utilization summary: %s, rho vs baseline: %s", doc["summary"]["u"], doc.get("pearson_u"))

@@ -4,6 +4,7 @@ import sys
 from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
+from statereduce.settings import SpeedPlan  # noqa: E402
 from statereduce.speed.bench import require_cuda, run_speed, speed_settings  # noqa: E402
 
 try:
@@ -11,6 +12,6 @@ try:
 except RuntimeError as e:
     log.error("%s", e)
     sys.exit(f"error: {e}")
-plan = snakemake.params.speed
-run_speed(plan["family"], plan["arch"], speed_settings(plan["settings"]), snakemake.output[0],
+plan = SpeedPlan.from_dict(snakemake.params.speed)
+run_speed(plan.family, plan.arch, speed_settings(plan.settings), snakemake.output[0],
           model_name=snakemake.params.info["model"])

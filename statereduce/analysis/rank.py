@@ -29,6 +29,7 @@ from statereduce import __version__
 from statereduce.adapters import get_adapter
 from statereduce.runtime import jsonable
 from statereduce.selectors.overlap import as_layers, head_keep, keep_overlap  # noqa: F401  (keep_overlap re-exported)
+from statereduce.settings import RankSettings
 
 HeadKey = tuple[int, int]  # (layer index, head index)
 
@@ -178,8 +179,8 @@ class RankSamples:
 def collect_rank_samples(
     model: nn.Module,
     input_ids: torch.Tensor,
-    skip: int = 128,
-    stride: int = 64,
+    skip: int = RankSettings.skip,
+    stride: int = RankSettings.stride,
     spectrum_head: HeadKey | None = None,
 ) -> RankSamples:
     """Stable rank and utilization of every recurrent-state head, read from the model's forward pass.
@@ -348,8 +349,8 @@ def _spectrum_summary(spectrum: np.ndarray) -> dict[str, list[float]]:
 def rank_report(
     model: nn.Module,
     input_ids: torch.Tensor,
-    skip: int = 128,
-    stride: int = 64,
+    skip: int = RankSettings.skip,
+    stride: int = RankSettings.stride,
     *,
     spectrum_head: HeadKey | None = None,
     baseline: Mapping | None = None,
@@ -410,7 +411,7 @@ def rank_report(
     return jsonable(doc)
 
 
-def rank_analysis(checkpoint: str | Path, settings: dict[str, Any], info: dict[str, Any], out_path: str | Path, *,
+def rank_analysis(checkpoint: str | Path, settings: RankSettings, info: dict[str, Any], out_path: str | Path, *,
                   baseline: str | Path | None = None, selection: str | Path | None = None,
                   activations: str | Path | None = None, extra: dict[str, Any] | None = None) -> dict:
     """The ``rank.json`` of one checkpoint (paper Sec. 2.2, App. C.1, C.5; Tables 5 and 6).
@@ -420,7 +421,8 @@ def rank_analysis(checkpoint: str | Path, settings: dict[str, Any], info: dict[s
     ``skip`` left out, one sample every ``stride`` tokens), the singular values of ``spectrum_head``, the
     Pearson correlation of per-head utilization with the baseline's ``rank.json`` when given, and the
     conditioning of the selected [Q; K] calibration columns when ``activations`` is given (every channel for
-    the baseline, the ``selection``'s for a pruned model).
+    the baseline, the ``selection``'s for a pruned model). ``settings`` are the model's rank settings
+    (:class:`~statereduce.settings.RankSettings`, with ``corpus_spec``; a mapping is read by its ``from_dict``).
 
     Before the model is loaded, the artifacts must have been written for this job (``info``'s model and family,
     ``extra``'s method and pct): a pruned checkpoint's ``prune_record.json`` and the ``selection``, and the
@@ -444,11 +446,12 @@ def rank_analysis(checkpoint: str | Path, settings: dict[str, Any], info: dict[s
                         head_k_dim=sel_meta.get("d_k"))
     if activations is not None:
         H5Artifact(activations).expect({k: v for k, v in expected.items() if k not in ("method", "pct")})
+    settings = RankSettings.coerce(settings)
     model, tokenizer = load_model(checkpoint, dtype=info["dtype"], device=info["device"])
-    docs = load_split(settings["corpus_spec"], "heldout")
-    ids = token_blocks(tokenizer, docs, int(settings["n_samples"]), int(settings["seq_len"]), int(settings["seed"]))
-    head = settings.get("spectrum_head")
-    doc = rank_report(model, ids.to(info["device"]), skip=int(settings["skip"]), stride=int(settings["stride"]),
+    docs = load_split(settings.corpus_spec, "heldout")
+    ids = token_blocks(tokenizer, docs, int(settings.n_samples), int(settings.seq_len), int(settings.seed))
+    head = settings.spectrum_head
+    doc = rank_report(model, ids.to(info["device"]), skip=int(settings.skip), stride=int(settings.stride),
                            spectrum_head=tuple(head) if head is not None else None,
                            baseline=read_json(baseline) if baseline is not None else None)
     if activations is not None:
@@ -460,7 +463,7 @@ def rank_analysis(checkpoint: str | Path, settings: dict[str, Any], info: dict[s
         cond["per_head"] = [{"layer": lay, "head": h, **v} for (lay, h), v in sorted(cond["per_head"].items())]
         doc["conditioning"] = {**cond, "activations": str(activations), "selection": str(selection)}
     base = base_checkpoint(model)
-    doc["provenance"] = {"checkpoint": str(checkpoint), "model": info["model"], "corpus": settings["corpus_spec"],
+    doc["provenance"] = {"checkpoint": str(checkpoint), "model": info["model"], "corpus": settings.corpus_spec,
                          "split": "heldout", **({"base_checkpoint": base} if base is not None else {}),
                          **(extra or {})}
     write_json(out_path, jsonable(doc))

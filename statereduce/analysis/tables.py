@@ -14,6 +14,7 @@ import pandas as pd
 
 from statereduce.layout import format_pct
 from statereduce.runtime import json_number
+from statereduce.settings import CalibrationSettings
 
 PRIMARY = ("heldout", "bits_per_byte")  # (task, metric) shown first when present
 # Metrics the Markdown table shows, when present: byte-level models on the embedded corpus are compared
@@ -465,14 +466,16 @@ def study_frame(kind: str, summaries: list[dict], study: dict, labels: dict | No
     return out.reindex(columns=cols + [m for m in metrics if m in out.columns])
 
 
-def calibration_label(settings: dict, default: dict | None = None) -> str:
+def calibration_label(settings: CalibrationSettings | dict, default: CalibrationSettings | dict | None = None) -> str:
     """Row label of a calibration as in the paper's Table 7: ``corpus, n=N, seed S``, plus ``key=value`` for any
     other setting that differs from ``default`` (the model's own calibration).
 
     Args:
-        settings: the calibration (:func:`statereduce.config.model_calibration`).
+        settings: the calibration (:func:`statereduce.config.model_calibration`, or its ``to_dict()`` as the
+            study_tables rule's params carry it).
         default: the model's default calibration, to show only what a variant changes beyond the three axes.
     """
+    settings, default = (s.to_dict() if isinstance(s, CalibrationSettings) else s for s in (settings, default))
     label = f"{settings.get('corpus')}, n={settings.get('n_samples')}, seed {settings.get('seed')}"
     other = sorted(
         k

@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from statereduce.eval.suites import RECALL_PROBE_DEFAULTS, recall_probe_settings
 from statereduce.eval.tasks import TASK_NAME_RE, write_multiple_choice_task
+from statereduce.settings import RECALL_MAX_PAIRS, RecallMixSettings, RecallProbeSettings
 
 if TYPE_CHECKING:
     from torch import nn
@@ -60,14 +60,14 @@ if TYPE_CHECKING:
 TASK_PREFIX = "recall_mqar"
 """Prefix of the task names and the lm-eval tag that selects every written level."""
 
-DEFAULT_LEVELS = tuple(RECALL_PROBE_DEFAULTS["levels"])
+DEFAULT_LEVELS = tuple(RecallProbeSettings().levels)
 """Default context sizes (``n_pairs``), one task each (the ``recall_probe`` suite's defaults)."""
 
-DEFAULT_N_DOCS = RECALL_PROBE_DEFAULTS["n_docs"]
+DEFAULT_N_DOCS = RecallProbeSettings.n_docs
 KEY_LEN = 2
 ASSIGN = "="
 """Between a key and its value, in context lines and queries (no spaces: the compact format)."""
-VALUES = tuple(str(v) for v in range(10, 100))
+VALUES = tuple(str(v) for v in range(10, 10 + RECALL_MAX_PAIRS))
 """Two-digit values; a context uses each at most once, so ``n_pairs <= 90``."""
 
 KEYS = tuple(
@@ -217,52 +217,6 @@ def _one_doc(rng: random.Random, level: RecallLevel) -> dict:
     }
 
 
-RECALL_MIX_DEFAULTS: dict[str, Any] = {"fraction": 0.2, "n_pairs": [1, 2], "seed": 0, "pure_steps": 0, "pure_lr": 1e-3}
-"""``models.<m>.pretrain.recall_mix`` defaults: share of the training bytes, context sizes, seed, steps and peak
-learning rate of the recall-only first phase (docs/experiments/recall_mix/README.md)."""
-
-
-def recall_mix_settings(spec: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``pretrain.recall_mix`` with defaults filled and checked (``ValueError``/``TypeError`` naming the bad value).
-
-    Args:
-        spec: ``fraction`` (share of the mixed training stream's bytes that are recall documents,
-            0 < fraction < 1), ``n_pairs`` (context sizes, each document draws one uniformly; each
-            1..90), ``seed`` (int), ``pure_steps`` (steps of a first, recall-only training phase; int
-            >= 0) and ``pure_lr`` (its peak learning rate, > 0); missing keys take
-            :data:`RECALL_MIX_DEFAULTS`.
-
-    Returns:
-        A new dict with all five keys.
-    """
-    spec = dict(spec or {})
-    unknown = sorted(set(spec) - set(RECALL_MIX_DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown recall_mix keys {unknown}; valid: {', '.join(RECALL_MIX_DEFAULTS)}")
-    out = {**RECALL_MIX_DEFAULTS, **spec}
-    fraction = out["fraction"]
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction < 1.0:
-        raise ValueError(f"recall_mix fraction must be a number in (0, 1), got {fraction!r}")
-    n_pairs = out["n_pairs"]
-    if (
-        not isinstance(n_pairs, (list, tuple))
-        or not n_pairs
-        or not all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= len(VALUES) for n in n_pairs)
-    ):
-        raise ValueError(f"recall_mix n_pairs must be a non-empty list of ints in 1..{len(VALUES)}, got {n_pairs!r}")
-    if isinstance(out["seed"], bool) or not isinstance(out["seed"], int):
-        raise TypeError(f"recall_mix seed must be an int, got {out['seed']!r}")
-    steps = out["pure_steps"]
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"recall_mix pure_steps must be an int >= 0, got {steps!r}")
-    lr = out["pure_lr"]
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-        raise ValueError(f"recall_mix pure_lr must be a number > 0, got {lr!r}")
-    out["pure_lr"] = float(lr)
-    out["fraction"], out["n_pairs"] = float(fraction), list(n_pairs)
-    return out
-
-
 def recall_train_doc(rng: random.Random, n_pairs: int) -> str:
     """One training document in the probe's format: ``n_pairs`` context lines ``kx=47``, then every key
     queried once more with its answer (``kx=47`` again), in shuffled order; lines joined by newlines.
@@ -329,14 +283,14 @@ def mix_recall_docs(
 
     Args:
         corpus_docs: the corpus's training documents, in order.
-        fraction, n_pairs, seed: see :func:`recall_mix_settings`.
+        fraction, n_pairs, seed: see :class:`~statereduce.settings.RecallMixSettings`.
 
     Returns:
         ``(docs, n_recall)``: the mixed document list and how many recall documents it holds.
     """
-    mix = recall_mix_settings({"fraction": fraction, "n_pairs": list(n_pairs), "seed": seed})
-    rng, stream = _train_doc_stream(mix["seed"], mix["n_pairs"])
-    target = mix["fraction"] / (1.0 - mix["fraction"]) * sum(map(joined_bytes, corpus_docs))
+    mix = RecallMixSettings(fraction=fraction, n_pairs=list(n_pairs), seed=seed)
+    rng, stream = _train_doc_stream(mix.seed, mix.n_pairs)
+    target = mix.fraction / (1.0 - mix.fraction) * sum(map(joined_bytes, corpus_docs))
     by_slot: dict[int, list[str]] = {}
     total, n_recall = 0, 0
     while total < target:
@@ -405,22 +359,23 @@ def write_recall_tasks(
 
 
 def recall_probe_writer(
-    settings: Mapping[str, Any] | None = None, tokenizer=None, max_length: int | None = None
+    settings: RecallProbeSettings | Mapping[str, Any] | None = None, tokenizer=None, max_length: int | None = None
 ) -> Callable[[str | Path], list[str]]:
     """A local-task writer for :func:`statereduce.eval.harness.evaluate_and_write` (the ``recall_probe`` suite).
 
     Args:
-        settings: ``eval.recall_probe`` (``levels``, ``n_docs``, ``seed``; defaults filled).
+        settings: ``eval.recall_probe`` (:class:`~statereduce.settings.RecallProbeSettings`; a mapping or None is
+            read by its ``from_dict``).
         tokenizer, max_length: when both are given, the written documents are checked to fit the
             window (see :func:`check_recall_fits`).
 
     Returns:
         ``writer(task_dir) -> task names``.
     """
-    probe = recall_probe_settings(settings)
+    probe = RecallProbeSettings.coerce(settings)
 
     def writer(task_dir: str | Path) -> list[str]:
-        names = write_recall_tasks(task_dir, probe["levels"], probe["n_docs"], probe["seed"])
+        names = write_recall_tasks(task_dir, probe.levels, probe.n_docs, probe.seed)
         check_recall_fits(tokenizer, task_dir, names, max_length)
         return names
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from statereduce.data import load_split
 from statereduce.eval.tasks import HELDOUT
+from statereduce.settings import EvalSettings
 
 
 def heldout_docs(corpus_spec: dict, max_docs: int | None, max_doc_bytes: int | None) -> list[str]:
@@ -20,13 +21,13 @@ def heldout_docs(corpus_spec: dict, max_docs: int | None, max_doc_bytes: int | N
     return [d for d in docs if d.strip()]
 
 
-def evaluate_checkpoint(checkpoint: str | Path, settings: dict[str, Any], info: dict[str, Any], out_path: str | Path,
+def evaluate_checkpoint(checkpoint: str | Path, settings: EvalSettings, info: dict[str, Any], out_path: str | Path,
                         extra: dict[str, Any] | None = None) -> dict:
     """Load a checkpoint (or base artifact), run its lm-eval tasks and write ``eval.json``.
 
     Args:
         checkpoint: HF checkpoint folder, or a base folder holding ``source.json``.
-        settings: the model's ``eval`` config (tasks, corpus_spec for ``heldout``, max_docs, ...).
+        settings: the model's ``eval`` settings (tasks, corpus_spec for ``heldout``, max_docs, ...).
         info: model name, dtype, device.
         out_path: the ``eval.json`` to write.
         extra: further provenance (e.g. the prune record's method and pct).
@@ -37,12 +38,13 @@ def evaluate_checkpoint(checkpoint: str | Path, settings: dict[str, Any], info: 
     return evaluate_loaded(model, tokenizer, checkpoint, settings, info, out_path, extra)
 
 
-def evaluate_loaded(model, tokenizer, checkpoint: str | Path, settings: dict[str, Any], info: dict[str, Any],
+def evaluate_loaded(model, tokenizer, checkpoint: str | Path, settings: EvalSettings, info: dict[str, Any],
                     out_path: str | Path, extra: dict[str, Any] | None = None) -> dict:
     """Run the lm-eval tasks and suites of ``settings`` on an already loaded model and write ``eval.json``.
 
-    ``settings`` is a model's ``eval`` config (:func:`statereduce.config.model_eval`); its ``suites`` are
-    expanded here too (idempotent), so plain ``{"tasks": [...], "suites": [...]}`` works as well. Local
+    ``settings`` are a model's ``eval`` settings (:func:`statereduce.config.model_eval`); a mapping is read by
+    :meth:`EvalSettings.from_dict` (defaults filled) and its ``suites`` are expanded here too (idempotent), so plain
+    ``{"tasks": [...], "suites": [...]}`` works as well. Local
     tasks (the ``heldout`` perplexity task, the ``recall_probe`` suite's MQAR levels from
     :mod:`statereduce.eval.recall`) are written to a temporary folder (removed afterwards: nothing but
     ``out_path`` is written under ``results/``) and scored in the same lm-eval call as the other tasks; the
@@ -52,20 +54,21 @@ def evaluate_loaded(model, tokenizer, checkpoint: str | Path, settings: dict[str
     from statereduce.eval.suites import expand_eval
 
     settings = expand_eval(settings)
-    tasks = list(settings["tasks"])
+    tasks = list(settings.tasks)
     docs = None
     if HELDOUT in tasks:
         tasks.remove(HELDOUT)
-        docs = heldout_docs(settings["corpus_spec"], settings.get("max_docs"), settings.get("max_doc_bytes"))
-    suites = list(settings.get("suites") or [])
+        docs = heldout_docs(settings.corpus_spec, settings.max_docs, settings.max_doc_bytes)
+    suites = list(settings.suites or [])
     local = {}
     if "recall_probe" in suites:
         from statereduce.eval.recall import recall_probe_writer
 
-        local["recall_probe"] = recall_probe_writer(settings.get("recall_probe"), tokenizer, settings.get("max_length"))
-    cfg = {"tasks": tasks, "batch_size": settings.get("batch_size", 1), "max_length": settings.get("max_length"),
-           "limit": settings.get("limit")}
-    cfg.update({k: settings[k] for k in ("metadata", "task_max_length") if settings.get(k)})
+        local["recall_probe"] = recall_probe_writer(settings.probe, tokenizer, settings.max_length)
+    cfg = {"tasks": tasks, "batch_size": settings.batch_size, "max_length": settings.max_length,
+           "limit": settings.limit}
+    cfg.update({k: v for k, v in (("metadata", settings.metadata), ("task_max_length", settings.task_max_length))
+                if v})
     if suites:
         cfg["suites"] = suites
     return evaluate_and_write(model, tokenizer, out_path, eval_cfg=cfg, heldout_docs=docs, local_tasks=local,

@@ -31,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from statereduce.settings import EvalSettings, RecallProbeSettings
+
 Item = tuple[str, str]
 """A ``(task, metric)`` pair of an ``eval.json`` ``metrics`` mapping."""
 
@@ -42,11 +44,6 @@ RULER_GEN_TOKENS = 128
 generation prefix, so a window of ``length + 128`` never cuts one."""
 
 NIAH_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
-
-RECALL_PROBE_DEFAULTS = {"levels": [4, 16, 64], "n_docs": 100, "seed": 0}
-"""``eval.recall_probe`` defaults (the same as :mod:`statereduce.eval.recall`'s ``DEFAULT_LEVELS``,
-``DEFAULT_N_DOCS``)."""
-
 
 @dataclass(frozen=True)
 class Suite:
@@ -156,35 +153,26 @@ def check_suites(names: Sequence[str]) -> list[str]:
     return out
 
 
-def recall_probe_settings(spec: Mapping[str, Any] | None = None) -> dict:
-    """``eval.recall_probe`` with defaults filled: ``levels``, ``n_docs``, ``seed``."""
-    spec = dict(spec or {})
-    unknown = sorted(set(spec) - set(RECALL_PROBE_DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown recall_probe keys {unknown}; valid: {', '.join(RECALL_PROBE_DEFAULTS)}")
-    return {**RECALL_PROBE_DEFAULTS, **spec}
-
-
-def expand_eval(settings: Mapping[str, Any]) -> dict:
+def expand_eval(settings: EvalSettings | Mapping[str, Any]) -> EvalSettings:
     """A model's ``eval`` settings with its ``suites`` expanded (idempotent; unchanged without suites).
 
     Adds every suite's lm-eval tasks to ``tasks`` (after the configured ones, each once), merges the
     suites' task ``metadata``, records each task's minimum window in ``task_max_length`` and fills
-    ``recall_probe`` (defaults) when that suite is selected.
+    ``recall_probe`` (:class:`~statereduce.settings.RecallProbeSettings`' defaults) when that suite is selected.
 
     Args:
-        settings: ``tasks``, ``suites`` and the other ``eval`` keys (see ``config.EVAL_DEFAULTS``).
+        settings: the ``eval`` settings (a mapping is read by :meth:`EvalSettings.from_dict`).
 
     Returns:
-        A new dict; ``ValueError`` for an unknown suite or conflicting metadata.
+        The expanded settings; ``ValueError`` for an unknown suite or conflicting metadata.
     """
-    out = dict(settings)
-    names = check_suites(settings.get("suites") or [])
+    settings = EvalSettings.coerce(settings)
+    names = check_suites(settings.suites or [])
     if not names:
-        return out
-    tasks = list(settings.get("tasks") or [])
-    metadata = dict(settings.get("metadata") or {})
-    windows = dict(settings.get("task_max_length") or {})
+        return settings
+    tasks = list(settings.tasks or [])
+    metadata = dict(settings.metadata or {})
+    windows = dict(settings.task_max_length or {})
     for name in names:
         suite = SUITES[name]
         tasks += [t for t in suite.tasks if t not in tasks]
@@ -194,15 +182,15 @@ def expand_eval(settings: Mapping[str, Any]) -> dict:
             metadata[key] = value
         for t, window in suite.task_max_length.items():
             windows[t] = max(windows.get(t, 0), window)
-    out["tasks"] = tasks
-    out["suites"] = names
+    changes: dict[str, Any] = {"tasks": tasks, "suites": names}
     if metadata:
-        out["metadata"] = metadata
+        changes["metadata"] = metadata
     if windows:
-        out["task_max_length"] = windows
+        changes["task_max_length"] = windows
     if "recall_probe" in names:
-        out["recall_probe"] = recall_probe_settings(settings.get("recall_probe"))
-    return out
+        changes["recall_probe"] = RecallProbeSettings.coerce(settings.recall_probe).to_dict()
+        changes["_probe_last"] = settings._probe_last or settings.recall_probe is None
+    return settings.replace(**changes)
 
 
 def metric_value(metrics: Mapping[str, Mapping[str, Any]], task: str, metric: str, missing: Sequence[float] = ()):

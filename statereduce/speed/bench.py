@@ -44,31 +44,9 @@ from typing import Any
 
 import torch
 
+from statereduce.settings import DecodeSettings, MixerSettings, PrefillSettings, SpeedProfileSettings, SpeedSettings
+
 log = logging.getLogger(__name__)
-
-DEFAULT_SPEED: dict[str, Any] = {
-    "pcts": [50, 75],
-    "dtype": "bfloat16",
-    "blas": None,
-    "pdl": True,
-    "decode": {"prompt": 512, "batches": [1, 2, 4, 8, 16, 32, 64], "warmup": 10, "steps": 100, "trials": 3,
-               "kernels": ["fla", "statereduce", "fla_copy", "fla+fused", "statereduce+fused", "fla_copy+fused"],
-               "check_steps": 3},
-    "prefill": {"batches": [1, 4, 8, 16], "lengths": [2048, 8192, 16384], "warmup": 1, "steps": 3, "trials": 3,
-                "graph": True, "profile": True},
-    "mixer": {"batches": [8, 16, 32], "seq_len": 2048, "warmup": 3, "steps": 10, "trials": 3, "arch": {},
-              "graph": True, "profile": True},
-    "profile": {"batches": [1, 64], "steps": 10, "top": 30},
-}
-"""The paper's protocol (App. G.1). ``mixer.arch`` overrides the model's arch for the one-layer measurement
-(the paper's Table 19 uses hidden 2048, 16 heads, d_v = 128). ``blas`` picks torch's GEMM library
-(``torch.backends.cuda.preferred_blas_library``: ``cublas`` or ``cublaslt``; ``None`` leaves torch's default): at one
-sequence the GEMV kernel chosen for a pruned projection can be slower than the unpruned one's (docs/speed.md).
-``pdl``: our decode kernels use programmatic dependent launch where the GPU has it
-(:func:`statereduce.kernels.recurrent.programmatic_launch`; the document's ``pdl`` says whether they did)."""
-
-BLAS_LIBRARIES = (None, "cublas", "cublaslt")
-"""Valid ``blas`` settings."""
 
 PARTS = ("decode", "prefill", "mixer", "profile")
 """Measurements :func:`run_speed` can make; ``profile`` (per-kernel device time of eager decode steps, to see where
@@ -76,40 +54,24 @@ a step's time goes) is not in the default set."""
 DEFAULT_PARTS = ("decode", "prefill", "mixer")
 
 
-def speed_settings(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """:data:`DEFAULT_SPEED` updated by ``overrides`` (the parts' blocks key by key); unknown keys are errors."""
-    out = copy.deepcopy(DEFAULT_SPEED)
-    for key, value in (overrides or {}).items():
-        if key not in out:
-            raise ValueError(f"unknown speed setting {key!r}; valid: {', '.join(out)}")
-        if isinstance(out[key], dict):
-            bad = sorted(set(value) - set(out[key]))
-            if bad:
-                raise ValueError(f"unknown speed.{key} setting(s) {bad}; valid: {', '.join(out[key])}")
-            out[key] = {**out[key], **value}
-        else:
-            out[key] = value
-    if out["blas"] not in BLAS_LIBRARIES:
-        raise ValueError(f"unknown speed blas {out['blas']!r}; valid: cublas, cublaslt, or null for torch's default")
-    if not isinstance(out["pdl"], bool):
-        raise ValueError(f"speed pdl must be true or false; got {out['pdl']!r}")  # noqa: TRY004 (a setting's value)
-    for pct in out["pcts"]:
-        if not 0 <= float(pct) < 100:
-            raise ValueError(f"speed pct {pct} is outside [0, 100): it is the percent of key channels removed")
+def speed_settings(overrides: SpeedSettings | Mapping[str, Any] | None = None) -> SpeedSettings:
+    """:class:`~statereduce.settings.SpeedSettings` (the paper's protocol, App. G.1) updated by ``overrides`` (the
+    parts' blocks key by key), each decode kernel checked; unknown keys and bad values are one-line ValueErrors."""
     from statereduce.speed.inplace import parse_kernel
 
-    for kernel in out["decode"]["kernels"]:
+    settings = SpeedSettings.coerce(overrides)
+    for kernel in settings.decode.kernels:
         parse_kernel(kernel)
-    return out
+    return settings
 
 
-def speed_pcts(settings: Mapping[str, Any]) -> list:
-    """The ratios a run measures: the baseline (0) first, then ``settings["pcts"]``."""
-    return [0, *[p for p in settings["pcts"] if float(p) != 0]]
+def speed_pcts(settings: SpeedSettings) -> list:
+    """The ratios a run measures: the baseline (0) first, then ``settings.pcts``."""
+    return [0, *[p for p in settings.pcts if float(p) != 0]]
 
 
 def workflow_model(name: str, config: str | Path,
-                   overrides: Mapping[str, Any] | None = None) -> tuple[str, dict, dict[str, Any]]:
+                   overrides: Mapping[str, Any] | None = None) -> tuple[str, dict, SpeedSettings]:
     """``(family, arch, settings)`` of model ``name`` of the workflow config file ``config``: its speed block, then
     ``overrides``. Raises ValueError (one line) for a missing file or an unknown model."""
     import yaml
@@ -122,7 +84,7 @@ def workflow_model(name: str, config: str | Path,
     if name not in cfg["models"]:
         raise ValueError(f"unknown model {name!r} in {str(config)!r}; valid: {', '.join(sorted(cfg['models']))}")
     plan = model_speed(cfg, name)
-    return plan["family"], plan["arch"], speed_settings({**plan["settings"], **(overrides or {})})
+    return plan.family, plan.arch, speed_settings({**plan.settings, **(overrides or {})})
 
 
 def require_cuda() -> None:
@@ -315,27 +277,26 @@ def check_decoder(model, decoder: GraphDecoder, steps: int) -> float:
     return worst
 
 
-def decode_cells(model, config, family: str, settings: Mapping[str, Any], bandwidth: float,
+def decode_cells(model, config, family: str, settings: DecodeSettings, bandwidth: float,
                  on_cell: Callable[[dict], None]) -> None:
     """Time the decode step of ``model`` for every batch and kernel of ``settings`` (``speed.decode``)."""
     from statereduce.speed.inplace import FUSED, pack_for_decode
 
-    for batch in settings["batches"]:
+    for batch in settings.batches:
         bytes_ = step_bytes(model, config, family, batch)
-        for kernel in settings["kernels"]:
-            cell: dict[str, Any] = {"batch": batch, "kernel": kernel, "prompt": settings["prompt"]}
+        for kernel in settings.kernels:
+            cell: dict[str, Any] = {"batch": batch, "kernel": kernel, "prompt": settings.prompt}
             if kernel.endswith(FUSED):
                 pack_for_decode(model)  # once per model, outside the memory window (packing copies each layer once)
             try:
                 with _peak_memory(cell):
                     t0 = time.perf_counter()
-                    dec = GraphDecoder(model, batch, settings["prompt"], kernel)
+                    dec = GraphDecoder(model, batch, settings.prompt, kernel)
                     t1 = time.perf_counter()
-                    if settings.get("check_steps"):
-                        cell["check_rel_err"] = check_decoder(model, dec, settings["check_steps"])
+                    if settings.check_steps:
+                        cell["check_rel_err"] = check_decoder(model, dec, settings.check_steps)
                     t2 = time.perf_counter()
-                    ms = time_ms(dec.step, warmup=settings["warmup"], steps=settings["steps"],
-                                 trials=settings["trials"])
+                    ms = time_ms(dec.step, warmup=settings.warmup, steps=settings.steps, trials=settings.trials)
                     # wall seconds of each phase (prefill + capture, check, timing): where a run's time goes
                     cell["wall_s"] = {"capture": round(t1 - t0, 2), "check": round(t2 - t1, 2),
                                       "timing": round(time.perf_counter() - t2, 2)}
@@ -395,13 +356,13 @@ def graphed(fn: Callable[[], Any], warmup: int = 1) -> Callable[[], None]:
     return graph.replay
 
 
-def _time_call(fn: Callable[[], Any], settings: Mapping[str, Any], cell: dict) -> None:
+def _time_call(fn: Callable[[], Any], settings: PrefillSettings | MixerSettings, cell: dict) -> None:
     """Measure ``fn`` into ``cell``: peak memory of one eager call, then time per ``settings``.
 
     Two eager warm-up calls come first (autotuning happens there). Peak memory (``_peak_memory``) is taken around one
     more eager call, before any graph exists, so it is the call's own footprint (a graph's private pool would add its
     capture-time buffers). The timing (``warmup``, ``steps``, ``trials``) replays a CUDA graph of ``fn`` when
-    ``settings["graph"]`` (eager if capture fails: the cell says why); ``device_ms`` is added when ``profile``.
+    ``settings.graph`` (eager if capture fails: the cell says why); ``device_ms`` is added when ``profile``.
     """
     for _ in range(2):
         fn()
@@ -409,7 +370,7 @@ def _time_call(fn: Callable[[], Any], settings: Mapping[str, Any], cell: dict) -
         fn()
     call: Callable[[], Any] = fn
     cell["graph"] = False
-    if settings.get("graph"):
+    if settings.graph:
         try:
             call = graphed(fn)
             cell["graph"] = True
@@ -418,17 +379,17 @@ def _time_call(fn: Callable[[], Any], settings: Mapping[str, Any], cell: dict) -
                 raise
             cell["graph_error"] = str(e).splitlines()[0][:200]
             torch.cuda.synchronize()
-    ms = time_ms(call, warmup=settings["warmup"], steps=settings["steps"], trials=settings["trials"])
+    ms = time_ms(call, warmup=settings.warmup, steps=settings.steps, trials=settings.trials)
     cell.update(_stats(ms))
-    if settings.get("profile"):
+    if settings.profile:
         cell["device_ms"] = device_ms(fn)
 
 
-def prefill_cells(model, settings: Mapping[str, Any], on_cell: Callable[[dict], None]) -> None:
+def prefill_cells(model, settings: PrefillSettings, on_cell: Callable[[dict], None]) -> None:
     """Time ``model(ids, use_cache=True, logits_to_keep=1)`` over the batch x length grid of ``speed.prefill``."""
     vocab = model.config.vocab_size
-    for length in settings["lengths"]:
-        for batch in settings["batches"]:
+    for length in settings.lengths:
+        for batch in settings.batches:
             cell: dict[str, Any] = {"batch": batch, "length": length}
             try:
                 ids = torch.randint(vocab, (batch, length), device="cuda")
@@ -442,7 +403,7 @@ def prefill_cells(model, settings: Mapping[str, Any], on_cell: Callable[[dict], 
             on_cell(cell)
 
 
-def mixer_cells(config, settings: Mapping[str, Any], dtype: torch.dtype, on_cell: Callable[[dict], None]) -> None:
+def mixer_cells(config, settings: MixerSettings, dtype: torch.dtype, on_cell: Callable[[dict], None]) -> None:
     """Time one linear-attention layer's forward (the first mixer of a one-layer model of ``config``)."""
     one = copy.deepcopy(config)
     one.num_hidden_layers = 1
@@ -450,14 +411,14 @@ def mixer_cells(config, settings: Mapping[str, Any], dtype: torch.dtype, on_cell
 
     layer = get_adapter(build_model(one, dtype)).mixer_layers()[0][1]  # the rest of the model is freed here
     _free()
-    for batch in settings["batches"]:
-        cell: dict[str, Any] = {"batch": batch, "seq_len": settings["seq_len"]}
+    for batch in settings.batches:
+        cell: dict[str, Any] = {"batch": batch, "seq_len": settings.seq_len}
         try:
-            x = torch.randn(batch, settings["seq_len"], config.hidden_size, device="cuda", dtype=dtype)
+            x = torch.randn(batch, settings.seq_len, config.hidden_size, device="cuda", dtype=dtype)
             with torch.no_grad():
                 _time_call(lambda x=x: layer(x), settings, cell)
         except torch.cuda.OutOfMemoryError:
-            cell = {"batch": batch, "seq_len": settings["seq_len"], "skipped": "out of memory"}
+            cell = {"batch": batch, "seq_len": settings.seq_len, "skipped": "out of memory"}
         x = None
         _free()
         on_cell(cell)
@@ -473,7 +434,7 @@ def kernel_rows(prof, calls: int = 1) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
-def profile_cells(model, settings: Mapping[str, Any], kernels: Iterable[str], on_cell: Callable[[dict], None],
+def profile_cells(model, settings: SpeedProfileSettings, kernels: Iterable[str], on_cell: Callable[[dict], None],
                   prompt: int = 64) -> None:
     """Device time per kernel over ``steps`` eager decode steps (``torch.profiler``), the ``top`` kernels by time.
 
@@ -485,7 +446,7 @@ def profile_cells(model, settings: Mapping[str, Any], kernels: Iterable[str], on
     from statereduce.speed.inplace import inplace_decode
 
     vocab = model.config.vocab_size
-    for batch in settings["batches"]:
+    for batch in settings.batches:
         for kernel in kernels:
             ids = torch.randint(vocab, (batch, prompt), device="cuda")
             tok = torch.randint(vocab, (batch, 1), device="cuda")
@@ -495,13 +456,13 @@ def profile_cells(model, settings: Mapping[str, Any], kernels: Iterable[str], on
                     model(tok, past_key_values=cache, use_cache=True)
                 torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(settings["steps"]):
+                    for _ in range(settings.steps):
                         model(tok, past_key_values=cache, use_cache=True)
                     torch.cuda.synchronize()
-            rows = kernel_rows(prof, settings["steps"])
+            rows = kernel_rows(prof, settings.steps)
             on_cell({"batch": batch, "kernel": kernel, "total_us": sum(r[1] for r in rows),
                      "launches": sum(r[2] for r in rows),
-                     "top": [{"name": n[:120], "us": round(t, 2), "count": c} for n, t, c in rows[:settings["top"]]]})
+                     "top": [{"name": n[:120], "us": round(t, 2), "count": c} for n, t, c in rows[:settings.top]]})
             cache = None
             _free()
 
@@ -509,10 +470,10 @@ def profile_cells(model, settings: Mapping[str, Any], kernels: Iterable[str], on
 # ---------------------------------------------------------------------------------------------
 # one run
 # ---------------------------------------------------------------------------------------------
-def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any], out_path: str | Path, *,
+def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out_path: str | Path, *,
               model_name: str | None = None, parts: Iterable[str] = DEFAULT_PARTS,
               extra: Mapping[str, Any] | None = None) -> dict:
-    """Measure the baseline (pct 0) and every ``settings["pcts"]`` ratio; write ``out_path`` after every cell.
+    """Measure the baseline (pct 0) and every ``settings.pcts`` ratio; write ``out_path`` after every cell.
 
     Args:
         family: adapter family (``delta_net``, ``gated_deltanet``).
@@ -536,19 +497,20 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
     bad = sorted(set(parts) - set(PARTS))
     if bad:
         raise ValueError(f"unknown speed part(s) {bad}; valid: {', '.join(PARTS)}")
-    dtype = getattr(torch, settings["dtype"])
+    dtype = getattr(torch, settings.dtype)
     pcts = speed_pcts(settings)
     adapter = adapter_class(family)
     doc: dict[str, Any] = {
-        "model": model_name, "family": family, "arch": dict(arch), "settings": settings, "parts": parts,
+        "model": model_name, "family": family, "arch": dict(arch), "settings": settings.to_dict(),
+        "parts": parts,
         "weights": "random (speed does not depend on weight values); shapes from arch and the pruned config",
         "device": torch.cuda.get_device_name(), "versions": versions(), "configs": {},
         "decode": [], "prefill": [], "mixer": [], "profile": [], **(extra or {}),
     }
-    if settings.get("blas"):
-        torch.backends.cuda.preferred_blas_library(settings["blas"])
+    if settings.blas:
+        torch.backends.cuda.preferred_blas_library(settings.blas)
     doc["blas_library"] = str(torch.backends.cuda.preferred_blas_library())
-    doc["pdl"] = settings["pdl"] and pdl_supported(torch.device("cuda"))
+    doc["pdl"] = settings.pdl and pdl_supported(torch.device("cuda"))
     capture_stream()  # its cuBLAS workspace exists before the first cell's memory is measured
     t0 = time.perf_counter()
     doc["copy_bandwidth_Bps"] = copy_bandwidth()
@@ -559,7 +521,7 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: Mapping[str, Any],
         doc["elapsed_s"] = round(time.perf_counter() - t0, 1)
         write_json(out_path, doc)
 
-    with programmatic_launch(settings["pdl"]):
+    with programmatic_launch(settings.pdl):
         for pct in pcts:
             _speed_pct(family, arch, settings, parts, pct, dtype, adapter, doc, save)
     save()
@@ -586,16 +548,16 @@ def _speed_pct(family, arch, settings, parts, pct, dtype, adapter, doc, save) ->
         model = build_model(config, dtype)
         log.info("built the pct=%s model in %.1f s", pct, time.perf_counter() - t_build)
         if "profile" in parts:
-            profile_cells(model, settings["profile"], settings["decode"]["kernels"], add("profile"))
+            profile_cells(model, settings.profile, settings.decode.kernels, add("profile"))
         if "decode" in parts:
-            decode_cells(model, config, family, settings["decode"], doc["copy_bandwidth_Bps"], add("decode"))
+            decode_cells(model, config, family, settings.decode, doc["copy_bandwidth_Bps"], add("decode"))
         if "prefill" in parts:
-            prefill_cells(model, settings["prefill"], add("prefill"))
+            prefill_cells(model, settings.prefill, add("prefill"))
         del model
         _free()
     if "mixer" in parts:
-        mixer_arch = {**arch, **settings["mixer"].get("arch", {})}
-        mixer_cells(model_config(family, mixer_arch, pct), settings["mixer"], dtype, add("mixer"))
+        mixer_arch = {**arch, **settings.mixer.arch}
+        mixer_cells(model_config(family, mixer_arch, pct), settings.mixer, dtype, add("mixer"))
 
 
 def speed_ratios(doc: Mapping[str, Any]) -> dict[str, list[dict]]:

@@ -1,0 +1,698 @@
+"""Typed settings: each configuration block a stage reads, as a frozen dataclass holding its defaults.
+
+In the style of transformers' ``TrainingArguments`` and peft's ``LoraConfig``: :mod:`statereduce.config` builds these
+objects from the validated ``config.yaml`` (a model's ``calibration``, ``eval``, ``rank``, ``rft``, ``speed`` and
+``pretrain`` blocks), and the stages take them (``cfg.lr``, not ``cfg["lr"]``). Every default lives here, in a field;
+the schema's ``default:`` entries repeat them for the reader and ``tests/test_settings.py`` checks that they agree.
+
+Every class has:
+
+* ``from_dict(d)``: the defaults updated by ``d`` (a nested block merged key by key); an unknown key is a one-line
+  ``ValueError`` naming it and the valid keys;
+* ``__post_init__``: the checks of its values (one-line ``ValueError`` naming the bad value and what is valid);
+* ``to_dict()``: the plain dict (fields in order, nested settings as dicts, an optional field left out while unset).
+  Snakemake tracks a rule's params by their ``repr`` and ignores objects it cannot represent, so the workflow hands
+  jobs ``to_dict()`` and each workflow script builds the object again with ``from_dict``; records and resume
+  fingerprints store ``to_dict()`` too;
+* ``replace(**changes)``: a copy with some fields changed, checked again.
+
+This module imports no torch and nothing else from the package: config validation (every dry run) builds these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, TypeVar
+
+S = TypeVar("S", bound="Settings")
+
+OPTIONAL = {"optional": True}
+"""Field metadata: ``to_dict`` leaves the field out while it is None."""
+
+RECALL_MAX_PAIRS = 90
+"""Most key-value lines of a recall document: the two-digit values 10..99 (:mod:`statereduce.eval.recall`)."""
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with settings turned into dicts and containers copied (what ``to_dict`` hands out)."""
+    if isinstance(value, Settings):
+        return value.to_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class Settings:
+    """What every settings dataclass shares: ``from_dict``, ``coerce``, ``to_dict``, ``replace``.
+
+    Class attributes of a subclass: ``section`` (the block's name in messages), ``unknown_message`` (the unknown-key
+    error, formatted with ``section``, ``key`` (the first unknown key), ``bad`` (the unknown keys, sorted) and
+    ``valid``), ``sort_valid`` (list the valid keys sorted, else in field order) and ``nested`` (field -> the
+    settings class its mapping is merged into).
+    """
+
+    section: ClassVar[str] = ""
+    unknown_message: ClassVar[str] = "unknown {section} key(s) {bad}; valid: {valid}"
+    sort_valid: ClassVar[bool] = True
+    nested: ClassVar[Mapping[str, type[Settings]]] = {}
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The block's keys: the public fields, in order."""
+        return tuple(f.name for f in fields(cls) if not f.name.startswith("_"))
+
+    @classmethod
+    def from_dict(cls: type[S], d: Mapping[str, Any] | None = None) -> S:
+        """The defaults updated by ``d`` (nested blocks merged key by key), checked.
+
+        Raises:
+            ValueError: one line naming an unknown key and the valid ones, or a bad value.
+        """
+        d = dict(d or {})
+        keys = cls.field_names()
+        unknown = [k for k in d if k not in keys]
+        if unknown:
+            valid = ", ".join(sorted(keys) if cls.sort_valid else keys)
+            raise ValueError(cls.unknown_message.format(section=cls.section, key=unknown[0], bad=sorted(unknown),
+                                                        valid=valid))
+        for key, sub in cls.nested.items():
+            if d.get(key) is not None:
+                d[key] = sub.coerce(d[key])
+        return cls(**d)
+
+    @classmethod
+    def coerce(cls: type[S], obj: S | Mapping[str, Any] | None) -> S:
+        """``obj`` itself when it is already a ``cls``, else ``cls.from_dict(obj)``."""
+        return obj if isinstance(obj, cls) else cls.from_dict(obj)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The block as a plain dict: fields in order, nested settings as dicts, unset optional fields left out."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith("_") or (value is None and f.metadata.get("optional")):
+                continue
+            out[f.name] = _plain(value)
+        return out
+
+    def replace(self: S, **changes: Any) -> S:
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    def _set(self, name: str, value: Any) -> None:
+        """Normalise a field in ``__post_init__`` (the dataclasses are frozen)."""
+        object.__setattr__(self, name, value)
+
+
+# ---- a model's jobs -----------------------------------------------------------------------------------------------
+DEFAULT_THREADS = {"cpu": 1, "cuda": 4}
+"""CPU threads of a model's jobs by its ``device``: one for the CPU models, whose numbers depend on torch's thread
+count; four for a GPU job's host-side work. Under SLURM they are each job's CPUs."""
+
+
+@dataclass(frozen=True)
+class DeviceSettings(Settings):
+    """Where a model's jobs run (``models.<name>``'s ``dtype``, ``device``, ``threads``).
+
+    Args:
+        dtype: the dtype the model is loaded and saved in.
+        device: ``cpu`` or ``cuda``.
+        threads: CPU threads of each of its jobs; None: :data:`DEFAULT_THREADS` of the device.
+    """
+
+    section: ClassVar[str] = "model"
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None
+
+    def __post_init__(self):
+        if self.device not in DEFAULT_THREADS:
+            raise ValueError(f"unknown device {self.device!r}; valid: {', '.join(DEFAULT_THREADS)}")
+        if self.threads is None:
+            self._set("threads", DEFAULT_THREADS[self.device])
+
+
+@dataclass(frozen=True)
+class HubSettings(Settings):
+    """``models.<name>.hub``: a checkpoint on the Hugging Face hub."""
+
+    section: ClassVar[str] = "hub"
+
+    id: str = ""
+    revision: str = "main"
+
+
+@dataclass(frozen=True)
+class InitSettings(Settings):
+    """``models.<name>.init``: random weights of the shape ``arch`` (rule ``init_random``), drawn after seeding
+    with ``seed``."""
+
+    section: ClassVar[str] = "init"
+
+    arch: dict = field(default_factory=dict)
+    seed: int = 0
+
+
+# ---- calibration and selection ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CalibrationSettings(Settings):
+    """A model's ``calibration`` block, or a variant under ``calibrations`` (paper Sec. 3, App. B).
+
+    Args:
+        split: the corpus split the sequences come from.
+        n_samples: calibration sequences (paper: 128).
+        seq_len: tokens per sequence (paper: 2048).
+        seed: draws the sequences and the kept rows.
+        rows_per_head: K rows and Q rows kept per head (paper: 2,500 + 2,500).
+        batch_size: sequences per forward pass.
+        corpus: a key of ``corpora`` (every model needs one: also the default text of its evaluation and RFT).
+    """
+
+    section: ClassVar[str] = "calibration"
+
+    split: str = "calib"
+    n_samples: int = 32
+    seq_len: int = 256
+    seed: int = 0
+    rows_per_head: int = 2500
+    batch_size: int = 4
+    corpus: str | None = field(default=None, metadata=OPTIONAL)
+
+
+@dataclass(frozen=True)
+class GradSettings(Settings):
+    """``selectors.grad``: the gradient pass of rule ``grad_scores``; None takes the calibration's value."""
+
+    section: ClassVar[str] = "selectors.grad"
+
+    n_samples: int | None = field(default=None, metadata=OPTIONAL)
+    batch_size: int | None = field(default=None, metadata=OPTIONAL)
+
+    def sizes(self, calibration: CalibrationSettings) -> tuple[int, int]:
+        """``(n_samples, batch_size)`` of the gradient pass over ``calibration``'s sequences."""
+        return (calibration.n_samples if self.n_samples is None else self.n_samples,
+                calibration.batch_size if self.batch_size is None else self.batch_size)
+
+
+# ---- evaluation ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RecallProbeSettings(Settings):
+    """``eval.recall_probe``: the offline MQAR probe (:mod:`statereduce.eval.recall`): one task per level (an int,
+    the context's key-value lines, or a mapping of ``RecallLevel`` fields), ``n_docs`` documents each, seeded."""
+
+    section: ClassVar[str] = "recall_probe"
+    unknown_message: ClassVar[str] = "unknown recall_probe keys {bad}; valid: {valid}"
+    sort_valid: ClassVar[bool] = False
+
+    levels: list = field(default_factory=lambda: [4, 16, 64])
+    n_docs: int = 100
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EvalSettings(Settings):
+    """A model's ``eval`` block (:func:`statereduce.config.model_eval`), with its ``suites`` expanded there
+    (:func:`statereduce.eval.suites.expand_eval`: their lm-eval tasks added to ``tasks``, ``metadata``,
+    ``task_max_length``, the ``recall_probe`` block filled).
+
+    Args:
+        tasks: lm-eval task names; ``heldout`` is the local bits-per-byte task on the corpus's held-out split.
+        max_docs: held-out documents.
+        max_doc_bytes: each held-out document cut to this many UTF-8 bytes.
+        batch_size: lm-eval's batch size.
+        max_length: tokens per window.
+        limit: lm-eval's per-task document limit (None: all).
+        corpus: the corpus of the ``heldout`` task, where configured (else the model's, ``model_eval_corpus``).
+        recall_probe: the ``recall_probe`` block as configured, all keys filled once its suite is selected
+            (typed: :attr:`probe`).
+        suites: named task sets (:mod:`statereduce.eval.suites`).
+        metadata: lm-eval task metadata the suites need.
+        task_max_length: task -> the smallest window it needs.
+        corpus_spec: the ``heldout`` task's corpus spec, resolved by the workflow for the job.
+    """
+
+    section: ClassVar[str] = "eval"
+
+    tasks: list = field(default_factory=lambda: ["heldout"])
+    max_docs: int = 64
+    max_doc_bytes: int = 2048
+    batch_size: int = 1
+    max_length: int = 2048
+    limit: int | None = None
+    corpus: str | None = field(default=None, metadata=OPTIONAL)
+    recall_probe: dict | None = field(default=None, metadata=OPTIONAL)
+    suites: list | None = field(default=None, metadata=OPTIONAL)
+    metadata: dict | None = field(default=None, metadata=OPTIONAL)
+    task_max_length: dict | None = field(default=None, metadata=OPTIONAL)
+    corpus_spec: dict | None = field(default=None, metadata=OPTIONAL)
+    # the recall_probe block comes after metadata and task_max_length where the suite's expansion added it
+    _probe_last: bool = field(default=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None = None) -> EvalSettings:
+        order = list(d or {})
+        last = "recall_probe" in order and "suites" in order and order.index("recall_probe") > order.index("suites")
+        return super().from_dict(d).replace(_probe_last=last)
+
+    @property
+    def probe(self) -> RecallProbeSettings:
+        """The ``recall_probe`` block, typed, defaults filled."""
+        return RecallProbeSettings.coerce(self.recall_probe)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if self._probe_last and "recall_probe" in out:
+            out["recall_probe"] = out.pop("recall_probe")
+            if "corpus_spec" in out:
+                out["corpus_spec"] = out.pop("corpus_spec")
+        return out
+
+
+# ---- rank analysis ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankSettings(Settings):
+    """Rank analysis (paper Sec. 2.2, App. C.1, C.5): the top-level ``rank`` block updated by the model's.
+
+    Args:
+        corpus: the corpus whose ``heldout`` split is analysed (default: the evaluation's).
+        n_samples: held-out sequences.
+        seed: draws the sequences.
+        seq_len: tokens per sequence.
+        skip: positions left out at the start (paper: 128).
+        spectrum_head: ``[layer, head]`` whose spectrum is kept (Figs. 2, 5).
+        stride: one state sample every ``stride`` tokens.
+        corpus_spec: that corpus's spec, resolved by the workflow for the job.
+    """
+
+    section: ClassVar[str] = "rank"
+
+    corpus: str | None = field(default=None, metadata=OPTIONAL)
+    n_samples: int = 4
+    seed: int = 0
+    seq_len: int = 512
+    skip: int = 128
+    spectrum_head: list | None = field(default_factory=lambda: [0, 0])
+    stride: int = 64
+    corpus_spec: dict | None = field(default=None, metadata=OPTIONAL)
+
+
+# ---- pretraining --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainSettings(Settings):
+    """``pretrain.train``: training an embedded tiny model (:func:`statereduce.pretrain.pretrain`).
+
+    The defaults suit the embedded tiny models (hidden 128, 4 layers, 2 heads, d_k = d_v = 64, ~1.1M parameters)
+    on the embedded corpus: 700 steps x 4 x 128 = 358k tokens take ~150 s (DeltaNet) / ~165 s (Gated DeltaNet) on
+    one CPU thread and reach held-out losses of ~1.95 / ~1.64 nats per byte (uniform: ln 257 = 5.55). Measured
+    against batch 8 / 16 with fewer steps, seq_len 256, and lr 2e-3 / 6e-3 at the same token budget: more, smaller
+    steps won; lr 6e-3 hurt DeltaNet.
+
+    Args:
+        steps, batch_size, seq_len: optimizer steps, windows per step, tokens per window.
+        lr, min_lr: peak learning rate; the cosine's floor (None: lr / 10).
+        weight_decay, betas: AdamW's (decay on matrices only).
+        warmup: linear warm-up steps, in [0, steps).
+        grad_clip: gradient-norm clipping.
+        seed: the model's initialisation and the batch order.
+        threads: ``torch.set_num_threads`` (the job's CPUs).
+        log_every: steps per log line.
+        eval_blocks: calib and heldout blocks of the final losses.
+    """
+
+    section: ClassVar[str] = "train"
+
+    steps: int = 700
+    batch_size: int = 4
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr: float | None = None
+    weight_decay: float = 0.1
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    warmup: int = 50
+    grad_clip: float = 1.0
+    seed: int = 0
+    threads: int = 1
+    log_every: int = 10
+    eval_blocks: int = 16
+
+    def __post_init__(self):
+        for key in ("steps", "batch_size", "seq_len", "threads", "log_every"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"train {key} must be >= 1, got {getattr(self, key)}")
+        if not 0 <= int(self.warmup) < int(self.steps):
+            raise ValueError(f"train warmup must be in [0, steps={self.steps}), got {self.warmup}")
+        self._set("betas", [float(b) for b in self.betas])
+
+
+@dataclass(frozen=True)
+class RecallMixSettings(Settings):
+    """``pretrain.recall_mix``: synthetic recall documents mixed into the training text
+    (docs/experiments/recall_mix/README.md).
+
+    Args:
+        fraction: share of the mixed training stream's bytes that are recall documents, in (0, 1).
+        n_pairs: context sizes; each document draws one uniformly (each 1..90).
+        seed: draws the documents.
+        pure_steps: steps of a first, recall-only training phase (>= 0).
+        pure_lr: that phase's peak learning rate (> 0).
+    """
+
+    section: ClassVar[str] = "recall_mix"
+    unknown_message: ClassVar[str] = "unknown recall_mix keys {bad}; valid: {valid}"
+    sort_valid: ClassVar[bool] = False
+
+    fraction: float = 0.2
+    n_pairs: list = field(default_factory=lambda: [1, 2])
+    seed: int = 0
+    pure_steps: int = 0
+    pure_lr: float = 1e-3
+
+    def __post_init__(self):
+        fraction, n_pairs = self.fraction, self.n_pairs
+        if not _is_number(fraction) or not 0.0 < fraction < 1.0:
+            raise ValueError(f"recall_mix fraction must be a number in (0, 1), got {fraction!r}")
+        if (
+            not isinstance(n_pairs, (list, tuple))
+            or not n_pairs
+            or not all(_is_int(n) and 1 <= n <= RECALL_MAX_PAIRS for n in n_pairs)
+        ):
+            raise ValueError(
+                f"recall_mix n_pairs must be a non-empty list of ints in 1..{RECALL_MAX_PAIRS}, got {n_pairs!r}"
+            )
+        if not _is_int(self.seed):
+            raise TypeError(f"recall_mix seed must be an int, got {self.seed!r}")
+        if not _is_int(self.pure_steps) or self.pure_steps < 0:
+            raise ValueError(f"recall_mix pure_steps must be an int >= 0, got {self.pure_steps!r}")
+        if not _is_number(self.pure_lr) or not self.pure_lr > 0:
+            raise ValueError(f"recall_mix pure_lr must be a number > 0, got {self.pure_lr!r}")
+        self._set("pure_lr", float(self.pure_lr))
+        self._set("fraction", float(fraction))
+        self._set("n_pairs", list(n_pairs))
+
+
+SHARE_CONV_DEFAULT = "none"
+
+
+@dataclass(frozen=True)
+class PretrainSettings(Settings):
+    """``models.<name>.pretrain``: an embedded tiny model the workflow trains (rule ``pretrain``).
+
+    Args:
+        corpus: a key of ``corpora`` whose ``train`` split it trains on.
+        arch: config fields of the family's config class.
+        train: the optimisation (:class:`TrainSettings`).
+        recall_mix: recall documents mixed into the text (:class:`RecallMixSettings`); None: corpus only.
+        share_conv: ``none``, ``head`` or ``all``: q/k short-convolution filters tied while training (paper App.
+            B.5, Table 14).
+    """
+
+    section: ClassVar[str] = "pretrain"
+    nested: ClassVar[Mapping[str, type[Settings]]] = {"train": TrainSettings, "recall_mix": RecallMixSettings}
+
+    corpus: str | None = None
+    arch: dict = field(default_factory=dict)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    recall_mix: RecallMixSettings | None = field(default=None, metadata=OPTIONAL)
+    share_conv: str = SHARE_CONV_DEFAULT
+
+
+# ---- recovery fine-tuning -----------------------------------------------------------------------------------------
+RFT_PRECISIONS = ("auto", "bf16", "fp32")
+RFT_KERNELS = ("auto", "fla", "torch")
+
+
+@dataclass(frozen=True)
+class LoraSettings(Settings):
+    """``rft.lora``: LoRA on the RFT scope's projections (peft ``LoraConfig``'s ``r``, ``lora_alpha``,
+    ``lora_dropout``; paper App. A: rank 32, alpha 64)."""
+
+    section: ClassVar[str] = "rft.lora"
+
+    rank: int = 32
+    alpha: float = 64
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if int(self.rank) < 1 or float(self.alpha) <= 0 or not 0 <= float(self.dropout) < 1:
+            raise ValueError(f"rft lora needs rank >= 1, alpha > 0, dropout in [0, 1); got {self.to_dict()}")
+
+
+@dataclass(frozen=True)
+class DistillSettings(Settings):
+    """``rft.distill``: the loss, ``kl_weight * T^2 * KL(teacher^T || student^T) + lm_weight * CE``."""
+
+    section: ClassVar[str] = "rft.distill"
+
+    temperature: float = 2.0
+    kl_weight: float = 1.0
+    lm_weight: float = 0.0
+
+    def __post_init__(self):
+        if float(self.temperature) <= 0:
+            raise ValueError(f"rft distill temperature must be > 0, got {self.temperature!r}")
+        kl, lm = float(self.kl_weight), float(self.lm_weight)
+        if kl < 0 or lm < 0 or not (kl or lm):
+            raise ValueError(f"rft distill weights must be >= 0 and not both 0; got {self.to_dict()}")
+
+
+@dataclass(frozen=True)
+class RftSettings(Settings):
+    """Recovery fine-tuning (:mod:`statereduce.rft`): the paper's defaults (App. A); the embedded tiny models
+    override sizes and LR in config.yaml.
+
+    Args:
+        lora, distill: :class:`LoraSettings`, :class:`DistillSettings`.
+        scope: which subtrees train: ``auto`` (the adapter's default), ``all`` or ``recurrent``.
+        n_samples, seq_len: training sequences and their tokens (one pass).
+        batch_size: the effective batch (sequences per optimizer step, over all processes).
+        micro_batch_size: sequences per forward pass; ``batch_size / (micro_batch_size * processes)`` accumulate.
+            ``auto``: on a GPU the most that fit in its memory (``statereduce.rft.auto_micro_batch``), on a CPU 1.
+        lr, min_lr, warmup_frac: AdamW's peak learning rate, linear warm-up over ``warmup_frac`` of the steps, cosine
+            to ``min_lr``.
+        weight_decay, betas, grad_clip: AdamW's, and gradient-norm clipping.
+        precision: ``auto`` (bf16 autocast on CUDA, fp32 on CPU), ``bf16`` or ``fp32``.
+        kernels: the student's backward: ``auto`` (the adapter's ``backward_kernels``: torch where fla refuses the
+            family's backward, else fla), ``fla`` or ``torch``.
+        seed: data order and LoRA's initialisation.
+        log_every: optimizer steps per log line.
+        save_every: optimizer steps between resume checkpoints.
+    """
+
+    section: ClassVar[str] = "rft"
+    nested: ClassVar[Mapping[str, type[Settings]]] = {"lora": LoraSettings, "distill": DistillSettings}
+
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    distill: DistillSettings = field(default_factory=DistillSettings)
+    scope: str = "auto"
+    n_samples: int = 32000
+    seq_len: int = 2048
+    batch_size: int = 16
+    micro_batch_size: int | str = "auto"
+    lr: float = 1e-4
+    min_lr: float = 1e-5
+    warmup_frac: float = 0.05
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    precision: str = "auto"
+    kernels: str = "auto"
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 100
+
+    def __post_init__(self):
+        for key in ("n_samples", "seq_len", "batch_size", "micro_batch_size", "log_every", "save_every"):
+            value = getattr(self, key)
+            if key == "micro_batch_size" and value == "auto":
+                continue
+            if not _is_int(value) or value < 1:
+                valid = "an integer >= 1 or auto" if key == "micro_batch_size" else "an integer >= 1"
+                raise ValueError(f"rft {key} must be {valid}, got {value!r}")
+        if self.micro_batch_size != "auto" and self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"rft batch_size={self.batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}"
+            )
+        if self.n_samples < self.batch_size:
+            raise ValueError(f"rft n_samples={self.n_samples} is smaller than one batch (batch_size={self.batch_size})")
+        if not 0 <= float(self.warmup_frac) < 1:
+            raise ValueError(f"rft warmup_frac must be in [0, 1), got {self.warmup_frac!r}")
+        if self.kernels not in RFT_KERNELS:
+            raise ValueError(f"unknown rft kernels {self.kernels!r}; valid: {', '.join(RFT_KERNELS)}")
+        if self.precision not in RFT_PRECISIONS:
+            raise ValueError(f"unknown rft precision {self.precision!r}; valid: {', '.join(RFT_PRECISIONS)}")
+        if float(self.lr) <= 0 or float(self.min_lr) < 0:
+            raise ValueError(f"rft lr must be > 0 and min_lr >= 0; got lr={self.lr!r}, min_lr={self.min_lr!r}")
+        self._set("betas", [float(b) for b in self.betas])
+
+
+@dataclass(frozen=True)
+class RftPlan(Settings):
+    """A model's RFT plan: the top-level ``rft`` block updated by ``models.<name>.rft``
+    (:func:`statereduce.config.model_rft`).
+
+    Args:
+        activate: false: no RFT (summaries keep a null rft slot).
+        corpus: a key of ``corpora`` whose ``train`` split feeds RFT (default: the model's calibration corpus).
+        gpus: GPUs of the rft job; > 1 runs accelerate (DDP) under torchrun.
+        settings: the fine-tuning keys as configured (the rule's params carry them so; typed: :attr:`finetune`).
+    """
+
+    section: ClassVar[str] = "rft"
+
+    activate: bool = True
+    corpus: str | None = None
+    gpus: int = 1
+    settings: dict = field(default_factory=dict)
+
+    WORKFLOW_KEYS: ClassVar[tuple[str, ...]] = ("activate", "corpus", "gpus")
+    """The rft keys the workflow reads; the rest go to fine-tuning."""
+
+    @property
+    def finetune(self) -> RftSettings:
+        """The fine-tuning settings: :class:`RftSettings` updated by :attr:`settings`."""
+        return RftSettings.from_dict(self.settings)
+
+
+# ---- speed benchmarks ---------------------------------------------------------------------------------------------
+class _SpeedPart(Settings):
+    unknown_message: ClassVar[str] = "unknown {section} setting(s) {bad}; valid: {valid}"
+    sort_valid: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class DecodeSettings(_SpeedPart):
+    """``speed.decode`` (Table 17): a ``prompt``-token prefill, then the one-token step replayed in a CUDA graph
+    (``warmup`` replays, ``trials`` x ``steps`` timed) per batch and decode kernel; ``check_steps`` replays are
+    checked against fla's eager decoding first."""
+
+    section: ClassVar[str] = "speed.decode"
+
+    prompt: int = 512
+    batches: list = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    warmup: int = 10
+    steps: int = 100
+    trials: int = 3
+    kernels: list = field(default_factory=lambda: ["fla", "statereduce", "fla_copy", "fla+fused",
+                                                   "statereduce+fused", "fla_copy+fused"])
+    check_steps: int = 3
+
+
+@dataclass(frozen=True)
+class PrefillSettings(_SpeedPart):
+    """``speed.prefill`` (Table 18): the batch x length grid; ``graph``: time replays of a CUDA graph of the call,
+    ``profile``: also the kernels' summed device time of one call."""
+
+    section: ClassVar[str] = "speed.prefill"
+
+    batches: list = field(default_factory=lambda: [1, 4, 8, 16])
+    lengths: list = field(default_factory=lambda: [2048, 8192, 16384])
+    warmup: int = 1
+    steps: int = 3
+    trials: int = 3
+    graph: bool = True
+    profile: bool = True
+
+
+@dataclass(frozen=True)
+class MixerSettings(_SpeedPart):
+    """``speed.mixer`` (Table 19): one linear-attention layer's forward at ``seq_len`` tokens; ``arch`` overrides
+    the model's arch for that layer (the paper's Table 19: hidden 2048, 16 heads, d_v = 128)."""
+
+    section: ClassVar[str] = "speed.mixer"
+
+    batches: list = field(default_factory=lambda: [8, 16, 32])
+    seq_len: int = 2048
+    warmup: int = 3
+    steps: int = 10
+    trials: int = 3
+    arch: dict = field(default_factory=dict)
+    graph: bool = True
+    profile: bool = True
+
+
+@dataclass(frozen=True)
+class SpeedProfileSettings(_SpeedPart):
+    """``speed.profile``: per-kernel device time of ``steps`` eager decode steps, the ``top`` kernels."""
+
+    section: ClassVar[str] = "speed.profile"
+
+    batches: list = field(default_factory=lambda: [1, 64])
+    steps: int = 10
+    top: int = 30
+
+
+SPEED_BLAS_LIBRARIES = (None, "cublas", "cublaslt")
+"""Valid ``speed.blas`` settings."""
+
+
+@dataclass(frozen=True)
+class SpeedSettings(Settings):
+    """GPU speed benchmarks (:mod:`statereduce.speed.bench`): the paper's protocol (App. G.1).
+
+    Args:
+        pcts: ratios measured beside the baseline.
+        dtype: ``bfloat16`` or ``float16``.
+        blas: torch's GEMM library (``torch.backends.cuda.preferred_blas_library``: ``cublas`` or ``cublaslt``;
+            None leaves torch's default): at one sequence the GEMV kernel chosen for a pruned projection can be
+            slower than the unpruned one's (docs/speed.md).
+        pdl: our decode kernels use programmatic dependent launch where the GPU has it
+            (:func:`statereduce.kernels.recurrent.programmatic_launch`; the document's ``pdl`` says whether they did).
+        decode, prefill, mixer, profile: each part's settings.
+    """
+
+    section: ClassVar[str] = "speed"
+    unknown_message: ClassVar[str] = "unknown speed setting {key!r}; valid: {valid}"
+    sort_valid: ClassVar[bool] = False
+    nested: ClassVar[Mapping[str, type[Settings]]] = {"decode": DecodeSettings, "prefill": PrefillSettings,
+                                                      "mixer": MixerSettings, "profile": SpeedProfileSettings}
+
+    pcts: list = field(default_factory=lambda: [50, 75])
+    dtype: str = "bfloat16"
+    blas: str | None = None
+    pdl: bool = True
+    decode: DecodeSettings = field(default_factory=DecodeSettings)
+    prefill: PrefillSettings = field(default_factory=PrefillSettings)
+    mixer: MixerSettings = field(default_factory=MixerSettings)
+    profile: SpeedProfileSettings = field(default_factory=SpeedProfileSettings)
+
+    def __post_init__(self):
+        if self.blas not in SPEED_BLAS_LIBRARIES:
+            raise ValueError(f"unknown speed blas {self.blas!r}; valid: cublas, cublaslt, or null for torch's default")
+        if not isinstance(self.pdl, bool):
+            raise ValueError(f"speed pdl must be true or false; got {self.pdl!r}")  # noqa: TRY004 (a setting's value)
+        for pct in self.pcts:
+            if not 0 <= float(pct) < 100:
+                raise ValueError(f"speed pct {pct} is outside [0, 100): it is the percent of key channels removed")
+
+
+@dataclass(frozen=True)
+class SpeedPlan(Settings):
+    """A model's speed plan (:func:`statereduce.config.model_speed`): its family, the arch measured (random weights
+    of that shape) and the speed settings as configured (the top-level ``speed`` block updated by the model's; the
+    rule's params carry them so; typed: :attr:`speed`)."""
+
+    section: ClassVar[str] = "speed plan"
+
+    arch: dict = field(default_factory=dict)
+    family: str = ""
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def speed(self) -> SpeedSettings:
+        """:class:`SpeedSettings` updated by :attr:`settings`."""
+        return SpeedSettings.from_dict(self.settings)
