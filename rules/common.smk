@@ -230,6 +230,11 @@ def get_summary_inputs(wildcards):
     return inputs
 
 
+def get_prune(wildcards):
+    """Pruning settings of the model (config.model_prune)."""
+    return srconfig.model_prune(CFG, wildcards.model).to_dict()
+
+
 def get_rank(wildcards):
     """Rank-analysis settings of the model (config.model_rank) with the corpus spec resolved."""
     settings = srconfig.model_rank(CFG, wildcards.model)

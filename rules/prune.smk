@@ -13,6 +13,7 @@ rule prune:
         eval=f"{layout.PRUNED}/eval.json",
     params:
         info=model_info,
+        prune=get_prune,
         eval=get_eval,
     threads: model_threads
     resources:

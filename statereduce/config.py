@@ -25,6 +25,7 @@ from statereduce.settings import (
     PretrainSettings,
     RankSettings,
     RftPlan,
+    PruneSettings,
     RftSettings,
     SpeedPlan,
     SpeedSettings,
@@ -220,6 +221,15 @@ def check_rft(config: dict, model: str) -> RftPlan:
     except ValueError as e:
         raise ConfigError(f"models.{model}.rft (with the top-level rft block): {e}") from None
     return plan
+
+
+def model_prune(config: dict, model: str) -> PruneSettings:
+    """Pruning settings of ``model``: :class:`~statereduce.settings.PruneSettings` updated by the top-level ``prune``
+    block, then by ``models.<model>.prune``."""
+    try:
+        return PruneSettings.from_dict({**config.get("prune", {}), **config["models"][model].get("prune", {})})
+    except ValueError as e:
+        raise ConfigError(f"models.{model}.prune (with the top-level prune block): {e}") from None
 
 
 def model_rank(config: dict, model: str) -> RankSettings:
@@ -628,6 +638,7 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
                     "calibration reads it; set calibration.split")
         check_eval(cfg, name)
         check_rft(cfg, name)
+        model_prune(cfg, name)
         model_rank(cfg, name)
     for cname, cal in cfg.get("calibrations", {}).items():
         if "corpus" in cal and cal["corpus"] not in corpora:

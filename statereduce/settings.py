@@ -283,6 +283,29 @@ class EvalSettings(Settings):
         return out
 
 
+# ---- pruning ------------------------------------------------------------------------------------------------------
+PRUNE_NORM_EPS = ("stock", "exact")
+
+
+@dataclass(frozen=True)
+class PruneSettings(Settings):
+    """Pruning (:func:`statereduce.prune.prune_model`): the top-level ``prune`` block updated by the model's.
+
+    Args:
+        norm_eps: ``stock`` keeps the config's norm eps (the pruned model equals zero-masking up to the mixers'
+            output-norm eps, as the paper's checkpoints); ``exact`` stores a stock checkpoint equal to zero-masking
+            to float precision (:func:`statereduce.prune.exact_norm_eps`; refused for tied embeddings).
+    """
+
+    section: ClassVar[str] = "prune"
+
+    norm_eps: str = "stock"
+
+    def __post_init__(self):
+        if self.norm_eps not in PRUNE_NORM_EPS:
+            raise ValueError(f"unknown prune norm_eps {self.norm_eps!r}; valid: {', '.join(PRUNE_NORM_EPS)}")
+
+
 # ---- rank analysis ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RankSettings(Settings):

@@ -338,3 +338,21 @@ def test_bad_micro_batch_names_what_is_valid(shipped_config, value):
     with pytest.raises(ConfigError, match=r"^config error at rft\.micro_batch_size: .*; valid: an integer >= 1 .* or "
                                           r"auto \(as many as fit on the GPU, 1 on a CPU\)$"):
         validate_config(cfg)
+
+
+def test_prune_settings_merge_and_bad_norm_eps(shipped_config):
+    """prune.norm_eps: stock by default, a model's block overrides the top level, a bad value fails in one line."""
+    from statereduce.config import model_prune
+
+    cfg = copy.deepcopy(shipped_config)
+    assert model_prune(cfg, "tiny-dn").norm_eps == "stock"
+    cfg["models"]["tiny-dn"]["prune"] = {"norm_eps": "exact"}
+    assert model_prune(validate_config(cfg), "tiny-dn").norm_eps == "exact"
+    assert model_prune(cfg, "tiny-gdn").norm_eps == "stock"
+    cfg["prune"] = {"norm_eps": "precise"}
+    with pytest.raises(ConfigError,
+                       match=r"^config error at prune\.norm_eps: 'precise' is not one of \['stock', 'exact'\]$"):
+        validate_config(cfg)
+    with pytest.raises(ConfigError, match=r"^models\.tiny-gdn\.prune \(with the top-level prune block\): unknown prune "
+                                          r"norm_eps 'precise'; valid: stock, exact$"):
+        model_prune(cfg, "tiny-gdn")

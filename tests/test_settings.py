@@ -261,6 +261,7 @@ def _owner(block: tuple, key: str) -> type[st.Settings]:
         ("$defs", "calibration"): st.CalibrationSettings,
         ("$defs", "evaluation"): st.EvalSettings,
         ("$defs", "rft"): st.RftPlan if key in st.RftPlan.field_names() else st.RftSettings,
+        ("$defs", "prune"): st.PruneSettings,
         (*model, "pretrain", "properties", "recall_mix"): st.RecallMixSettings,
         (*model, "pretrain"): st.PretrainSettings,
         (*model, "init"): st.InitSettings,

@@ -11,6 +11,7 @@ A copy of the workflow (Snakefile, rules, scripts, package, schema) runs the tin
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -245,3 +246,24 @@ def test_every_rule_that_runs_a_job_records_a_benchmark():
             if name and re.search(r"^\s+(script|shell|run):", block, re.M) and "benchmark:" not in block:
                 missing.append(f"{smk.name}:{name.group(1)}")
     assert not missing, f"rules without benchmark: {missing}"
+
+
+def test_prune_norm_eps_reruns_pruning_and_what_reads_it(finished_run):
+    """prune.norm_eps: exact replans only pruning and its dependents; the prune job then writes an exact checkpoint.
+    Runs last on the finished run (it leaves wf-dn's drrqr_50 pruned with exact)."""
+    cfg_path = finished_run / "config.yaml"
+    original = cfg_path.read_text()
+    cfg = yaml.safe_load(original)
+    cfg["prune"] = {"norm_eps": "exact"}
+    try:
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        jobs = planned_outputs(finished_run)
+        run = _snakemake(finished_run, "results/wf-dn/drrqr_50/pruned/prune_record.json", "--cores", "1")
+    finally:
+        cfg_path.write_text(original)
+    assert set(jobs) == {"prune", "rft", "summarize", "comparison_table"}, jobs
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    record = json.loads((finished_run / "results" / "wf-dn" / "drrqr_50" / "pruned" / "prune_record.json").read_text())
+    eps = record["kernel_scale"]["norm_eps"]
+    assert eps["choice"] == "exact" and eps["factor"] == record["kernel_scale"]["o_norm_eps_factor_for_exact_zeroing"]
+    assert eps["after"] == eps["before"] * eps["factor"]
