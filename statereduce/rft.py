@@ -334,7 +334,8 @@ def auto_micro_batch(student, teacher: nn.Module, blocks: torch.Tensor, cfg: Rft
     with the micro-batch until the device is busy. Under several processes all take the smallest choice.
 
     Returns:
-        ``(micro-batch size, probe record)``: bytes per sequence, fixed bytes and the budget (None on a CPU).
+        ``(micro-batch size, probe record)``: the peak bytes of 1 and 2 sequences, their difference (bytes per
+        sequence), the budget and the sequences per process (None on a CPU).
     """
     dev = acc.device
     if dev.type != "cuda":
