@@ -14,9 +14,8 @@ deadline=$1
 shift
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton_cache
-if compgen -G ".triton_cache_parts/tc.tgz.part_*" >/dev/null; then
-  cat .triton_cache_parts/tc.tgz.part_* | tar xzf - && echo "restored Triton cache: $(du -sh .triton_cache | cut -f1)"
-fi
+source dev/triton_cache_parts.sh
+restore_triton_cache
 for job in "$@"; do
   name=${job%%:*}
   cmd=${job#*:}
@@ -27,9 +26,7 @@ for job in "$@"; do
   echo "=== $name rc=$? end $(date +%T)"
   grep -v Warning "$OUT/$name.log" | tail -4
 done
-mkdir -p .triton_cache
-python3 dev/prune_triton_cache.py .triton_cache
-tar czf - .triton_cache | split -b 15m - "$OUT/tc.tgz.part_"
+return_triton_cache
 # at most 8 files come back: the logs travel as one archive
 (cd "$OUT" && compgen -G "*.log" >/dev/null && tar czf logs.tgz ./*.log && rm ./*.log)
 echo "Triton cache $(du -sh .triton_cache | cut -f1); returned: $(ls "$OUT" | tr '\n' ' ')"
