@@ -150,6 +150,14 @@ def get_source(wildcards):
     raise WorkflowError(f"model {wildcards.model!r} has no checkpoint: set models.{wildcards.model}.local (or hub)")
 
 
+def here_relative(path):
+    """``path`` relative to the working directory when it lies under it (the package of a clone), else as given: a
+    job's input paths are part of what Snakemake records, so a project folder moved or copied elsewhere keeps its
+    results."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith(os.pardir) else rel
+
+
 @checked
 def get_select_inputs(wildcards):
     srconfig.check_method(CFG, wildcards.method)
@@ -158,7 +166,8 @@ def get_select_inputs(wildcards):
     from statereduce.selectors import get_selector
 
     needs = set(get_selector(spec.selector).needs)
-    inputs = {"weights": layout.path(layout.QK_WEIGHTS, model=wildcards.model), "code": selector_code_files(spec.selector)}
+    inputs = {"weights": layout.path(layout.QK_WEIGHTS, model=wildcards.model),
+              "code": [here_relative(f) for f in selector_code_files(spec.selector)]}
     if needs & {"activations", "xnorm"}:
         inputs["activations"] = layout.path(layout.ACTIVATIONS, model=wildcards.model, calib=spec.calib)
     if "grad" in needs:

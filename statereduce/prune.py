@@ -376,14 +376,15 @@ def plan_exact_norm_eps(adapter: LinearAttentionAdapter) -> EpsPlan:
         value = getattr(a.module, a.attr)
         if value != eps:
             raise ValueError(f"norm_eps='exact': {a.name}.{a.attr} = {value!r} is not the config's {field_name} = "
-                             f"{eps!r}; use norm_eps='stock'")
+                             f"{eps!r}; use norm_eps='stock' (in the workflow: prune: {{norm_eps: stock}})")
         listed.add((id(a.module), a.attr))
     for name, module in adapter.model.named_modules():
         for attr in EPS_ATTRIBUTES:
             value = getattr(module, attr, None)
             if isinstance(value, float) and value == eps and (id(module), attr) not in listed:
                 raise ValueError(f"norm_eps='exact': {name or 'the model'}.{attr} holds the config's {field_name} but "
-                                 f"the {adapter.family} adapter does not scale its input; use norm_eps='stock'")
+                                 f"the {adapter.family} adapter does not scale its input; use norm_eps='stock' "
+                                 "(in the workflow: prune: {norm_eps: stock})")
     scaled = adapter.residual_writers() + adapter.norm_input_rows()
     seen = set()
     for entry in scaled:

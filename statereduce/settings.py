@@ -292,14 +292,15 @@ class PruneSettings(Settings):
     """Pruning (:func:`statereduce.prune.prune_model`): the top-level ``prune`` block updated by the model's.
 
     Args:
-        norm_eps: ``stock`` keeps the config's norm eps (the pruned model equals zero-masking up to the mixers'
-            output-norm eps, as the paper's checkpoints); ``exact`` stores a stock checkpoint equal to zero-masking
-            to float precision (:func:`statereduce.prune.exact_norm_eps`; refused for tied embeddings).
+        norm_eps: ``exact`` (the workflow's default) stores a stock checkpoint equal to zero-masking to float
+            precision (:func:`statereduce.prune.exact_norm_eps`; refused for tied embeddings); ``stock`` keeps the
+            config's norm eps (the pruned model equals zero-masking up to the mixers' output-norm eps, as the
+            paper's checkpoints). docs/experiments/norm_eps measures both.
     """
 
     section: ClassVar[str] = "prune"
 
-    norm_eps: str = "stock"
+    norm_eps: str = "exact"
 
     def __post_init__(self):
         if self.norm_eps not in PRUNE_NORM_EPS:

@@ -341,14 +341,16 @@ def test_bad_micro_batch_names_what_is_valid(shipped_config, value):
 
 
 def test_prune_settings_merge_and_bad_norm_eps(shipped_config):
-    """prune.norm_eps: stock by default, a model's block overrides the top level, a bad value fails in one line."""
+    """prune.norm_eps: exact by default (also without a prune block), a model's block overrides the top level, a bad
+    value fails in one line."""
     from statereduce.config import model_prune
 
     cfg = copy.deepcopy(shipped_config)
-    assert model_prune(cfg, "tiny-dn").norm_eps == "stock"
-    cfg["models"]["tiny-dn"]["prune"] = {"norm_eps": "exact"}
-    assert model_prune(validate_config(cfg), "tiny-dn").norm_eps == "exact"
-    assert model_prune(cfg, "tiny-gdn").norm_eps == "stock"
+    assert model_prune(cfg, "tiny-dn").norm_eps == "exact"
+    assert model_prune(validate_config({k: v for k, v in cfg.items() if k != "prune"}), "tiny-dn").norm_eps == "exact"
+    cfg["models"]["tiny-dn"]["prune"] = {"norm_eps": "stock"}
+    assert model_prune(validate_config(cfg), "tiny-dn").norm_eps == "stock"
+    assert model_prune(cfg, "tiny-gdn").norm_eps == "exact"
     cfg["prune"] = {"norm_eps": "precise"}
     with pytest.raises(ConfigError,
                        match=r"^config error at prune\.norm_eps: 'precise' is not one of \['stock', 'exact'\]$"):
@@ -356,3 +358,16 @@ def test_prune_settings_merge_and_bad_norm_eps(shipped_config):
     with pytest.raises(ConfigError, match=r"^models\.tiny-gdn\.prune \(with the top-level prune block\): unknown prune "
                                           r"norm_eps 'precise'; valid: stock, exact$"):
         model_prune(cfg, "tiny-gdn")
+
+
+def test_norm_eps_stock_overlay_sets_stock_for_every_model(shipped_config):
+    """configs/norm_eps_stock.yaml, merged after config.yaml as ``--configfile`` merges it, prunes every model with
+    ``norm_eps: stock`` (the paper's checkpoints; the overlay of docs/experiments/norm_eps)."""
+    import yaml
+
+    from statereduce.config import model_prune
+
+    overlay = yaml.safe_load((ROOT / "configs" / "norm_eps_stock.yaml").read_text())
+    assert set(overlay) == {"prune"}
+    cfg = validate_config({**copy.deepcopy(shipped_config), **overlay})
+    assert {model_prune(cfg, m).norm_eps for m in cfg["models"]} == {"stock"}

@@ -307,7 +307,8 @@ def test_tied_embeddings_are_refused_before_any_change():
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     state = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"^norm_eps='exact' cannot be stored for this delta_net model: the input and "
-                                         r"output embeddings are tied .*; use norm_eps='stock'$"):
+                                         r"output embeddings are tied .*; use norm_eps='stock' \(in the workflow: "
+                                         r"prune: \{norm_eps: stock\}\)$"):
         prune_model(model, random_keep(model, 16), META, norm_eps="exact")
     assert _unchanged(model, state) and model.config.norm_eps == EPS
     model.config.tie_word_embeddings = False  # weights still shared in memory: refused as well

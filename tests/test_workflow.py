@@ -61,6 +61,14 @@ def test_nothing_reruns_when_nothing_changed(finished_run):
     assert planned_outputs(finished_run) == {}
 
 
+def test_a_moved_project_folder_keeps_its_results(finished_run, tmp_path):
+    """A project folder copied elsewhere (results and Snakemake's records with it) plans nothing: no job's recorded
+    inputs name the folder's absolute path."""
+    moved = tmp_path / "moved"
+    shutil.copytree(finished_run, moved, symlinks=True)
+    assert planned_outputs(moved) == {}
+
+
 def test_editing_drrqr_code_reruns_only_drrqr(finished_run):
     code = finished_run / "statereduce" / "selectors" / "drrqr.py"
     original = code.read_text()
@@ -249,12 +257,17 @@ def test_every_rule_that_runs_a_job_records_a_benchmark():
 
 
 def test_prune_norm_eps_reruns_pruning_and_what_reads_it(finished_run):
-    """prune.norm_eps: exact replans only pruning and its dependents; the prune job then writes an exact checkpoint.
-    Runs last on the finished run (it leaves wf-dn's drrqr_50 pruned with exact)."""
+    """The default prune.norm_eps (exact) writes an exact checkpoint; stock replans only pruning and its dependents
+    and writes the stock one. Runs last on the finished run (it leaves wf-dn's drrqr_50 pruned with stock)."""
+    record_path = finished_run / "results" / "wf-dn" / "drrqr_50" / "pruned" / "prune_record.json"
+    record = json.loads(record_path.read_text())
+    eps = record["kernel_scale"]["norm_eps"]
+    assert eps["choice"] == "exact" and eps["factor"] == record["kernel_scale"]["o_norm_eps_factor_for_exact_zeroing"]
+    assert eps["after"] == eps["before"] * eps["factor"]
     cfg_path = finished_run / "config.yaml"
     original = cfg_path.read_text()
     cfg = yaml.safe_load(original)
-    cfg["prune"] = {"norm_eps": "exact"}
+    cfg["prune"] = {"norm_eps": "stock"}
     try:
         cfg_path.write_text(yaml.safe_dump(cfg))
         jobs = planned_outputs(finished_run)
@@ -263,7 +276,6 @@ def test_prune_norm_eps_reruns_pruning_and_what_reads_it(finished_run):
         cfg_path.write_text(original)
     assert set(jobs) == {"prune", "rft", "summarize", "comparison_table"}, jobs
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    record = json.loads((finished_run / "results" / "wf-dn" / "drrqr_50" / "pruned" / "prune_record.json").read_text())
-    eps = record["kernel_scale"]["norm_eps"]
-    assert eps["choice"] == "exact" and eps["factor"] == record["kernel_scale"]["o_norm_eps_factor_for_exact_zeroing"]
-    assert eps["after"] == eps["before"] * eps["factor"]
+    record = json.loads(record_path.read_text())
+    assert "norm_eps" not in record["kernel_scale"]  # stock records only the factor that would make it exact
+    assert record["kernel_scale"]["o_norm_eps_factor_for_exact_zeroing"] == eps["factor"]

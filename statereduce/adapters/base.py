@@ -256,7 +256,7 @@ class LinearAttentionAdapter(FamilySpec):
                       "the logits")
         if reason is not None:
             raise ValueError(f"norm_eps='exact' cannot be stored for this {self.family} model: {reason}; "
-                             f"use norm_eps='stock'")
+                             f"use norm_eps='stock' (in the workflow: prune: {{norm_eps: stock}})")
 
     def qualified_names(self) -> dict[int, str]:
         """{id(module): its qualified name in the model}, for the entries above."""
