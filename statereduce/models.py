@@ -199,6 +199,7 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from statereduce.adapters import adapter_for_config
+    from statereduce.slicing import KEY_DIMS_FIELD
 
     base = Path(base)
     source_file = base / SOURCE_FILE
@@ -221,8 +222,52 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     adapter = adapter_for_config(config)
     adapter.install_fallbacks()  # CPU tensors to the torch kernels; CUDA calls at shapes fla mishandles padded
     kwargs: dict[str, Any] = {"revision": revision, "dtype": DTYPES[dtype], **adapter.config_overrides}
-    model = (adapter.causal_lm_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
+    if getattr(config, KEY_DIMS_FIELD, None) is not None:
+        model = load_mixed_widths(adapter.causal_lm_class or AutoModelForCausalLM, Path(model_id), config,
+                                  DTYPES[dtype], adapter.config_overrides)
+    else:
+        model = (adapter.causal_lm_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
     model.to(device).eval()
     setattr(model, BASE_ATTR, checkpoint_provenance(base))
     tokenizer = AutoTokenizer.from_pretrained(tok_id, revision=revision if tok_id == model_id else None)
     return model, tokenizer
+
+
+def load_mixed_widths(cls, folder: Path, config, dtype: torch.dtype, overrides: dict[str, Any]):
+    """A checkpoint whose layers keep different key widths (``config.statereduce_key_dims``, written by
+    :func:`statereduce.prune.prune_model` for a per-layer allocation): the stock class built from the config (the
+    unpruned head sizes), each mixer shaped to its width and output-norm eps (:func:`statereduce.slicing.shape_mixers`),
+    then the weights of ``model.safetensors`` loaded strictly (tied output embeddings excepted).
+
+    The stock ``from_pretrained`` cannot load it: its config describes one key width for every layer. Any other
+    code gets the same model with::
+
+        model = AutoModelForCausalLM.from_config(config)
+        statereduce.slicing.shape_mixers(statereduce.adapters.get_adapter(model), config.statereduce_key_dims,
+                                         getattr(config, "statereduce_output_norm_eps", None))
+        model.load_state_dict(safetensors.torch.load_file("model.safetensors"), strict=False)
+    """
+    from safetensors.torch import load_file
+
+    from statereduce.adapters import get_adapter
+    from statereduce.slicing import KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD, shape_mixers
+
+    if not (folder / "model.safetensors").is_file():
+        raise ValueError(f"{folder} holds a per-layer key-width checkpoint but no model.safetensors (a local "
+                         "checkpoint folder is needed)")
+    if getattr(cls, "config_class", None) is not None:  # the model class's own config class (fla registers its
+        config = cls.config_class.from_pretrained(folder)  # own mamba2 config with the Auto classes)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    build = getattr(cls, "from_config", None) or cls._from_config  # an Auto class, or the model class itself
+    model = build(config, dtype=dtype)
+    shape_mixers(get_adapter(model), getattr(config, KEY_DIMS_FIELD),
+                 getattr(config, OUTPUT_NORM_EPS_FIELD, None))
+    missing, unexpected = model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"{folder}: weights do not match the per-layer key widths: missing "
+                         f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+    if tied:
+        model.tie_weights()
+    return model.to(dtype)

@@ -62,6 +62,9 @@ from statereduce.checkpoints import base_checkpoint
 from statereduce.kernels.shapes import record_note
 from statereduce.models import save_checkpoint
 from statereduce.runtime import atomic_dir, versions
+from statereduce.slicing import (  # noqa: F401  (head_rows, kept_rows, slice_rows re-exported)
+    KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD, head_rows, kept_rows, set_mixer_dims, slice_rows,
+)
 
 RECORD_NAME = PRUNE_RECORD  # the record's file name in a pruned checkpoint folder
 RECORD_FORMAT = 1
@@ -71,73 +74,6 @@ _NUMBER_LIST = re.compile(r"\[\n\s*(-?[\d.e+-]+(?:,\n\s*-?[\d.e+-]+)*)\n\s*\]")
 
 
 # ---- slicing verbs ------------------------------------------------------------------------------
-def head_rows(keep: torch.Tensor, d_k: int) -> torch.Tensor:
-    """Flat row indices ``h*d_k + keep[h, j]`` (head-major) of the kept channels.
-
-    Args:
-        keep: [H, d_k'] long, channel indices per head.
-        d_k: the current head size.
-    Returns:
-        [H * d_k'] long.
-    """
-    offsets = torch.arange(keep.shape[0], device=keep.device, dtype=torch.long)[:, None] * d_k
-    return (offsets + keep).reshape(-1)
-
-
-def kept_rows(n_rows: int, entry: ChannelRows, keep: torch.Tensor) -> torch.Tensor:
-    """The rows of ``entry.module`` that pruning keeps: every row except the dropped q/k channels, in order.
-
-    Args:
-        n_rows: the module's rows (output features or channels).
-        entry: where its q/k channels sit (``entry.q``/``entry.k`` [H, d_k] row indices, or None).
-        keep: [H, d_k'] kept channel indices per head, sorted.
-    Returns:
-        [n_rows - dropped] long, ascending: a head's kept channels stay in place within a fused layout.
-    """
-    mask = torch.ones(n_rows, dtype=torch.bool)
-    for side in ("q", "k"):
-        rows = getattr(entry, side)
-        if rows is None:
-            continue
-        if rows.shape[0] != keep.shape[0]:
-            raise ValueError(
-                f"{entry.name} has {rows.shape[0]} {side} heads; keep {tuple(keep.shape)} has {keep.shape[0]}"
-            )
-        if keep.numel() and int(keep.max()) >= rows.shape[1]:
-            raise ValueError(f"{entry.name}: keep index {int(keep.max())} out of range for d_k={rows.shape[1]}")
-        if int(rows.max()) >= n_rows:
-            raise ValueError(f"{entry.name}: {side} row {int(rows.max())} out of range for its {n_rows} rows")
-        dropped = torch.ones(rows.shape, dtype=torch.bool)
-        dropped.scatter_(1, keep.cpu(), False)
-        mask[rows[dropped]] = False
-    return mask.nonzero().squeeze(1)
-
-
-def slice_rows(module: nn.Module, rows: torch.Tensor, what: str, conv_attrs: tuple[str, ...] = ()) -> None:
-    """Keep ``rows`` of an ``nn.Linear`` (output features: weight and bias rows, ``out_features``) or a depthwise
-    ``nn.Conv1d`` (channels: weight, bias, ``in_channels``/``out_channels``/``groups``, and ``conv_attrs``, the
-    adapter's ``conv_channel_attrs``)."""
-    depthwise = module.groups == module.in_channels == module.out_channels if isinstance(module, nn.Conv1d) else True
-    if not depthwise:
-        raise ValueError(
-            f"{what} is not depthwise (groups={module.groups}, in={module.in_channels}, out={module.out_channels})"
-        )
-    if not isinstance(module, (nn.Linear, nn.Conv1d)):
-        raise ValueError(f"{what} is a {type(module).__name__}; only nn.Linear and depthwise nn.Conv1d can be sliced")
-    rows = rows.to(module.weight.device)
-    module.weight = nn.Parameter(module.weight.data[rows].clone(), requires_grad=module.weight.requires_grad)
-    if module.bias is not None:
-        module.bias = nn.Parameter(module.bias.data[rows].clone(), requires_grad=module.bias.requires_grad)
-    n = rows.numel()
-    if isinstance(module, nn.Linear):
-        module.out_features = n
-        return
-    module.in_channels = module.out_channels = module.groups = n
-    for name in conv_attrs:
-        if hasattr(module, name):
-            setattr(module, name, n)
-
-
 def mix_filters(weight: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
     """The depthwise filters of channels rotated by ``transform`` (paper App. B.4, Proposition B.1).
 
@@ -194,14 +130,6 @@ def transform_rows(module: nn.Module, entry: ChannelRows, transform: torch.Tenso
                 bias = module.bias.data
                 bias[dst] = (t.to(bias.device) @ bias[src].to(torch.float64)).to(bias.dtype)
     return counts
-
-
-def set_mixer_dims(mixer: nn.Module, updates: Mapping[str, Any]) -> None:
-    """Set the mixer's size attributes (``key_dim``, ``head_k_dim``, ...) from ``adapter.mixer_updates``."""
-    for name, value in updates.items():
-        if not hasattr(mixer, name):
-            raise ValueError(f"{type(mixer).__name__} has no attribute {name!r} to update")
-        setattr(mixer, name, value)
 
 
 def slice_mixer(
@@ -478,12 +406,14 @@ def is_transform_selection(selection: Mapping[int, Any]) -> bool:
     return t.is_floating_point() and t.ndim == 3
 
 
-def check_keep(adapter: LinearAttentionAdapter, keep: Mapping[int, Any]) -> tuple[dict[int, torch.Tensor], int]:
+def check_keep(adapter: LinearAttentionAdapter, keep: Mapping[int, Any], *,
+               mixed: bool = False) -> tuple[dict[int, torch.Tensor], int | dict[int, int]]:
     """Validate a selection against the model; return it as sorted LongTensors and d_k'.
 
     Args:
         adapter: the model's adapter.
-        keep: {layer: [H, d_k'] channel indices} covering exactly the model's linear-attention layers;
+        keep: {layer: [H, d_k'] channel indices} covering exactly the model's linear-attention layers.
+        mixed: allow layers to keep different widths (d_k' is then {layer: d_k'} where they differ); otherwise
             every layer must keep the same d_k' (the stock configs hold one global d_k).
     Raises:
         ValueError: one line naming the bad value.
@@ -496,14 +426,15 @@ def check_keep(adapter: LinearAttentionAdapter, keep: Mapping[int, Any]) -> tupl
     if sorted(keep) != layers:
         raise ValueError(f"keep covers layers {sorted(keep)}; the model's linear-attention layers are {layers}")
     h, d_k = adapter.num_heads, adapter.head_k_dim
-    out, d_k_new = {}, None
+    out, d_k_new, widths = {}, None, {}
     for layer in layers:
         idx = keep[layer]
         if idx.ndim != 2 or idx.shape[0] != h or idx.shape[1] == 0:
             raise ValueError(f"layer {layer}: keep has shape {tuple(idx.shape)}; expected [num_heads={h}, d_k'>0]")
+        widths[layer] = int(idx.shape[1])
         if d_k_new is None:
             d_k_new = idx.shape[1]
-        elif idx.shape[1] != d_k_new:
+        elif idx.shape[1] != d_k_new and not mixed:
             raise ValueError(
                 f"layer {layer}: keeps {idx.shape[1]} channels per head, other layers {d_k_new}; d_k' is global"
             )
@@ -516,7 +447,7 @@ def check_keep(adapter: LinearAttentionAdapter, keep: Mapping[int, Any]) -> tupl
         out[layer] = idx
     if d_k_new is None:
         raise ValueError("the model has no linear-attention layers to prune")
-    return out, d_k_new
+    return out, (d_k_new if len(set(widths.values())) == 1 else widths)
 
 
 def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, Any] | None = None, *,
@@ -560,7 +491,9 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
         transforms, d_k_new = check_transforms(adapter, keep)
         keep_t = {layer: torch.arange(d_k_new).expand(adapter.num_heads, -1) for layer in transforms}
     else:
-        keep_t, d_k_new = check_keep(adapter, keep)
+        keep_t, d_k_new = check_keep(adapter, keep, mixed=True)
+        if isinstance(d_k_new, dict):
+            return prune_mixed(adapter, keep_t, d_k_new, meta, norm_eps)
     if "format" in meta:  # a selection file's metadata: its layout version, not the record's
         meta["selection_format"] = meta.pop("format")
     config = adapter.config  # the text config of a multimodal checkpoint
@@ -619,6 +552,81 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
         versions=versions(),
         extra=extra,
         base_checkpoint=base,
+    )
+
+
+def prune_mixed(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Tensor], widths: Mapping[int, int],
+                meta: Mapping[str, Any], norm_eps: str) -> PruneRecord:
+    """:func:`prune_model` for a selection whose layers keep different widths (per-layer key budgets).
+
+    The config keeps the unpruned head sizes and gains :data:`~statereduce.slicing.KEY_DIMS_FIELD` (each decoder
+    layer's d_k', None for other layers), which :func:`statereduce.models.load_model` reads to shape each mixer
+    before loading the weights. With ``norm_eps="exact"`` each mixer's own output norm gets eps times
+    d_k/d_k'(layer) (:data:`~statereduce.slicing.OUTPUT_NORM_EPS_FIELD`): the checkpoint equals zero-masking to
+    float precision without touching the residual stream, so tied embeddings are no obstacle. The record's
+    ``d_k_new`` is the widest layer's; ``keep`` holds every layer's channels and ``kernel_scale["per_layer"]`` each
+    layer's scale."""
+    config = adapter.config
+    h, hv, d_k, d_v = adapter.dims(config)
+    for width in sorted(set(widths.values())):
+        adapter.config_updates(config, width)  # raises before any weight changes for a width the family cannot hold
+    meta = dict(meta)
+    if "format" in meta:
+        meta["selection_format"] = meta.pop("format")
+    for name in ("family", "num_heads", "d_k"):
+        value = {"family": adapter.family, "num_heads": h, "d_k": d_k}[name]
+        if name in meta and meta[name] != value:
+            raise ValueError(f"meta {name}={meta[name]!r} disagrees with the model/selection: {name}={value!r}")
+    if "pct" in meta and (isinstance(meta["pct"], bool) or not isinstance(meta["pct"], (int, float))):
+        raise ValueError(f"meta pct={meta['pct']!r} must be a number (percent of key channels removed)")
+    try:
+        json.dumps({k: v for k, v in meta.items() if k != "base_checkpoint"})
+    except TypeError as err:
+        raise ValueError(f"meta must be JSON-serialisable: {err}") from None
+    n_layers = 1 + max(i for i, _ in adapter.mixer_layers())
+    n_layers = max(n_layers, getattr(config, "num_hidden_layers", n_layers))
+    key_dims = [widths.get(i) for i in range(n_layers)]
+    eps_field = adapter.norm_eps_field
+    eps = getattr(config, eps_field) if eps_field else None
+    exact = norm_eps == "exact" and adapter.kernel_scale and eps is not None
+    output_eps = [None if w is None or not exact or w == d_k else eps * d_k / w for w in key_dims]
+    for layer, mixer in adapter.mixer_layers():
+        slice_mixer(adapter, mixer, keep[layer], adapter.mixer_updates(config, widths[layer]))
+        if output_eps[layer] is not None:
+            for attr in adapter.mixer_output_norm_eps(mixer):
+                setattr(attr.module, attr.attr, output_eps[layer])
+    setattr(config, KEY_DIMS_FIELD, key_dims)
+    changes = {KEY_DIMS_FIELD: [None, key_dims]}
+    if any(e is not None for e in output_eps):
+        setattr(config, OUTPUT_NORM_EPS_FIELD, output_eps)
+        changes[OUTPUT_NORM_EPS_FIELD] = [None, output_eps]
+    kept = sum(widths.values())
+    extra = {k: v for k, v in meta.items() if k not in {"source_model", "source", "method", "pct", "base_checkpoint",
+                                                        "family", "num_heads", "d_k", "d_k_new", "num_v_heads",
+                                                        "head_v_dim"}}
+    per_layer = {str(layer): kernel_scale_note(d_k, w, adapter.kernel_scale) for layer, w in sorted(widths.items())}
+    scale = {"per_layer": per_layer, "norm_eps": norm_eps if adapter.kernel_scale else None,
+             "note": "layers keep different widths; each mixer's kernel scale is 1/sqrt of its own d_k'"
+             + ("; norm_eps exact: each mixer's output-norm eps times d_k/d_k'(layer)" if exact else "")}
+    return PruneRecord(
+        source_model=str(meta.get("source_model") or meta.get("source") or getattr(config, "name_or_path", "")
+                         or "unknown"),
+        family=adapter.family,
+        method=str(meta.get("method", "custom")),
+        pct=meta["pct"] if "pct" in meta else 100.0 * (1 - kept / (len(widths) * d_k)),
+        d_k=d_k,
+        d_k_new=max(widths.values()),
+        num_heads=h,
+        num_v_heads=hv,
+        head_v_dim=d_v,
+        keep={layer: idx.tolist() for layer, idx in keep.items()},
+        config_changes=changes,
+        kernel_scale=scale,
+        fla_kernel_shapes={str(w): record_note(tuple(adapter.padded_kernels), w, d_v)
+                           for w in sorted(set(widths.values()))},
+        versions=versions(),
+        extra=extra,
+        base_checkpoint=base_checkpoint(adapter.model) or meta.get("base_checkpoint"),
     )
 
 

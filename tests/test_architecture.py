@@ -86,7 +86,7 @@ LAYERS = [
     ("foundations", ["statereduce", "statereduce.models", "statereduce.data", "statereduce.tokenizer",
                      "statereduce.checkpoints", "statereduce.h5files", "statereduce.artifacts", "statereduce.runtime",
                      "statereduce.selection_file", "statereduce.layout", "statereduce.settings",
-                     "statereduce.budgets"]),
+                     "statereduce.budgets", "statereduce.slicing"]),
     ("services", ["statereduce.eval", "statereduce.analysis", "statereduce.speed", "statereduce.config"]),
     ("stages", ["statereduce.pretrain", "statereduce.capture", "statereduce.select", "statereduce.prune",
                 "statereduce.rft", "statereduce.analysis.rank"]),

@@ -244,6 +244,13 @@ class LinearAttentionAdapter(FamilySpec):
         eps, and layers that keep a copy of it), so that the model in memory equals the one reloaded."""
         raise NotImplementedError(f"{self.family} has no exact norm-eps construction")
 
+    def mixer_output_norm_eps(self, mixer: nn.Module) -> list[EpsAttribute]:
+        """The eps attributes of ``mixer``'s own output norm (the per-head RMSNorm that removes the kernel scale, and
+        any copy the mixer keeps): what a checkpoint whose layers keep different key widths sets per layer, eps times
+        d_k/d_k'(layer), instead of the shared config eps (:func:`statereduce.slicing.shape_mixers`). The default:
+        none (no kernel scale)."""
+        return []
+
     def check_exact_norm_eps(self) -> None:
         """Raise a one-line ValueError if ``norm_eps="exact"`` cannot be stored for this model: the spec's
         :meth:`~statereduce.families.base.FamilySpec.exact_norm_eps_refusal`, or input and output embeddings that

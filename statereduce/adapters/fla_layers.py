@@ -171,6 +171,10 @@ class FlaAdapter(LinearAttentionAdapter):
             modules += [block.attn.o_proj, block.mlp.down_proj]
         return [ScaledRows(names[id(m)], m) for m in modules]
 
+    def mixer_output_norm_eps(self, mixer: nn.Module) -> list[EpsAttribute]:
+        """``eps`` of the mixer's ``o_norm``."""
+        return [EpsAttribute(self.qualified_names()[id(mixer.o_norm)], mixer.o_norm, "eps")]
+
     def config_eps_attributes(self) -> list[EpsAttribute]:
         """``eps`` of each block's ``attn_norm`` and ``mlp_norm``, of each linear-attention mixer's ``o_norm`` (fla's
         ``RMSNorm`` / ``FusedRMSNormGated``) and of the final ``norm`` (fla's or torch's ``RMSNorm`` by

@@ -126,6 +126,12 @@ class Qwen35Adapter(Qwen35Family, TransformersAdapter):
                                                                                       attn.k_proj)]
         return out
 
+    def mixer_output_norm_eps(self, mixer: nn.Module) -> list[EpsAttribute]:
+        """``variance_epsilon`` of the Gated DeltaNet's ``norm`` and the layer's copy (``layer_norm_epsilon``)."""
+        names = self.qualified_names()
+        return [EpsAttribute(names[id(mixer.norm)], mixer.norm, "variance_epsilon"),
+                EpsAttribute(names[id(mixer)], mixer, "layer_norm_epsilon")]
+
     def config_eps_attributes(self) -> list[EpsAttribute]:
         """``eps`` of every ``Qwen3_5RMSNorm`` (each layer's ``input_layernorm`` and ``post_attention_layernorm``, the
         attention layers' ``q_norm`` and ``k_norm``, the final ``norm``), ``variance_epsilon`` of each Gated DeltaNet's
