@@ -54,16 +54,16 @@ import torch
 from torch import nn
 
 from statereduce import __version__
-from statereduce.adapters import ChannelRows, EpsAttribute, LinearAttentionAdapter, ScaledRows, get_adapter
+from statereduce.adapters import EpsAttribute, LinearAttentionAdapter, ScaledRows, get_adapter
 from statereduce.adapters.base import EPS_ATTRIBUTES
-from statereduce.adapters.conv_sharing import filters_equal
 from statereduce.artifacts import PRUNE_RECORD, check_prune_record  # noqa: F401  (check_prune_record re-exported)
 from statereduce.checkpoints import base_checkpoint
 from statereduce.kernels.shapes import record_note
 from statereduce.models import save_checkpoint
 from statereduce.runtime import atomic_dir, versions
-from statereduce.slicing import (  # noqa: F401  (head_rows, kept_rows, slice_rows re-exported)
-    KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD, head_rows, kept_rows, set_mixer_dims, slice_rows,
+from statereduce.slicing import (  # noqa: F401  (the slicing verbs re-exported)
+    KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD, head_rows, kept_rows, mix_filters, set_mixer_dims, slice_mixer, slice_rows,
+    transform_rows,
 )
 
 RECORD_NAME = PRUNE_RECORD  # the record's file name in a pruned checkpoint folder
@@ -71,86 +71,6 @@ RECORD_FORMAT = 1
 NORM_EPS = ("stock", "exact")
 """Values of :func:`prune_model`'s ``norm_eps`` (module docstring, "Kernel scale")."""
 _NUMBER_LIST = re.compile(r"\[\n\s*(-?[\d.e+-]+(?:,\n\s*-?[\d.e+-]+)*)\n\s*\]")
-
-
-# ---- slicing verbs ------------------------------------------------------------------------------
-def mix_filters(weight: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
-    """The depthwise filters of channels rotated by ``transform`` (paper App. B.4, Proposition B.1).
-
-    Channel a's new filter is ``sum_b T[a, b]^2 w_b``: at every lag j, ``diag(w'_j)`` is the diagonal matrix closest
-    in Frobenius norm to the exact rotated filter matrix ``T diag(w_j) T^T``. Where the head's filters are all equal
-    (a shared convolution, App. B.5) the convolution commutes with the rotation and the filter is carried over
-    exactly instead.
-
-    Args:
-        weight: [d_k, *filter] the head's filters (a depthwise ``Conv1d`` weight's rows: [d_k, 1, W]).
-        transform: [d_k', d_k] with orthonormal rows.
-    Returns:
-        [d_k', *filter] in ``weight``'s dtype.
-    """
-    if filters_equal(weight):
-        return weight[:1].expand(transform.shape[0], *weight.shape[1:]).clone()
-    t2 = transform.to(torch.float64).square()
-    mixed = (t2 @ weight.reshape(weight.shape[0], -1).to(torch.float64)).reshape(transform.shape[0], *weight.shape[1:])
-    return mixed.to(weight.dtype)
-
-
-def transform_rows(module: nn.Module, entry: ChannelRows, transform: torch.Tensor, what: str) -> dict[str, int]:
-    """Write the transformed q/k channels of one module into the first d_k' rows of each head, in place (the
-    rows :func:`slice_rows` then keeps with ``keep = 0..d_k'-1``).
-
-    ``nn.Linear`` rows (and bias) become ``T_h W_h``; depthwise ``nn.Conv1d`` filters are mixed
-    (:func:`mix_filters`) and a conv bias becomes ``T_h b_h`` (exact: the bias adds after the convolution).
-
-    Args:
-        module: the module ``entry`` describes.
-        entry: where its q/k channels sit (``[H, d_k]`` row indices).
-        transform: [H, d_k', d_k] float64, orthonormal rows per head.
-    Returns:
-        {"mixed": heads whose filters were mixed, "shared": heads whose shared filter was carried over} (convs).
-    """
-    counts = {"mixed": 0, "shared": 0}
-    d_new = transform.shape[1]
-    weight = module.weight.data
-    for side in ("q", "k"):
-        rows = getattr(entry, side)
-        if rows is None:
-            continue
-        if rows.shape[0] != transform.shape[0] or rows.shape[1] != transform.shape[2]:
-            raise ValueError(f"{what}: {side} rows {tuple(rows.shape)} do not match transform {tuple(transform.shape)}")
-        for h in range(rows.shape[0]):
-            src, dst, t = rows[h].to(weight.device), rows[h, :d_new].to(weight.device), transform[h]
-            if isinstance(module, nn.Conv1d):
-                counts["shared" if filters_equal(weight[src]) else "mixed"] += 1
-                weight[dst] = mix_filters(weight[src], t.to(weight.device))
-            else:
-                new = t.to(weight.device) @ weight[src].to(torch.float64)
-                weight[dst] = new.to(weight.dtype)
-            if module.bias is not None:
-                bias = module.bias.data
-                bias[dst] = (t.to(bias.device) @ bias[src].to(torch.float64)).to(bias.dtype)
-    return counts
-
-
-def slice_mixer(
-    adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor, updates: Mapping[str, Any],
-    transform: torch.Tensor | None = None,
-) -> dict[str, int]:
-    """Slice every module of the mixer that holds q/k channels (``adapter.channel_rows``), then set its sizes.
-
-    With ``transform`` ([H, d_k', d_k]) each module's q/k channels are first rotated into the first d_k' rows of
-    each head (:func:`transform_rows`), and ``keep`` must be ``0..d_k'-1`` per head. Returns the conv filter counts
-    of :func:`transform_rows` (zeros for an index selection)."""
-    counts = {"mixed": 0, "shared": 0}
-    entries = adapter.channel_rows(mixer)  # all row maps are read before any module changes
-    plans = [(entry, kept_rows(entry.module.weight.shape[0], entry, keep)) for entry in entries]
-    for entry, rows in plans:
-        if transform is not None:
-            for key, n in transform_rows(entry.module, entry, transform, entry.name).items():
-                counts[key] += n
-        slice_rows(entry.module, rows, entry.name, adapter.conv_channel_attrs)
-    set_mixer_dims(mixer, updates)
-    return counts
 
 
 # ---- the record ---------------------------------------------------------------------------------
@@ -494,27 +414,13 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
         keep_t, d_k_new = check_keep(adapter, keep, mixed=True)
         if isinstance(d_k_new, dict):
             return prune_mixed(adapter, keep_t, d_k_new, meta, norm_eps)
-    if "format" in meta:  # a selection file's metadata: its layout version, not the record's
-        meta["selection_format"] = meta.pop("format")
     config = adapter.config  # the text config of a multimodal checkpoint
     h, hv, d_k, d_v = adapter.dims(config)
     config_updates = adapter.config_updates(config, d_k_new)  # raises before any weight changes
     mixer_updates = adapter.mixer_updates(config, d_k_new)
-    facts = {"family": adapter.family, "d_k": d_k, "d_k_new": d_k_new, "num_heads": h, "num_v_heads": hv}
-    facts["head_v_dim"] = d_v
-    for name, value in facts.items():
-        if name in meta and meta[name] != value:
-            raise ValueError(f"meta {name}={meta[name]!r} disagrees with the model/selection: {name}={value!r}")
-    if "pct" in meta and (isinstance(meta["pct"], bool) or not isinstance(meta["pct"], (int, float))):
-        raise ValueError(f"meta pct={meta['pct']!r} must be a number (percent of key channels removed)")
-    base = base_checkpoint(model) or meta.get("base_checkpoint")  # the selection's copy, for a model built otherwise
-    extra = {k: v for k, v in meta.items()
-             if k not in {"source_model", "source", "method", "pct", "base_checkpoint", *facts}}
-    try:
-        json.dumps(extra)
-    except TypeError as err:
-        raise ValueError(f"meta must be JSON-serialisable: {err}") from None
-    source = meta.get("source_model") or meta.get("source") or getattr(config, "name_or_path", "") or "unknown"
+    facts = {"family": adapter.family, "d_k": d_k, "d_k_new": d_k_new, "num_heads": h, "num_v_heads": hv,
+             "head_v_dim": d_v}
+    meta, extra, source, base = record_meta(adapter, meta, facts)
     eps_factor = d_k / d_k_new
     eps_plan = None
     if norm_eps == "exact" and adapter.kernel_scale and eps_factor != 1:
@@ -555,6 +461,34 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
     )
 
 
+def record_meta(adapter: LinearAttentionAdapter, meta: Mapping[str, Any],
+                facts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str, dict[str, Any] | None]:
+    """Check a pruning's ``meta`` against the model's ``facts`` (family, head sizes) and split it for the record:
+    ``(meta, extra, source, base_checkpoint)``. A selection file's ``format`` becomes ``selection_format``.
+
+    Raises:
+        ValueError: one line, for a fact that disagrees, a pct that is no number, or an entry that is not JSON.
+    """
+    meta = dict(meta)
+    if "format" in meta:  # a selection file's metadata: its layout version, not the record's
+        meta["selection_format"] = meta.pop("format")
+    for name, value in facts.items():
+        if name in meta and meta[name] != value:
+            raise ValueError(f"meta {name}={meta[name]!r} disagrees with the model/selection: {name}={value!r}")
+    if "pct" in meta and (isinstance(meta["pct"], bool) or not isinstance(meta["pct"], (int, float))):
+        raise ValueError(f"meta pct={meta['pct']!r} must be a number (percent of key channels removed)")
+    base = base_checkpoint(adapter.model) or meta.get("base_checkpoint")  # the selection's copy, for a built model
+    extra = {k: v for k, v in meta.items()
+             if k not in {"source_model", "source", "method", "pct", "base_checkpoint", "d_k_new", *facts}}
+    try:
+        json.dumps(extra)
+    except TypeError as err:
+        raise ValueError(f"meta must be JSON-serialisable: {err}") from None
+    source = (meta.get("source_model") or meta.get("source") or getattr(adapter.config, "name_or_path", "")
+              or "unknown")
+    return meta, extra, str(source), base
+
+
 def prune_mixed(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Tensor], widths: Mapping[int, int],
                 meta: Mapping[str, Any], norm_eps: str) -> PruneRecord:
     """:func:`prune_model` for a selection whose layers keep different widths (per-layer key budgets).
@@ -570,19 +504,8 @@ def prune_mixed(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Tensor
     h, hv, d_k, d_v = adapter.dims(config)
     for width in sorted(set(widths.values())):
         adapter.config_updates(config, width)  # raises before any weight changes for a width the family cannot hold
-    meta = dict(meta)
-    if "format" in meta:
-        meta["selection_format"] = meta.pop("format")
-    for name in ("family", "num_heads", "d_k"):
-        value = {"family": adapter.family, "num_heads": h, "d_k": d_k}[name]
-        if name in meta and meta[name] != value:
-            raise ValueError(f"meta {name}={meta[name]!r} disagrees with the model/selection: {name}={value!r}")
-    if "pct" in meta and (isinstance(meta["pct"], bool) or not isinstance(meta["pct"], (int, float))):
-        raise ValueError(f"meta pct={meta['pct']!r} must be a number (percent of key channels removed)")
-    try:
-        json.dumps({k: v for k, v in meta.items() if k != "base_checkpoint"})
-    except TypeError as err:
-        raise ValueError(f"meta must be JSON-serialisable: {err}") from None
+    facts = {"family": adapter.family, "d_k": d_k, "num_heads": h, "num_v_heads": hv, "head_v_dim": d_v}
+    meta, extra, source, base = record_meta(adapter, meta, facts)
     n_layers = 1 + max(i for i, _ in adapter.mixer_layers())
     n_layers = max(n_layers, getattr(config, "num_hidden_layers", n_layers))
     key_dims = [widths.get(i) for i in range(n_layers)]
@@ -601,16 +524,14 @@ def prune_mixed(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Tensor
         setattr(config, OUTPUT_NORM_EPS_FIELD, output_eps)
         changes[OUTPUT_NORM_EPS_FIELD] = [None, output_eps]
     kept = sum(widths.values())
-    extra = {k: v for k, v in meta.items() if k not in {"source_model", "source", "method", "pct", "base_checkpoint",
-                                                        "family", "num_heads", "d_k", "d_k_new", "num_v_heads",
-                                                        "head_v_dim"}}
     per_layer = {str(layer): kernel_scale_note(d_k, w, adapter.kernel_scale) for layer, w in sorted(widths.items())}
-    scale = {"per_layer": per_layer, "norm_eps": norm_eps if adapter.kernel_scale else None,
+    scale = {"per_layer": per_layer,
              "note": "layers keep different widths; each mixer's kernel scale is 1/sqrt of its own d_k'"
              + ("; norm_eps exact: each mixer's output-norm eps times d_k/d_k'(layer)" if exact else "")}
+    if exact:  # as the single-width record: a norm_eps entry only for exact
+        scale["norm_eps"] = {"choice": "exact", "field": eps_field, "before": eps, "after": output_eps}
     return PruneRecord(
-        source_model=str(meta.get("source_model") or meta.get("source") or getattr(config, "name_or_path", "")
-                         or "unknown"),
+        source_model=source,
         family=adapter.family,
         method=str(meta.get("method", "custom")),
         pct=meta["pct"] if "pct" in meta else 100.0 * (1 - kept / (len(widths) * d_k)),
@@ -626,7 +547,7 @@ def prune_mixed(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Tensor
                            for w in sorted(set(widths.values()))},
         versions=versions(),
         extra=extra,
-        base_checkpoint=base_checkpoint(adapter.model) or meta.get("base_checkpoint"),
+        base_checkpoint=base,
     )
 
 

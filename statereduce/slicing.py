@@ -1,8 +1,10 @@
-"""Slicing the q/k channels out of a mixer's modules, shared by pruning (:mod:`statereduce.prune`) and by loading a
-checkpoint whose layers keep different key widths (:func:`shape_mixers`, :func:`statereduce.models.load_model`).
+"""Slicing the q/k channels out of a mixer's modules (:func:`slice_mixer`), shared by pruning
+(:mod:`statereduce.prune`) and by loading a checkpoint whose layers keep different key widths (:func:`shape_mixers`,
+:func:`statereduce.models.load_model`).
 
 A mixer's q/k channels sit in rows of its projections and short convolutions (``adapter.channel_rows``: fused
-layouts included); slicing keeps every other row in order, so a head's kept channels stay in place.
+layouts included); slicing keeps every other row in order, so a head's kept channels stay in place. A transform
+selection first rotates each head's channels into its first d_k' rows (:func:`transform_rows`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from statereduce.adapters import ChannelRows, LinearAttentionAdapter
+from statereduce.adapters.conv_sharing import filters_equal
 
 #: The config field of a checkpoint whose layers keep different key widths: per decoder layer, its d_k' (None for a
 #: layer without a linear-attention mixer). The config's own head sizes stay those of the unpruned model.
@@ -97,6 +100,85 @@ def set_mixer_dims(mixer: nn.Module, updates: Mapping[str, Any]) -> None:
         setattr(mixer, name, value)
 
 
+def mix_filters(weight: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
+    """The depthwise filters of channels rotated by ``transform`` (paper App. B.4, Proposition B.1).
+
+    Channel a's new filter is ``sum_b T[a, b]^2 w_b``: at every lag j, ``diag(w'_j)`` is the diagonal matrix closest
+    in Frobenius norm to the exact rotated filter matrix ``T diag(w_j) T^T``. Where the head's filters are all equal
+    (a shared convolution, App. B.5) the convolution commutes with the rotation and the filter is carried over
+    exactly instead.
+
+    Args:
+        weight: [d_k, *filter] the head's filters (a depthwise ``Conv1d`` weight's rows: [d_k, 1, W]).
+        transform: [d_k', d_k] with orthonormal rows.
+    Returns:
+        [d_k', *filter] in ``weight``'s dtype.
+    """
+    if filters_equal(weight):
+        return weight[:1].expand(transform.shape[0], *weight.shape[1:]).clone()
+    t2 = transform.to(torch.float64).square()
+    mixed = (t2 @ weight.reshape(weight.shape[0], -1).to(torch.float64)).reshape(transform.shape[0], *weight.shape[1:])
+    return mixed.to(weight.dtype)
+
+
+def transform_rows(module: nn.Module, entry: ChannelRows, transform: torch.Tensor, what: str) -> dict[str, int]:
+    """Write the transformed q/k channels of one module into the first d_k' rows of each head, in place (the
+    rows :func:`slice_rows` then keeps with ``keep = 0..d_k'-1``).
+
+    ``nn.Linear`` rows (and bias) become ``T_h W_h``; depthwise ``nn.Conv1d`` filters are mixed
+    (:func:`mix_filters`) and a conv bias becomes ``T_h b_h`` (exact: the bias adds after the convolution).
+
+    Args:
+        module: the module ``entry`` describes.
+        entry: where its q/k channels sit (``[H, d_k]`` row indices).
+        transform: [H, d_k', d_k] float64, orthonormal rows per head.
+    Returns:
+        {"mixed": heads whose filters were mixed, "shared": heads whose shared filter was carried over} (convs).
+    """
+    counts = {"mixed": 0, "shared": 0}
+    d_new = transform.shape[1]
+    weight = module.weight.data
+    for side in ("q", "k"):
+        rows = getattr(entry, side)
+        if rows is None:
+            continue
+        if rows.shape[0] != transform.shape[0] or rows.shape[1] != transform.shape[2]:
+            raise ValueError(f"{what}: {side} rows {tuple(rows.shape)} do not match transform {tuple(transform.shape)}")
+        for h in range(rows.shape[0]):
+            src, dst, t = rows[h].to(weight.device), rows[h, :d_new].to(weight.device), transform[h]
+            if isinstance(module, nn.Conv1d):
+                counts["shared" if filters_equal(weight[src]) else "mixed"] += 1
+                weight[dst] = mix_filters(weight[src], t.to(weight.device))
+            else:
+                new = t.to(weight.device) @ weight[src].to(torch.float64)
+                weight[dst] = new.to(weight.dtype)
+            if module.bias is not None:
+                bias = module.bias.data
+                bias[dst] = (t.to(bias.device) @ bias[src].to(torch.float64)).to(bias.dtype)
+    return counts
+
+
+def slice_mixer(
+    adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor, updates: Mapping[str, Any],
+    transform: torch.Tensor | None = None,
+) -> dict[str, int]:
+    """Slice every module of the mixer that holds q/k channels (``adapter.channel_rows``), then set its sizes.
+
+    With ``transform`` ([H, d_k', d_k]) each module's q/k channels are first rotated into the first d_k' rows of
+    each head (:func:`transform_rows`), and ``keep`` must be ``0..d_k'-1`` per head. Returns the conv filter counts
+    of :func:`transform_rows` (zeros for an index selection)."""
+    counts = {"mixed": 0, "shared": 0}
+    entries = adapter.channel_rows(mixer)  # all row maps are read before any module changes
+    plans = [(entry, kept_rows(entry.module.weight.shape[0], entry, keep)) for entry in entries]
+    for entry, rows in plans:
+        if transform is not None:
+            for key, n in transform_rows(entry.module, entry, transform, entry.name).items():
+                counts[key] += n
+        slice_rows(entry.module, rows, entry.name, adapter.conv_channel_attrs)
+    set_mixer_dims(mixer, updates)
+    return counts
+
+
 def shape_mixers(adapter: LinearAttentionAdapter, key_dims: Sequence[int | None],
                  output_norm_eps: Sequence[float | None] | None = None) -> None:
     """Give each linear-attention mixer the key width ``key_dims[layer]`` (its first d_k' channels per head: only
@@ -111,14 +193,10 @@ def shape_mixers(adapter: LinearAttentionAdapter, key_dims: Sequence[int | None]
     if named != set(layers):
         raise ValueError(f"{KEY_DIMS_FIELD} names widths for layers {sorted(named)}; the model's linear-attention "
                          f"layers are {sorted(layers)}")
-    h = adapter.num_heads
     for layer, mixer in layers.items():
         width = int(key_dims[layer])
-        keep = torch.arange(width).expand(h, -1)
-        for entry in adapter.channel_rows(mixer):
-            slice_rows(entry.module, kept_rows(entry.module.weight.shape[0], entry, keep), entry.name,
-                       adapter.conv_channel_attrs)
-        set_mixer_dims(mixer, adapter.mixer_updates(adapter.config, width))
+        slice_mixer(adapter, mixer, torch.arange(width).expand(adapter.num_heads, -1),
+                    adapter.mixer_updates(adapter.config, width))
         eps = None if output_norm_eps is None else output_norm_eps[layer]
         if eps is not None:
             for attr in adapter.mixer_output_norm_eps(mixer):

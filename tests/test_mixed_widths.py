@@ -1,4 +1,4 @@
-"""Per-layer key widths (issue: per-layer key budgets): a selection whose layers keep different d_k' prunes every
+"""Per-layer key widths (per-layer key budgets): a selection whose layers keep different d_k' prunes every
 family to a checkpoint that equals zero-masking (``norm_eps="exact"``: each mixer's output-norm eps times
 d_k/d_k'(layer)), reloads in a fresh process through ``load_model`` with identical logits, and decodes with its
 cache as the full forward computes; a uniform selection keeps today's path."""

@@ -158,7 +158,7 @@ class LinearAttentionAdapter(FamilySpec):
         Projections come first (an ``nn.Linear`` whose output rows include q and/or k channels: fla's separate
         ``q_proj``/``k_proj``, or one fused ``in_proj``), then depthwise convolutions over the same channels.
         Pruning keeps every row that is not a dropped q/k channel, in the original order
-        (:func:`statereduce.prune.slice_rows`), so fused layouts stay fused.
+        (:func:`statereduce.slicing.slice_rows`), so fused layouts stay fused.
         """
 
     @abstractmethod
