@@ -17,10 +17,8 @@ from torch import nn
 
 from statereduce.adapters import ChannelRows, LinearAttentionAdapter
 from statereduce.adapters.conv_sharing import filters_equal
+from statereduce.families.base import KEY_DIMS_FIELD  # noqa: F401  (re-exported: the field this module shapes from)
 
-#: The config field of a checkpoint whose layers keep different key widths: per decoder layer, its d_k' (None for a
-#: layer without a linear-attention mixer). The config's own head sizes stay those of the unpruned model.
-KEY_DIMS_FIELD = "statereduce_key_dims"
 #: Per decoder layer, the eps of the mixer's output norm (None where unchanged or absent), set after shaping.
 OUTPUT_NORM_EPS_FIELD = "statereduce_output_norm_eps"
 

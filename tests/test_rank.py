@@ -149,11 +149,47 @@ def test_keep_overlap_hand_made():
     assert one["random_shared"] == 8.0 and one["median_shared"] == 32.0
 
 
+def test_keep_overlap_of_per_layer_widths():
+    """Layer 0 keeps 2 of 8 channels per head, layer 1 keeps 4 in A and 6 in B: each head's random expectation is
+    k_a k_b / d_k (hypergeometric mean) and its fraction is of min(k_a, k_b)."""
+    a = {0: [[0, 1], [2, 3]], 1: [[0, 1, 2, 3], [4, 5, 6, 7]]}
+    b = {0: [[0, 1], [4, 5]], 1: [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]]}
+    res = keep_overlap(a, b, d_k=8)
+    assert {key: v["shared"] for key, v in res["per_head"].items()} == {(0, 0): 2, (0, 1): 0, (1, 0): 4, (1, 1): 2}
+    assert [res["per_head"][(0, h)]["random_shared"] for h in (0, 1)] == [0.5, 0.5]  # 2 * 2 / 8
+    assert [res["per_head"][(1, h)]["random_shared"] for h in (0, 1)] == [3.0, 3.0]  # 4 * 6 / 8
+    assert res["per_head"][(1, 1)]["fraction"] == 0.5 and res["per_head"][(1, 1)]["random_fraction"] == 0.75
+    assert res["per_layer"][0] == {"d_k_new": 2, "median_shared": 1.0, "median_fraction": 0.5, "random_shared": 0.5,
+                                   "random_fraction": 0.25, "n_heads": 2}
+    assert res["per_layer"][1]["d_k_new"] == [4, 6] and res["per_layer"][1]["random_shared"] == 3.0
+    assert res["d_k_new"] == {"0": 2, "1": [4, 6]} and res["n_heads"] == 4
+    assert res["random_shared"] == 1.75 and res["median_shared"] == 2.0  # medians over the four heads
+    same = keep_overlap({0: a[0], 1: a[1]}, {0: a[0], 1: a[1]}, d_k=8)
+    assert same["d_k_new"] == {"0": 2, "1": 4} and same["median_fraction"] == 1.0
+
+
 def test_keep_overlap_rejects_mismatch():
-    with pytest.raises(ValueError, match="keep_a keeps 2 channels, keep_b 3"):
-        keep_overlap([[0, 1]], [[0, 1, 2]], d_k=4)
+    with pytest.raises(ValueError, match=r"keep_a layer 0 keeps different numbers of channels across heads: \[1, 2\]"):
+        keep_overlap([[0, 1], [2]], [[0, 1], [2, 3]], d_k=4)
+    with pytest.raises(ValueError, match="layer 0: keep_a has 1 heads, keep_b 2"):
+        keep_overlap([[0, 1]], [[0, 1], [2, 3]], d_k=4)
     with pytest.raises(ValueError, match="cover different layers"):
         keep_overlap({0: [[0]]}, {1: [[0]]}, d_k=4)
+
+
+def test_selected_conditioning_of_per_layer_widths():
+    rng = np.random.default_rng(2)
+    K = {0: rng.normal(size=(2, 10, 6)), 1: rng.normal(size=(2, 10, 6))}
+    Q = {0: rng.normal(size=(2, 10, 6)), 1: rng.normal(size=(2, 10, 6))}
+    keep = {0: [[0, 5], [1, 2]], 1: [[0, 1, 3, 4], [2, 3, 4, 5]]}
+    res = selected_conditioning(K, Q, keep)
+    assert res["key_dims"] == {0: 2, 1: 4} and res["n_heads"] == 4
+    for (layer, head), got in res["per_head"].items():
+        s = np.linalg.svd(np.vstack([Q[layer][head], K[layer][head]])[:, keep[layer][head]], compute_uv=False)
+        assert s.size == len(keep[layer][0])
+        assert got["sigma_max"] == pytest.approx(s[0]) and got["sigma_min"] == pytest.approx(s[-1])
+    with pytest.raises(ValueError, match=r"layer 1: the heads keep different numbers of channels \[3, 4\]"):
+        selected_conditioning(K, Q, {0: keep[0], 1: [[0, 1, 3], [2, 3, 4, 5]]})
 
 
 # ---- states from the forward pass -------------------------------------------------------------

@@ -207,9 +207,35 @@ class LinearAttentionAdapter(FamilySpec):
         """Instance convenience for :meth:`reduced_config` on the model's own config."""
         return self.reduced_config(self.config, d_k_new)
 
+    #: the attribute of a live mixer that holds its key width d_k' (set by ``mixer_updates``); in a checkpoint whose
+    #: layers keep different widths it differs from the config's d_k
+    mixer_key_dim_attr: ClassVar[str] = "head_k_dim"
+
+    def mixer_key_dim(self, mixer: nn.Module) -> int:
+        """The key width d_k' of one live mixer (its own, which a per-layer-width checkpoint sets per layer)."""
+        return int(getattr(mixer, self.mixer_key_dim_attr))
+
+    def layer_key_dims(self) -> dict[int, int]:
+        """{layer: d_k'} of every linear-attention layer, read from the live mixers."""
+        return {layer: self.mixer_key_dim(mixer) for layer, mixer in self.mixer_layers()}
+
+    def layer_state_shapes(self) -> dict[int, StateShape]:
+        """{layer: per-sequence recurrent/conv state shape} of every linear-attention layer at its own key width
+        (:meth:`layer_key_dims`; :meth:`~statereduce.families.base.FamilySpec.width_state_shape`)."""
+        widths = self.layer_key_dims()
+        shapes = {w: self.width_state_shape(self.config, w) for w in set(widths.values())}
+        return {layer: shapes[w] for layer, w in widths.items()}
+
     def state_shape(self) -> StateShape:
-        """Per-layer, per-sequence recurrent/conv state shape of the current config."""
-        return self.config_state_shape(self.config)
+        """The per-layer, per-sequence recurrent/conv state shape that every linear-attention layer has.
+
+        Raises:
+            ValueError: the layers keep different key widths (:meth:`layer_state_shapes` has each one's).
+        """
+        shapes = set(self.layer_state_shapes().values())
+        if len(shapes) > 1:
+            raise ValueError(f"the layers keep different key widths {self.layer_key_dims()}; use layer_state_shapes()")
+        return shapes.pop() if shapes else self.config_state_shape(self.config)
 
     def num_mixer_layers(self) -> int:
         return len(self.mixer_layers())
@@ -219,9 +245,9 @@ class LinearAttentionAdapter(FamilySpec):
         return "none"
 
     def state_bytes(self, dtype_bytes: int = 4) -> int:
-        """Recurrent state bytes per sequence over all linear-attention layers (fp32 state by default)."""
-        s = self.state_shape()
-        return self.num_mixer_layers() * s.recurrent_elems * dtype_bytes
+        """Recurrent state bytes per sequence over all linear-attention layers, each at its own key width (fp32 state
+        by default)."""
+        return sum(s.recurrent_elems for s in self.layer_state_shapes().values()) * int(dtype_bytes)
 
     # ---- exact zero-masking through the norm eps (statereduce.prune, "Kernel scale") -----------------------
     # After pruning, the stock delta-rule kernels scale q.k by 1/sqrt(d_k') instead of 1/sqrt(d_k): the mixer output
@@ -346,7 +372,8 @@ class LinearAttentionAdapter(FamilySpec):
         Args:
             cache: the fla ``Cache`` of a forward with ``use_cache=True`` (``out.past_key_values``).
         Returns:
-            {layer index: S [B, HV, d_v, d_k]} for every layer of :meth:`mixer_layers`.
+            {layer index: S [B, HV, d_v, d_k]} for every layer of :meth:`mixer_layers`, d_k the layer's own width
+            (:meth:`mixer_key_dim`).
         Raises:
             ValueError: a layer's state is missing or not of the cache layout for the live config.
         """
@@ -355,12 +382,11 @@ class LinearAttentionAdapter(FamilySpec):
         for layer, mixer in self.mixer_layers():
             state = self.cached_recurrent_state(cache, getattr(mixer, "layer_idx", layer))
             v_first = self.cache_state_v_first
-            expected = (d.num_v_heads, *((d.head_v_dim, d.head_k_dim) if v_first else (d.head_k_dim, d.head_v_dim)))
+            d_k = self.mixer_key_dim(mixer)  # the layer's own width (per-layer-width checkpoints)
+            expected = (d.num_v_heads, *((d.head_v_dim, d_k) if v_first else (d_k, d.head_v_dim)))
             if not isinstance(state, torch.Tensor) or state.dim() != 4 or state.shape[1:] != expected:
                 got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
-                dims = (
-                    f"d_v={d.head_v_dim}, d_k={d.head_k_dim}" if v_first else f"d_k={d.head_k_dim}, d_v={d.head_v_dim}"
-                )
+                dims = f"d_v={d.head_v_dim}, d_k={d_k}" if v_first else f"d_k={d_k}, d_v={d.head_v_dim}"
                 raise ValueError(
                     f"layer {layer}: cached recurrent state is {got}; expected [B, HV={d.num_v_heads}, {dims}] "
                     f"({self.family})"

@@ -44,7 +44,8 @@ def conv_sharing(mixer: nn.Module, num_heads: int, head_k_dim: int) -> str:
     Args:
         mixer: the layer (``use_short_conv``, ``q_conv1d``, ``k_conv1d`` with weights ``[H * d_k, 1, W]``).
         num_heads: H, the q/k heads.
-        head_k_dim: d_k.
+        head_k_dim: d_k of the config; a layer of a checkpoint whose layers keep different key widths holds H heads of
+            its own d_k' <= d_k.
     Returns:
         ``"all"`` when every channel of ``q_conv1d`` has the same filter and so has every channel of ``k_conv1d``
         (q's and k's may differ), else ``"head"`` when that holds within each head, else ``"none"`` (also for a
@@ -54,9 +55,10 @@ def conv_sharing(mixer: nn.Module, num_heads: int, head_k_dim: int) -> str:
         return "none"
     convs = (mixer.q_conv1d, mixer.k_conv1d)
     for conv in convs:
-        if conv.weight.shape[0] != num_heads * head_k_dim:
+        channels = conv.weight.shape[0]
+        if channels % num_heads or not 0 < channels <= num_heads * head_k_dim:
             raise ValueError(f"conv weight {tuple(conv.weight.shape)} does not hold H={num_heads} heads of "
-                             f"d_k={head_k_dim}")
+                             f"d_k' <= d_k={head_k_dim} channels")
     for share, groups in (("all", 1), ("head", num_heads)):
         if all(filters_equal(conv.weight, groups) for conv in convs):
             return share
@@ -100,7 +102,8 @@ def tie_qk_convs(adapter: LinearAttentionAdapter, share: str) -> Callable[[], No
     replaces; the optimizer then trains those filters. ``"none"`` touches nothing.
 
     Args:
-        adapter: the adapter of the model to train (``mixer_layers``, ``q_conv``, ``k_conv``, head sizes).
+        adapter: the adapter of the model to train (``mixer_layers``, ``q_conv``, ``k_conv``, ``num_heads`` and each
+            layer's ``mixer_key_dim``).
         share: one of :data:`~statereduce.families.base.SHARE_CONV`.
     Returns:
         ``untie()``: :func:`untie_convs` of the model, leaving every conv a stock module whose weight is a plain
@@ -112,15 +115,15 @@ def tie_qk_convs(adapter: LinearAttentionAdapter, share: str) -> Callable[[], No
         raise ValueError(f"unknown share_conv {share!r}; valid: {', '.join(SHARE_CONV)}")
     if share == "none":
         return lambda: None
-    h, d_k = adapter.num_heads, adapter.head_k_dim
-    groups, size = (h, d_k) if share == "head" else (1, h * d_k)
+    h = adapter.num_heads
     convs = []
     for layer, mixer in adapter.mixer_layers():
         pair = (adapter.q_conv(mixer), adapter.k_conv(mixer))
         if any(c is None for c in pair):
             raise ValueError(f"share_conv {share!r}: layer {layer} has no q/k short convolutions (use_short_conv off)")
-        convs.extend(pair)
-    for conv in convs:
+        d_k = adapter.mixer_key_dim(mixer)  # the layer's own width (per-layer-width checkpoints)
+        convs.extend((conv, (h, d_k) if share == "head" else (1, h * d_k)) for conv in pair)
+    for conv, (groups, size) in convs:
         parametrize.register_parametrization(conv, "weight", SharedRows(groups, size))
     return lambda: untie_convs(adapter.model)
 

@@ -3,7 +3,8 @@
 Layout: ``key_dim = round(hidden_size * expand_k)``, ``head_k_dim = key_dim // num_heads``;
 ``q_proj``/``k_proj`` are ``[H*d_k, hidden]`` and ``q_conv1d``/``k_conv1d`` ``[H*d_k, 1, W]``, head h
 in rows ``h*d_k + j``. The value side (``v_proj``, ``v_conv1d``, ``b_proj``, ``o_norm``, ``o_proj``) is
-untouched by key/query pruning. d_k is global through ``expand_k``: per-layer d_k' is not expressible.
+untouched by key/query pruning. d_k is global through ``expand_k``: a stock config cannot express per-layer d_k'
+(a per-layer-width checkpoint lists them in ``statereduce_key_dims``).
 
 q and k are captured where they enter ``chunk_delta_rule`` / ``fused_recurrent_delta_rule`` (after the
 conv and its SiLU, or after the relu/elu/identity activation of non-silu configs; before the in-kernel

@@ -72,6 +72,7 @@ class Mamba2Adapter(Mamba2Family, TransformersAdapter):
     # the fused training kernel (mamba_ssm) reads out_proj.weight directly, so a LoRA on it would never run; peft
     # refuses LoRA on a Mamba out_proj for that reason. RFT trains in_proj (LoRA), conv1d and the norms.
     lora_excluded = ("out_proj",)
+    mixer_key_dim_attr = "ssm_state_size"  # N of the layer's B/C groups
     def mixer_layers(self) -> list[tuple[int, nn.Module]]:
         return [(i, block.mixer) for i, block in enumerate(decoder_layers(self.model))]
 

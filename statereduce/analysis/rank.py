@@ -1,7 +1,9 @@
 """Rank analysis of the recurrent state and of the selected key/query subspace (paper Sec. 2.2, App. C.1-C.5).
 
 * Metrics: stable rank ``er(S) = ||S||_F^2 / ||S||_2^2`` and rank utilization ``u(S) = er(S) / min(d_v, d_k)``
-  of a state S [d_v, d_k] (paper Eq. 3 and Sec. 2.2.1; d is the smaller side, the largest rank S can have).
+  of a state S [d_v, d_k] (paper Eq. 3 and Sec. 2.2.1; d is the smaller side, the largest rank S can have). In a
+  checkpoint whose layers keep different key widths each layer's states are [d_v, d_k'(layer)] and its u divides by
+  min(d_v, d_k'(layer)).
 * States come from the model's own forward pass (fla's kernels, or :mod:`statereduce.kernels.fla_fallback` on CPU):
   the input is fed in segments of ``stride`` tokens with the HF cache carried over, and after each segment
   every linear-attention layer's recurrent state is read from the cache (:meth:`LinearAttentionAdapter.
@@ -27,6 +29,7 @@ from torch import nn
 
 from statereduce import __version__
 from statereduce.adapters import get_adapter
+from statereduce.eval.documents import layer_mean
 from statereduce.runtime import jsonable
 from statereduce.selectors.overlap import as_layers, head_keep, keep_overlap  # noqa: F401  (keep_overlap re-exported)
 from statereduce.settings import RankSettings
@@ -147,8 +150,10 @@ class RankSamples:
     Args:
         positions: int64 [P] 0-based position of the last token of each sample's state.
         er: {(layer, head): float64 [B, P]} stable rank per sequence and position (NaN for a zero state).
-        u: {(layer, head): float64 [B, P]} rank utilization, ``er / min(d_v, d_k)``.
-        d_k, d_v: state sizes; num_heads: state heads per layer (value heads HV under GVA).
+        u: {(layer, head): float64 [B, P]} rank utilization, ``er / min(d_v, d_k(layer))``.
+        d_k, d_v: state sizes (d_k the mean over the layers, an int when every layer keeps one width);
+            num_heads: state heads per layer (value heads HV under GVA).
+        key_dims: {layer: d_k} of every layer's states (the widths a per-layer-width checkpoint keeps).
         spectrum_head: the (layer, head) whose singular values were kept, or None.
         spectrum: float64 [B, P, min(d_v, d_k)] singular values of ``spectrum_head``'s states, or None.
     """
@@ -156,9 +161,10 @@ class RankSamples:
     positions: np.ndarray
     er: dict[HeadKey, np.ndarray]
     u: dict[HeadKey, np.ndarray]
-    d_k: int
+    d_k: int | float
     d_v: int
     num_heads: int
+    key_dims: dict[int, int]
     spectrum_head: HeadKey | None = None
     spectrum: np.ndarray | None = None
 
@@ -205,9 +211,11 @@ def collect_rank_samples(
                 f"head in [0, {dims.num_v_heads})"
             )
     positions, er, spectra = [], {layer: [] for layer in layers}, []
+    key_dims: dict[int, int] = {}
     for pos, states in iter_states(model, input_ids, stride=stride, skip=skip):
         positions.append(pos)
         for layer, S in states.items():
+            key_dims[layer] = int(S.shape[-1])  # [B, HV, d_v, d_k'(layer)]
             S = S.to(torch.float64)
             sv = singular_values(S)  # [B, HV, min(d_v, d_k)]
             er[layer].append(_er_from(S, sv).cpu().numpy())  # [B, HV]
@@ -215,7 +223,6 @@ def collect_rank_samples(
                 spectra.append(sv[:, spectrum_head[1]].cpu().numpy())
     if not positions:
         raise ValueError(f"no state to score: skip={skip} >= sequence length T={input_ids.shape[1]}")
-    d = min(dims.head_k_dim, dims.head_v_dim)
     er_heads = {}
     for layer in layers:
         stacked = np.stack(er[layer], axis=1)  # [B, P, HV]
@@ -224,10 +231,11 @@ def collect_rank_samples(
     return RankSamples(
         positions=np.asarray(positions, dtype=np.int64),
         er=er_heads,
-        u={key: v / d for key, v in er_heads.items()},
-        d_k=dims.head_k_dim,
+        u={key: v / min(key_dims[key[0]], dims.head_v_dim) for key, v in er_heads.items()},
+        d_k=layer_mean(list(key_dims.values())),
         d_v=dims.head_v_dim,
         num_heads=dims.num_v_heads,
+        key_dims=key_dims,
         spectrum_head=spectrum_head,
         spectrum=np.stack(spectra, axis=1) if spectrum_head is not None else None,
     )
@@ -300,7 +308,8 @@ def selected_conditioning(K, Q, keep=None) -> dict:
             returns); None keeps every channel (the baseline).
     Returns:
         {"per_head": {(layer, head): {"sigma_min", "sigma_max", "kappa"}}, "median": {"sigma_min",
-        "sigma_max", "kappa"}, "n_heads"}; a single layer is reported as layer 0.
+        "sigma_max", "kappa"}, "n_heads", "key_dims": {layer: d_k'}}; each layer may keep its own d_k' (per-layer
+        budgets), whose sigma_min is the d_k'(layer)-th singular value; a single layer is reported as layer 0.
     """
     K_layers, Q_layers = as_layers(K, "K"), as_layers(Q, "Q")
     keep_layers = {layer: None for layer in K_layers} if keep is None else as_layers(keep, "keep")
@@ -309,11 +318,17 @@ def selected_conditioning(K, Q, keep=None) -> dict:
             f"K, Q and keep cover different layers: {sorted(K_layers)}, {sorted(Q_layers)}, {sorted(keep_layers)}"
         )
     per_head: dict[HeadKey, dict[str, float]] = {}
+    key_dims: dict[int, int] = {}
     for layer in sorted(K_layers):
         k, q = np.asarray(K_layers[layer]), np.asarray(Q_layers[layer])
         if k.ndim != 3 or k.shape != q.shape:
             raise ValueError(f"layer {layer}: K {k.shape} and Q {q.shape} must both be [H, N, d_k]")
-        for head, idx in enumerate(head_keep(keep_layers[layer], k.shape[0], k.shape[2], f"layer {layer}")):
+        heads = head_keep(keep_layers[layer], k.shape[0], k.shape[2], f"layer {layer}")
+        widths = sorted({idx.shape[0] for idx in heads})
+        if len(widths) != 1:
+            raise ValueError(f"layer {layer}: the heads keep different numbers of channels {widths}")
+        key_dims[layer] = int(widths[0])
+        for head, idx in enumerate(heads):
             m = np.concatenate([q[head], k[head]], axis=0).astype(np.float64)
             m = m @ idx.T if idx.ndim == 2 else m[:, idx]  # a transform selection projects: M T^T
             if np.isfinite(m).all():
@@ -328,7 +343,22 @@ def selected_conditioning(K, Q, keep=None) -> dict:
         name: float(np.nanmedian([v[name] for v in per_head.values()])) if per_head else math.nan
         for name in ("sigma_min", "sigma_max", "kappa")
     }
-    return {"per_head": per_head, "median": median, "n_heads": len(per_head)}
+    return {"per_head": per_head, "median": median, "n_heads": len(per_head), "key_dims": key_dims}
+
+
+def selection_widths(keep: Mapping[int, Any]) -> dict[int, int]:
+    """{layer: d_k'} of a selection as :func:`~statereduce.selection_file.read_selection` returns it (kept indices
+    per head, or transforms [H, d_k', d_k]); each layer may keep its own width."""
+    return {int(layer): int(np.asarray(heads[0]).shape[0]) for layer, heads in keep.items()}
+
+
+def check_selection_widths(keep: Mapping[int, Any], key_dims: Mapping[int, int], selection, checkpoint) -> None:
+    """Raise a one-line ValueError unless the selection keeps, in every layer, the width the checkpoint's layer has
+    (``key_dims``: :meth:`~statereduce.adapters.base.LinearAttentionAdapter.layer_key_dims`)."""
+    widths = selection_widths(keep)
+    if widths != dict(key_dims):
+        raise ValueError(f"{selection} keeps widths {dict(sorted(widths.items()))} per layer but {checkpoint}'s "
+                         f"layers have {dict(sorted(key_dims.items()))}; rebuild the pruned checkpoint from it")
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -365,9 +395,9 @@ def rank_report(
         baseline: the baseline model's report; when given, adds ``pearson_u`` over the common heads (Table 5).
     Returns:
         A JSON-serialisable dict (non-finite floats as strings, see :func:`statereduce.runtime.jsonable`):
-        ``settings``, ``model`` (state sizes), ``per_head`` (one record per (layer, head) with er/u mean and
-        std), ``summary`` ({"u", "er"}: :func:`utilization_table` of the per-head means), optionally
-        ``pearson_u`` and ``spectrum``.
+        ``settings``, ``model`` (state sizes; ``key_dims``: {layer: d_k'} and ``d_k`` their mean), ``per_head`` (one
+        record per (layer, head) with its layer's ``d_k`` and er/u mean and std), ``summary`` ({"u", "er"}:
+        :func:`utilization_table` of the per-head means), optionally ``pearson_u`` and ``spectrum``.
     """
     samples = collect_rank_samples(model, input_ids, skip=skip, stride=stride, spectrum_head=spectrum_head)
     u_mean, u_std = samples.head_means("u"), samples.head_stds("u")
@@ -386,6 +416,7 @@ def rank_report(
             "family": adapter.family,
             "num_heads": samples.num_heads,
             "d_k": samples.d_k,
+            "key_dims": {str(layer): width for layer, width in sorted(samples.key_dims.items())},
             "d_v": samples.d_v,
             "layers": sorted({layer for layer, _ in samples.u}),
         },
@@ -393,6 +424,7 @@ def rank_report(
             {
                 "layer": key[0],
                 "head": key[1],
+                "d_k": samples.key_dims[key[0]],
                 "u_mean": u_mean[key],
                 "u_std": u_std[key],
                 "er_mean": er_mean[key],
@@ -448,6 +480,8 @@ def rank_analysis(checkpoint: str | Path, settings: RankSettings, info: dict[str
         H5Artifact(activations).expect({k: v for k, v in expected.items() if k not in ("method", "pct")})
     settings = RankSettings.coerce(settings)
     model, tokenizer = load_model(checkpoint, dtype=info["dtype"], device=info["device"])
+    if keep is not None:
+        check_selection_widths(keep, get_adapter(model).layer_key_dims(), selection, checkpoint)
     docs = load_split(settings.corpus_spec, "heldout")
     ids = token_blocks(tokenizer, docs, int(settings.n_samples), int(settings.seq_len), int(settings.seed))
     head = settings.spectrum_head
@@ -460,7 +494,9 @@ def rank_analysis(checkpoint: str | Path, settings: RankSettings, info: dict[str
         data = {layer: acts.read(layer, ["K", "Q"]) for layer in layers}
         cond = selected_conditioning({lay: d["K"] for lay, d in data.items()},
                                           {lay: d["Q"] for lay, d in data.items()}, keep)
-        cond["per_head"] = [{"layer": lay, "head": h, **v} for (lay, h), v in sorted(cond["per_head"].items())]
+        cond["per_head"] = [{"layer": lay, "head": h, "d_k": cond["key_dims"][lay], **v}
+                            for (lay, h), v in sorted(cond["per_head"].items())]
+        cond["key_dims"] = {str(lay): w for lay, w in sorted(cond["key_dims"].items())}
         doc["conditioning"] = {**cond, "activations": str(activations), "selection": str(selection)}
     base = base_checkpoint(model)
     doc["provenance"] = {"checkpoint": str(checkpoint), "model": info["model"], "corpus": settings.corpus_spec,

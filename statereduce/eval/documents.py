@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import datetime as _dt
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,9 @@ _STAGES = ("baseline", "pruned", "rft")
 def state_record(model: nn.Module, dtype_bytes: int = 4) -> dict:
     """The recurrent-state block of ``eval.json``, from the model's adapter (paper Sec. 2: state d_k x d_v per head).
 
+    Each linear-attention layer counts at its own key width (``key_dims``: {layer: d_k'}; a checkpoint whose layers
+    keep different widths has several); ``d_k`` and ``conv_elems_per_layer`` are the means over the layers.
+
     Args:
         model: a loaded model whose family has an adapter.
         dtype_bytes: bytes per state element (fp32 state by default, as fla keeps it).
@@ -32,16 +35,25 @@ def state_record(model: nn.Module, dtype_bytes: int = 4) -> dict:
     from statereduce.adapters import get_adapter  # the package registers every family's adapter
 
     adapter = get_adapter(model)
-    shape = adapter.state_shape()
+    shapes = adapter.layer_state_shapes()
+    first = next(iter(shapes.values()))
     return {
         "state_bytes_per_sequence": int(adapter.state_bytes(dtype_bytes)),
         "dtype_bytes": int(dtype_bytes),
-        "d_k": int(shape.d_k),
-        "d_v": int(shape.d_v),
-        "num_heads": int(shape.num_heads),
-        "layers": int(adapter.num_mixer_layers()),
-        "conv_elems_per_layer": int(shape.conv_elems),
+        "d_k": layer_mean([s.d_k for s in shapes.values()]),
+        "key_dims": {str(layer): int(s.d_k) for layer, s in shapes.items()},
+        "d_v": int(first.d_v),
+        "num_heads": int(first.num_heads),
+        "layers": len(shapes),
+        "conv_elems_per_layer": layer_mean([s.conv_elems for s in shapes.values()]),
     }
+
+
+def layer_mean(values: Sequence[int]) -> int | float:
+    """The mean of a per-layer size (d_k', conv elements): an int when it is one (every layer alike, or a per-layer
+    allocation of the same total as a uniform one), else a float."""
+    total, n = sum(int(v) for v in values), len(values)
+    return total // n if total % n == 0 else total / n
 
 
 def eval_record(
@@ -118,8 +130,9 @@ def summarize(
 
     Returns:
         ``{"model", "method", "pct", "metrics": {"baseline", "pruned", "rft"}, "state": {"bytes_before",
-        "bytes_after", "ratio"}, "provenance"}``, plus ``"suites": {"baseline", "pruned", "rft"}`` (the
-        documents' suite averages) when any document has them. Raises ``ValueError`` if the documents were evaluated
+        "bytes_after", "ratio", "d_k_before", "d_k_after", "key_dims_after"}, "provenance"}`` (``key_dims_after``: the
+        pruned model's {layer: d_k'}, where its document has them), plus ``"suites": {"baseline", "pruned",
+        "rft"}`` (the documents' suite averages) when any document has them. Raises ``ValueError`` if the documents were evaluated
         on different tasks or windows (their metrics would not be comparable).
     """
     missing = [k for k in ("model", "method", "pct") if k not in meta]
@@ -170,6 +183,7 @@ def summarize(
                 "ratio": after / before if before else None,
                 "d_k_before": baseline_eval["state"].get("d_k"),
                 "d_k_after": pruned_eval["state"].get("d_k"),
+                **({"key_dims_after": pruned_eval["state"]["key_dims"]} if "key_dims" in pruned_eval["state"] else {}),
             },
             "provenance": provenance,
         }

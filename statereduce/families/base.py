@@ -23,6 +23,11 @@ from typing import Any, ClassVar, NamedTuple
 
 _FAMILIES: dict[str, type[FamilySpec]] = {}
 
+#: The config field of a checkpoint whose layers keep different key widths: per decoder layer, its d_k' (None for a
+#: layer without a linear-attention mixer). The config's own head sizes stay those of the unpruned model
+#: (:func:`statereduce.prune.prune_model` writes it, :func:`statereduce.slicing.shape_mixers` reads it on load).
+KEY_DIMS_FIELD = "statereduce_key_dims"
+
 SHARE_CONV = ("none", "head", "all")
 """Values of ``share_conv``: a filter per channel (stock), one per head, one per layer (each of q and k)."""
 
@@ -175,6 +180,45 @@ class FamilySpec(ABC):
     @abstractmethod
     def config_state_shape(cls, config) -> StateShape:
         """Per-layer, per-sequence recurrent/conv state shape described by ``config``."""
+
+    @classmethod
+    def config_key_dims(cls, config) -> dict[int, int]:
+        """{layer: d_k'} of every linear-attention layer of ``config``: the per-layer widths of
+        :data:`KEY_DIMS_FIELD` where the config has them, else the config's one d_k for every layer.
+
+        Raises:
+            ValueError: one line, when :data:`KEY_DIMS_FIELD` does not name a width for exactly the mixer layers.
+        """
+        layers = cls.mixer_layer_indices(config)
+        widths = getattr(config, KEY_DIMS_FIELD, None)
+        if widths is None:
+            return dict.fromkeys(layers, cls.dims(config).head_k_dim)
+        named = {i: int(w) for i, w in enumerate(widths) if w is not None}
+        if sorted(named) != layers:
+            raise ValueError(f"{KEY_DIMS_FIELD} names widths for layers {sorted(named)}; the config's linear-attention "
+                             f"layers are {layers}")
+        return named
+
+    @classmethod
+    def width_state_shape(cls, config, d_k_new: int) -> StateShape:
+        """The state shape of one linear-attention layer of ``config`` that keeps d_k' = ``d_k_new`` channels per
+        q/k head (:meth:`config_state_shape` of :meth:`reduced_config`; ``config`` itself at its own d_k)."""
+        if int(d_k_new) == cls.dims(config).head_k_dim:
+            return cls.config_state_shape(config)
+        return cls.config_state_shape(cls.reduced_config(config, int(d_k_new)))
+
+    @classmethod
+    def config_layer_state_shapes(cls, config) -> dict[int, StateShape]:
+        """{layer: state shape} of every linear-attention layer, each at its own width (:meth:`config_key_dims`)."""
+        widths = cls.config_key_dims(config)
+        shapes = {w: cls.width_state_shape(config, w) for w in set(widths.values())}
+        return {layer: shapes[w] for layer, w in widths.items()}
+
+    @classmethod
+    def config_state_bytes(cls, config, dtype_bytes: int = 4) -> int:
+        """Recurrent state bytes per sequence over every linear-attention layer of ``config``, each at its own width
+        (fp32 state by default)."""
+        return sum(s.recurrent_elems for s in cls.config_layer_state_shapes(config).values()) * int(dtype_bytes)
 
     @classmethod
     def reduced_config(cls, config, d_k_new: int):

@@ -24,6 +24,9 @@ class FlaFamily(FamilySpec):
 
     @classmethod
     def mixer_layer_indices(cls, config) -> list[int]:
+        """Every layer without a softmax-attention spec; a config without ``attn`` (no hybrid) needs no fla import."""
+        if getattr(config, "attn", None) is None:
+            return list(range(config.num_hidden_layers))
         from fla.models.configuration_utils import get_attention_spec
 
         return [i for i in range(config.num_hidden_layers) if get_attention_spec(config.attn, layer_idx=i) is None]

@@ -77,6 +77,11 @@ class Qwen35Family(FamilySpec):
         return super().exact_norm_eps_refusal(config) or super().exact_norm_eps_refusal(text_config(config))
 
     @classmethod
+    def config_key_dims(cls, config) -> dict[int, int]:
+        """Of the text config (which a per-layer-width checkpoint, a text model, carries)."""
+        return super().config_key_dims(text_config(config))
+
+    @classmethod
     def reduced_config(cls, config, d_k_new: int):
         """The reduced text config (of the text config, for a vision-language ``qwen3_5`` config)."""
         return super().reduced_config(text_config(config), d_k_new)
