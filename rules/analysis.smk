@@ -125,6 +125,34 @@ rule study_tables:
         "../workflow_scripts/study_tables.py"
 
 
+rule budget_study:
+    """Per-layer key budgets against the uniform cut at the same state (studies.budgets), pre- and post-RFT, from the
+    summaries and allocations of its cells; with the HTML page and a figure of every allocation."""
+    input:
+        summaries=get_budget_study_summaries,
+        allocations=get_budget_study_allocations,
+    output:
+        table=table_report("budget_study", "md"),
+        csv=layout.table("budget_study", "csv"),
+        html=table_report("budget_study", "html"),
+        figure=report(
+            layout.figure("budget_allocations"),
+            caption="../report/budget_allocations.rst",
+            category="Figures",
+            labels={"figure": "per-layer key budgets"},
+        ),
+    params:
+        study=get_budget_study,
+    log:
+        "logs/budget_study/budget_study.log",
+    benchmark:
+        "benchmarks/budget_study/budget_study.tsv",
+    conda:
+        conda_env("lm_eval")
+    script:
+        "../workflow_scripts/budget_study.py"
+
+
 rule convolution_tables:
     """Shared against per-channel q/k conv filters (paper Table 14: the unpruned models) and PCA (proper,
     adversarial) against Grad on both, before RFT (Table 15), from `studies.convolutions`; with HTML pages."""

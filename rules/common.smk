@@ -172,7 +172,54 @@ def get_select_inputs(wildcards):
         inputs["activations"] = layout.path(layout.ACTIVATIONS, model=wildcards.model, calib=spec.calib)
     if "grad" in needs:
         inputs["grads"] = layout.path(layout.GRAD_SCORES, model=wildcards.model, calib=spec.calib)
+    if spec.budget is not None:
+        srconfig.check_budget_cell(CFG, wildcards.model, wildcards.method, float(wildcards.pct))
+        inputs["allocation"] = layout.path(layout.ALLOCATION, model=wildcards.model, method=wildcards.method,
+                                           pct=wildcards.pct)
     return inputs
+
+
+@checked
+def get_allocate_inputs(wildcards):
+    """Rule allocate: the q/k weights (head sizes, layers), what the budget's policy reads (calibration activations
+    for spectrum; the selector's own inputs and code for greedy and sensitivity; the model for sensitivity)."""
+    srconfig.check_method(CFG, wildcards.method)
+    spec = parse_method(wildcards.method)
+    if spec.budget is None:
+        raise WorkflowError(f"method {wildcards.method!r} has no @<budget>: it has no allocation")
+    srconfig.check_budget_cell(CFG, wildcards.model, wildcards.method, float(wildcards.pct))
+    policy = srconfig.model_budget(CFG, spec.budget).policy
+    inputs = {"weights": layout.path(layout.QK_WEIGHTS, model=wildcards.model)}
+    if policy == "uniform":
+        return inputs
+    needs = {"activations"} if policy == "spectrum" else set()
+    if policy in ("greedy", "sensitivity"):
+        from statereduce.selectors import get_selector
+
+        needs |= set(get_selector(spec.selector).needs)
+        inputs["code"] = [here_relative(f) for f in selector_code_files(spec.selector)]
+    if needs & {"activations", "xnorm"}:
+        inputs["activations"] = layout.path(layout.ACTIVATIONS, model=wildcards.model, calib=spec.calib)
+    if "grad" in needs:
+        inputs["grads"] = layout.path(layout.GRAD_SCORES, model=wildcards.model, calib=spec.calib)
+    if policy == "sensitivity":
+        inputs["base"] = get_base(wildcards)
+        inputs["checkpoint"] = get_checkpoint_files(wildcards)
+    return inputs
+
+
+def get_budget(wildcards):
+    """The budget of the method token (``budgets.<name>``) and, for the sensitivity policy, the calibration that
+    gives its loss's sequences (the model's calibration of the token's ``.<calib>``) and that corpus's spec."""
+    spec = parse_method(wildcards.method)
+    budget = srconfig.model_budget(CFG, spec.budget)
+    dims = srconfig.model_dims(CFG, wildcards.model) or {}
+    out = {"name": spec.budget, "settings": budget.to_dict(), "head_v_dim": dims.get("head_v_dim")}
+    if budget.policy == "sensitivity":
+        cal = srconfig.model_calibration(CFG, wildcards.model, spec.calib)
+        out["calibration"] = cal.to_dict()
+        out["corpus"] = get_corpus_spec(cal.corpus)
+    return out
 
 
 def get_selector_options(wildcards):
@@ -286,8 +333,28 @@ def study_summaries():
     """The summary of every cell of the calibration and scoring studies (paper Tables 2/7 and 16), each once, in
     table order."""
     paths = [layout.path(layout.SUMMARY, model=m, method=method, pct=pct)
-             for name, cells in STUDIES.items() if name != "convolutions" for m, method, pct in cells]
+             for name, cells in STUDIES.items() if name in ("calibration", "scoring") for m, method, pct in cells]
     return list(dict.fromkeys(paths))
+
+
+def budget_study_cells():
+    """The budget study's cells ``(model, method, pct)``: per model, pct and selector the uniform cut, then each
+    budget (:func:`statereduce.config.check_budget_study`)."""
+    return STUDIES.get("budgets", [])
+
+
+def get_budget_study_summaries(wildcards):
+    return [layout.path(layout.SUMMARY, model=m, method=method, pct=pct) for m, method, pct in budget_study_cells()]
+
+
+def get_budget_study_allocations(wildcards):
+    """The allocation of every budget cell of the study (the uniform cells have none)."""
+    return [layout.path(layout.ALLOCATION, model=m, method=method, pct=pct)
+            for m, method, pct in budget_study_cells() if parse_method(method).budget is not None]
+
+
+def get_budget_study(wildcards):
+    return srconfig.canonical(CFG["studies"]["budgets"])
 
 
 def get_convolution_cells(wildcards):
@@ -340,7 +407,10 @@ def study_outputs():
         names += ["calibration_study", "scoring_ablation"]
     if "convolutions" in STUDIES:
         names += ["shared_convolutions", "pca_convolutions"]
-    return [layout.table(name, ext) for name in names for ext in ("md", "html")]
+    if "budgets" in STUDIES:
+        names += ["budget_study"]
+    extra = [layout.figure("budget_allocations")] if "budgets" in STUDIES else []
+    return [layout.table(name, ext) for name in names for ext in ("md", "html")] + extra
 
 
 def get_paper_output():

@@ -19,6 +19,7 @@ TABLES = {
     "scoring_ablation": "K / Q / K+Q scoring (Table 16)",
     "shared_convolutions": "shared convolutions (Table 14)",
     "pca_convolutions": "PCA and convolutions (Table 15)",
+    "budget_study": "per-layer key budgets vs. the uniform cut",
 }
 
 
@@ -79,6 +80,15 @@ def gpu_request(n, rulename, wildcards):
 def gpu_of(wildcards, rulename):
     """GPU rules ask for one GPU for models configured with ``device: cuda`` (:func:`gpu_request`)."""
     return gpu_request(1 if MODELS[wildcards.model]["device"] == "cuda" else 0, rulename, wildcards)
+
+
+def allocate_gpu(wildcards, rulename):
+    """Rule allocate loads the model only for the sensitivity policy: one GPU then, for models on CUDA."""
+    from statereduce.selectors import parse_method
+
+    policy = srconfig.model_budget(CFG, parse_method(wildcards.method).budget).policy
+    cuda = policy == "sensitivity" and MODELS[wildcards.model]["device"] == "cuda"
+    return gpu_request(1 if cuda else 0, rulename, wildcards)
 
 
 def one_gpu(wildcards, rulename):

@@ -1,3 +1,27 @@
+rule allocate:
+    """Per-layer key widths of a method with @<budget> (budgets.<name>): one d_k' per layer at the uniform cut's total,
+    with the policy's values and statistics (results/{model}/select/{method}_{pct}.allocation.json)."""
+    input:
+        unpack(get_allocate_inputs),
+    output:
+        layout.ALLOCATION,
+    params:
+        info=model_info,
+        budget=get_budget,
+        selector=get_selector_options,
+    threads: model_threads
+    resources:
+        gpu=allocate_gpu,
+    log:
+        "logs/allocate/{model}/{method}_{pct}.log",
+    benchmark:
+        "benchmarks/allocate/{model}/{method}_{pct}.tsv"
+    conda:
+        conda_env("fla")
+    script:
+        "../workflow_scripts/allocate.py"
+
+
 rule select_channels:
     """Per-head kept channels of one selector at one ratio. The selector's own source files are inputs,
     so editing one selector reruns only its selections and what depends on them."""

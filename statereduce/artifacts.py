@@ -25,6 +25,7 @@ REBUILT_BY = {
     "activations.h5": "calibrate",
     "grad_scores.h5": "grad_scores",
     ".parquet": "select_channels",
+    ".allocation.json": "allocate",
     "prune_record.json": "prune",
 }
 

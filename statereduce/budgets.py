@@ -15,19 +15,26 @@ meets the total exactly and maximizes the summed value, a multiple-choice knapsa
 programming over the total. :class:`Allocation` records the result (with its policy and values) for a JSON
 artifact.
 
+:func:`check_budget` checks a configured budget (``statereduce.settings.BudgetSettings``) against a selector and a
+model before any job runs, and :func:`read_allocation` reads the allocation artifact that rule ``allocate``
+(:mod:`statereduce.allocate`) writes.
+
 NumPy only: no torch, no snakemake (selection jobs use it).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from statereduce.selectors.registry import n_keep_for
+from statereduce.selectors.registry import get_selector, n_keep_for
+from statereduce.settings import BudgetSettings
 
 #: Allocations whose summed value is within this relative tolerance of the optimum count as tied (the
 #: tolerance is relative to ``sum_i max_w |values[i][w]|``); ties are broken toward the most uniform allocation.
@@ -538,3 +545,88 @@ class Allocation:
             values=d.get("values"),
             candidates=d.get("candidates"),
         )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Budgets of the workflow: checks before any job, and the allocation artifact
+
+#: Version of the allocation artifact's layout (:mod:`statereduce.allocate` writes it).
+ALLOCATION_FORMAT = 1
+
+
+def allowed_widths(d_k: int, settings: BudgetSettings, check_width=None) -> list[int]:
+    """The widths a layer may keep under ``settings`` (floor, multiple, full d_k), less those ``check_width`` refuses
+    (a callable raising ValueError for a width the family's config cannot express)."""
+    if settings.floor > d_k:
+        raise ValueError(f"budget floor={settings.floor} exceeds d_k={d_k}; valid: a floor in [1, {d_k}]")
+    widths = candidate_widths(d_k, settings.floor, settings.multiple)
+    if check_width is None:
+        return widths
+    ok = []
+    for w in widths:
+        try:
+            check_width(w)
+        except ValueError:
+            continue
+        ok.append(w)
+    return ok
+
+
+def check_budget_selector(settings: BudgetSettings, selector: str) -> None:
+    """Raise a one-line ValueError unless ``selector`` can take the budget: an index selector (not a transform one),
+    with channel scores or an objective for the greedy policy."""
+    sel = get_selector(selector)
+    if sel.kind != "index":
+        raise ValueError(f"selector {selector!r} returns transforms; per-layer budgets apply to index selectors")
+    if settings.policy == "greedy" and sel.objective is None and not sel.scores:
+        raise ValueError(f"budget policy 'greedy' needs channel scores or an objective, and selector {selector!r} "
+                         "has neither; valid: a spectrum, sensitivity or uniform budget")
+
+
+def check_budget(settings: BudgetSettings, selector: str, *, d_k: int, n_layers: int, pct: float,
+                 check_width=None) -> list[int]:
+    """Check that a budget can run for a selector and model before any job; return the allowed widths.
+
+    Raises:
+        ValueError: one line: a transform selector (budgets keep a subset of channels per layer), the greedy policy
+            for a selector without scores or objective, a floor above d_k, or a total the allowed widths cannot meet.
+    """
+    check_budget_selector(settings, selector)
+    n_keep = n_keep_for(d_k, pct)
+    if settings.policy == "uniform":
+        return [n_keep]
+    widths = allowed_widths(d_k, settings, check_width)
+    if not widths:
+        raise ValueError(f"budget floor={settings.floor}, multiple={settings.multiple} leave no width the model can "
+                         f"keep at d_k={d_k}")
+    try:
+        allocate([{w: 0.0 for w in widths}] * n_layers, n_keep * n_layers)
+    except ValueError as e:
+        raise ValueError(f"pct {pct}: the uniform cut keeps {n_keep} of {d_k} channels in each of {n_layers} layers; "
+                         f"with widths {widths}: {e}") from None
+    return widths
+
+
+def read_allocation(path: str | Path, expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Read an allocation artifact, checked against the reading job (model, family, method, pct) and itself
+    (the widths meet its total).
+
+    Raises:
+        ArtifactError: one line naming the file and the rule that rebuilds it.
+    """
+    from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
+
+    if not Path(path).exists():
+        raise missing(path)
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise unreadable(path, "allocation", err) from None
+    if not isinstance(doc, dict) or doc.get("format") != ALLOCATION_FORMAT or "key_dims" not in doc:
+        raise ArtifactError(f"{path} is not an allocation file (format {ALLOCATION_FORMAT}); {remedy(path)}")
+    check_provenance(path, doc, expect)
+    widths = {int(k): int(v) for k, v in doc["key_dims"].items()}
+    if sum(widths.values()) != doc["uniform_width"] * len(widths):
+        raise ArtifactError(f"{path}: widths {widths} do not add up to the uniform total "
+                            f"{doc['uniform_width']} x {len(widths)}; {remedy(path)}")
+    return doc

@@ -19,6 +19,7 @@ import yaml
 
 from statereduce import layout
 from statereduce.settings import (
+    BudgetSettings,
     CalibrationSettings,
     DeviceSettings,
     EvalSettings,
@@ -370,6 +371,61 @@ def check_method(config: dict, method: str) -> None:
             f"method {method!r} names calibration {spec.calib!r}; "
             f"valid: {', '.join(sorted(config.get('calibrations', {}))) or '(none defined)'}"
         )
+    if spec.budget is not None:
+        model_budget(config, spec.budget)
+
+
+def model_budget(config: dict, budget: str) -> BudgetSettings:
+    """The settings of ``budgets.<budget>`` (:class:`~statereduce.settings.BudgetSettings`)."""
+    budgets = config.get("budgets") or {}
+    if budget not in budgets:
+        raise ConfigError(f"unknown budget {budget!r} (method token suffix @{budget}); valid: "
+                          f"{', '.join(sorted(budgets)) or '(none defined: add a budgets block)'}")
+    try:
+        return BudgetSettings.from_dict(budgets[budget])
+    except ValueError as e:
+        raise ConfigError(f"budgets.{budget}: {e}") from None
+
+
+def model_mixer_layers(config: dict, model: str) -> int | None:
+    """The number of linear-attention layers of ``model`` when its config gives its architecture (``pretrain`` or
+    ``init`` models), else None (the jobs read it off the checkpoint)."""
+    import types
+
+    from statereduce.families import family_spec
+
+    m = config["models"][model]
+    block = next((b for b in ("pretrain", "init") if b in m), None)
+    if block is None:
+        return None
+    spec = family_spec(m["family"])
+    return len(spec.mixer_layer_indices(types.SimpleNamespace(**{**spec.config_defaults, **m[block]["arch"]})))
+
+
+def check_budget_cell(config: dict, model: str, method: str, pct: float) -> None:
+    """Check a method with ``@<budget>`` against the model at ``pct`` before any job: the selector can take the
+    budget (index selections; scores or an objective for ``greedy``), the floor fits d_k and the allowed widths meet
+    the uniform cut's total (:func:`statereduce.budgets.check_budget`). A no-op for a method without a budget."""
+    from statereduce.budgets import check_budget, check_budget_selector
+    from statereduce.families import family_spec
+    from statereduce.selectors import parse_method
+
+    spec = parse_method(method)
+    if spec.budget is None:
+        return
+    settings = model_budget(config, spec.budget)
+    dims = model_dims(config, model)
+    layers = model_mixer_layers(config, model)
+    fam = family_spec(config["models"][model]["family"])
+    d_k = (dims or {}).get("head_k_dim")
+    d_v = (dims or {}).get("head_v_dim")
+    try:
+        check_budget_selector(settings, spec.selector)
+        if d_k is not None and layers is not None:  # otherwise the allocate job checks the widths on the checkpoint
+            check_budget(settings, spec.selector, d_k=d_k, n_layers=layers, pct=pct,
+                         check_width=(lambda w: fam.check_reduction(d_k, d_v, w)) if d_v else None)
+    except ValueError as e:
+        raise ConfigError(f"model {model!r}, method {method!r} (budgets.{spec.budget}): {e}") from None
 
 
 def check_target(config: dict, target: str) -> None:
@@ -404,6 +460,7 @@ def check_target(config: dict, target: str) -> None:
                 "removed)"
             )
         check_reduction(config, found.model, float(found.pct))
+        check_budget_cell(config, found.model, found.method, float(found.pct))
     except ConfigError as e:
         raise ConfigError(f"{target}: {e}") from None
 
@@ -450,6 +507,9 @@ def check_studies(config: dict) -> dict[str, list[tuple[str, str, float]]]:
         if name == "convolutions":
             cells[name] = check_convolution_study(config, study)
             continue
+        if name == "budgets":
+            cells[name] = check_budget_study(config, study)
+            continue
         for model in study["models"]:
             if model not in models:
                 raise ConfigError(f"{where}.models: unknown model {model!r}; valid: {', '.join(sorted(models))}")
@@ -477,6 +537,45 @@ def check_studies(config: dict) -> dict[str, list[tuple[str, str, float]]]:
         specs = [MethodSpec(s, calib=v) if name == "calibration" else MethodSpec(s, variant=v)
                  for s in study["selectors"] for v in variants]
         cells[name] = [(m, format_method(spec), float(study["pct"])) for m in study["models"] for spec in specs]
+    return cells
+
+
+def check_budget_study(config: dict, study: dict) -> list[tuple[str, str, float]]:
+    """Validate ``studies.budgets`` and list its cells ``(model, method, pct)``: per model, pct and selector the uniform
+    cut (the plain token) and then each budget (``<selector>@<budget>``), in that order.
+
+    Raises:
+        ConfigError: one line naming the bad value and the valid ones.
+    """
+    from statereduce.selectors import MethodSpec, format_method, selector_names
+
+    where, models = "studies.budgets", config["models"]
+    for model in study["models"]:
+        if model not in models:
+            raise ConfigError(f"{where}.models: unknown model {model!r}; valid: {', '.join(sorted(models))}")
+    for sel in study["selectors"]:
+        if sel not in selector_names():
+            raise ConfigError(f"{where}.selectors: unknown selector {sel!r}; valid: {', '.join(selector_names())}")
+    for budget in study["budgets"]:
+        try:
+            model_budget(config, budget)
+        except ConfigError as e:
+            raise ConfigError(f"{where}.budgets: {e}") from None
+    cells = []
+    for model in study["models"]:
+        for pct in study["pcts"]:
+            try:
+                check_reduction(config, model, pct)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
+            for sel in study["selectors"]:
+                for budget in [None, *study["budgets"]]:
+                    method = format_method(MethodSpec(sel, budget=budget))
+                    try:
+                        check_budget_cell(config, model, method, pct)
+                    except ConfigError as e:
+                        raise ConfigError(f"{where}: {e}") from None
+                    cells.append((model, method, float(pct)))
     return cells
 
 
@@ -651,9 +750,13 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
             raise ConfigError(f"targets.models: unknown model {model!r}; valid: {', '.join(sorted(cfg['models']))}")
     for method in t["methods"]:
         check_method(cfg, method)
+    for name in cfg.get("budgets") or {}:
+        model_budget(cfg, name)
     for model in t["models"]:
         for pct in t["pcts"]:
             check_reduction(cfg, model, pct)
+            for method in t["methods"]:
+                check_budget_cell(cfg, model, method, pct)
     check_studies(cfg)
     for name in cfg.get("speed", {}).get("models", []):
         if name not in cfg["models"]:

@@ -20,6 +20,7 @@ import h5py
 import numpy as np
 
 from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
+from statereduce.selectors.registry import HeadData
 
 
 def layer_group(layer: int) -> str:
@@ -111,3 +112,59 @@ class H5Artifact:
                 raise ArtifactError(f"{self.path} has no dataset {group}/{absent[0]}; {remedy(self.path)}")
             g = f[group]
             return {n: g[n][()] for n in names}
+
+
+# ---- per-head selector inputs -------------------------------------------------------------------------------------
+#: HeadData fields that the per-layer arrays hold per head (axis 0); ``xnorm`` is shared by a layer's heads.
+_PER_HEAD = ("W_q", "W_k", "K", "Q", "grad_q", "grad_k")
+
+
+def head_data(layers: Iterable[tuple[int, Mapping[str, np.ndarray]]], num_heads: int):
+    """Yield (layer, head, HeadData) from per-layer arrays, as the HDF5 artifacts hold them.
+
+    Args:
+        layers: (layer, arrays) pairs (a generator is fine: a layer is read when its heads are reached); arrays maps
+            any of ``W_q``, ``W_k`` [H, d_k, hidden], ``K``, ``Q`` [H, rows, d_k], ``grad_q``, ``grad_k`` [H, d_k]
+            (split per head) and ``xnorm`` [hidden] (shared by the layer's heads) to arrays; absent ones stay None.
+        num_heads: H.
+    """
+    for layer, arrays in layers:
+        for head in range(num_heads):
+            yield layer, head, HeadData(
+                **{name: arrays[name][head] for name in _PER_HEAD if name in arrays}, xnorm=arrays.get("xnorm")
+            )
+
+
+def head_data_iter(weights: Path, needs: set[str], activations: Path | None, grads: Path | None):
+    """Yield (layer, head, HeadData) from the q/k weights and calibration artifacts, with only the fields ``needs``
+    names (a selector's ``needs``)."""
+    w = H5Artifact(weights)
+    h = int(w.attrs()["num_heads"])
+    acts = H5Artifact(activations) if activations is not None else None
+    grad = H5Artifact(grads) if grads is not None else None
+
+    def layers():
+        for layer in w.layers():
+            wts = w.read(layer, ["W_q", "W_k"]) if "weights" in needs else {}
+            a = acts.read(layer, [n for n in ("K", "Q", "xnorm") if _wanted(n, needs)]) if acts else {}
+            g = grad.read(layer, ["grad_q", "grad_k"]) if grad and "grad" in needs else {}
+            yield layer, {**wts, **a, **g}
+
+    return head_data(layers(), h)
+
+
+def layer_head_data(weights: Path, needs: set[str], activations: Path | None, grads: Path | None):
+    """Yield (layer, [HeadData of each head]) with only the fields in ``needs`` (a layer at a time)."""
+    batch, current = [], None
+    for layer, _head, data in head_data_iter(Path(weights), needs, activations, grads):
+        if current is not None and layer != current:
+            yield current, batch
+            batch = []
+        current = layer
+        batch.append(data)
+    if current is not None:
+        yield current, batch
+
+
+def _wanted(name: str, needs: set[str]) -> bool:
+    return ("activations" in needs and name in ("K", "Q")) or ("xnorm" in needs and name == "xnorm")

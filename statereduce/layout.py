@@ -12,6 +12,7 @@ input use it, so that the layout is written down here only.
     results/{model}/weights/qk.h5         q/k projection weights
     results/{model}/calib/{calib}/        activations.h5, grad_scores.h5
     results/{model}/select/{method}_{pct}.parquet
+    results/{model}/select/{method}_{pct}.allocation.json   per-layer key widths of a method with @<budget>
     results/{model}/baseline/             eval.json, rank.json, speed.json of the unpruned model
     results/{model}/{method}_{pct}/       pruned/, rft/, eval.json (the summary), rank.json, speed.json
     results/tables/, results/figures/     across models
@@ -34,6 +35,7 @@ CALIB = f"{MODEL}/calib/{{calib}}"
 ACTIVATIONS = f"{CALIB}/activations.h5"
 GRAD_SCORES = f"{CALIB}/grad_scores.h5"
 SELECTION = f"{MODEL}/select/{{method}}_{{pct}}.parquet"
+ALLOCATION = f"{MODEL}/select/{{method}}_{{pct}}.allocation.json"
 BASELINE = f"{MODEL}/baseline"
 BASELINE_EVAL = f"{BASELINE}/eval.json"
 BASELINE_RANK = f"{BASELINE}/rank.json"
@@ -105,7 +107,7 @@ def parse(target: str) -> ResultPath | None:
     calib = rest[0] if folder == "calib" and rest else None
     if folder in FOLDERS and not (folder == "select" and rest):
         return ResultPath(model, folder, rest, calib=calib)
-    stage = rest[0].removesuffix(".parquet") if folder == "select" else folder
+    stage = rest[0].removesuffix(".parquet").removesuffix(".allocation.json") if folder == "select" else folder
     method, sep, pct = stage.rpartition("_")
     if not sep:
         return ResultPath(model, folder, rest, stage=stage)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from statereduce import __version__
-from statereduce.h5files import H5Artifact
+from statereduce.h5files import H5Artifact, head_data, head_data_iter, layer_head_data  # noqa: F401  (re-exported)
 from statereduce.selection_file import SELECTION_FORMAT, read_selection, write_selection  # noqa: F401  (re-exported)
 from statereduce.selectors import HeadData, get_selector, n_keep_for, parse_method, select_heads
 
@@ -52,47 +52,6 @@ def selector_code_files(name: str) -> list[str]:
     return sorted(files)
 
 
-#: HeadData fields that the per-layer arrays hold per head (axis 0); ``xnorm`` is shared by a layer's heads.
-_PER_HEAD = ("W_q", "W_k", "K", "Q", "grad_q", "grad_k")
-
-
-def head_data(layers: Iterable[tuple[int, Mapping[str, np.ndarray]]], num_heads: int):
-    """Yield (layer, head, HeadData) from per-layer arrays, as the HDF5 artifacts hold them.
-
-    Args:
-        layers: (layer, arrays) pairs (a generator is fine: a layer is read when its heads are reached); arrays maps
-            any of ``W_q``, ``W_k`` [H, d_k, hidden], ``K``, ``Q`` [H, rows, d_k], ``grad_q``, ``grad_k`` [H, d_k]
-            (split per head) and ``xnorm`` [hidden] (shared by the layer's heads) to arrays; absent ones stay None.
-        num_heads: H.
-    """
-    for layer, arrays in layers:
-        for head in range(num_heads):
-            yield layer, head, HeadData(
-                **{name: arrays[name][head] for name in _PER_HEAD if name in arrays}, xnorm=arrays.get("xnorm")
-            )
-
-
-def _head_data_iter(weights: Path, needs: set[str], activations: Path | None, grads: Path | None):
-    """Yield (layer, head, HeadData) with only the fields the selector needs."""
-    w = H5Artifact(weights)
-    h = int(w.attrs()["num_heads"])
-    acts = H5Artifact(activations) if activations is not None else None
-    grad = H5Artifact(grads) if grads is not None else None
-
-    def layers():
-        for layer in w.layers():
-            wts = w.read(layer, ["W_q", "W_k"]) if "weights" in needs else {}
-            a = acts.read(layer, [n for n in ("K", "Q", "xnorm") if _wanted(n, needs)]) if acts else {}
-            g = grad.read(layer, ["grad_q", "grad_k"]) if grad and "grad" in needs else {}
-            yield layer, {**wts, **a, **g}
-
-    return head_data(layers(), h)
-
-
-def _wanted(name: str, needs: set[str]) -> bool:
-    return ("activations" in needs and name in ("K", "Q")) or ("xnorm" in needs and name == "xnorm")
-
-
 def select_channels(
     weights: str | Path,
     method: str,
@@ -104,6 +63,7 @@ def select_channels(
     options: dict | None = None,
     workers: int = 1,
     expect: dict | None = None,
+    allocation: str | Path | None = None,
 ) -> tuple[list[tuple[int, int, object]], dict]:
     """Select channels for every (layer, head) of a model.
 
@@ -119,6 +79,9 @@ def select_channels(
         expect: what the job expects of its inputs (e.g. the rule's ``params.info``: ``model``, ``family``).
             ``weights`` must have been written for it, and ``activations``/``grads`` for it, for the method's
             calibration id and for the weights' head sizes (:func:`statereduce.artifacts.check_provenance`).
+        allocation: for a method with ``@<budget>``, its allocation artifact (:mod:`statereduce.allocate`): each
+            layer keeps its own width; the metadata's ``d_k_new`` is then ``{"<layer>": width}`` (an int when every
+            layer keeps the same) and ``allocation`` summarises the policy.
 
     Returns:
         (rows, meta): rows of (layer, head, HeadSelection) and the file metadata (with the model and family).
@@ -128,6 +91,9 @@ def select_channels(
             one that cannot be read.
     """
     spec = parse_method(method)
+    if (spec.budget is None) != (allocation is None):
+        raise ValueError(f"method {method!r} " + ("has no @<budget>: give no allocation" if spec.budget is None
+                                                  else "names a budget: give its allocation (rule allocate)"))
     selector = get_selector(spec.selector)
     wattrs = H5Artifact(weights).expect(expect)
     d_k = int(wattrs["head_k_dim"])
@@ -142,7 +108,7 @@ def select_channels(
         H5Artifact(activations).expect(calib_expect)
     if grads is not None and "grad" in needs:
         H5Artifact(grads).expect(calib_expect)
-    heads = _head_data_iter(
+    heads = head_data_iter(
         Path(weights),
         needs,
         Path(activations) if activations and needs & {"activations", "xnorm"} else None,
@@ -150,8 +116,17 @@ def select_channels(
     )
     provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": wattrs.get("family"),
                   "base_checkpoint": json.loads(wattrs["base_checkpoint"]) if wattrs.get("base_checkpoint") else None}
+    widths = None
+    if allocation is not None:
+        from statereduce.budgets import read_allocation
+
+        doc = read_allocation(allocation, {**(expect or {}), "method": method, "pct": pct})
+        widths = {int(k): int(v) for k, v in doc["key_dims"].items()}
+        provenance = {**provenance, "allocation": {"budget": doc["budget"], "policy": doc["allocation"]["policy"],
+                                                   "key_dims": doc["key_dims"], "total": doc["allocation"]["total"],
+                                                   "uniform_width": doc["uniform_width"]}}
     return run_selector(heads, method, pct, d_k=d_k, num_heads=int(wattrs["num_heads"]), seed=seed, options=options,
-                        workers=workers, provenance=provenance)
+                        workers=workers, provenance=provenance, widths=widths)
 
 
 def run_selector(
@@ -165,6 +140,7 @@ def run_selector(
     options: dict | None = None,
     workers: int = 1,
     provenance: Mapping[str, Any] | None = None,
+    widths: Mapping[int, int] | None = None,
 ) -> tuple[list[tuple[int, int, object]], dict]:
     """Run the method's selector over ``heads`` (:func:`head_data`) and describe the result: the part of
     :func:`select_channels` after its inputs are read and checked.
@@ -174,14 +150,20 @@ def run_selector(
         method, pct, seed, options, workers: as for :func:`select_channels`.
         d_k: the heads' key dimension; num_heads: H (both recorded in the metadata).
         provenance: ``model`` and ``family`` for the metadata (None values are left out).
+        widths: {layer: kept width} of a per-layer budget, or None for ``n_keep_for(d_k, pct)`` in every layer.
 
     Returns:
         (rows, meta) as :func:`select_channels` returns them.
     """
     spec = parse_method(method)
     selector = get_selector(spec.selector)
-    n_keep = n_keep_for(d_k, pct)
+    n_keep = n_keep_for(d_k, pct) if widths is None else dict(widths)
     rows = select_heads(selector, heads, n_keep, spec.variant, seed, options or {}, workers=workers)
+    if isinstance(n_keep, dict):
+        missing_layers = sorted({r[0] for r in rows} - set(n_keep))
+        if missing_layers:
+            raise ValueError(f"the allocation names layers {sorted(n_keep)}; the weights also have {missing_layers}")
+        n_keep = n_keep.popitem()[1] if len(set(n_keep.values())) == 1 else {str(k): v for k, v in sorted(n_keep.items())}
     kinds = {"transform" if r[2].transform is not None else "index" for r in rows}
     if len(kinds) > 1:
         raise RuntimeError(f"selector {spec.selector!r} returned index and transform selections for different heads")
@@ -193,6 +175,7 @@ def run_selector(
         "selector": spec.selector,
         "variant": spec.variant,
         "calibration": spec.calib,
+        "budget": spec.budget,
         "pct": pct,
         "d_k": d_k,
         "d_k_new": n_keep,

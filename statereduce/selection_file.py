@@ -1,7 +1,8 @@
 """The selection file: ``results/{model}/select/{method}_{pct}.parquet``, one row per (layer, head) with the kept
 channel indices (sorted), or for a transform selector (``pca``) the head's transform ``T`` [d_k', d_k] (row-major),
 and, where the selector has scores, their scores. The file's key/value metadata records the format version
-(:data:`SELECTION_FORMAT`), the kind (``index`` or ``transform``), model, family, selector, variant, pct, d_k, d_k',
+(:data:`SELECTION_FORMAT`), the kind (``index`` or ``transform``), model, family, selector, variant, pct, d_k, d_k'
+(``d_k_new``: an int, or ``{"<layer>": width}`` for a per-layer budget, with its ``budget`` and ``allocation``),
 calibration id, seed, options and version. Reading validates the rows against the metadata (head count, d_k', sorted
 in-range indices, orthonormal transforms) and checks that the file was written for the reading job
 (:mod:`statereduce.artifacts`). Written by the selection stage (:mod:`statereduce.select`), read by pruning and the
@@ -95,7 +96,11 @@ def read_selection(path: str | Path,
     for layer, head, value in zip(df["layer"], df["head"], df[column]):
         by_layer.setdefault(layer, {})[head] = value
     try:
-        out = {layer: _check_heads(heads, kind, meta) for layer, heads in by_layer.items()}
+        widths = meta.get("d_k_new")
+        if isinstance(widths, dict) and sorted(int(k) for k in widths) != sorted(by_layer):
+            raise ValueError(f"layers {sorted(by_layer)} where the metadata's d_k_new names {sorted(map(int, widths))}")
+        out = {layer: _check_heads(heads, kind, {**meta, "d_k_new": widths[str(layer)]} if isinstance(widths, dict)
+                                   else meta) for layer, heads in by_layer.items()}
     except (ValueError, RuntimeError) as err:
         raise ArtifactError(f"{path}: {err}; {remedy(path)}") from None
     return out, meta

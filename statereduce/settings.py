@@ -307,6 +307,65 @@ class PruneSettings(Settings):
             raise ValueError(f"unknown prune norm_eps {self.norm_eps!r}; valid: {', '.join(PRUNE_NORM_EPS)}")
 
 
+# ---- per-layer key budgets ----------------------------------------------------------------------------------------
+BUDGET_POLICIES = ("uniform", "spectrum", "greedy", "sensitivity")
+BUDGET_STATISTICS = ("energy", "effective_rank")
+
+
+@dataclass(frozen=True)
+class BudgetSettings(Settings):
+    """``budgets.<name>``: a per-layer key budget (:mod:`statereduce.budgets`, :mod:`statereduce.allocate`), used by
+    method tokens ending in ``@<name>``. Every layer keeps its own d_k' (the same for its heads) so that the total of
+    kept key channels equals the uniform cut's at the same pct.
+
+    Args:
+        policy: ``uniform`` (every layer the uniform cut's d_k': the plain method's checkpoint), ``spectrum`` (each
+            layer's calibration [K; Q] second-moment spectrum, see ``statistic``), ``greedy`` (the share of the
+            selector's own objective its selection of each width captures: DRRQR's captured energy, Grad's and the
+            other scoring selectors' score mass) or ``sensitivity`` (the calibration loss when that layer alone is cut
+            to each width by the selector, the others kept whole).
+        statistic: for ``spectrum``: ``energy`` (share of the second moment's trace in the top-w eigenvalues) or
+            ``effective_rank`` (channels up to each layer's effective rank are worth the same everywhere).
+        floor: the fewest channels a layer may keep.
+        multiple: kept widths are multiples of this (or the full d_k); 8 or 16 suit the GPU kernels.
+        normalize: for ``greedy``: compare layers by the share of their own objective (true) or by its raw value
+            (false: Grad's saliency is a first-order loss estimate on one scale across layers).
+        n_samples: for ``sensitivity``: calibration sequences of the loss (the model's calibration sequences, the
+            first ``n_samples``); None: all of them.
+        batch_size: for ``sensitivity``: sequences per forward; None: the calibration's.
+    """
+
+    section: ClassVar[str] = "budgets"
+
+    policy: str = "spectrum"
+    statistic: str = "energy"
+    floor: int = 8
+    multiple: int = 8
+    normalize: bool = True
+    n_samples: int | None = field(default=None, metadata=OPTIONAL)
+    batch_size: int | None = field(default=None, metadata=OPTIONAL)
+
+    def __post_init__(self):
+        if self.policy not in BUDGET_POLICIES:
+            raise ValueError(f"unknown budget policy {self.policy!r}; valid: {', '.join(BUDGET_POLICIES)}")
+        if self.statistic not in BUDGET_STATISTICS:
+            raise ValueError(f"unknown budget statistic {self.statistic!r}; valid: {', '.join(BUDGET_STATISTICS)}")
+        for name in ("floor", "multiple"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"budget {name}={getattr(self, name)!r} must be a positive integer")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"budget normalize={self.normalize!r} must be true or false")
+        for name in ("n_samples", "batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"budget {name}={value!r} must be a positive integer (or unset)")
+
+    def sizes(self, calibration: CalibrationSettings) -> tuple[int, int]:
+        """``(n_samples, batch_size)`` of the sensitivity loss over ``calibration``'s sequences."""
+        n = calibration.n_samples if self.n_samples is None else min(self.n_samples, calibration.n_samples)
+        return n, calibration.batch_size if self.batch_size is None else self.batch_size
+
+
 # ---- rank analysis ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RankSettings(Settings):

@@ -9,7 +9,8 @@ selection first rotates each head's channels into its first d_k' rows (:func:`tr
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -199,3 +200,37 @@ def shape_mixers(adapter: LinearAttentionAdapter, key_dims: Sequence[int | None]
         if eps is not None:
             for attr in adapter.mixer_output_norm_eps(mixer):
                 setattr(attr.module, attr.attr, float(eps))
+
+
+@contextmanager
+def masked_channels(adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor) -> Iterator[None]:
+    """Zero the dropped q/k channels of one mixer (weight and bias rows of every module ``channel_rows`` names) for
+    the duration of the block, then restore them.
+
+    Inside, the model equals one whose mixer was pruned to ``keep`` with the kernel scale held (``norm_eps="exact"``):
+    a dropped channel is zero after the projection, the conv and the activation. The sensitivity budget policy
+    measures the loss of cutting one layer this way without reshaping anything.
+
+    Args:
+        adapter: the model's adapter.
+        mixer: one of ``adapter.mixer_layers()``'s mixers.
+        keep: [H, d_k'] kept channel indices per head.
+    """
+    saved = []
+    with torch.no_grad():
+        for entry in adapter.channel_rows(mixer):
+            module = entry.module
+            n_rows = module.weight.shape[0]
+            dropped = torch.ones(n_rows, dtype=torch.bool)
+            dropped[kept_rows(n_rows, entry, keep.to(torch.long))] = False
+            rows = dropped.nonzero().squeeze(1).to(module.weight.device)
+            for param in (module.weight, module.bias):
+                if param is not None:
+                    saved.append((param, rows, param[rows].clone()))
+                    param[rows] = 0
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for param, rows, value in saved:
+                param[rows] = value

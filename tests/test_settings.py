@@ -262,6 +262,7 @@ def _owner(block: tuple, key: str) -> type[st.Settings]:
         ("$defs", "evaluation"): st.EvalSettings,
         ("$defs", "rft"): st.RftPlan if key in st.RftPlan.field_names() else st.RftSettings,
         ("$defs", "prune"): st.PruneSettings,
+        ("$defs", "budget"): st.BudgetSettings,
         (*model, "pretrain", "properties", "recall_mix"): st.RecallMixSettings,
         (*model, "pretrain"): st.PretrainSettings,
         (*model, "init"): st.InitSettings,

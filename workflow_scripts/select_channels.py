@@ -8,7 +8,7 @@ rows, meta = select_channels(
     snakemake.input.weights, snakemake.wildcards.method, float(snakemake.wildcards.pct),
     activations=snakemake.input.get("activations"), grads=snakemake.input.get("grads"),
     seed=snakemake.params.selector["seed"], options=snakemake.params.selector["options"], workers=snakemake.threads,
-    expect=snakemake.params.info,
+    expect=snakemake.params.info, allocation=snakemake.input.get("allocation"),
 )
 write_selection(snakemake.output[0], rows, meta)
-log.info("kept %d of %d channels per head in %d heads", meta["d_k_new"], meta["d_k"], len(rows))
+log.info("kept %s of %d channels per head in %d heads", meta["d_k_new"], meta["d_k"], len(rows))

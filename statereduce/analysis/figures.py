@@ -420,3 +420,47 @@ def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
     ax_p.set_ylabel("prefill speedup (×)")
     ax_p.set_title("prefill")
     return _save(fig, out_png)
+
+
+def budget_allocations(allocations: Sequence[Mapping], out_png: str | Path) -> Path:
+    """Per-layer kept key widths of every budget, one panel per (model, pct), one line per (selector, budget), with
+    the uniform cut's width dashed (the per-layer budgets of ``studies.budgets``).
+
+    Args:
+        allocations: allocation documents (:mod:`statereduce.allocate`): ``model``, ``pct``, ``selector``, ``budget``,
+            ``key_dims``, ``uniform_width``, ``d_k``.
+        out_png: the PNG to write.
+    """
+    if not allocations:
+        raise ValueError("no allocation to plot: the budget study has no cell")
+    panels: dict[tuple[str, float], list[Mapping]] = {}
+    for doc in allocations:
+        panels.setdefault((doc["model"], float(doc["pct"])), []).append(doc)
+    models = list(dict.fromkeys(m for m, _ in panels))
+    pcts = sorted({p for _, p in panels})
+    fig = _figure(3.2 * len(models), 2.6 * len(pcts))
+    axes = fig.subplots(len(pcts), len(models), squeeze=False, sharey="row")
+    series = list(dict.fromkeys(f"{d['selector']}@{d['budget']}" for d in allocations))
+    colors = {s: METHOD_COLORS[i % len(METHOD_COLORS)] for i, s in enumerate(series)}
+    markers = "osD^vP*X"
+    for r, pct in enumerate(pcts):
+        for c, model in enumerate(models):
+            ax = axes[r][c]
+            docs = panels.get((model, pct), [])
+            for doc in docs:
+                layers = [int(k) for k in doc["key_dims"]]
+                label = f"{doc['selector']}@{doc['budget']}"
+                ax.plot(layers, list(doc["key_dims"].values()), marker=markers[series.index(label) % len(markers)],
+                        color=colors[label], label=label, linewidth=1.2, markersize=4, alpha=0.85)
+            if docs:
+                ax.axhline(docs[0]["uniform_width"], color=BASELINE_COLOR, linestyle="--", linewidth=1, label="uniform")
+                ax.set_ylim(0, docs[0]["d_k"] + 4)
+                ax.xaxis.set_major_locator(FixedLocator([int(k) for k in docs[0]["key_dims"]]))
+            ax.set_title(f"{model}, {format_pct(pct)}% removed", fontsize=9)
+            ax.set_xlabel("layer", fontsize=8)
+            if c == 0:
+                ax.set_ylabel("kept key channels d_k'", fontsize=8)
+            ax.tick_params(labelsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 6), fontsize=7)
+    return _save(fig, out_png)

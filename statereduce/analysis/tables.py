@@ -7,6 +7,7 @@ post-RFT). The CSV is long: one row per (model, method, pct, stage) with every m
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -819,3 +820,128 @@ def write_convolution_tables(baselines: dict[str, dict], pruned: dict[tuple[str,
         write_text_atomic(Path(out_dir) / f"{name}.md", md)
         write_text_atomic(Path(out_dir) / f"{name}.csv", df.to_csv(index=False))
     return {name: df for name, (df, _) in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# per-layer key budgets against the uniform cut (studies.budgets)
+# ---------------------------------------------------------------------------------------------
+def _recall(metrics: dict) -> tuple[float, float]:
+    """(mean accuracy over the recall probe's levels, its standard error: sqrt(sum se^2) / levels), NaN if absent."""
+    levels = [v for k, v in sorted(metrics.items()) if k.startswith("recall_mqar_") and "acc" in v]
+    if not levels:
+        return math.nan, math.nan
+    mean = sum(v["acc"] for v in levels) / len(levels)
+    se = math.sqrt(sum(v.get("acc_stderr", math.nan) ** 2 for v in levels)) / len(levels)
+    return mean, se
+
+
+def budget_frame(summaries: list[dict], study: dict, allocations: dict[tuple[str, str, float], dict]) -> pd.DataFrame:
+    """One row per (model, pct, selector, budget, stage) of ``studies.budgets``, ``budget`` ``uniform`` for the plain
+    method; with held-out bits/byte, the recall probe's mean accuracy and its standard error, and the change of
+    both against the uniform cut of the same selector, pct and stage; ``key_dims`` are the allocation's widths.
+
+    Args:
+        summaries: summary documents (others are ignored).
+        study: the ``studies.budgets`` block.
+        allocations: (model, method, pct) -> allocation document of each budget cell.
+    """
+    from statereduce.selectors import MethodSpec, format_method
+
+    by_cell = {(s["model"], s["method"], float(s["pct"])): s for s in summaries}
+    rows = []
+    for model in study["models"]:
+        for pct in map(float, study["pcts"]):
+            for sel in study["selectors"]:
+                for budget in ["uniform", *study["budgets"]]:
+                    method = format_method(MethodSpec(sel, budget=None if budget == "uniform" else budget))
+                    doc = by_cell.get((model, method, pct)) or {}
+                    alloc = allocations.get((model, method, pct))
+                    widths = list(alloc["key_dims"].values()) if alloc else None
+                    for stage in STAGES:
+                        m = (doc.get("metrics") or {}).get(stage) or {}
+                        recall, se = _recall(m)
+                        rows.append({
+                            "model": model, "pct": pct, "selector": sel, "budget": budget, "method": method,
+                            "policy": alloc["allocation"]["policy"] if alloc else "uniform", "stage": stage,
+                            "bits_per_byte": json_number((m.get("heldout") or {}).get("bits_per_byte")),
+                            "recall": recall, "recall_se": se,
+                            "key_dims": " ".join(map(str, widths)) if widths else "",
+                        })
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    ref = df[df["budget"] == "uniform"].set_index(["model", "pct", "selector", "stage"])
+    keys = list(zip(df["model"], df["pct"], df["selector"], df["stage"]))
+    df["d_bits_per_byte"] = [b - ref["bits_per_byte"].get(k, math.nan) for b, k in zip(df["bits_per_byte"], keys)]
+    df["d_recall"] = [r - ref["recall"].get(k, math.nan) for r, k in zip(df["recall"], keys)]
+    df["d_recall_se"] = [math.hypot(s, ref["recall_se"].get(k, math.nan)) for s, k in zip(df["recall_se"], keys)]
+    return df
+
+
+def _pm(v: float, se: float, signed: bool = False) -> str:
+    if v is None or pd.isna(v):
+        return MISSING
+    return (f"{v:+.3f}" if signed else f"{v:.3f}") + ("" if pd.isna(se) else f" ± {se:.3f}")
+
+
+def budget_wins(df: pd.DataFrame, stage: str = "pruned") -> pd.DataFrame:
+    """Per (pct, selector, budget): the models on which the budget's bits/byte is below the uniform cut's at
+    ``stage``, and how many; ``any`` counts models on which at least one budget is."""
+    sub = df[(df["stage"] == stage) & (df["budget"] != "uniform")].dropna(subset=["d_bits_per_byte"])
+    rows = []
+    for (pct, sel), g in sub.groupby(["pct", "selector"], sort=False):
+        for budget, b in g.groupby("budget", sort=False):
+            better = b.loc[b["d_bits_per_byte"] < 0, "model"].tolist()
+            rows.append({"pct": pct, "selector": sel, "budget": budget, "models_better": len(better),
+                         "of": b["model"].nunique(), "which": ", ".join(better)})
+        any_better = sorted({m for m, d in zip(g["model"], g["d_bits_per_byte"]) if d < 0})
+        rows.append({"pct": pct, "selector": sel, "budget": "any", "models_better": len(any_better),
+                     "of": g["model"].nunique(), "which": ", ".join(any_better)})
+    return pd.DataFrame(rows)
+
+
+def budget_study_markdown(df: pd.DataFrame, study: dict) -> str:
+    """Per pct a table of every model, selector and budget: bits/byte pre- and post-RFT with the change against the
+    uniform cut, recall (mean ± standard error) pre- and post-RFT, and the per-layer widths; then the count of models
+    on which each budget beats the uniform cut before RFT."""
+    parts = [
+        "# Per-layer key budgets against the uniform cut\n\n",
+        ("Each budget keeps the uniform cut's total of key channels (the same state bytes) but gives each layer its "
+         "own d_k' (`key dims`, per linear-attention layer). bits/byte: held-out bits per byte (lower is better), Δ "
+         "against the uniform cut of the same selector; recall: the recall probe's mean accuracy over its levels ± "
+         f"standard error (Δ with the uniform cut's error included). {MISSING} = not computed.\n"),
+    ]
+    for pct in map(float, study["pcts"]):
+        sub = df[df["pct"] == pct]
+        lines = ["| model | selector | budget | key dims | bits/byte pre → post | Δ pre | Δ post | recall pre | "
+                 "recall post | Δ recall pre |", "|" + " --- |" * 10]
+        for (model, sel, budget), g in sub.groupby(["model", "selector", "budget"], sort=False):
+            pre = g[g["stage"] == "pruned"].iloc[0]
+            post = g[g["stage"] == "rft"].iloc[0]
+            uniform = budget == "uniform"
+            lines.append(
+                f"| {model} | {sel} | {budget} | {pre['key_dims'] or MISSING} | {_fmt(pre['bits_per_byte'])} → "
+                f"{_fmt(post['bits_per_byte'])} | {'' if uniform else _fmt_delta(pre['d_bits_per_byte'])} | "
+                f"{'' if uniform else _fmt_delta(post['d_bits_per_byte'])} | {_pm(pre['recall'], pre['recall_se'])} | "
+                f"{_pm(post['recall'], post['recall_se'])} | "
+                f"{'' if uniform else _pm(pre['d_recall'], pre['d_recall_se'], signed=True)} |")
+        parts.append(f"\n## {format_pct(pct)}% of key channels removed\n\n" + "\n".join(lines) + "\n")
+    wins = budget_wins(df)
+    if not wins.empty:
+        lines = ["| pct | selector | budget | models where bits/byte beats uniform (pre-RFT) |", "|" + " --- |" * 4]
+        for r in wins.itertuples():
+            lines.append(f"| {format_pct(r.pct)} | {r.selector} | {r.budget} | {r.models_better} of {r.of}"
+                         + (f": {r.which}" if r.which else "") + " |")
+        parts.append("\n## Where a budget beats the uniform cut\n\n" + "\n".join(lines) + "\n")
+    return "".join(parts)
+
+
+def write_budget_study(summaries: list[dict], study: dict, allocations: dict[tuple[str, str, float], dict],
+                       out_dir: str | Path) -> pd.DataFrame:
+    """Write ``budget_study.{md,csv}`` into ``out_dir`` (CSV: :func:`budget_frame`); returns the frame."""
+    from statereduce.runtime import write_text_atomic
+
+    df = budget_frame(summaries, study, allocations)
+    write_text_atomic(Path(out_dir) / "budget_study.md", budget_study_markdown(df, study))
+    write_text_atomic(Path(out_dir) / "budget_study.csv", df.to_csv(index=False))
+    return df

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from statereduce.selectors.rrqr import DEFAULT_F, strong_rrqr
-from statereduce.selectors.registry import HeadData, HeadSelection, register_selector, require
+from statereduce.selectors.registry import HeadData, HeadSelection, register_objective, register_selector, require
 
 
 @register_selector("drrqr", needs={"activations"})
@@ -39,6 +39,34 @@ def drrqr(
         reduction: "auto", "gram" or "qr"; see :func:`statereduce.selectors.rrqr.strong_rrqr`.
         rtol: numerical-rank tolerance; see :func:`statereduce.selectors.rrqr.strong_rrqr`.
     """
+    mats = _blocks(data, variant)
+    res = strong_rrqr(mats, n_keep, f, reduction=reduction, rtol=rtol)  # row blocks: M = [K; Q] without a copy
+    order = np.argsort(res.selected, kind="stable")
+    return HeadSelection(keep=res.selected[order].astype(np.int64), scores=res.omega[order])
+
+
+@register_objective("drrqr")
+def captured_energy(data: HeadData, widths: list[int], *, variant: str = "kq", rng: np.random.Generator,
+                    f: float = DEFAULT_F, reduction: str = "auto", rtol: float | None = None) -> dict[int, float]:
+    """DRRQR's objective at each width: the share of ``||M||_F^2`` that the span of its kept columns captures,
+    ``trace(G[:, S] G[S, S]^+ G[S, :]) / trace(G)`` with ``G = M^T M`` and S the strong-RRQR selection of that width
+    (the greedy per-layer budget, :mod:`statereduce.budgets`). 1.0 at full width; 0 for an all-zero M."""
+    mats = _blocks(data, variant)
+    G = sum(np.asarray(m, dtype=np.float64).T @ np.asarray(m, dtype=np.float64) for m in mats)
+    total = float(np.trace(G))
+    out = {}
+    for w in widths:
+        if w >= G.shape[0] or total <= 0.0:
+            out[int(w)] = 1.0 if w >= G.shape[0] else 0.0
+            continue
+        S = np.sort(strong_rrqr(mats, int(w), f, reduction=reduction, rtol=rtol).selected)
+        GS = G[:, S]
+        out[int(w)] = min(1.0, float(np.trace(GS @ np.linalg.pinv(G[np.ix_(S, S)], hermitian=True) @ GS.T)) / total)
+    return out
+
+
+def _blocks(data: HeadData, variant: str) -> list[np.ndarray]:
+    """The row blocks of M: [K, Q], [K] or [Q] ([N, d_k] each), checked."""
     sides = "kq" if variant == "kq" else variant
     fields = {"k": "K", "q": "Q"}
     mats = []
@@ -51,6 +79,4 @@ def drrqr(
         if arr.ndim != 2 or arr.shape[1] != d_k or arr.shape[0] == 0:
             raise ValueError(f"{fields[side]} must be [N, d_k={d_k}] with N >= 1, got shape {arr.shape}")
         mats.append(arr)
-    res = strong_rrqr(mats, n_keep, f, reduction=reduction, rtol=rtol)  # row blocks: M = [K; Q] without a copy
-    order = np.argsort(res.selected, kind="stable")
-    return HeadSelection(keep=res.selected[order].astype(np.int64), scores=res.omega[order])
+    return mats

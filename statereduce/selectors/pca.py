@@ -42,7 +42,7 @@ def principal_directions(data: HeadData, variant: str, selector: str) -> tuple[n
     return vals, rows
 
 
-@register_selector("pca", needs={"activations"})
+@register_selector("pca", needs={"activations"}, kind="transform")
 def pca(data: HeadData, n_keep: int, *, variant: str = "kq", rng: np.random.Generator) -> HeadSelection:
     """Keep the d_k' principal directions of largest second moment ("PCA (prop.)", paper Table 15).
 
@@ -59,7 +59,7 @@ def pca(data: HeadData, n_keep: int, *, variant: str = "kq", rng: np.random.Gene
     return HeadSelection(keep=None, scores=vals[:n_keep], transform=rows[:n_keep])
 
 
-@register_selector("pca-adv", needs={"activations"})
+@register_selector("pca-adv", needs={"activations"}, kind="transform")
 def pca_adv(data: HeadData, n_keep: int, *, variant: str = "kq", rng: np.random.Generator) -> HeadSelection:
     """Keep the d_k' principal directions of smallest second moment ("PCA (adv.)", the adversarial baseline of
     paper Table 15: it removes the highest-variance components and keeps the noise).

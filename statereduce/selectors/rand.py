@@ -7,7 +7,7 @@ import numpy as np
 from statereduce.selectors.registry import HeadData, HeadSelection, register_selector
 
 
-@register_selector("rand", needs={"weights"}, variants=("kq",))
+@register_selector("rand", needs={"weights"}, variants=("kq",), scores=False)
 def rand(data: HeadData, n_keep: int, *, variant: str = "kq", rng: np.random.Generator) -> HeadSelection:
     """Keep ``n_keep`` channels drawn uniformly without replacement from the head's own generator.
 

@@ -8,14 +8,16 @@ module (``rand.py``, ``l1.py``, ``swanda.py``, ``grad.py``, ``drrqr.py``) and re
 
 Method tokens name a selection in result paths ``results/{model}/{method}_{pct}/``::
 
-    <selector>[-k|-q][.<calib>]
+    <selector>[-k|-q][.<calib>][@<budget>]
 
 Selector names are ``[a-z][a-z0-9]*`` words joined by dashes (``pca-adv``); none ends in ``-k`` or ``-q``.
 ``-k`` / ``-q`` score from the key / query side only (paper App. C.7, Table 16); no suffix scores
 from both (the default, "kq"). ``.<calib>`` (``[a-z0-9]+``) names a non-default calibration set
 (paper Tables 2 and 7); the default calibration has no suffix, so ``drrqr`` and ``drrqr.default`` are
-not both valid: only the plain token is. Examples: ``drrqr``, ``l1-q``, ``grad-k``, ``pca-adv-k``,
-``drrqr.prose``, ``grad-q.prose``.
+not both valid: only the plain token is. ``@<budget>`` (``[a-z0-9]+``) names a per-layer key budget
+(:mod:`statereduce.budgets`): each layer keeps its own d_k' at the uniform cut's total; without it every layer
+keeps the same d_k'. Examples: ``drrqr``, ``l1-q``, ``grad-k``, ``pca-adv-k``, ``drrqr.prose``, ``grad-q.prose``,
+``drrqr@energy``, ``grad.prose@sens``.
 
 Most selectors keep a subset of channels (an index selection). A selector may instead return a semi-orthogonal
 transform ``T`` [d_k', d_k] per head (``pca``: paper App. B.3-B.5, C.6); an index selection is the special case
@@ -44,6 +46,8 @@ VARIANTS = ("kq", "k", "q")
 DEFAULT_VARIANT = "kq"
 DEFAULT_CALIB = "default"
 _CALIB_RE = re.compile(r"[a-z0-9]+")
+#: Budget ids (``@<budget>`` of a method token): keys of the config's ``budgets`` block.
+BUDGET_PATTERN = r"[a-z0-9]+"
 #: Selector names: words of lower-case letters and digits joined by dashes, e.g. ``drrqr``, ``pca-adv``.
 NAME_PATTERN = r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*"
 #: Largest deviation of ``T T^T`` from the identity that a transform selection may have.
@@ -101,14 +105,22 @@ class HeadSelection:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A parsed method token: selector name, scoring variant ("kq", "k", "q") and calibration id."""
+    """A parsed method token: selector name, scoring variant ("kq", "k", "q"), calibration id and per-layer key
+    budget (None: every layer keeps the same d_k')."""
 
     selector: str
     variant: str = DEFAULT_VARIANT
     calib: str = DEFAULT_CALIB
+    budget: str | None = None
+
+    @property
+    def uniform(self) -> MethodSpec:
+        """The same selection without a per-layer budget (the uniform cut it is compared with)."""
+        return MethodSpec(self.selector, self.variant, self.calib)
 
 
 SelectorFn = Callable[..., HeadSelection]
+ObjectiveFn = Callable[..., dict]
 
 
 class Selector:
@@ -120,13 +132,19 @@ class Selector:
         variants: the scoring variants the selector accepts.
         source_file: absolute path of the module defining the selector (a workflow input of its jobs).
         options: names of the keyword options the selector accepts (config ``selectors.<name>``).
+        kind: "index" (keeps a subset of channels) or "transform" (returns a semi-orthogonal transform per head).
+        scores: whether its selections carry channel scores (the greedy budget's score mass needs them).
     """
 
-    def __init__(self, name: str, needs: frozenset[str], variants: tuple[str, ...], fn: SelectorFn) -> None:
+    def __init__(self, name: str, needs: frozenset[str], variants: tuple[str, ...], fn: SelectorFn, *,
+                 kind: str = "index", scores: bool = True) -> None:
         self.name = name
         self.needs = needs
         self.variants = variants
+        self.kind = kind
+        self.scores = scores
         self.fn = fn
+        self.objective: ObjectiveFn | None = None  # set by register_objective
         self.source_file = os.path.abspath(inspect.getsourcefile(fn) or inspect.getfile(fn))
         params = inspect.signature(fn).parameters.values()
         self.options = tuple(
@@ -178,12 +196,40 @@ class Selector:
             )
         return HeadSelection(keep=keep, scores=scores)
 
+    def objective_values(self, data: HeadData, widths: Iterable[int], *, variant: str = DEFAULT_VARIANT,
+                         rng: np.random.Generator, **options: Any) -> dict[int, float]:
+        """The share of the selector's own objective that its selection of each width captures, for one head.
+
+        The greedy per-layer budget (:func:`statereduce.budgets.greedy_values`) ranks widths by it. A selector with
+        a registered objective (:func:`register_objective`, e.g. DRRQR's captured energy) uses that; otherwise the
+        value of width w is the selector's score mass, the sum of its ``w`` largest channel scores over the sum of
+        all (``n_keep = d_k``; e.g. Grad's saliency). Non-decreasing in w, 1.0 at ``d_k``.
+
+        Raises:
+            ValueError: one line for a selector with neither an objective nor channel scores (``rand``), or scores
+                that are negative or sum to zero.
+        """
+        ws = sorted({int(w) for w in widths})
+        if self.objective is not None:
+            return {int(w): float(v) for w, v in self.objective(data, ws, variant=variant, rng=rng, **options).items()}
+        full = self(data, data.d_k, variant=variant, rng=rng, **options)
+        if full.scores is None:
+            raise ValueError(f"selector {self.name!r} has no channel scores and no objective: the greedy budget "
+                             "policy cannot rank its widths (use a spectrum or sensitivity budget)")
+        s = np.sort(np.asarray(full.scores, dtype=np.float64))[::-1]
+        if s.min() < 0 or not s.sum() > 0:
+            raise ValueError(f"selector {self.name!r}: scores must be non-negative with a positive sum for the "
+                             f"greedy budget policy (min {s.min():.3g}, sum {s.sum():.3g})")
+        cum = np.cumsum(s) / s.sum()
+        return {w: float(cum[w - 1]) for w in ws}
+
 
 _REGISTRY: dict[str, Selector] = {}
 
 
 def register_selector(
-    name: str, needs: set[str] | frozenset[str], *, variants: tuple[str, ...] = VARIANTS
+    name: str, needs: set[str] | frozenset[str], *, variants: tuple[str, ...] = VARIANTS, kind: str = "index",
+    scores: bool = True,
 ) -> Callable[[SelectorFn], SelectorFn]:
     """Decorator registering ``fn(data, n_keep, *, variant, rng, **options) -> HeadSelection`` under ``name``.
 
@@ -191,6 +237,8 @@ def register_selector(
         name: registry name, ``[a-z][a-z0-9]*`` (it appears in method tokens and paths).
         needs: subset of {"weights", "activations", "xnorm", "grad"}.
         variants: scoring variants the selector supports (default all of "kq", "k", "q").
+        kind: "index" (the default: keeps a subset of channels) or "transform" (per-head transforms, ``pca``).
+        scores: False for a selector whose selections carry no channel scores (``rand``).
     """
     if not re.fullmatch(NAME_PATTERN, name) or re.search(r"-[kq]$", name):
         raise ValueError(f"selector name {name!r} must match {NAME_PATTERN} and not end in -k or -q")
@@ -204,7 +252,20 @@ def register_selector(
     def decorator(fn: SelectorFn) -> SelectorFn:
         if name in _REGISTRY:
             raise ValueError(f"selector {name!r} registered twice ({_REGISTRY[name].source_file})")
-        _REGISTRY[name] = Selector(name, frozenset(needs), tuple(variants), fn)
+        if kind not in ("index", "transform"):
+            raise ValueError(f"selector {name!r}: kind {kind!r} must be 'index' or 'transform'")
+        _REGISTRY[name] = Selector(name, frozenset(needs), tuple(variants), fn, kind=kind, scores=scores)
+        return fn
+
+    return decorator
+
+
+def register_objective(name: str) -> Callable[[ObjectiveFn], ObjectiveFn]:
+    """Decorator registering ``fn(data, widths, *, variant, rng, **options) -> {width: share}`` as the objective of
+    the registered selector ``name`` (:meth:`Selector.objective_values`); put it in the selector's own module."""
+
+    def decorator(fn: ObjectiveFn) -> ObjectiveFn:
+        get_selector(name).objective = fn
         return fn
 
     return decorator
@@ -240,23 +301,28 @@ def method_regex() -> str:
         extra = [v for v in _REGISTRY[name].variants if v != DEFAULT_VARIANT]
         alts.append(re.escape(name) + (f"(?:-(?:{'|'.join(extra)}))?" if extra else ""))
     calib = rf"(?:\.(?!{DEFAULT_CALIB}(?![a-z0-9]))[a-z0-9]+)?"
-    return f"(?:{'|'.join(alts)}){calib}"
+    return f"(?:{'|'.join(alts)}){calib}(?:@{BUDGET_PATTERN})?"
 
 
 def _token_help() -> str:
     variants = {n: [v for v in s.variants if v != DEFAULT_VARIANT] for n, s in sorted(_REGISTRY.items())}
     with_kq = [n for n, v in variants.items() if v]
     return (
-        f"expected <selector>[-k|-q][.<calib>] with selector in {{{', '.join(selector_names())}}}, "
-        f"-k/-q only for {{{', '.join(with_kq)}}}, calib matching [a-z0-9]+ (omit it for the default calibration)"
+        f"expected <selector>[-k|-q][.<calib>][@<budget>] with selector in {{{', '.join(selector_names())}}}, "
+        f"-k/-q only for {{{', '.join(with_kq)}}}, calib matching [a-z0-9]+ (omit it for the default calibration), "
+        f"budget matching {BUDGET_PATTERN} (omit it for the uniform cut)"
     )
 
 
 def parse_method(token: str) -> MethodSpec:
-    """Parse a method token ``<selector>[-k|-q][.<calib>]`` (see module docstring) into a :class:`MethodSpec`."""
+    """Parse a method token ``<selector>[-k|-q][.<calib>][@<budget>]`` (see module docstring) into a
+    :class:`MethodSpec`."""
     if not isinstance(token, str) or not token:
         raise ValueError(f"bad method token {token!r}; {_token_help()}")
-    head, dot, calib = token.partition(".")
+    rest, at, budget = token.partition("@")
+    if at and not re.fullmatch(BUDGET_PATTERN, budget):
+        raise ValueError(f"bad budget id {budget!r} in method token {token!r}; {_token_help()}")
+    head, dot, calib = rest.partition(".")
     if dot:
         if not _CALIB_RE.fullmatch(calib):
             raise ValueError(f"bad calibration id {calib!r} in method token {token!r}; {_token_help()}")
@@ -273,14 +339,15 @@ def parse_method(token: str) -> MethodSpec:
         raise ValueError(f"bad variant suffix {'-' + variant!r} in method token {token!r}; {_token_help()}")
     elif variant not in _REGISTRY[name].variants:
         raise ValueError(f"selector {name!r} in method token {token!r} has no variant {variant!r}; {_token_help()}")
-    return MethodSpec(selector=name, variant=variant, calib=calib)
+    return MethodSpec(selector=name, variant=variant, calib=calib, budget=budget if at else None)
 
 
 def format_method(spec: MethodSpec) -> str:
     """The canonical method token of a :class:`MethodSpec` (inverse of :func:`parse_method`)."""
     suffix = "" if spec.variant == DEFAULT_VARIANT else f"-{spec.variant}"
     calib = "" if spec.calib == DEFAULT_CALIB else f".{spec.calib}"
-    token = f"{spec.selector}{suffix}{calib}"
+    budget = "" if spec.budget is None else f"@{spec.budget}"
+    token = f"{spec.selector}{suffix}{calib}{budget}"
     if parse_method(token) != spec:  # validates selector, variant and calib
         raise ValueError(f"MethodSpec {spec!r} has no canonical token; {_token_help()}")
     return token
@@ -317,7 +384,7 @@ def n_keep_for(d_k: int, pct: float) -> int:
 def select_heads(
     selector: str | Selector,
     heads: Iterable[tuple[int, int, HeadData]],
-    n_keep: int,
+    n_keep: int | Mapping[int, int],
     variant: str = DEFAULT_VARIANT,
     seed: int = 0,
     options: Mapping[str, Any] | None = None,
@@ -335,7 +402,8 @@ def select_heads(
         selector: a registered name or a :class:`Selector`.
         heads: iterable of ``(layer, head, HeadData)`` (a generator is fine: heads are pulled lazily, at
             most ``2 * workers`` ahead of the results).
-        n_keep: channels kept per head (see :func:`n_keep_for`).
+        n_keep: channels kept per head (see :func:`n_keep_for`), or {layer: channels kept per head of that layer}
+            (a per-layer key budget).
         variant: scoring variant, "kq", "k" or "q".
         seed: non-negative integer seed.
         options: selector-specific keyword options.
@@ -362,7 +430,10 @@ def select_heads(
         layer, head, data = item
         rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(layer), int(head)]))
         try:
-            result = sel(data, n_keep, variant=variant, rng=rng, **opts)
+            if isinstance(n_keep, Mapping) and int(layer) not in n_keep:
+                raise ValueError(f"n_keep names layers {sorted(n_keep)}, not this one")
+            result = sel(data, n_keep[int(layer)] if isinstance(n_keep, Mapping) else n_keep, variant=variant,
+                         rng=rng, **opts)
         except ValueError as err:
             raise ValueError(f"layer {layer} head {head}: {err}") from err
         return int(layer), int(head), result

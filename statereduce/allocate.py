@@ -1,0 +1,287 @@
+"""Per-layer key budgets in the workflow (rule ``allocate``): one kept width d_k' per layer at the uniform cut's total.
+
+A method token ending in ``@<budget>`` (``drrqr@energy_75``) names a budget of the config's ``budgets`` block
+(:class:`statereduce.settings.BudgetSettings`). Its allocation, ``results/{model}/select/{method}_{pct}.allocation.json``,
+holds each pruned layer's width, the policy's value of every candidate width, and the statistics behind them; the
+selection of the same token (:func:`statereduce.select.select_channels`) runs the selector with each layer's width,
+and pruning (:func:`statereduce.prune.prune_model`) writes a checkpoint whose layers keep different widths
+(``statereduce_key_dims`` in its config; :func:`statereduce.models.load_model` loads it).
+
+Every allocation keeps ``n_keep_for(d_k, pct) * layers`` channels per head position in all (every linear-attention
+layer has the same heads and d_v, so the state bytes equal the uniform cut's), with widths from
+:func:`statereduce.budgets.candidate_widths` (a floor, multiples of ``multiple`` or the full d_k, and widths the family's
+config can express). The policies (:mod:`statereduce.budgets` solves the exact knapsack over their values):
+
+* ``uniform``: the uniform width in every layer (the plain method's selection and checkpoint, byte for byte);
+* ``spectrum``: each layer's calibration second moment of [K; Q] (K or Q alone for ``-k``/``-q``), per head, with
+  its sorted eigenvalues summed over the layer's heads: ``energy`` (the share of the trace in the top w) or
+  ``effective_rank`` (:func:`statereduce.budgets.spectrum_values`);
+* ``greedy``: per head the share of the selector's own objective its selection of each width captures
+  (:meth:`statereduce.selectors.Selector.objective_values`: DRRQR's captured energy, Grad's score mass), averaged
+  over the layer's heads, or its raw value (``normalize: false``);
+* ``sensitivity``: the calibration loss with one layer alone cut to each width by the selector (the others whole),
+  measured on the model (:func:`sensitivity_losses`): ``layers x (candidates - 1)`` forwards over the calibration
+  sequences. On the tiny models (4 layers, 7 widths, 32 x 256 tokens) seconds on a CPU; a 24-layer 1.3B model with
+  d_k 128 and multiples of 16 takes 24 x 7 = 168 forwards of the calibration set, minutes on one GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from statereduce import __version__
+from statereduce.budgets import ALLOCATION_FORMAT, Allocation, check_budget, sensitivity_values, spectrum_values
+from statereduce.selectors import HeadData, get_selector, n_keep_for, parse_method
+from statereduce.settings import BudgetSettings
+
+log = logging.getLogger(__name__)
+
+def spectrum_eigenvalues(layers: Iterable[tuple[int, list[HeadData]]], variant: str) -> dict[int, np.ndarray]:
+    """Per layer the eigenvalues of each head's calibration second moment ``M^T M / rows`` (M = [K; Q], K or Q),
+    each sorted descending, summed over the layer's heads."""
+    out = {}
+    for layer, heads in layers:
+        total = None
+        for data in heads:
+            mats = [getattr(data, f) for f in ("K", "Q") if variant in ("kq", f.lower())]
+            if any(m is None for m in mats):
+                raise ValueError(f"layer {layer}: the spectrum budget needs calibration {'K and Q' if variant == 'kq' else variant.upper()}")
+            M = np.concatenate([np.asarray(m, np.float64) for m in mats])
+            lam = np.sort(np.linalg.eigvalsh(M.T @ M / M.shape[0]))[::-1]
+            total = lam if total is None else total + lam
+        out[int(layer)] = total
+    return out
+
+
+def greedy_layer_values(layers: Iterable[tuple[int, list[HeadData]]], selector: str, widths: list[int], *,
+                        variant: str, seed: int, options: Mapping[str, Any], normalize: bool) -> dict[int, dict[int, float]]:
+    """Per layer ``{width: value}``: the heads' mean share of the selector's objective (``normalize``), or with
+    ``normalize=False`` the shares times each head's raw objective total (score sum; DRRQR: ``||M||_F^2``)."""
+    sel = get_selector(selector)
+    out = {}
+    for layer, heads in layers:
+        acc = {w: 0.0 for w in widths}
+        for head, data in enumerate(heads):
+            rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(layer), int(head)]))
+            shares = sel.objective_values(data, widths, variant=variant, rng=rng, **options)
+            scale = 1.0 / len(heads) if normalize else _objective_total(sel, data, variant, seed, layer, head, options)
+            for w in widths:
+                acc[w] += scale * shares[w]
+        out[int(layer)] = acc
+    return out
+
+
+def _objective_total(sel, data: HeadData, variant: str, seed: int, layer: int, head: int, options) -> float:
+    """A head's raw objective at full width: its channel scores' sum, or (DRRQR) the squared norm of its M."""
+    if sel.objective is not None:
+        mats = [getattr(data, f) for f in ("K", "Q") if variant in ("kq", f.lower())]
+        return float(sum(np.sum(np.asarray(m, np.float64) ** 2) for m in mats if m is not None))
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(layer), int(head)]))
+    return float(np.sum(sel(data, data.d_k, variant=variant, rng=rng, **options).scores))
+
+
+def calibration_loss(model, blocks, batch_size: int) -> float:
+    """Mean next-token cross-entropy (nats) of ``model`` over ``blocks`` [N, T]."""
+    import torch
+
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, blocks.shape[0], batch_size):
+            ids = blocks[start:start + batch_size].to(device)
+            logits = model(ids).logits[:, :-1].float()
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                     reduction="sum")
+            total += float(loss)
+            count += ids[:, 1:].numel()
+    return total / count
+
+
+def sensitivity_losses(model, blocks, layers: Iterable[tuple[int, list[HeadData]]], selector: str, widths: list[int],
+                       *, variant: str, seed: int, options: Mapping[str, Any], batch_size: int,
+                       progress: bool = True) -> tuple[float, dict[int, dict[int, float]]]:
+    """The calibration loss with one layer alone cut to each width (its heads' channels chosen by the selector at
+    that width, the dropped ones zeroed: :func:`statereduce.slicing.masked_channels`), the other layers whole.
+
+    Returns:
+        (the unpruned model's loss, {layer: {width: loss}}), the full width's loss being the unpruned one.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from statereduce.adapters import get_adapter
+    from statereduce.slicing import masked_channels
+
+    adapter = get_adapter(model)
+    mixers = dict(adapter.mixer_layers())
+    d_k = adapter.head_k_dim
+    sel = get_selector(selector)
+    base = calibration_loss(model, blocks, batch_size)
+    layers = list(layers)
+    cut = [w for w in widths if w < d_k]
+    out = {}
+    with tqdm(total=len(layers) * len(cut), desc="sensitivity", unit="cut", disable=not progress) as bar:
+        for layer, heads in layers:
+            losses = {d_k: base}
+            for w in cut:
+                keep = []
+                for head, data in enumerate(heads):
+                    rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(layer), int(head)]))
+                    keep.append(sel(data, w, variant=variant, rng=rng, **options).keep)
+                with masked_channels(adapter, mixers[int(layer)], torch.as_tensor(np.stack(keep))):
+                    losses[w] = calibration_loss(model, blocks, batch_size)
+                bar.update()
+            out[int(layer)] = losses
+            log.info("layer %d: loss increase %s", layer, {w: round(v - base, 5) for w, v in sorted(losses.items())})
+    return base, out
+
+
+def allocation_document(method: str, pct: float, budget: str, settings: BudgetSettings, *, d_k: int, num_heads: int,
+                        layers: list[int], layer_data, check_width=None, seed: int = 0,
+                        options: Mapping[str, Any] | None = None, model=None, blocks=None,
+                        provenance: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The allocation artifact of ``method`` (with ``@budget``) at ``pct``: widths, values, statistics, provenance.
+
+    Args:
+        method: the method token (its selector, variant and calibration).
+        pct: percent of key channels removed (the total is the uniform cut's at this pct).
+        budget: the budget id; settings: its :class:`BudgetSettings`.
+        d_k, num_heads, layers: the model's head sizes and pruned layers (in order).
+        layer_data: a callable returning an iterable of ``(layer, [HeadData per head])`` with what the policy needs
+            (called once per pass).
+        check_width: raises ValueError for a width the family's config cannot express.
+        seed, options: the selector's seed and options (as for its selection).
+        model, blocks: the loaded model and calibration token blocks [N, T] (``sensitivity`` only).
+        provenance: model, family, base checkpoint for the document.
+    """
+    spec = parse_method(method)
+    n_keep = n_keep_for(d_k, pct)
+    n_layers = len(layers)
+    total = n_keep * n_layers
+    widths = check_budget(settings, spec.selector, d_k=d_k, n_layers=n_layers, pct=pct, check_width=check_width)
+    options = dict(options or {})
+    stats: dict[str, Any] = {}
+    if settings.policy == "uniform":
+        alloc = Allocation(widths=(n_keep,) * n_layers, total=total, policy="uniform")
+    elif settings.policy == "spectrum":
+        eigs = spectrum_eigenvalues(layer_data(), spec.variant)
+        values = spectrum_values([eigs[i] for i in layers], widths, mode=settings.statistic)
+        alloc = Allocation.solve(values, total, settings.statistic)
+        stats = {"eigenvalues": [eigs[i].tolist() for i in layers],
+                 "effective_rank": [_erank(eigs[i]) for i in layers],
+                 "energy_at_uniform": [float(np.cumsum(eigs[i])[n_keep - 1] / eigs[i].sum()) for i in layers]}
+    elif settings.policy == "greedy":
+        by_layer = greedy_layer_values(layer_data(), spec.selector, widths, variant=spec.variant, seed=seed,
+                                       options=options, normalize=settings.normalize)
+        values = [by_layer[i] for i in layers]
+        alloc = Allocation.solve(values, total, "greedy")
+        stats = {"value_at_full": [v[max(v)] for v in values], "normalize": settings.normalize}
+    else:  # sensitivity
+        if model is None or blocks is None:
+            raise ValueError("the sensitivity budget needs the model and calibration blocks")
+        batch = settings.batch_size or blocks.shape[0]
+        base, losses = sensitivity_losses(model, blocks, layer_data(), spec.selector, widths, variant=spec.variant,
+                                          seed=seed, options=options, batch_size=batch)
+        values = sensitivity_values([losses[i] for i in layers], d_k=d_k)
+        alloc = Allocation.solve(values, total, "sensitivity")
+        stats = {"base_loss": base, "losses": [[losses[i][w] for w in sorted(losses[i])] for i in layers],
+                 "n_samples": int(blocks.shape[0]), "seq_len": int(blocks.shape[1])}
+    if sum(alloc.widths) != total:  # pragma: no cover - allocate meets the total exactly
+        raise RuntimeError(f"allocation {alloc.widths} misses the total {total}")
+    return {
+        "format": ALLOCATION_FORMAT,
+        **{k: v for k, v in (provenance or {}).items() if v is not None},
+        "method": method,
+        "selector": spec.selector,
+        "variant": spec.variant,
+        "calibration": spec.calib,
+        "budget": budget,
+        "settings": settings.to_dict(),
+        "pct": pct,
+        "d_k": d_k,
+        "num_heads": num_heads,
+        "layers": list(layers),
+        "uniform_width": n_keep,
+        "key_dims": {str(i): w for i, w in zip(layers, alloc.widths)},
+        "allocation": alloc.to_dict(),
+        "statistics": stats,
+        "seed": seed,
+        "options": options,
+        "package_version": __version__,
+    }
+
+
+def _erank(lam: np.ndarray) -> float:
+    p = np.clip(np.asarray(lam, np.float64), 0, None)
+    p = p[p > 0] / p.sum()
+    return float(np.exp(-np.sum(p * np.log(p))))
+
+
+def allocate_budget(weights: str | Path, method: str, pct: float, budget: str, settings: BudgetSettings | Mapping,
+                    *, activations: str | Path | None = None, grads: str | Path | None = None,
+                    base: str | Path | None = None, calibration: Mapping[str, Any] | None = None,
+                    corpus: Mapping[str, Any] | None = None, head_v_dim: int | None = None, seed: int = 0,
+                    options: Mapping[str, Any] | None = None, expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Rule ``allocate``: the allocation artifact of ``method`` (ending in ``@budget``) at ``pct``.
+
+    Args:
+        weights: the model's ``qk.h5`` (head sizes, pruned layers; the weights where the selector reads them).
+        method, pct: the method token and percent of key channels removed.
+        budget, settings: the budget id and its settings (``budgets.<budget>``).
+        activations, grads: the calibration artifacts the policy and the selector read.
+        base: the base checkpoint folder (sensitivity: the model whose loss is measured).
+        calibration, corpus: the calibration settings and corpus spec of the sensitivity loss's sequences.
+        head_v_dim: d_v, to leave out widths the family's config cannot express (None: not checked here).
+        seed, options: the selector's seed and options.
+        expect: the job's ``params.info`` (model, family, dtype, device): every input must have been written for it.
+    """
+    from statereduce.families import family_spec
+    from statereduce.h5files import H5Artifact, layer_head_data
+
+    settings = BudgetSettings.coerce(settings)
+    spec = parse_method(method)
+    wattrs = H5Artifact(weights).expect(expect)
+    d_k, h, family = int(wattrs["head_k_dim"]), int(wattrs["num_heads"]), wattrs.get("family")
+    layers = [int(x) for x in np.asarray(wattrs["layers"]).tolist()]
+    calib_expect = {**(expect or {}), "calibration": spec.calib, "num_heads": h, "head_k_dim": d_k}
+    for path in (activations, grads):
+        if path is not None:
+            H5Artifact(path).expect(calib_expect)
+    sel = get_selector(spec.selector)
+    needs = set(sel.needs) if settings.policy in ("greedy", "sensitivity") else set()
+    if settings.policy == "spectrum":
+        needs |= {"activations"}
+
+    def layer_data():
+        return layer_head_data(Path(weights), needs, Path(activations) if activations else None,
+                               Path(grads) if grads else None)
+
+    check_width = None
+    if head_v_dim is not None and family is not None:
+        check_width = lambda w: family_spec(family).check_reduction(d_k, int(head_v_dim), w)  # noqa: E731
+    model = blocks = None
+    if settings.policy == "sensitivity":
+        from statereduce.data import load_split, token_blocks
+        from statereduce.models import load_model
+        from statereduce.settings import CalibrationSettings
+
+        if base is None or calibration is None or corpus is None:
+            raise ValueError("the sensitivity budget needs the base checkpoint, its calibration and corpus")
+        cal = CalibrationSettings.from_dict(calibration)
+        info = dict(expect or {})
+        model, tokenizer = load_model(base, dtype=info.get("dtype"), device=info.get("device", "cpu"))
+        n_samples, batch = settings.sizes(cal)
+        blocks = token_blocks(tokenizer, load_split(dict(corpus), cal.split), cal.n_samples, cal.seq_len, cal.seed)
+        blocks = blocks[:n_samples]
+        settings = settings.replace(batch_size=batch)
+    provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": family,
+                  "base_checkpoint": json.loads(wattrs["base_checkpoint"]) if wattrs.get("base_checkpoint") else None}
+    return allocation_document(method, pct, budget, settings, d_k=d_k, num_heads=h, layers=layers,
+                               layer_data=layer_data, check_width=check_width, seed=seed, options=options,
+                               model=model, blocks=blocks, provenance=provenance)
