@@ -88,8 +88,8 @@ LAYERS = [
                      "statereduce.selection_file", "statereduce.layout", "statereduce.settings",
                      "statereduce.budgets", "statereduce.slicing"]),
     ("services", ["statereduce.eval", "statereduce.analysis", "statereduce.speed", "statereduce.config"]),
-    ("stages", ["statereduce.pretrain", "statereduce.capture", "statereduce.select", "statereduce.prune",
-                "statereduce.rft", "statereduce.analysis.rank"]),
+    ("stages", ["statereduce.pretrain", "statereduce.capture", "statereduce.allocate", "statereduce.select",
+                "statereduce.prune", "statereduce.rft", "statereduce.analysis.rank"]),
     ("api", ["statereduce.api", "statereduce.__main__"]),
 ]
 

@@ -221,12 +221,20 @@ def test_all_paper_plans_study_tables(tmp_path):
              for m in cal["models"] for s in cal["selectors"] for v in cal["variants"]}
     cells |= {f"results/{m}/{s}{k}_{sco['pct']}/eval.json" for m in sco["models"] for s in sco["selectors"]
               for k in ("", "-k", "-q")}
-    assert summaries == targets | cells  # every target and every study cell, each once
+    bud = cfg["studies"]["budgets"]
+    budget_cells = {f"results/{m}/{s}{b}_{p}/eval.json" for m in bud["models"] for s in bud["selectors"]
+                    for b in ["", *(f"@{b}" for b in bud["budgets"])] for p in bud["pcts"]}
+    assert summaries == targets | cells | budget_cells  # every target and every study cell, each once
+    assert set(jobs["allocate"]) == {p.replace(f"/{p.split('/')[2]}/eval.json", "/select/") + p.split("/")[2]
+                                     + ".allocation.json" for p in budget_cells if "@" in p}
+    assert set(jobs["budget_study"]) == {"results/tables/budget_study.md", "results/tables/budget_study.csv",
+                                         "results/tables/budget_study.html", "results/figures/budget_allocations.png"}
     calibrations = {p.split("/")[3] for p in jobs["calibrate"]}
     assert calibrations == {"default", "prose", "n16", "seed1"}
     assert "study_tables" not in dry_run_outputs(tmp_path / "all", "all", "--resources", "gpu=1", cfg=cfg)
     del cfg["studies"]
-    assert "study_tables" not in dry_run_outputs(tmp_path / "none", "all_paper", "--resources", "gpu=1", cfg=cfg)
+    none = dry_run_outputs(tmp_path / "none", "all_paper", "--resources", "gpu=1", cfg=cfg)
+    assert "study_tables" not in none and "budget_study" not in none and "allocate" not in none
 
 
 def test_all_speed_plans_gpu_jobs_only_there(tmp_path):
@@ -254,6 +262,39 @@ def test_every_rule_that_runs_a_job_records_a_benchmark():
             if name and re.search(r"^\s+(script|shell|run):", block, re.M) and "benchmark:" not in block:
                 missing.append(f"{smk.name}:{name.group(1)}")
     assert not missing, f"rules without benchmark: {missing}"
+
+
+def test_budget_cells_run_through_the_dag_and_rerun_alone(finished_run):
+    """Methods with @<budget> run allocate -> select_channels -> prune -> rft -> summarize in the finished run: the
+    uniform budget's pruned checkpoint is the plain method's byte for byte, a sensitivity budget's widths reach the
+    prune record and keep the summary's state bytes, and a budget's setting reruns only that budget's cells."""
+    targets = [f"results/wf-dn/{m}_50/eval.json" for m in ("drrqr@uniform", "drrqr@sens", "grad@energy")]
+    run = _snakemake(finished_run, *targets, "--cores", "2")
+    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
+    res = finished_run / "results" / "wf-dn"
+    for name in ("model.safetensors", "config.json"):
+        plain = (res / "drrqr_50" / "pruned" / name).read_bytes()
+        assert (res / "drrqr@uniform_50" / "pruned" / name).read_bytes() == plain, name
+    alloc = json.loads((res / "select" / "drrqr@sens_50.allocation.json").read_text())
+    assert sum(alloc["key_dims"].values()) == alloc["uniform_width"] * 2 == 32
+    assert alloc["allocation"]["policy"] == "sensitivity"
+    record = json.loads((res / "drrqr@sens_50" / "pruned" / "prune_record.json").read_text())
+    assert record["extra"]["allocation"]["key_dims"] == alloc["key_dims"]
+    state = {m: json.loads((res / f"{m}_50" / "eval.json").read_text())["state"] for m in ("drrqr", "drrqr@sens")}
+    assert state["drrqr@sens"]["bytes_after"] == state["drrqr"]["bytes_after"]
+    cfg_path = finished_run / "config.yaml"
+    original = cfg_path.read_text()
+    cfg = yaml.safe_load(original)
+    cfg["budgets"]["sens"]["n_samples"] = 1
+    try:
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        out = _snakemake(finished_run, *targets, "-n", "--printshellcmds")
+    finally:
+        cfg_path.write_text(original)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = job_outputs(out.stdout + out.stderr)
+    assert set(jobs) == {"allocate", "select_channels", "prune", "rft", "summarize"}, jobs
+    assert all("drrqr@sens_50" in p for ps in jobs.values() for p in ps), jobs
 
 
 def test_prune_norm_eps_reruns_pruning_and_what_reads_it(finished_run):

@@ -300,10 +300,20 @@ def overlap_frame(selections: dict[tuple[str, str, float], dict], d_k: dict[str,
                         "pct": pct,
                         "method_a": a,
                         "method_b": b,
-                        **{k: ov[k] for k in ("d_k_new", "median_shared", "median_fraction", "random_shared")},
+                        **{k: ov[k] for k in ("median_shared", "median_fraction", "random_shared")},
+                        "d_k_new": _widths_text(ov["d_k_new"]),
                     }
                 )
     return pd.DataFrame(rows)
+
+
+def _widths_text(d_k_new) -> int | str:
+    """An overlap's kept width: the int of a single width, else ``layer:width`` per layer (``a/b`` where the two
+    selections keep different widths in that layer)."""
+    if not isinstance(d_k_new, dict):
+        return d_k_new
+    return " ".join(f"{layer}:{'/'.join(map(str, w)) if isinstance(w, (list, tuple)) else w}"
+                    for layer, w in sorted(d_k_new.items(), key=lambda kv: int(kv[0])))
 
 
 def _md_table(df: pd.DataFrame, cols: list[str]) -> list[str]:
@@ -355,7 +365,8 @@ def write_rank_tables(
             (
                 "# Kept-channel overlap between selectors (paper App. C.2)\n\n"
                 "Median over heads of the channels two methods both keep; random: the expectation d_k'^2 / d_k for "
-                "independent uniform selections.\n\n"
+                "independent uniform selections (k_a k_b / d_k per head, median over heads, where layers keep "
+                "different widths: d_k_new is then layer:width).\n\n"
             ),
             over,
             ["model", "pct", "method_a", "method_b", "d_k_new", "median_shared", "median_fraction", "random_shared"],
