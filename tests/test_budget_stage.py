@@ -248,3 +248,35 @@ def test_an_allocation_for_another_cell_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"do not add up to the uniform total 16 x 2; delete it and rerun \(rule "
                                          r"allocate rebuilds it\)"):
         read_allocation(path)
+
+
+def _summary(model, method, pct, pre, post, acc):
+    level = {"acc": acc, "acc_stderr": 0.05}
+    stage = lambda bpb: {"heldout": {"bits_per_byte": bpb}, "recall_mqar_4": level, "recall_mqar_8": level}  # noqa
+    return {"model": model, "method": method, "pct": pct,
+            "metrics": {"baseline": stage(2.0), "pruned": stage(pre), "rft": stage(post)}}
+
+
+def test_the_budget_study_table_compares_each_budget_with_its_uniform_cut(tmp_path):
+    from statereduce.analysis.figures import budget_allocations
+    from statereduce.analysis.tables import budget_wins, write_budget_study
+
+    study = {"models": ["a", "b"], "selectors": ["drrqr"], "budgets": ["energy"], "pcts": [75]}
+    summaries = [_summary("a", "drrqr", 75, 3.0, 2.9, 0.5), _summary("a", "drrqr@energy", 75, 2.8, 2.95, 0.6),
+                 _summary("b", "drrqr", 75, 3.0, 2.9, 0.5), _summary("b", "drrqr@energy", 75, 3.1, 2.9, 0.4)]
+    alloc = {(m, "drrqr@energy", 75.0): {"model": m, "pct": 75, "selector": "drrqr", "budget": "energy", "d_k": 64,
+                                         "uniform_width": 16, "key_dims": {"0": 24, "1": 8},
+                                         "allocation": {"policy": "energy"}} for m in "ab"}
+    df = write_budget_study(summaries, study, alloc, tmp_path)
+    pre = df[(df["stage"] == "pruned") & (df["budget"] == "energy")].set_index("model")
+    assert pre.loc["a", "d_bits_per_byte"] == pytest.approx(-0.2) and pre.loc["b", "d_bits_per_byte"] == pytest.approx(0.1)
+    assert pre.loc["a", "d_recall"] == pytest.approx(0.1)
+    assert pre.loc["a", "d_recall_se"] == pytest.approx(np.hypot(0.05 / np.sqrt(2), 0.05 / np.sqrt(2)))
+    assert pre.loc["a", "key_dims"] == "24 8"
+    wins = budget_wins(df).set_index("budget")
+    assert wins.loc["energy", "models_better"] == 1 and wins.loc["energy", "which"] == "a"
+    md = (tmp_path / "budget_study.md").read_text()
+    assert "| a | drrqr | energy | 24 8 | 2.800 → 2.950 | -0.200 | +0.050 |" in md
+    assert "| 75 | drrqr | energy | 1 of 2: a |" in md
+    png = budget_allocations(list(alloc.values()), tmp_path / "alloc.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
