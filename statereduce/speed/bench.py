@@ -15,6 +15,11 @@ pruned checkpoint has. Every measurement of one run shares the device, so each s
   the batch, the recurrent state (float32) and conv state read and written per sequence, the logits written) over
   the copy bandwidth measured in the same run. ``ideal_speedup`` is the ratio of
   those bytes. Before timing, a few graph replays are checked against fla's own eager decoding.
+- **Per-layer key widths**: a named allocation (``key_dims``: one d_k' per layer, as a checkpoint pruned with a
+  per-layer budget stores it) is built at the unpruned shape with each mixer shaped to its width
+  (:func:`statereduce.slicing.shape_mixers`, as :func:`statereduce.models.load_model` does) and timed like a ratio
+  (decode, prefill, profile); each cell is also compared with the uniform cut of the same total
+  (``ratios["key_dims"]``: ``vs_uniform`` = per-layer ms / uniform ms).
 - **Prefill** (Table 18): ``model(ids, use_cache=True, logits_to_keep=1)`` over a batch x length grid, captured in a
   CUDA graph and replayed (``graph``: eager, a forward of a 1.3B model at 1 x 2K waits on Python's kernel launches
   for most of its time); ``device_ms`` (``profile``) is the kernels' summed device time of one eager call. Cells that
@@ -35,10 +40,11 @@ import copy
 import gc
 import json
 import logging
+import numbers
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,29 +103,105 @@ def require_cuda() -> None:
 # ---------------------------------------------------------------------------------------------
 # models from configs
 # ---------------------------------------------------------------------------------------------
-def model_config(family: str, arch: Mapping[str, Any], pct: float = 0):
-    """The HF config of ``family`` with ``arch`` and ``pct`` percent of key channels removed (0: baseline)."""
+def model_config(family: str, arch: Mapping[str, Any], pct: float = 0,
+                 key_dims: Sequence[int | None] | None = None):
+    """The HF config of ``family`` with ``arch`` and ``pct`` percent of key channels removed (0: baseline).
+
+    With ``key_dims`` (a per-layer allocation, :func:`layer_key_dims`) the config keeps the unpruned head sizes and
+    records each layer's d_k' in :data:`statereduce.slicing.KEY_DIMS_FIELD`, as the config of a checkpoint pruned
+    with a per-layer budget does; :func:`build_model` then shapes each mixer to its width. ``pct`` must be 0 then.
+    """
     from statereduce.adapters import adapter_class
     from statereduce.selectors import n_keep_for
+    from statereduce.slicing import KEY_DIMS_FIELD
 
     adapter = adapter_class(family)
     adapter.check_arch(dict(arch))
     config = adapter.config_class(**arch)
-    if pct:
+    if key_dims is not None:
+        if pct:
+            raise ValueError(f"give a pct or per-layer key_dims, not both (pct={pct!r})")
+        setattr(config, KEY_DIMS_FIELD, layer_key_dims(family, config, key_dims))
+    elif pct:
         config = adapter.reduced_config(config, n_keep_for(adapter.dims(config).head_k_dim, float(pct)))
     return config
 
 
+def layer_key_dims(family: str, config, widths: Sequence[int | None]) -> list[int | None]:
+    """A per-layer allocation as :data:`statereduce.slicing.KEY_DIMS_FIELD` holds it: one d_k' per decoder layer of
+    ``config`` (the unpruned config), None for a layer without a linear-attention mixer.
+
+    Args:
+        family: adapter family.
+        config: the family's config at the unpruned head sizes.
+        widths: one entry per decoder layer (None where the layer has no linear-attention mixer), or one width per
+            linear-attention layer in order.
+    Raises:
+        ValueError: one line, for the wrong number of widths, a None at a linear-attention layer, or a width the
+            family cannot express (``config_updates``).
+    """
+    from statereduce.adapters import adapter_class
+
+    adapter = adapter_class(family)
+    layers = adapter.mixer_layer_indices(config)
+    n_layers = max(getattr(config, "num_hidden_layers", 0), 1 + max(layers, default=-1))
+    widths = list(widths)
+    if len(widths) == n_layers:
+        out = widths
+    elif len(widths) == len(layers) and None not in widths:
+        out = [None] * n_layers
+        for layer, w in zip(layers, widths):
+            out[layer] = w
+    else:
+        raise ValueError(f"key_dims has {len(widths)} widths; the {family} model has {n_layers} decoder layers, "
+                         f"{len(layers)} of them with linear attention: give one width per decoder layer (null "
+                         "without linear attention) or one per linear-attention layer")
+    named = [i for i, w in enumerate(out) if w is not None]
+    if named != layers:
+        raise ValueError(f"key_dims names widths for layers {named}; the model's linear-attention layers are {layers}")
+    for i in layers:
+        if isinstance(out[i], bool) or not isinstance(out[i], numbers.Integral):
+            raise ValueError(f"key_dims[{i}]={out[i]!r} is not an integer width")
+        out[i] = int(out[i])
+        try:
+            adapter.config_updates(config, out[i])  # one-line ValueError for a width the family cannot express
+        except ValueError as e:
+            raise ValueError(f"key_dims[{i}]: {e}") from None
+    return out
+
+
+def layer_state_shapes(family: str, config) -> list:
+    """The recurrent and conv state shape (:class:`~statereduce.families.base.StateShape`, per sequence) of every
+    linear-attention layer of ``config``, in order: the config's one shape, or with
+    :data:`statereduce.slicing.KEY_DIMS_FIELD` each layer's own (the config's at that layer's d_k')."""
+    from statereduce.adapters import adapter_class
+    from statereduce.slicing import KEY_DIMS_FIELD
+
+    adapter = adapter_class(family)
+    layers = adapter.mixer_layer_indices(config)
+    widths = getattr(config, KEY_DIMS_FIELD, None)
+    if widths is None:
+        return [adapter.config_state_shape(config)] * len(layers)
+    by_width = {w: adapter.config_state_shape(adapter.reduced_config(config, w)) for w in {widths[i] for i in layers}}
+    return [by_width[widths[i]] for i in layers]
+
+
 def build_model(config, dtype: torch.dtype, device: str = "cuda"):
     """A randomly initialised causal LM of ``config`` on ``device`` in ``dtype``, in eval mode (the adapter's
-    :meth:`~statereduce.adapters.base.LinearAttentionAdapter.build`)."""
+    :meth:`~statereduce.adapters.base.LinearAttentionAdapter.build`). A config with per-layer widths
+    (:data:`statereduce.slicing.KEY_DIMS_FIELD`) is built at the unpruned shape and each mixer shaped to its width
+    (:func:`statereduce.slicing.shape_mixers`, as :func:`statereduce.models.load_model` loads such a checkpoint)."""
     from statereduce.adapters import adapter_for_config
+    from statereduce.slicing import KEY_DIMS_FIELD, shape_mixers
 
     adapter = adapter_for_config(config)
     adapter.install_fallbacks()  # on CUDA: calls at shapes stock fla mishandles are padded
     torch.manual_seed(0)
     with torch.device(device):
         model = adapter.build(config, dtype=dtype)
+    widths = getattr(config, KEY_DIMS_FIELD, None)
+    if widths is not None:  # outside the device context: the slicing's index tensors live on the CPU
+        shape_mixers(adapter(model), widths)
     return model.eval()
 
 
@@ -127,12 +209,9 @@ def step_bytes(model, config, family: str, batch: int) -> dict[str, int]:
     """Bytes a one-token decode step must move through device memory at ``batch`` sequences (the floor's numerator).
 
     Every parameter is read once, except the input embedding, of which only the batch's rows are read; the
-    recurrent state (float32) and the conv state (model dtype) of every layer are read and written once per
-    sequence; the logits are written once.
+    recurrent state (float32) and the conv state (model dtype) of every layer, each at its own key width
+    (:func:`layer_state_shapes`), are read and written once per sequence; the logits are written once.
     """
-    from statereduce.adapters import adapter_class
-
-    adapter = adapter_class(family)
     emb = model.get_input_embeddings().weight
     tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is emb
     elem = emb.element_size()
@@ -140,9 +219,8 @@ def step_bytes(model, config, family: str, batch: int) -> dict[str, int]:
     if not tied:
         weights -= emb.numel() * elem
     weights += batch * emb.shape[1] * elem
-    shape = adapter.config_state_shape(config)
-    layers = len(adapter.mixer_layer_indices(config))
-    state = 2 * batch * layers * (shape.recurrent_elems * 4 + shape.conv_elems * elem)
+    shapes = layer_state_shapes(family, config)
+    state = 2 * batch * sum(s.recurrent_elems * 4 + s.conv_elems * elem for s in shapes)
     logits = batch * config.vocab_size * elem
     return {"weights": int(weights), "state": int(state), "logits": int(logits),
             "total": int(weights + state + logits)}
@@ -472,8 +550,10 @@ def profile_cells(model, settings: SpeedProfileSettings, kernels: Iterable[str],
 # ---------------------------------------------------------------------------------------------
 def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out_path: str | Path, *,
               model_name: str | None = None, parts: Iterable[str] = DEFAULT_PARTS,
-              extra: Mapping[str, Any] | None = None) -> dict:
-    """Measure the baseline (pct 0) and every ``settings.pcts`` ratio; write ``out_path`` after every cell.
+              extra: Mapping[str, Any] | None = None,
+              key_dims: Mapping[str, Sequence[int | None]] | None = None) -> dict:
+    """Measure the baseline (pct 0) and every ``settings.pcts`` ratio, and every per-layer allocation of
+    ``key_dims``; write ``out_path`` after every cell.
 
     Args:
         family: adapter family (``delta_net``, ``gated_deltanet``).
@@ -482,11 +562,16 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out
         out_path: the JSON to write (rewritten atomically after each cell, so a killed run keeps what it measured).
         model_name: the workflow's model name, recorded.
         parts: which of :data:`PARTS` to run.
+        key_dims: named per-layer allocations (name -> widths, :func:`layer_key_dims`), each measured like one more
+            ratio right after the uniform cut of the same total (after every ratio if none has it): decode, prefill
+            and profile (the mixer part times one layer of one width and leaves them out).
 
     Returns:
         The document: ``configs`` (d_k, state bytes per pct), ``decode`` / ``prefill`` / ``mixer`` cells (each with
         ``pct``), ``ratios`` (pruned over baseline of the same cell; decode also against fla's baseline kernel),
-        the measured copy bandwidth, device and versions.
+        the measured copy bandwidth, device and versions. With ``key_dims``: ``key_dims`` (per allocation its widths,
+        total, the equal-total pct and state bytes, and its cells) and ``ratios["key_dims"]`` (each cell against the
+        baseline and against the uniform cut of the same total, :func:`speed_ratios`).
     """
     from statereduce.adapters import adapter_class
     from statereduce.kernels.recurrent import pdl_supported, programmatic_launch
@@ -500,6 +585,7 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out
     dtype = getattr(torch, settings.dtype)
     pcts = speed_pcts(settings)
     adapter = adapter_class(family)
+    allocations = {name: key_dims_record(family, arch, widths, pcts) for name, widths in (key_dims or {}).items()}
     doc: dict[str, Any] = {
         "model": model_name, "family": family, "arch": dict(arch), "settings": settings.to_dict(),
         "parts": parts,
@@ -507,6 +593,8 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out
         "device": torch.cuda.get_device_name(), "versions": versions(), "configs": {},
         "decode": [], "prefill": [], "mixer": [], "profile": [], **(extra or {}),
     }
+    if allocations:
+        doc["key_dims"] = allocations
     if settings.blas:
         torch.backends.cuda.preferred_blas_library(settings.blas)
     doc["blas_library"] = str(torch.backends.cuda.preferred_blas_library())
@@ -521,11 +609,47 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out
         doc["elapsed_s"] = round(time.perf_counter() - t0, 1)
         write_json(out_path, doc)
 
+    def allocation(name, record):
+        config = model_config(family, arch, key_dims=record["widths"])
+        _model_cells(config, family, settings, parts, dtype, record, {}, f"key_dims={name}", doc, save)
+
     with programmatic_launch(settings.pdl):
         for pct in pcts:
             _speed_pct(family, arch, settings, parts, pct, dtype, adapter, doc, save)
+            for name, record in allocations.items():  # right after the uniform cut of the same total
+                if record["uniform_pct"] == pct:
+                    allocation(name, record)
+        for name, record in allocations.items():
+            if record["uniform_pct"] is None:
+                allocation(name, record)
     save()
     return doc
+
+
+def key_dims_record(family: str, arch: Mapping[str, Any], widths: Sequence[int | None], pcts: Iterable = ()) -> dict:
+    """What a speed document records of a per-layer allocation before its cells: the widths per decoder layer, the
+    unpruned d_k, the heads-weighted total of kept key channels, the removal pct it equals, the uniform ratio of
+    ``pcts`` with the same total (``uniform_pct``, None if none has it) and the recurrent state bytes per sequence.
+
+    Raises:
+        ValueError: one line, for widths :func:`layer_key_dims` refuses.
+    """
+    from statereduce.adapters import adapter_class
+    from statereduce.selectors import n_keep_for
+    from statereduce.slicing import KEY_DIMS_FIELD
+
+    adapter = adapter_class(family)
+    config = model_config(family, arch, key_dims=widths)
+    h, _, d_k, _ = adapter.dims(config)
+    layers = adapter.mixer_layer_indices(config)
+    kept = getattr(config, KEY_DIMS_FIELD)
+    total = h * sum(kept[i] for i in layers)
+    uniform = [p for p in pcts if float(p) and h * n_keep_for(d_k, float(p)) * len(layers) == total]
+    shapes = layer_state_shapes(family, config)
+    return {"widths": kept, "d_k": d_k, "heads": h, "layers": len(layers), "total_channels": total,
+            "pct": round(100 * (1 - total / (h * d_k * len(layers))), 4), "uniform_pct": uniform[0] if uniform else None,
+            "state_bytes_per_sequence": sum(s.recurrent_elems for s in shapes) * 4,
+            "decode": [], "prefill": [], "profile": []}
 
 
 def _speed_pct(family, arch, settings, parts, pct, dtype, adapter, doc, save) -> None:
@@ -535,18 +659,26 @@ def _speed_pct(family, arch, settings, parts, pct, dtype, adapter, doc, save) ->
     layers = len(adapter.mixer_layer_indices(config))
     doc["configs"][str(pct)] = {"d_k": shape.d_k, "d_v": shape.d_v, "heads": shape.num_heads, "layers": layers,
                                 "state_bytes_per_sequence": shape.recurrent_elems * 4 * layers}
+    add = _model_cells(config, family, settings, parts, dtype, doc, {"pct": pct}, f"pct={pct}", doc, save)
+    if "mixer" in parts:
+        mixer_arch = {**arch, **settings.mixer.arch}
+        mixer_cells(model_config(family, mixer_arch, pct), settings.mixer, dtype, add("mixer"))
 
+
+def _model_cells(config, family, settings, parts, dtype, target: dict, tag: dict, label: str, doc: dict, save):
+    """The decode, prefill and profile cells of the model of ``config``, each appended (with ``tag``) to
+    ``target[part]`` and the document saved; returns the cell callback maker (``add(part)``)."""
     def add(part):
         def on_cell(cell):
-            doc[part].append({"pct": pct, **cell})
-            log.info("%s pct=%s %s", part, pct, {k: v for k, v in cell.items() if k not in ("bytes", "trials_ms")})
+            target[part].append({**tag, **cell})
+            log.info("%s %s %s", part, label, {k: v for k, v in cell.items() if k not in ("bytes", "trials_ms")})
             save()
         return on_cell
 
     if {"decode", "prefill", "profile"} & set(parts):
         t_build = time.perf_counter()
         model = build_model(config, dtype)
-        log.info("built the pct=%s model in %.1f s", pct, time.perf_counter() - t_build)
+        log.info("built the %s model in %.1f s", label, time.perf_counter() - t_build)
         if "profile" in parts:
             profile_cells(model, settings.profile, settings.decode.kernels, add("profile"))
         if "decode" in parts:
@@ -555,9 +687,10 @@ def _speed_pct(family, arch, settings, parts, pct, dtype, adapter, doc, save) ->
             prefill_cells(model, settings.prefill, add("prefill"))
         del model
         _free()
-    if "mixer" in parts:
-        mixer_arch = {**arch, **settings.mixer.arch}
-        mixer_cells(model_config(family, mixer_arch, pct), settings.mixer, dtype, add("mixer"))
+    return add
+
+
+_RATIO_KEYS = {"decode": ("batch", "kernel"), "prefill": ("batch", "length"), "mixer": ("batch", "seq_len")}
 
 
 def speed_ratios(doc: Mapping[str, Any]) -> dict[str, list[dict]]:
@@ -566,12 +699,14 @@ def speed_ratios(doc: Mapping[str, Any]) -> dict[str, list[dict]]:
     Decode cells are matched on (batch, kernel); each also gets ``speedup_vs_fla_baseline`` (pruned with this
     kernel against the baseline with fla's kernel, fused layers against fused) and ``ideal_speedup`` (ratio of the
     byte floors). Cells profiled at both (``device_ms``) get ``device_speedup``, the same ratio of summed kernel time.
+    A document with per-layer allocations (``key_dims``) also gets ``key_dims``: per allocation cell, ``speedup``
+    against the baseline and, where the uniform cut of the same total was measured, ``vs_uniform`` (per-layer ms /
+    uniform ms) and, for decode, ``bytes_vs_uniform`` (the ratio of the step's bytes).
     """
     from statereduce.speed.inplace import FUSED
 
     out: dict[str, list[dict]] = {"decode": [], "prefill": [], "mixer": []}
-    keys = {"decode": ("batch", "kernel"), "prefill": ("batch", "length"), "mixer": ("batch", "seq_len")}
-    for part, key in keys.items():
+    for part, key in _RATIO_KEYS.items():
         base = {tuple(c[k] for k in key): c for c in doc.get(part, []) if c["pct"] == 0 and "ms" in c}
         for cell in doc.get(part, []):
             ref = base.get(tuple(cell[k] for k in key))
@@ -591,12 +726,108 @@ def speed_ratios(doc: Mapping[str, Any]) -> dict[str, list[dict]]:
                 if fla_ref is not None:
                     row["speedup_vs_fla_baseline"] = fla_ref["ms"] / cell["ms"]
             out[part].append(row)
+    if doc.get("key_dims"):
+        out["key_dims"] = _key_dims_ratios(doc)
     return out
+
+
+def _key_dims_ratios(doc: Mapping[str, Any]) -> list[dict]:
+    """:func:`speed_ratios`' rows of the per-layer allocations."""
+    rows = []
+    for name, record in doc["key_dims"].items():
+        for part in ("decode", "prefill"):
+            key = _RATIO_KEYS[part]
+            cells = [c for c in doc.get(part, []) if "ms" in c]
+            base = {tuple(c[k] for k in key): c for c in cells if c["pct"] == 0}
+            uniform_pct = record.get("uniform_pct")
+            uniform = {tuple(c[k] for k in key): c for c in cells
+                       if uniform_pct is not None and float(c["pct"]) == float(uniform_pct)}
+            for cell in record.get(part, []):
+                if "ms" not in cell:
+                    continue
+                k = tuple(cell[x] for x in key)
+                row = {"key_dims": name, "part": part, "pct": record["pct"], **dict(zip(key, k)), "ms": cell["ms"]}
+                if k in base:
+                    row["speedup"] = base[k]["ms"] / cell["ms"]
+                if k in uniform:
+                    row.update({"uniform_pct": uniform_pct, "uniform_ms": uniform[k]["ms"],
+                                "vs_uniform": cell["ms"] / uniform[k]["ms"]})
+                    if part == "decode":
+                        row["bytes_vs_uniform"] = cell["bytes"]["total"] / uniform[k]["bytes"]["total"]
+                        row["state_bytes_vs_uniform"] = cell["bytes"]["state"] / uniform[k]["bytes"]["state"]
+                rows.append(row)
+    return rows
+
+
+def widths_summary(widths: Sequence[int | None]) -> str:
+    """A per-layer allocation in a few characters: how many layers keep each width, widest first (``8×64 + 16×16``)."""
+    counts: dict[int, int] = {}
+    for w in widths:
+        if w is not None:
+            counts[w] = counts.get(w, 0) + 1
+    return " + ".join(f"{n}×{w}" for w, n in sorted(counts.items(), reverse=True))
+
+
+def key_dims_markdown(doc: Mapping[str, Any]) -> str:
+    """The per-layer allocations of a speed document against the uniform cut of the same total, one row per decode
+    and prefill cell (per-layer ms / uniform ms; 1.00 when the widths cost what the uniform cut costs)."""
+    head = ["allocation", "layers × d_k'", "pct", "part", "B", "kernel / T", "uniform ms", "per-layer ms",
+            "per-layer / uniform", "bytes ratio"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for row in speed_ratios(doc).get("key_dims", []):
+        record = doc["key_dims"][row["key_dims"]]
+        lines.append("| " + " | ".join([
+            row["key_dims"], widths_summary(record["widths"]), f"{row['pct']:g}", row["part"], str(row["batch"]),
+            str(row.get("kernel", row.get("length"))),
+            f"{row['uniform_ms']:.3f}" if "uniform_ms" in row else "–", f"{row['ms']:.3f}",
+            f"{row['vs_uniform']:.3f}" if "vs_uniform" in row else "–",
+            f"{row['bytes_vs_uniform']:.3f}" if "bytes_vs_uniform" in row else "–"]) + " |")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
+def parse_key_dims(spec: str, index: int = 1) -> tuple[str, list[int | None]]:
+    """``--key-dims``' ``[NAME=]WIDTHS`` as (name, widths).
+
+    WIDTHS is comma-separated d_k' per layer (``null`` for a layer without linear attention) or a JSON file holding a
+    list, ``{"widths": [...]}`` (a per-layer budget's allocation) or ``{"statereduce_key_dims": [...]}`` (a pruned
+    checkpoint's ``config.json``). The name defaults to the file's stem, else ``key_dims_<index>``.
+    """
+    from statereduce.slicing import KEY_DIMS_FIELD
+
+    name, sep, body = spec.partition("=")
+    if not sep:
+        name, body = "", spec
+    path = Path(body)
+    if body.endswith(".json") or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"--key-dims file {body!r} not found")
+        data = json.loads(path.read_text())
+        if isinstance(data, Mapping):
+            data = data.get("widths", data.get(KEY_DIMS_FIELD))
+        if not isinstance(data, list):
+            raise ValueError(f"--key-dims file {body!r} holds no list of widths (a list, {{\"widths\": [...]}} or "
+                             f"{{\"{KEY_DIMS_FIELD}\": [...]}})")
+        widths, name = data, name or path.stem
+    else:
+        widths = []
+        for item in body.split(","):
+            item = item.strip()
+            if item.lower() in ("null", "none"):
+                widths.append(None)
+            elif item.isdigit():
+                widths.append(int(item))
+            else:
+                raise ValueError(f"--key-dims {spec!r}: {item!r} is not a width; give comma-separated integers "
+                                 "(null for a layer without linear attention) or a JSON file")
+    name = name or f"key_dims_{index}"
+    if not all(c.isalnum() or c in "_-." for c in name):
+        raise ValueError(f"--key-dims name {name!r} may hold only letters, digits, '_', '-' and '.'")
+    return name, widths
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m statereduce.speed", description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="speed.json to write")
@@ -609,16 +840,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settings", type=json.loads, default={}, help="JSON overriding speed settings, e.g. "
                    '\'{"pcts": [50], "decode": {"batches": [64]}}\'')
     p.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--key-dims", action="append", default=[], metavar="[NAME=]WIDTHS",
+                   help="a per-layer allocation timed after the ratios and against the uniform cut of the same total: "
+                        "comma-separated d_k' per layer (e.g. 16,48,16,48,...) or a JSON file with "
+                        '{"widths": [...]} or a pruned checkpoint\'s config.json; repeatable')
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
+        key_dims: dict[str, list[int | None]] = {}
+        for i, spec in enumerate(args.key_dims, 1):
+            name, widths = parse_key_dims(spec, i)
+            if name in key_dims:
+                raise ValueError(f"--key-dims name {name!r} given twice")
+            key_dims[name] = widths
         if args.model:
             family, arch, settings = workflow_model(args.model, args.config, args.settings)
         else:
             family, arch = args.family, args.arch
             settings = speed_settings(args.settings)
+        for widths in key_dims.values():  # before the GPU check: a bad allocation fails in one line anywhere
+            key_dims_record(family, arch, widths)
         require_cuda()
-        run_speed(family, arch, settings, args.out, model_name=args.model, parts=args.parts.split(","))
+        doc = run_speed(family, arch, settings, args.out, model_name=args.model, parts=args.parts.split(","),
+                        key_dims=key_dims)
+        if key_dims:
+            print(key_dims_markdown(doc))
     except (RuntimeError, ValueError) as e:
         if isinstance(e, torch.cuda.OutOfMemoryError):
             raise
