@@ -98,6 +98,21 @@ def configured_models(path: Path) -> tuple[str, list[tuple[str, str, str]]]:
     return where, rows
 
 
+def configured_budgets(path: Path) -> list[tuple[str, str]]:
+    """[(budget, its settings)] of a workflow config's ``budgets`` block (method token suffix ``@<budget>``)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(path.read_text()) or {} if path.is_file() else {}
+    except yaml.YAMLError:
+        return []
+    budgets = config.get("budgets") if isinstance(config, dict) else None
+    if not isinstance(budgets, dict):
+        return []
+    return [(str(name), ", ".join(f"{k}: {v}" for k, v in (spec or {}).items()) if isinstance(spec, dict) else "?")
+            for name, spec in budgets.items()]
+
+
 def _table(rows: Sequence[tuple[str, ...]], width: int = 118) -> list[str]:
     """Rows in columns, two spaces indented; the last column wraps under itself."""
     if not rows:
@@ -123,7 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     lines = [f"statereduce {__version__}: key/query channel pruning of linear-attention language models", ""]
     lines += ["Model families (adapters):", *_table(families()), ""]
-    lines += ["Selectors (method token: <selector>[-k|-q][.<calib>]):", *_table(selectors()), ""]
+    lines += ["Selectors (method token: <selector>[-k|-q][.<calib>][@<budget>]):", *_table(selectors()), ""]
+    budgets = configured_budgets(Path(args.config))
+    if budgets:
+        lines += ["Per-layer key budgets of the config (method token suffix @<budget>; docs/budgets.md):",
+                  *_table(budgets), ""]
     where, models = configured_models(Path(args.config))
     lines += [f"Configured models ({where}):" if models else f"Configured models: {where}"]
     lines += [*_table(models), ""] if models else [""]

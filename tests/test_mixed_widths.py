@@ -131,3 +131,17 @@ def test_a_mixed_checkpoint_with_wrong_widths_fails_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=rf"^{KEY_DIMS_FIELD} names widths for layers \[.*\]; the model's "
                                          r"linear-attention layers are \[0, 1\]$"):
         load_model(folder)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_mixed_checkpoint_names_each_layers_own_channel_rows(family):
+    """channel_rows (what capture, masking and further pruning read) follows each mixer's own width."""
+    model = tiny_model(family)
+    keep = mixed_selection(model)
+    prune_model(model, keep, {"method": "test"})
+    ad = get_adapter(model)
+    for layer, mixer in ad.mixer_layers():
+        for entry in ad.channel_rows(mixer):
+            for rows in (entry.q, entry.k):
+                if rows is not None:
+                    assert tuple(rows.shape) == tuple(keep[layer].shape), (layer, entry.name)

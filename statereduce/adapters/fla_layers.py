@@ -149,7 +149,7 @@ class FlaAdapter(LinearAttentionAdapter):
         return mixer.k_conv1d if mixer.use_short_conv else None
 
     def channel_rows(self, mixer: nn.Module) -> list[ChannelRows]:
-        rows = head_major_rows(self.num_heads, self.head_k_dim)
+        rows = head_major_rows(self.num_heads, self.mixer_key_dim(mixer))
         out = [ChannelRows("q_proj", self.q_proj(mixer), rows, None),
                ChannelRows("k_proj", self.k_proj(mixer), None, rows)]
         if mixer.use_short_conv:
@@ -192,7 +192,7 @@ class FlaAdapter(LinearAttentionAdapter):
         (equal across the layer) or "none" (paper App. B.5, Table 14; :mod:`statereduce.adapters.conv_sharing`)."""
         from statereduce.adapters.conv_sharing import conv_sharing
 
-        return conv_sharing(mixer, self.num_heads, self.head_k_dim)
+        return conv_sharing(mixer, self.num_heads, self.mixer_key_dim(mixer))
 
     @classmethod
     def inplace_recurrent(cls, original: Callable, kernel: str, device_types: tuple[str, ...]) -> Callable:
