@@ -560,6 +560,8 @@ def allowed_widths(d_k: int, settings: BudgetSettings, check_width=None) -> list
     if settings.floor > d_k:
         raise ValueError(f"budget floor={settings.floor} exceeds d_k={d_k}; valid: a floor in [1, {d_k}]")
     widths = candidate_widths(d_k, settings.floor, settings.multiple)
+    if settings.powers_of_two:
+        widths = [w for w in widths if w == d_k or w & (w - 1) == 0]
     if check_width is None:
         return widths
     ok = []

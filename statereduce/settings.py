@@ -328,6 +328,9 @@ class BudgetSettings(Settings):
             ``effective_rank`` (channels up to each layer's effective rank are worth the same everywhere).
         floor: the fewest channels a layer may keep.
         multiple: kept widths are multiples of this (or the full d_k); 8 or 16 suit the GPU kernels.
+        powers_of_two: keep only widths that are powers of two (or the full d_k): the GPU kernels hold a head's key
+            channels in a tile of the next power of two, so a width just above one (80, 144) costs decode time
+            beyond its bytes (docs/speed.md, "Per-layer key widths").
         normalize: for ``greedy``: compare layers by the share of their own objective (true) or by its raw value
             (false: Grad's saliency is a first-order loss estimate on one scale across layers).
         n_samples: for ``sensitivity``: calibration sequences of the loss (the model's calibration sequences, the
@@ -341,6 +344,7 @@ class BudgetSettings(Settings):
     statistic: str = "energy"
     floor: int = 8
     multiple: int = 8
+    powers_of_two: bool = False
     normalize: bool = True
     n_samples: int | None = field(default=None, metadata=OPTIONAL)
     batch_size: int | None = field(default=None, metadata=OPTIONAL)
@@ -353,8 +357,9 @@ class BudgetSettings(Settings):
         for name in ("floor", "multiple"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"budget {name}={getattr(self, name)!r} must be a positive integer")
-        if not isinstance(self.normalize, bool):
-            raise ValueError(f"budget normalize={self.normalize!r} must be true or false")
+        for name in ("normalize", "powers_of_two"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"budget {name}={getattr(self, name)!r} must be true or false")
         for name in ("n_samples", "batch_size"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):

@@ -280,3 +280,13 @@ def test_the_budget_study_table_compares_each_budget_with_its_uniform_cut(tmp_pa
     assert "| 75 | drrqr | energy | 1 of 2: a |" in md
     png = budget_allocations(list(alloc.values()), tmp_path / "alloc.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_powers_of_two_keep_the_widths_the_kernels_tile_without_padding():
+    from statereduce.budgets import allowed_widths
+
+    assert allowed_widths(64, BudgetSettings()) == [8, 16, 24, 32, 40, 48, 56, 64]
+    assert allowed_widths(64, BudgetSettings(powers_of_two=True)) == [8, 16, 32, 64]
+    assert allowed_widths(96, BudgetSettings(powers_of_two=True, floor=16, multiple=16)) == [16, 32, 64, 96]
+    with pytest.raises(ValueError, match=r"^budget powers_of_two='yes' must be true or false$"):
+        BudgetSettings(powers_of_two="yes")
