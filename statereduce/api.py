@@ -9,11 +9,15 @@
     pruned = api.prune(model, selection)                    # a pruned copy of the model and its PruneRecord
     api.save(pruned, "pruned/", tokenizer)                  # reloads with statereduce.models.load_model
 
+    widths = api.allocate(model, stats, "drrqr", 75, {"policy": "spectrum"})["key_dims"]   # per-layer budget
+    mixed = api.prune(model, api.select(model, stats, "drrqr", pct=75, widths=widths))
+
 Every step runs the workflow's own stage code on in-memory arrays: :func:`calibrate` the capture of
 :mod:`statereduce.capture` (``activation_arrays``, ``grad_score_arrays``), :func:`select` the selector driver of
-:mod:`statereduce.select` (``head_data``, ``run_selector``), :func:`prune` :func:`statereduce.prune.prune_model` and
-:func:`save` :func:`statereduce.prune.save_pruned`. So a selection made here equals the one the workflow makes from
-the same model, blocks and settings, and the pruned checkpoints are the same.
+:mod:`statereduce.select` (``head_data``, ``run_selector``), :func:`prune` :func:`statereduce.prune.prune_model`,
+:func:`save` :func:`statereduce.prune.save_pruned` and :func:`allocate` the per-layer budgets of
+:mod:`statereduce.allocate`. So a selection made here equals the one the workflow makes from the same model, blocks
+and settings, and the pruned checkpoints are the same.
 
 Paper: Nazari & Rusch (2026), "On State Reduction in Linear Attention", Sec. 3.3-3.4 (selection and slicing of the
 key/query channels per head) and App. B.2 (calibration).
@@ -33,15 +37,17 @@ import torch
 from torch import nn
 
 from statereduce.adapters import LinearAttentionAdapter, adapter_class, adapter_families, get_adapter
+from statereduce.allocate import allocation_document
 from statereduce.capture import activation_arrays, grad_score_arrays, qk_weight_arrays
 from statereduce.models import build_random
 from statereduce.pretrain import mean_loss
 from statereduce.prune import PruneRecord, prune_model, save_pruned
 from statereduce.select import head_data, run_selector, write_selection
-from statereduce.selectors import HeadSelection, get_selector, n_keep_for, parse_method
-from statereduce.settings import CalibrationSettings
+from statereduce.selectors import HeadSelection, format_method, get_selector, n_keep_for, parse_method
+from statereduce.settings import BudgetSettings, CalibrationSettings
 
-__all__ = ["Calibration", "Pruned", "Selection", "build", "calibrate", "mean_loss", "prune", "save", "select"]
+__all__ = ["Calibration", "Pruned", "Selection", "allocate", "build", "calibrate", "mean_loss", "prune", "save",
+           "select"]
 
 #: What each selector ``need`` takes from a :class:`Calibration` layer.
 _STATS_FOR_NEED = {"activations": ("K", "Q"), "xnorm": ("xnorm",), "grad": ("grad_q", "grad_k")}
@@ -87,9 +93,10 @@ class Selection:
         return str(self.meta["kind"])
 
     @property
-    def d_k_new(self) -> int:
-        """Channels each head keeps, d_k'."""
-        return int(self.meta["d_k_new"])
+    def d_k_new(self) -> int | dict[int, int]:
+        """Channels each head keeps, d_k'; {layer: d_k'} for a selection whose layers keep different widths."""
+        d = self.meta["d_k_new"]
+        return {int(k): int(v) for k, v in d.items()} if isinstance(d, dict) else int(d)
 
     def channels(self) -> dict[int, np.ndarray]:
         """{layer: int64 [H, d_k'] kept channel indices}, or for a transform selection {layer: float64 [H, d_k', d_k]}:
@@ -199,6 +206,7 @@ def select(
     *,
     seed: int = 0,
     workers: int = 1,
+    widths: Mapping[int | str, int] | None = None,
     **options: Any,
 ) -> Selection:
     """Choose the key/query channels each head keeps, with a registered selector (paper Sec. 3.4).
@@ -212,6 +220,8 @@ def select(
         pct: percent of the key channels removed, in (0, 100); each head keeps ``d_k - round(d_k * pct / 100)``.
         seed: seeds ``rand`` (each head draws from its own generator of (seed, layer, head)).
         workers: heads selected in parallel threads.
+        widths: {layer: d_k'} per linear-attention layer (a per-layer key budget: :func:`allocate`'s ``key_dims``);
+            None keeps ``d_k - round(d_k * pct / 100)`` in every layer.
         **options: the selector's keyword options, e.g. ``f=2.0`` for ``drrqr``.
     Returns:
         a :class:`Selection`.
@@ -245,10 +255,81 @@ def select(
         for i in layers:
             yield i, {**weights.get(i, {}), **{name: stats.layers[i][name] for name in needed}}
 
+    if widths is not None:
+        widths = {int(k): int(v) for k, v in widths.items()}
+        if sorted(widths) != layers:
+            raise ValueError(f"widths name layers {sorted(widths)}; the model's linear-attention layers are {layers}")
+        bad = [(i, w) for i, w in widths.items() if not 1 <= w <= d_k]
+        if bad:
+            raise ValueError(f"widths[{bad[0][0]}]={bad[0][1]} is invalid; valid: an integer in [1, d_k={d_k}]")
     provenance = {"model": getattr(adapter.config, "name_or_path", None) or None, "family": adapter.family}
     rows, meta = run_selector(head_data(per_layer(), h), selector, pct, d_k=d_k, num_heads=h, seed=seed,
-                              options=options, workers=workers, provenance=provenance)
+                              options=options, workers=workers, provenance=provenance, widths=widths)
     return Selection(rows, meta)
+
+
+def allocate(
+    model: nn.Module,
+    stats: Calibration | None,
+    selector: str,
+    pct: float,
+    budget: BudgetSettings | Mapping[str, Any] | None = None,
+    *,
+    blocks: torch.Tensor | None = None,
+    seed: int = 0,
+    options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Per-layer key widths at the uniform cut's total (a per-layer key budget; docs/budgets.md), as rule
+    ``allocate`` computes them from the workflow's files.
+
+    Args:
+        model: the model ``stats`` were calibrated on.
+        stats: :func:`calibrate`'s result (what the policy and the selector read; None for a ``uniform`` budget or a
+            weight-only selector under ``sensitivity``).
+        selector: the selector (and ``-k``/``-q``) whose objective or selections the policy uses.
+        pct: percent of the key channels removed; every allocation keeps the uniform cut's total.
+        budget: :class:`~statereduce.settings.BudgetSettings` or its mapping (policy, statistic, floor, multiple,
+            ...); None: the spectrum policy with the captured energy.
+        blocks: [N, T] calibration token ids, for the sensitivity policy's loss.
+        seed, options: the selector's seed and keyword options.
+    Returns:
+        the allocation document (``key_dims``: {"<layer>": d_k'}, ``allocation``, ``statistics``); pass its
+        ``key_dims`` as :func:`select`'s ``widths``.
+    """
+    settings = BudgetSettings.coerce(budget)
+    spec = parse_method(selector)
+    sel = get_selector(spec.selector)
+    adapter = _adapter(model)
+    h, d_k = adapter.num_heads, adapter.head_k_dim
+    layers = [i for i, _ in adapter.mixer_layers()]
+    if stats is not None:
+        _check_stats(stats, model, adapter, layers)
+    reads = {"activations"} if settings.policy == "spectrum" else set()
+    if settings.policy in ("greedy", "sensitivity"):
+        reads |= set(sel.needs)
+    needed = [name for need in sorted(reads) for name in _STATS_FOR_NEED.get(need, ())]
+    if needed and stats is None:
+        raise ValueError(f"the {settings.policy} budget with selector {spec.selector!r} needs calibration statistics "
+                         f"({', '.join(needed)}): pass stats=api.calibrate(model, blocks)")
+    weights = qk_weight_arrays(model) if "weights" in reads else {}
+    dims = adapter.dims(adapter.config)
+
+    def layer_data():
+        for i in layers:
+            arrays = {**weights.get(i, {}), **{name: stats.layers[i][name] for name in needed}}
+            heads = [data for _, _, data in head_data([(i, arrays)], h)]
+            yield i, heads
+
+    if settings.policy == "sensitivity":
+        if blocks is None:
+            raise ValueError("the sensitivity budget measures the loss on calibration sequences: pass blocks=")
+        settings = settings.replace(batch_size=settings.batch_size or int(blocks.shape[0]))
+    name = "api"
+    return allocation_document(
+        f"{format_method(spec)}@{name}", pct, name, settings, d_k=d_k, num_heads=h, layers=layers,
+        layer_data=layer_data, check_width=lambda w: adapter.check_reduction(d_k, dims.head_v_dim, w), seed=seed,
+        options=options, model=model, blocks=blocks,
+        provenance={"model": getattr(adapter.config, "name_or_path", None) or None, "family": adapter.family})
 
 
 def prune(model: nn.Module, selection: Selection | Mapping[int, Any], *, inplace: bool = False,

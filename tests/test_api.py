@@ -31,6 +31,7 @@ from statereduce.adapters import adapter_families, get_adapter
 from statereduce.capture import capture_activations, export_qk_weights, grad_scores
 from statereduce.prune import prune_model
 from statereduce.select import read_selection, select_channels, write_selection
+from statereduce.runtime import write_json
 from statereduce.selectors import selector_names
 from statereduce.tokenizer import byte_level_tokenizer
 
@@ -293,3 +294,26 @@ def test_import_statereduce_is_light():
     code = "import statereduce, sys; print(sorted(m for m in ('torch', 'fla', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("method,policy", [("drrqr", "spectrum"), ("grad", "greedy"), ("drrqr-k", "greedy")])
+def test_a_budget_matches_the_workflow(workflow_artifacts, method, policy, tmp_path):
+    """api.allocate gives the widths and values rule allocate computes from the files, and api.select with them the
+    workflow's per-layer selection."""
+    from statereduce.allocate import allocate_budget
+
+    art, d = workflow_artifacts, workflow_artifacts["dir"]
+    budget = {"policy": policy, "floor": 4, "multiple": 4}
+    doc = api.allocate(art["model"], art["stats"], method, 50, budget)
+    ref = allocate_budget(d / "qk.h5", f"{method}@b", 50, "b", budget, activations=d / "activations.h5",
+                          grads=d / "grad_scores.h5")
+    assert doc["key_dims"] == ref["key_dims"] and doc["allocation"]["values"] == ref["allocation"]["values"]
+    selection = api.select(art["model"], art["stats"], method, pct=50, widths=doc["key_dims"])
+    write_json(tmp_path / "a.json", ref)
+    rows, meta = select_channels(d / "qk.h5", f"{method}@b", 50, activations=d / "activations.h5",
+                                 grads=d / "grad_scores.h5", allocation=tmp_path / "a.json")
+    _same_rows(selection.rows, rows)
+    widths = {int(k): v for k, v in doc["key_dims"].items()}
+    assert selection.d_k_new == (widths if len(set(widths.values())) > 1 else widths[0])
+    pruned = api.prune(art["model"], selection, norm_eps="exact")
+    assert get_adapter(pruned.model).layer_key_dims() == widths
