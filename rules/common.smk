@@ -188,15 +188,13 @@ def get_allocate_inputs(wildcards):
     if spec.budget is None:
         raise WorkflowError(f"method {wildcards.method!r} has no @<budget>: it has no allocation")
     srconfig.check_budget_cell(CFG, wildcards.model, wildcards.method, float(wildcards.pct))
-    policy = srconfig.model_budget(CFG, spec.budget).policy
-    inputs = {"weights": layout.path(layout.QK_WEIGHTS, model=wildcards.model)}
-    if policy == "uniform":
-        return inputs
-    needs = {"activations"} if policy == "spectrum" else set()
-    if policy in ("greedy", "sensitivity"):
-        from statereduce.selectors import get_selector
+    from statereduce.budgets import policy_needs
 
-        needs |= set(get_selector(spec.selector).needs)
+    budget = srconfig.model_budget(CFG, spec.budget)
+    policy = budget.policy
+    needs = policy_needs(budget, spec.selector)
+    inputs = {"weights": layout.path(layout.QK_WEIGHTS, model=wildcards.model)}
+    if policy in ("greedy", "sensitivity"):  # they run the selector
         inputs["code"] = [here_relative(f) for f in selector_code_files(spec.selector)]
     if needs & {"activations", "xnorm"}:
         inputs["activations"] = layout.path(layout.ACTIVATIONS, model=wildcards.model, calib=spec.calib)

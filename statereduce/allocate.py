@@ -1,16 +1,16 @@
 """Per-layer key budgets in the workflow (rule ``allocate``): one kept width d_k' per layer at the uniform cut's total.
 
 A method token ending in ``@<budget>`` (``drrqr@energy_75``) names a budget of the config's ``budgets`` block
-(:class:`statereduce.settings.BudgetSettings`). Its allocation, ``results/{model}/select/{method}_{pct}.allocation.json``,
-holds each pruned layer's width, the policy's value of every candidate width, and the statistics behind them; the
-selection of the same token (:func:`statereduce.select.select_channels`) runs the selector with each layer's width,
-and pruning (:func:`statereduce.prune.prune_model`) writes a checkpoint whose layers keep different widths
+(:class:`statereduce.settings.BudgetSettings`). Its allocation,
+``results/{model}/select/{method}_{pct}.allocation.json``, holds each pruned layer's width, the policy's value of
+every candidate width, and the statistics behind them; the selection of the same token
+(:func:`statereduce.select.select_channels`) runs the selector with each layer's width, and pruning (:func:`statereduce.prune.prune_model`) writes a checkpoint whose layers keep different widths
 (``statereduce_key_dims`` in its config; :func:`statereduce.models.load_model` loads it).
 
 Every allocation keeps ``n_keep_for(d_k, pct) * layers`` channels per head position in all (every linear-attention
 layer has the same heads and d_v, so the state bytes equal the uniform cut's), with widths from
-:func:`statereduce.budgets.candidate_widths` (a floor, multiples of ``multiple`` or the full d_k, and widths the family's
-config can express). The policies (:mod:`statereduce.budgets` solves the exact knapsack over their values):
+:func:`statereduce.budgets.allowed_widths` (a floor, multiples of ``multiple`` or the full d_k, and widths the
+family's config can express). The policies (:mod:`statereduce.budgets` solves the exact knapsack over their values):
 
 * ``uniform``: the uniform width in every layer (the plain method's selection and checkpoint, byte for byte);
 * ``spectrum``: each layer's calibration second moment of [K; Q] (K or Q alone for ``-k``/``-q``), per head, with
@@ -21,8 +21,8 @@ config can express). The policies (:mod:`statereduce.budgets` solves the exact k
   over the layer's heads, or its raw value (``normalize: false``);
 * ``sensitivity``: the calibration loss with one layer alone cut to each width by the selector (the others whole),
   measured on the model (:func:`sensitivity_losses`): ``layers x (candidates - 1)`` forwards over the calibration
-  sequences. On the tiny models (4 layers, 7 widths, 32 x 256 tokens) seconds on a CPU; a 24-layer 1.3B model with
-  d_k 128 and multiples of 16 takes 24 x 7 = 168 forwards of the calibration set, minutes on one GPU.
+  sequences. On the tiny models (4 layers, 7 widths, 16 x 256 tokens) 15-20 s on a CPU; a 24-layer 1.3B model with
+  d_k 128 and multiples of 16 takes 24 x 7 = 168 forwards of the calibration set.
 """
 
 from __future__ import annotations
@@ -36,11 +36,25 @@ from typing import Any
 import numpy as np
 
 from statereduce import __version__
-from statereduce.budgets import ALLOCATION_FORMAT, Allocation, check_budget, sensitivity_values, spectrum_values
-from statereduce.selectors import HeadData, get_selector, n_keep_for, parse_method
+from statereduce.budgets import (
+    ALLOCATION_FORMAT,
+    Allocation,
+    check_budget,
+    effective_rank,
+    policy_needs,
+    sensitivity_values,
+    spectrum_values,
+)
+from statereduce.selectors import HeadData, get_selector, head_rng, n_keep_for, parse_method
 from statereduce.settings import BudgetSettings
 
 log = logging.getLogger(__name__)
+
+
+def _sides(data: HeadData, variant: str) -> list[np.ndarray | None]:
+    """The head's calibration rows the variant scores from: [K, Q], [K] or [Q] (None where absent)."""
+    return [getattr(data, f) for f in ("K", "Q") if variant in ("kq", f.lower())]
+
 
 def spectrum_eigenvalues(layers: Iterable[tuple[int, list[HeadData]]], variant: str) -> dict[int, np.ndarray]:
     """Per layer the eigenvalues of each head's calibration second moment ``M^T M / rows`` (M = [K; Q], K or Q),
@@ -49,9 +63,10 @@ def spectrum_eigenvalues(layers: Iterable[tuple[int, list[HeadData]]], variant: 
     for layer, heads in layers:
         total = None
         for data in heads:
-            mats = [getattr(data, f) for f in ("K", "Q") if variant in ("kq", f.lower())]
+            mats = _sides(data, variant)
             if any(m is None for m in mats):
-                raise ValueError(f"layer {layer}: the spectrum budget needs calibration {'K and Q' if variant == 'kq' else variant.upper()}")
+                need = "K and Q" if variant == "kq" else variant.upper()
+                raise ValueError(f"layer {layer}: the spectrum budget needs calibration {need}")
             M = np.concatenate([np.asarray(m, np.float64) for m in mats])
             lam = np.sort(np.linalg.eigvalsh(M.T @ M / M.shape[0]))[::-1]
             total = lam if total is None else total + lam
@@ -60,7 +75,8 @@ def spectrum_eigenvalues(layers: Iterable[tuple[int, list[HeadData]]], variant: 
 
 
 def greedy_layer_values(layers: Iterable[tuple[int, list[HeadData]]], selector: str, widths: list[int], *,
-                        variant: str, seed: int, options: Mapping[str, Any], normalize: bool) -> dict[int, dict[int, float]]:
+                        variant: str, seed: int, options: Mapping[str, Any],
+                        normalize: bool) -> dict[int, dict[int, float]]:
     """Per layer ``{width: value}``: the heads' mean share of the selector's objective (``normalize``), or with
     ``normalize=False`` the shares times each head's raw objective total (score sum; DRRQR: ``||M||_F^2``)."""
     sel = get_selector(selector)
@@ -68,8 +84,7 @@ def greedy_layer_values(layers: Iterable[tuple[int, list[HeadData]]], selector: 
     for layer, heads in layers:
         acc = {w: 0.0 for w in widths}
         for head, data in enumerate(heads):
-            rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(layer), int(head)]))
-            shares = sel.objective_values(data, widths, variant=variant, rng=rng, **options)
+            shares = sel.objective_values(data, widths, variant=variant, rng=head_rng(seed, layer, head), **options)
             scale = 1.0 / len(heads) if normalize else _objective_total(sel, data, variant, seed, layer, head, options)
             for w in widths:
                 acc[w] += scale * shares[w]
@@ -80,10 +95,8 @@ def greedy_layer_values(layers: Iterable[tuple[int, list[HeadData]]], selector: 
 def _objective_total(sel, data: HeadData, variant: str, seed: int, layer: int, head: int, options) -> float:
     """A head's raw objective at full width: its channel scores' sum, or (DRRQR) the squared norm of its M."""
     if sel.objective is not None:
-        mats = [getattr(data, f) for f in ("K", "Q") if variant in ("kq", f.lower())]
-        return float(sum(np.sum(np.asarray(m, np.float64) ** 2) for m in mats if m is not None))
-    rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(layer), int(head)]))
-    return float(np.sum(sel(data, data.d_k, variant=variant, rng=rng, **options).scores))
+        return float(sum(np.sum(np.asarray(m, np.float64) ** 2) for m in _sides(data, variant) if m is not None))
+    return float(np.sum(sel(data, data.d_k, variant=variant, rng=head_rng(seed, layer, head), **options).scores))
 
 
 def calibration_loss(model, blocks, batch_size: int) -> float:
@@ -130,10 +143,8 @@ def sensitivity_losses(model, blocks, layers: Iterable[tuple[int, list[HeadData]
         for layer, heads in layers:
             losses = {d_k: base}
             for w in cut:
-                keep = []
-                for head, data in enumerate(heads):
-                    rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(layer), int(head)]))
-                    keep.append(sel(data, w, variant=variant, rng=rng, **options).keep)
+                keep = [sel(data, w, variant=variant, rng=head_rng(seed, layer, head), **options).keep
+                        for head, data in enumerate(heads)]
                 with masked_channels(adapter, mixers[int(layer)], torch.as_tensor(np.stack(keep))):
                     losses[w] = calibration_loss(model, blocks, batch_size)
                 bar.update()
@@ -174,7 +185,7 @@ def allocation_document(method: str, pct: float, budget: str, settings: BudgetSe
         values = spectrum_values([eigs[i] for i in layers], widths, mode=settings.statistic)
         alloc = Allocation.solve(values, total, settings.statistic)
         stats = {"eigenvalues": [eigs[i].tolist() for i in layers],
-                 "effective_rank": [_erank(eigs[i]) for i in layers],
+                 "effective_rank": [effective_rank(eigs[i]) for i in layers],
                  "energy_at_uniform": [float(np.cumsum(eigs[i])[n_keep - 1] / eigs[i].sum()) for i in layers]}
     elif settings.policy == "greedy":
         by_layer = greedy_layer_values(layer_data(), spec.selector, widths, variant=spec.variant, seed=seed,
@@ -217,17 +228,12 @@ def allocation_document(method: str, pct: float, budget: str, settings: BudgetSe
     }
 
 
-def _erank(lam: np.ndarray) -> float:
-    p = np.clip(np.asarray(lam, np.float64), 0, None)
-    p = p[p > 0] / p.sum()
-    return float(np.exp(-np.sum(p * np.log(p))))
-
-
 def allocate_budget(weights: str | Path, method: str, pct: float, budget: str, settings: BudgetSettings | Mapping,
                     *, activations: str | Path | None = None, grads: str | Path | None = None,
                     base: str | Path | None = None, calibration: Mapping[str, Any] | None = None,
                     corpus: Mapping[str, Any] | None = None, head_v_dim: int | None = None, seed: int = 0,
-                    options: Mapping[str, Any] | None = None, expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    options: Mapping[str, Any] | None = None,
+                    expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Rule ``allocate``: the allocation artifact of ``method`` (ending in ``@budget``) at ``pct``.
 
     Args:
@@ -253,10 +259,7 @@ def allocate_budget(weights: str | Path, method: str, pct: float, budget: str, s
     for path in (activations, grads):
         if path is not None:
             H5Artifact(path).expect(calib_expect)
-    sel = get_selector(spec.selector)
-    needs = set(sel.needs) if settings.policy in ("greedy", "sensitivity") else set()
-    if settings.policy == "spectrum":
-        needs |= {"activations"}
+    needs = policy_needs(settings, spec.selector)
 
     def layer_data():
         return layer_head_data(Path(weights), needs, Path(activations) if activations else None,

@@ -38,6 +38,7 @@ from torch import nn
 
 from statereduce.adapters import LinearAttentionAdapter, adapter_class, adapter_families, get_adapter
 from statereduce.allocate import allocation_document
+from statereduce.budgets import policy_needs
 from statereduce.capture import activation_arrays, grad_score_arrays, qk_weight_arrays
 from statereduce.models import build_random
 from statereduce.pretrain import mean_loss
@@ -298,15 +299,12 @@ def allocate(
     """
     settings = BudgetSettings.coerce(budget)
     spec = parse_method(selector)
-    sel = get_selector(spec.selector)
     adapter = _adapter(model)
     h, d_k = adapter.num_heads, adapter.head_k_dim
     layers = [i for i, _ in adapter.mixer_layers()]
     if stats is not None:
         _check_stats(stats, model, adapter, layers)
-    reads = {"activations"} if settings.policy == "spectrum" else set()
-    if settings.policy in ("greedy", "sensitivity"):
-        reads |= set(sel.needs)
+    reads = policy_needs(settings, spec.selector)
     needed = [name for need in sorted(reads) for name in _STATS_FOR_NEED.get(need, ())]
     if needed and stats is None:
         raise ValueError(f"the {settings.policy} budget with selector {spec.selector!r} needs calibration statistics "

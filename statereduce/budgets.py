@@ -389,10 +389,16 @@ def spectrum_values(
             cum = np.cumsum(lam)
             out.append({w: float(cum[w - 1] / cum[-1]) for w in ws})
         else:
-            p = lam[lam > 0.0] / lam.sum()
-            erank = float(np.exp(-np.sum(p * np.log(p))))
-            out.append({w: min(float(w), erank) / lam.size for w in ws})
+            out.append({w: min(float(w), effective_rank(lam)) / lam.size for w in ws})
     return out
+
+
+def effective_rank(eigenvalues: np.ndarray) -> float:
+    """``exp(-sum_j p_j log p_j)`` with ``p = lam / sum(lam)`` over the positive eigenvalues (1 for a rank-one
+    spectrum, n for a flat one of n)."""
+    lam = np.asarray(eigenvalues, dtype=np.float64)
+    p = lam[lam > 0.0] / lam[lam > 0.0].sum()
+    return float(np.exp(-np.sum(p * np.log(p))))
 
 
 def greedy_values(
@@ -572,6 +578,16 @@ def allowed_widths(d_k: int, settings: BudgetSettings, check_width=None) -> list
             continue
         ok.append(w)
     return ok
+
+
+def policy_needs(settings: BudgetSettings, selector: str) -> set[str]:
+    """What a budget's policy reads (selector ``needs``): nothing for ``uniform``, the calibration activations for
+    ``spectrum``, the selector's own inputs for ``greedy`` and ``sensitivity`` (which run the selector)."""
+    if settings.policy == "spectrum":
+        return {"activations"}
+    if settings.policy in ("greedy", "sensitivity"):
+        return set(get_selector(selector).needs)
+    return set()
 
 
 def check_budget_selector(settings: BudgetSettings, selector: str) -> None:

@@ -11,6 +11,7 @@ needs. Files:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -155,15 +156,8 @@ def head_data_iter(weights: Path, needs: set[str], activations: Path | None, gra
 
 def layer_head_data(weights: Path, needs: set[str], activations: Path | None, grads: Path | None):
     """Yield (layer, [HeadData of each head]) with only the fields in ``needs`` (a layer at a time)."""
-    batch, current = [], None
-    for layer, _head, data in head_data_iter(Path(weights), needs, activations, grads):
-        if current is not None and layer != current:
-            yield current, batch
-            batch = []
-        current = layer
-        batch.append(data)
-    if current is not None:
-        yield current, batch
+    for layer, rows in itertools.groupby(head_data_iter(Path(weights), needs, activations, grads), key=lambda r: r[0]):
+        yield layer, [data for _, _, data in rows]
 
 
 def _wanted(name: str, needs: set[str]) -> bool:

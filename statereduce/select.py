@@ -159,11 +159,12 @@ def run_selector(
     selector = get_selector(spec.selector)
     n_keep = n_keep_for(d_k, pct) if widths is None else dict(widths)
     rows = select_heads(selector, heads, n_keep, spec.variant, seed, options or {}, workers=workers)
-    if isinstance(n_keep, dict):
-        missing_layers = sorted({r[0] for r in rows} - set(n_keep))
-        if missing_layers:
-            raise ValueError(f"the allocation names layers {sorted(n_keep)}; the weights also have {missing_layers}")
-        n_keep = n_keep.popitem()[1] if len(set(n_keep.values())) == 1 else {str(k): v for k, v in sorted(n_keep.items())}
+    if isinstance(n_keep, dict):  # select_heads refuses a layer the widths lack; here the reverse
+        extra = sorted(set(n_keep) - {r[0] for r in rows})
+        if extra:
+            raise ValueError(f"the widths name layers {extra} that the model's linear-attention layers lack")
+        one = set(n_keep.values())
+        n_keep = one.pop() if len(one) == 1 else {str(k): v for k, v in sorted(n_keep.items())}
     kinds = {"transform" if r[2].transform is not None else "index" for r in rows}
     if len(kinds) > 1:
         raise RuntimeError(f"selector {spec.selector!r} returned index and transform selections for different heads")

@@ -264,12 +264,12 @@ def test_the_budget_study_table_compares_each_budget_with_its_uniform_cut(tmp_pa
     study = {"models": ["a", "b"], "selectors": ["drrqr"], "budgets": ["energy"], "pcts": [75]}
     summaries = [_summary("a", "drrqr", 75, 3.0, 2.9, 0.5), _summary("a", "drrqr@energy", 75, 2.8, 2.95, 0.6),
                  _summary("b", "drrqr", 75, 3.0, 2.9, 0.5), _summary("b", "drrqr@energy", 75, 3.1, 2.9, 0.4)]
-    alloc = {(m, "drrqr@energy", 75.0): {"model": m, "pct": 75, "selector": "drrqr", "budget": "energy", "d_k": 64,
-                                         "uniform_width": 16, "key_dims": {"0": 24, "1": 8},
-                                         "allocation": {"policy": "energy"}} for m in "ab"}
+    alloc = [{"model": m, "method": "drrqr@energy", "pct": 75, "selector": "drrqr", "budget": "energy", "d_k": 64,
+              "uniform_width": 16, "key_dims": {"0": 24, "1": 8}, "allocation": {"policy": "energy"}} for m in "ab"]
     df = write_budget_study(summaries, study, alloc, tmp_path)
     pre = df[(df["stage"] == "pruned") & (df["budget"] == "energy")].set_index("model")
-    assert pre.loc["a", "d_bits_per_byte"] == pytest.approx(-0.2) and pre.loc["b", "d_bits_per_byte"] == pytest.approx(0.1)
+    assert pre.loc["a", "d_bits_per_byte"] == pytest.approx(-0.2)
+    assert pre.loc["b", "d_bits_per_byte"] == pytest.approx(0.1)
     assert pre.loc["a", "d_recall"] == pytest.approx(0.1)
     assert pre.loc["a", "d_recall_se"] == pytest.approx(np.hypot(0.05 / np.sqrt(2), 0.05 / np.sqrt(2)))
     assert pre.loc["a", "key_dims"] == "24 8"
@@ -278,7 +278,7 @@ def test_the_budget_study_table_compares_each_budget_with_its_uniform_cut(tmp_pa
     md = (tmp_path / "budget_study.md").read_text()
     assert "| a | drrqr | energy | 24 8 | 2.800 → 2.950 | -0.200 | +0.050 |" in md
     assert "| 75 | drrqr | energy | 1 of 2: a |" in md
-    png = budget_allocations(list(alloc.values()), tmp_path / "alloc.png")
+    png = budget_allocations(alloc, tmp_path / "alloc.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

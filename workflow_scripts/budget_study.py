@@ -1,4 +1,6 @@
 """rule budget_study: results/tables/budget_study.{md,csv,html}, results/figures/budget_allocations.png."""
+from pathlib import Path
+
 from statereduce.runtime import read_json, start
 
 log = start(snakemake.log[0], torch_threads=False)
@@ -7,8 +9,7 @@ from statereduce.analysis.tables import write_budget_study  # noqa: E402
 
 summaries = [read_json(p) for p in snakemake.input.summaries]
 allocations = [read_json(p) for p in snakemake.input.allocations]
-by_cell = {(a["model"], a["method"], float(a["pct"])): a for a in allocations}
-df = write_budget_study(summaries, snakemake.params.study, by_cell, snakemake.output.table.rsplit("/", 1)[0])
+df = write_budget_study(summaries, snakemake.params.study, allocations, Path(snakemake.output.table).parent)
 write_markdown_html(snakemake.output.table, snakemake.output.html)
 budget_allocations(allocations, snakemake.output.figure)
 log.info("wrote %d rows from %d summaries and %d allocations", len(df), len(summaries), len(allocations))

@@ -846,7 +846,7 @@ def _recall(metrics: dict) -> tuple[float, float]:
     return mean, se
 
 
-def budget_frame(summaries: list[dict], study: dict, allocations: dict[tuple[str, str, float], dict]) -> pd.DataFrame:
+def budget_frame(summaries: list[dict], study: dict, allocations: list[dict]) -> pd.DataFrame:
     """One row per (model, pct, selector, budget, stage) of ``studies.budgets``, ``budget`` ``uniform`` for the plain
     method; with held-out bits/byte, the recall probe's mean accuracy and its standard error, and the change of
     both against the uniform cut of the same selector, pct and stage; ``key_dims`` are the allocation's widths.
@@ -854,11 +854,12 @@ def budget_frame(summaries: list[dict], study: dict, allocations: dict[tuple[str
     Args:
         summaries: summary documents (others are ignored).
         study: the ``studies.budgets`` block.
-        allocations: (model, method, pct) -> allocation document of each budget cell.
+        allocations: the allocation documents of the budget cells (others are ignored).
     """
     from statereduce.selectors import MethodSpec, format_method
 
     by_cell = {(s["model"], s["method"], float(s["pct"])): s for s in summaries}
+    allocations = {(a["model"], a["method"], float(a["pct"])): a for a in allocations}
     rows = []
     for model in study["models"]:
         for pct in map(float, study["pcts"]):
@@ -947,8 +948,7 @@ def budget_study_markdown(df: pd.DataFrame, study: dict) -> str:
     return "".join(parts)
 
 
-def write_budget_study(summaries: list[dict], study: dict, allocations: dict[tuple[str, str, float], dict],
-                       out_dir: str | Path) -> pd.DataFrame:
+def write_budget_study(summaries: list[dict], study: dict, allocations: list[dict], out_dir: str | Path) -> pd.DataFrame:
     """Write ``budget_study.{md,csv}`` into ``out_dir`` (CSV: :func:`budget_frame`); returns the frame."""
     from statereduce.runtime import write_text_atomic
 

@@ -381,6 +381,12 @@ def n_keep_for(d_k: int, pct: float) -> int:
     return n_keep
 
 
+def head_rng(seed: int, layer: int, head: int) -> np.random.Generator:
+    """The random generator of one (layer, head): ``default_rng(SeedSequence([seed, layer, head]))``, independent of
+    which other heads are processed and in which order."""
+    return np.random.default_rng(np.random.SeedSequence([int(seed), int(layer), int(head)]))
+
+
 def select_heads(
     selector: str | Selector,
     heads: Iterable[tuple[int, int, HeadData]],
@@ -428,7 +434,7 @@ def select_heads(
 
     def one(item: tuple[int, int, HeadData]) -> tuple[int, int, HeadSelection]:
         layer, head, data = item
-        rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(layer), int(head)]))
+        rng = head_rng(seed, layer, head)
         try:
             if isinstance(n_keep, Mapping) and int(layer) not in n_keep:
                 raise ValueError(f"n_keep names layers {sorted(n_keep)}, not this one")
