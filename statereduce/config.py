@@ -390,16 +390,11 @@ def model_budget(config: dict, budget: str) -> BudgetSettings:
 def model_mixer_layers(config: dict, model: str) -> int | None:
     """The number of linear-attention layers of ``model`` when its config gives its architecture (``pretrain`` or
     ``init`` models), else None (the jobs read it off the checkpoint)."""
-    import types
-
     from statereduce.families import family_spec
 
     m = config["models"][model]
     block = next((b for b in ("pretrain", "init") if b in m), None)
-    if block is None:
-        return None
-    spec = family_spec(m["family"])
-    return len(spec.mixer_layer_indices(types.SimpleNamespace(**{**spec.config_defaults, **m[block]["arch"]})))
+    return None if block is None else len(family_spec(m["family"]).arch_mixer_layers(m[block]["arch"]))
 
 
 def check_budget_cell(config: dict, model: str, method: str, pct: float) -> None:

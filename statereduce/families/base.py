@@ -161,6 +161,12 @@ class FamilySpec(ABC):
         return cls.dims(types.SimpleNamespace(**{**cls.config_defaults, **arch}))
 
     @classmethod
+    def arch_mixer_layers(cls, arch: dict[str, Any]) -> list[int]:
+        """:meth:`mixer_layer_indices` of ``config_class(**arch)``, computed without building it (no fla import)."""
+        cls.check_arch(arch)
+        return cls.mixer_layer_indices(types.SimpleNamespace(**{**cls.config_defaults, **arch}))
+
+    @classmethod
     @abstractmethod
     def mixer_layer_indices(cls, config) -> list[int]:
         """Indices of the linear-attention layers of ``config`` (softmax-attention layers excluded)."""

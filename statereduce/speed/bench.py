@@ -175,15 +175,8 @@ def layer_state_shapes(family: str, config) -> list:
     linear-attention layer of ``config``, in order: the config's one shape, or with
     :data:`statereduce.slicing.KEY_DIMS_FIELD` each layer's own (the config's at that layer's d_k')."""
     from statereduce.adapters import adapter_class
-    from statereduce.slicing import KEY_DIMS_FIELD
 
-    adapter = adapter_class(family)
-    layers = adapter.mixer_layer_indices(config)
-    widths = getattr(config, KEY_DIMS_FIELD, None)
-    if widths is None:
-        return [adapter.config_state_shape(config)] * len(layers)
-    by_width = {w: adapter.config_state_shape(adapter.reduced_config(config, w)) for w in {widths[i] for i in layers}}
-    return [by_width[widths[i]] for i in layers]
+    return list(adapter_class(family).config_layer_state_shapes(config).values())
 
 
 def build_model(config, dtype: torch.dtype, device: str = "cuda"):
