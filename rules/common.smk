@@ -281,6 +281,7 @@ def get_summary_inputs(wildcards):
               "record": f"{stage}/pruned/prune_record.json"}
     if rft_active(wildcards.model):
         inputs["rft"] = f"{stage}/rft/eval.json"
+        inputs["rft_record"] = f"{stage}/rft/rft_record.json"
     return inputs
 
 

@@ -81,45 +81,80 @@ def _doc_hash(doc: str) -> str:
     return hashlib.sha256(doc.encode("utf-8")).hexdigest()
 
 
-def training_blocks(
-    tokenizer, docs: Sequence[str], n_samples: int, seq_len: int, seed: int, exclude: Sequence[str] = ()
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The RFT samples: ``n_samples`` distinct ``seq_len``-token blocks of ``docs``, in a seeded order.
-
-    Documents whose text equals one of ``exclude`` (the held-out evaluation documents) are dropped. The
-    rest are visited in a seeded random order and tokenized only until they hold twice the tokens the
-    samples need (a large split is not tokenized whole); the blocks are then cut and drawn from those
-    documents as for calibration (:func:`statereduce.data.token_blocks`).
+def _take_documents(tokenizer, ordered: Sequence[str], start: int, need: int) -> tuple[list[str], int, int]:
+    """Documents of ``ordered`` from ``start`` on until they hold ``need`` tokens (each document's tokens plus its
+    EOS), tokenized 64 at a time so that a large split is not tokenized whole.
 
     Returns:
-        (LongTensor ``[n_samples, seq_len]``, info: documents available, used and dropped, tokens).
+        ``(documents, index after the last one taken, tokens they hold)``.
+    """
+    used, have, i = [], 0, start
+    while i < len(ordered) and have < need:
+        chunk = ordered[i : i + 64]
+        lengths = [len(x) + 1 for x in tokenizer(list(chunk), add_special_tokens=False)["input_ids"]]
+        for doc, n in zip(chunk, lengths):
+            if have >= need:
+                break
+            used.append(doc)
+            have += n
+            i += 1
+    return used, i, have
+
+
+def rft_blocks(
+    tokenizer, docs: Sequence[str], n_samples: int, seq_len: int, seed: int, exclude: Sequence[str] = (),
+    val_samples: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """The RFT training and validation sequences: ``n_samples`` and ``val_samples`` distinct ``seq_len``-token
+    blocks of ``docs``, from disjoint documents, in a seeded order.
+
+    Documents whose text equals one of ``exclude`` (the held-out evaluation documents) are dropped. The rest are
+    visited in a seeded random order: the first ones, until they hold twice the tokens the validation blocks need,
+    are the validation documents; the following ones, until they hold twice the tokens of the training blocks, the
+    training documents. The blocks are cut and drawn from each set as for calibration
+    (:func:`statereduce.data.token_blocks`). With ``val_samples=0`` the training blocks are those of
+    :func:`training_blocks`.
+
+    Returns:
+        (LongTensor ``[n_samples, seq_len]``, LongTensor ``[val_samples, seq_len]``, info: documents available, used
+        for training and for validation, dropped, tokens; ``validation_hashes``: SHA-256 of the validation documents).
     """
     from statereduce.data import token_blocks
 
     banned = {_doc_hash(d) for d in exclude}
     kept = [d for d in docs if d and _doc_hash(d) not in banned]
     g = torch.Generator().manual_seed(int(seed))
-    order = torch.randperm(len(kept), generator=g).tolist()
-    need, have, used = 2 * n_samples * seq_len, 0, []
-    for i in range(0, len(order), 64):
-        chunk = [kept[j] for j in order[i : i + 64]]
-        lengths = [len(x) + 1 for x in tokenizer(chunk, add_special_tokens=False)["input_ids"]]
-        for doc, n in zip(chunk, lengths):
-            if have >= need:
-                break
-            used.append(doc)
-            have += n
-        if have >= need:
-            break
+    ordered = [kept[j] for j in torch.randperm(len(kept), generator=g).tolist()]
+    val_docs, pos, val_tokens = _take_documents(tokenizer, ordered, 0, 2 * val_samples * seq_len) if val_samples \
+        else ([], 0, 0)
+    used, _, have = _take_documents(tokenizer, ordered, pos, 2 * n_samples * seq_len)
     blocks = token_blocks(tokenizer, used, n_samples, seq_len, seed)
+    val = token_blocks(tokenizer, val_docs, val_samples, seq_len, seed + 1) if val_samples \
+        else torch.empty(0, seq_len, dtype=torch.long)
     info = {
         "documents": len(kept),
         "documents_used": len(used),
         "documents_dropped_as_heldout": sum(1 for d in docs if d and _doc_hash(d) in banned),
         "tokens_read": have,
         "tokens": blocks.numel(),
+        "validation": {"documents": len(val_docs), "tokens_read": val_tokens, "tokens": val.numel(),
+                       "samples": int(val_samples)},
+        "validation_hashes": sorted(_doc_hash(d) for d in val_docs),
     }
-    return blocks, info
+    return blocks, val, info
+
+
+def training_blocks(
+    tokenizer, docs: Sequence[str], n_samples: int, seq_len: int, seed: int, exclude: Sequence[str] = ()
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The RFT samples without validation: ``n_samples`` distinct ``seq_len``-token blocks of ``docs``, in a seeded
+    order (:func:`rft_blocks` with ``val_samples=0``).
+
+    Returns:
+        (LongTensor ``[n_samples, seq_len]``, info: documents available, used and dropped, tokens).
+    """
+    blocks, _, info = rft_blocks(tokenizer, docs, n_samples, seq_len, seed, exclude)
+    return blocks, {k: v for k, v in info.items() if k not in ("validation", "validation_hashes")}
 
 
 # ---- model ------------------------------------------------------------------------------------------
@@ -249,6 +284,7 @@ def train(
     accelerator=None,
     stop_after: int | None = None,
     desc: str = "rft",
+    val_blocks: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Optimise the trainable parameters of ``student`` (a peft model) to match ``teacher`` on ``blocks``.
 
@@ -267,11 +303,17 @@ def train(
         log_path: the JSONL log (rewritten from the resume state's lines, then appended).
         accelerator: an ``accelerate.Accelerator``; a default single-process one when None.
         stop_after: test hook: raise after this many optimizer steps (after any checkpoint at that step).
+        val_blocks: LongTensor ``[val_samples, seq_len]`` of validation sequences (:func:`rft_blocks`): their loss
+            (:func:`validation_loss`) is measured before the first step, at every ``save_every`` and after the last
+            step; with ``cfg.keep == "best"`` the student ends with the trainable tensors of the pass with the lowest
+            ``cfg.best_metric`` (the earliest of equal ones).
 
     Returns:
         Training statistics: steps, tokens, seconds, tokens/s, final loss/KL/CE, resumed_from, the micro-batch size
-        used (with ``micro_batch_probe`` when it was ``auto`` on a GPU: :func:`auto_micro_batch`), and on CUDA each
-        process's peak allocated memory (``peak_memory_bytes``, by process index).
+        used (with ``micro_batch_probe`` when it was ``auto`` on a GPU: :func:`auto_micro_batch`), on CUDA each
+        process's peak allocated memory (``peak_memory_bytes``, by process index), and with validation blocks
+        ``validation``: ``{"samples", "metric", "keep", "curve": [{"step", "loss", "kl", "ce"}, ...], "best_step",
+        "kept_step"}``.
     """
     from accelerate import Accelerator
 
@@ -279,7 +321,7 @@ def train(
     student, opt, params, steps, sched = _prepare_training(student, teacher, blocks, cfg, acc)
     autocast = _autocast(cfg.precision, acc.device)
     resume_file = Path(resume_dir) / RESUME_FILE if resume_dir is not None else None
-    start_step, log_lines = _load_resume(resume_file, acc, student, opt)
+    start_step, log_lines, val = _load_resume(resume_file, acc, student, opt)
     bs, tokens_per_step = cfg.batch_size, cfg.batch_size * blocks.shape[1]
     student.train()
     local = list(range(acc.process_index, bs, acc.num_processes))  # this process's positions within each batch
@@ -288,6 +330,9 @@ def train(
         mbs, probe = auto_micro_batch(student, teacher, blocks, cfg, acc, autocast, len(local))
         opt.zero_grad(set_to_none=True)  # the probe's gradients are not training's
     micro = [local[i : i + mbs] for i in range(0, len(local), mbs)]
+    validate = val_blocks is not None and val_blocks.shape[0] > 0
+    if validate and start_step == 0:
+        _validate(val, 0, student, teacher, val_blocks, cfg, acc, autocast, mbs)
     window: list[tuple[float, float, float]] = []
     t_start = t_window = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -314,12 +359,69 @@ def train(
                     log_file.flush()
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['kl']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 window, t_window = [], now
+            if validate and (done % cfg.save_every == 0 or done == steps):
+                _validate(val, done, student, teacher, val_blocks, cfg, acc, autocast, mbs)
+                bar.set_postfix(val=f"{val['curve'][-1][cfg.best_metric]:.4f}", best=val["best_step"])
             if resume_file is not None and (done % cfg.save_every == 0 and done < steps):
-                _checkpoint(resume_file, acc, student, opt, done, log_lines)
+                _checkpoint(resume_file, acc, student, opt, done, log_lines, val)
             if stop_after is not None and done >= stop_after:
                 raise _Stop(f"stopped after step {done} (test hook)")
     stats = _train_stats(steps, start_step, tokens_per_step, time.perf_counter() - t_start, log_lines, acc)
+    if validate:
+        stats["validation"] = _keep(val, student, cfg, acc, int(val_blocks.shape[0]))
     return {**stats, "micro_batch_size": mbs, **({"micro_batch_probe": probe} if probe is not None else {})}
+
+
+def validation_loss(model, teacher: nn.Module, blocks: torch.Tensor, cfg: RftSettings, acc, autocast,
+                    micro_batch_size: int) -> dict[str, float]:
+    """RFT's loss (:func:`distill_loss`) of ``model`` on the validation ``blocks``, without gradients, in eval mode:
+    ``{"loss", "kl", "ce"}``, each the mean over the sequences. Process ``r`` of ``W`` takes every W-th sequence;
+    the sums are reduced over the processes."""
+    dist = cfg.distill
+    mine = list(range(acc.process_index, blocks.shape[0], acc.num_processes))
+    sums = torch.zeros(4, device=acc.device, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(mine), micro_batch_size):
+            x = blocks[mine[i : i + micro_batch_size]].to(acc.device)
+            with autocast:
+                t_logits = teacher(input_ids=x).logits
+                s_logits = model(input_ids=x).logits
+            loss, kl, ce = distill_loss(s_logits, t_logits, x, dist.temperature, dist.kl_weight, dist.lm_weight)
+            n = torch.tensor(float(len(x)), dtype=torch.float64, device=acc.device)
+            sums += torch.stack([loss.double() * n, kl.double() * n, ce.double() * n, n])
+    model.train(was_training)
+    sums = acc.reduce(sums, reduction="sum")
+    count = float(sums[3])
+    return {"loss": float(sums[0]) / count, "kl": float(sums[1]) / count, "ce": float(sums[2]) / count}
+
+
+def _validate(val: dict[str, Any], step: int, student, teacher: nn.Module, blocks: torch.Tensor, cfg: RftSettings,
+              acc, autocast, micro_batch_size: int) -> None:
+    """One validation pass after ``step`` optimizer steps, appended to ``val["curve"]``; a new lowest
+    ``cfg.best_metric`` makes this step ``val["best_step"]`` and (with ``keep: best``) its trainable tensors
+    ``val["best_state"]``."""
+    model = acc.unwrap_model(student)
+    rec = {"step": step, **validation_loss(model, teacher, blocks, cfg, acc, autocast, micro_batch_size)}
+    val["curve"].append(rec)
+    if val["best_step"] is None or rec[cfg.best_metric] < val["best"]:
+        val["best_step"], val["best"] = step, rec[cfg.best_metric]
+        if cfg.keep == "best":
+            val["best_state"] = {k: v.cpu() for k, v in trainable_state(model).items()}
+
+
+def _keep(val: dict[str, Any], student, cfg: RftSettings, acc, n_samples: int) -> dict[str, Any]:
+    """Put the kept step's trainable tensors back into ``student`` (``keep: best``) and return the validation
+    record."""
+    kept = val["best_step"] if cfg.keep == "best" else val["curve"][-1]["step"]
+    if cfg.keep == "best" and val["best_state"] is not None:
+        named = dict(acc.unwrap_model(student).named_parameters())
+        with torch.no_grad():
+            for name, value in val["best_state"].items():
+                named[name].copy_(value)
+    return {"samples": n_samples, "metric": cfg.best_metric, "keep": cfg.keep, "curve": val["curve"],
+            "best_step": val["best_step"], "kept_step": kept}
 
 
 def auto_micro_batch(student, teacher: nn.Module, blocks: torch.Tensor, cfg: RftSettings, acc, autocast,
@@ -404,24 +506,27 @@ def _prepare_training(student, teacher: nn.Module, blocks: torch.Tensor, cfg: Rf
     return student, opt, params, steps, sched
 
 
-def _load_resume(resume_file: Path | None, acc, student, opt) -> tuple[int, list[dict]]:
+def _load_resume(resume_file: Path | None, acc, student, opt) -> tuple[int, list[dict], dict[str, Any]]:
     """Restore the trainable tensors and the optimizer from ``resume_file`` when it exists.
 
     Returns:
-        ``(optimizer steps already done, log lines so far)``; ``(0, [])`` without a checkpoint.
+        ``(optimizer steps already done, log lines so far, validation state)``; ``(0, [], empty validation)``
+        without a checkpoint.
     """
+    empty = {"curve": [], "best_step": None, "best": None, "best_state": None}
     if resume_file is None or not resume_file.is_file():
-        return 0, []
+        return 0, [], empty
     state = torch.load(resume_file, map_location="cpu", weights_only=False)
     named = dict(acc.unwrap_model(student).named_parameters())
     with torch.no_grad():
         for name, value in state["trainable"].items():
             named[name].copy_(value)
     opt.load_state_dict(state["optimizer"])
-    return int(state["step"]), list(state["log"])
+    return int(state["step"]), list(state["log"]), state.get("validation") or empty
 
 
-def _checkpoint(resume_file: Path, acc, student, opt, done: int, log_lines: list[dict]) -> None:
+def _checkpoint(resume_file: Path, acc, student, opt, done: int, log_lines: list[dict],
+                val: dict[str, Any] | None = None) -> None:
     """Save the resume state after ``done`` optimizer steps (main process), then wait for every process."""
     if acc.is_main_process:
         resume_file.parent.mkdir(parents=True, exist_ok=True)
@@ -432,6 +537,7 @@ def _checkpoint(resume_file: Path, acc, student, opt, done: int, log_lines: list
                 "trainable": trainable_state(acc.unwrap_model(student)),
                 "optimizer": opt.state_dict(),
                 "log": log_lines,
+                "validation": val,
             },
         )
     acc.wait_for_everyone()
@@ -605,7 +711,7 @@ def fine_tune(
                            f"(distributed type {acc.distributed_type}); every process would write {out_dir}")
     seed_everything(int(cfg.seed))
     teacher, student, tokenizer, kernels = _load_pair(base_dir, pruned_dir, cfg, cpu, acc)
-    blocks, data = _rft_data(tokenizer, corpus_spec, cfg, exclude_docs)
+    blocks, val_blocks, data = _rft_data(tokenizer, corpus_spec, cfg, exclude_docs)
     key = fingerprint(pruned_dir, base_dir, cfg, data)
     resume = _resume_folder(resume_dir, key, acc)
     seed_everything(int(cfg.seed))  # LoRA's initialisation
@@ -616,7 +722,7 @@ def fine_tune(
         # after a failure the resume checkpoint, not this folder, carries the progress
         tmp = stack.enter_context(atomic_dir(out_dir)) if acc.is_main_process else None
         stats = train(peft_model, teacher, blocks, cfg, resume_dir=resume, accelerator=acc, stop_after=stop_after,
-                      log_path=tmp / LOG_FILE if tmp is not None else None)
+                      log_path=tmp / LOG_FILE if tmp is not None else None, val_blocks=val_blocks)
         del teacher
         base = checkpoint_provenance(base_dir)  # the teacher's checkpoint; a local one with its files' SHA-256
         record = {
@@ -661,18 +767,21 @@ def _load_pair(base_dir: str | Path, pruned_dir: str | Path, cfg: RftSettings, c
 
 
 def _rft_data(tokenizer, corpus_spec: dict[str, Any], cfg: RftSettings,
-              exclude_docs: Sequence[str]) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The training blocks of ``corpus_spec``'s ``train`` split (:func:`training_blocks`) and their record."""
+              exclude_docs: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """The training and validation blocks of ``corpus_spec``'s ``train`` split (:func:`rft_blocks`) and their
+    record."""
     from statereduce.data import corpus_provenance, load_split
 
     corpus_spec = dict(corpus_spec)
     if corpus_spec.get("source") == "hf" and corpus_spec.get("max_bytes") is None:
         # read a bounded prefix of a large hub split: 8 bytes per token is generous for BPE tokenizers on text
-        corpus_spec["max_bytes"] = 8 * cfg.n_samples * cfg.seq_len
-    blocks, data_info = training_blocks(
-        tokenizer, load_split(corpus_spec, "train"), cfg.n_samples, cfg.seq_len, cfg.seed, exclude_docs
+        corpus_spec["max_bytes"] = 8 * (cfg.n_samples + cfg.val_samples) * cfg.seq_len
+    blocks, val_blocks, data_info = rft_blocks(
+        tokenizer, load_split(corpus_spec, "train"), cfg.n_samples, cfg.seq_len, cfg.seed, exclude_docs,
+        val_samples=cfg.val_samples,
     )
-    return blocks, {"corpus": corpus_provenance(corpus_spec), "split": "train", **data_info}
+    data_info.pop("validation_hashes")
+    return blocks, val_blocks, {"corpus": corpus_provenance(corpus_spec), "split": "train", **data_info}
 
 
 def _resume_folder(resume_dir: str | Path | None, key: str, acc) -> Path | None:

@@ -522,6 +522,8 @@ class PretrainSettings(Settings):
 # ---- recovery fine-tuning -----------------------------------------------------------------------------------------
 RFT_PRECISIONS = ("auto", "bf16", "fp32")
 RFT_KERNELS = ("auto", "fla", "torch")
+RFT_KEEP = ("best", "last")
+RFT_BEST_METRICS = ("ce", "loss")
 
 
 @dataclass(frozen=True)
@@ -578,7 +580,14 @@ class RftSettings(Settings):
             family's backward, else fla), ``fla`` or ``torch``.
         seed: data order and LoRA's initialisation.
         log_every: optimizer steps per log line.
-        save_every: optimizer steps between resume checkpoints.
+        save_every: optimizer steps between resume checkpoints and validation passes.
+        val_samples: validation sequences of ``seq_len`` tokens, from documents of the RFT corpus's train split that
+            feed no training sequence (held-out evaluation documents are never among them); the validation loss is
+            measured before the first step, at every ``save_every`` and after the last step. 0: no validation.
+        keep: which fine-tuned weights are saved: ``best`` (the validation pass with the lowest ``best_metric``,
+            step 0, the pruned model itself, included; as Hugging Face's ``load_best_model_at_end``) or ``last``.
+        best_metric: what ``keep: best`` compares: ``ce`` (the student's next-token cross entropy, what the held-out
+            evaluation measures) or ``loss`` (the training loss: distillation plus ``lm_weight`` times CE).
     """
 
     section: ClassVar[str] = "rft"
@@ -602,8 +611,20 @@ class RftSettings(Settings):
     seed: int = 0
     log_every: int = 10
     save_every: int = 100
+    val_samples: int = 64
+    keep: str = "best"
+    best_metric: str = "ce"
 
     def __post_init__(self):
+        if not _is_int(self.val_samples) or self.val_samples < 0:
+            raise ValueError(f"rft val_samples must be an integer >= 0, got {self.val_samples!r}")
+        if self.keep not in RFT_KEEP:
+            raise ValueError(f"unknown rft keep {self.keep!r}; valid: {', '.join(RFT_KEEP)}")
+        if self.best_metric not in RFT_BEST_METRICS:
+            raise ValueError(f"unknown rft best_metric {self.best_metric!r}; valid: {', '.join(RFT_BEST_METRICS)}")
+        if self.keep == "best" and self.val_samples == 0:
+            raise ValueError("rft keep: best needs validation sequences, got val_samples=0; valid: val_samples >= 1, "
+                             "or keep: last")
         for key in ("n_samples", "seq_len", "batch_size", "micro_batch_size", "log_every", "save_every"):
             value = getattr(self, key)
             if key == "micro_batch_size" and value == "auto":

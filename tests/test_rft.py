@@ -6,6 +6,7 @@ pruning does measurable damage), prune 75% of its key channels at random and sav
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -51,6 +52,7 @@ RFT = {
     "min_lr": 3e-4,
     "log_every": 2,
     "save_every": 2,
+    "val_samples": 16,
 }
 
 
@@ -96,9 +98,13 @@ def test_settings_defaults_are_the_papers():
         ({"distill": {"kl_weight": 0.0, "lm_weight": 0.0}}, "not both 0"),
         ({"seq_len": 0}, "seq_len must be an integer >= 1, got 0"),
         ({"micro_batch_size": "max"}, "micro_batch_size must be an integer >= 1 or auto, got 'max'"),
+        ({"keep": "first"}, "unknown rft keep 'first'; valid: best, last"),
+        ({"best_metric": "kl"}, "unknown rft best_metric 'kl'; valid: ce, loss"),
+        ({"val_samples": 0}, "rft keep: best needs validation sequences, got val_samples=0"),
+        ({"val_samples": -1}, "val_samples must be an integer >= 0, got -1"),
     ],
     ids=["unknown-key", "unknown-lora-key", "accumulation", "too-few-samples", "precision", "no-loss", "seq_len",
-         "micro-batch"],
+         "micro-batch", "keep", "best-metric", "best-without-validation", "val-samples"],
 )
 def test_settings_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -309,7 +315,7 @@ def test_rft_checkpoint_reloads_in_fresh_process(pairs, tmp_path):
 
 def test_resume_after_interrupt_equals_uninterrupted_run(pairs, tmp_path):
     whole = tmp_path / "whole"
-    _run(pairs["delta_net"], whole)
+    whole_record = _run(pairs["delta_net"], whole)
     out = tmp_path / "resumed"
     with pytest.raises(ft._Stop):
         _run(pairs["delta_net"], out, stop_after=5)  # checkpoints at steps 2 and 4; step 5 is lost
@@ -317,6 +323,7 @@ def test_resume_after_interrupt_equals_uninterrupted_run(pairs, tmp_path):
     assert not out.exists() and len(list(resume.glob("*/resume.pt"))) == 1
     record = _run(pairs["delta_net"], out)
     assert record["resumed_from_step"] == 4 and not resume.exists()
+    assert record["validation"] == whole_record["validation"]  # the curve and the best state resume too
     a, b = load_file(str(whole / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)  # deterministic on CPU, and resumed exactly
     la = (whole / "train_log.jsonl").read_text().splitlines()
@@ -378,6 +385,71 @@ def test_training_blocks_skip_heldout_documents():
     assert info["documents_dropped_as_heldout"] == 2 and info["documents"] == 8
     again, _ = ft.training_blocks(tok, docs, n_samples=6, seq_len=50, seed=0, exclude=heldout)
     assert torch.equal(blocks, again)
+
+
+def test_validation_documents_are_disjoint_from_training_and_heldout():
+    """RFT's validation sequences come from train-split documents that feed no training sequence, never from a
+    held-out evaluation document; without validation the training sequences are the same as before."""
+    tok = byte_level_tokenizer()
+    docs = [f"doc {i} " + chr(65 + i) * 300 for i in range(20)]
+    heldout = docs[3:5]
+    blocks, val, info = ft.rft_blocks(tok, docs, n_samples=6, seq_len=50, seed=0, exclude=heldout, val_samples=4)
+    letters = {i: chr(65 + i) for i in range(20)}
+    seen_train = {i for i, c in letters.items() if c in bytes(b for b in blocks.flatten().tolist() if b < 256).decode()}
+    seen_val = {i for i, c in letters.items() if c in bytes(b for b in val.flatten().tolist() if b < 256).decode()}
+    assert val.shape == (4, 50) and blocks.shape == (6, 50)
+    assert seen_val and seen_train and not seen_val & seen_train and not (seen_val | seen_train) & {3, 4}
+    assert {ft._doc_hash(docs[i]) for i in seen_val} <= set(info["validation_hashes"])
+    assert info["validation"]["documents"] == len(info["validation_hashes"]) and info["validation"]["samples"] == 4
+    # the embedded corpus: validation documents are train-split documents, none of them held out
+    train, held = load_split(CORPUS, "train"), load_split(CORPUS, "heldout")
+    _, _, info = ft.rft_blocks(tok, train, 8, 64, 0, exclude=held, val_samples=8)
+    val_docs = set(info["validation_hashes"])
+    assert val_docs and val_docs <= {ft._doc_hash(d) for d in train} and not val_docs & {ft._doc_hash(d) for d in held}
+    alone, _ = ft.training_blocks(tok, docs, n_samples=6, seq_len=50, seed=0, exclude=heldout)
+    plain, none, _ = ft.rft_blocks(tok, docs, n_samples=6, seq_len=50, seed=0, exclude=heldout)
+    assert torch.equal(alone, plain) and none.shape == (0, 50)
+
+
+def test_best_validation_step_is_kept(pairs, tmp_path):
+    """``keep: best`` saves the weights of the validation pass with the lowest CE: with a learning rate that wrecks
+    the model that is step 0, the pruned checkpoint itself; ``keep: last`` saves the wrecked one. The curve (step 0,
+    every ``save_every``, the last step) and the kept step are in ``rft_record.json`` and equal a recomputation."""
+    base, pruned = pairs["delta_net"]
+    wreck = {"lr": 0.5, "min_lr": 0.5, "n_samples": 16}
+    kept = {}
+    best = _run(pairs["delta_net"], tmp_path / "best", cfg=wreck, on_saved=lambda m, t, o: kept.update(model=m))
+    val = best["validation"]
+    assert [r["step"] for r in val["curve"]] == [0, 2, 4]
+    assert val["keep"] == "best" and val["metric"] == "ce"
+    assert val["kept_step"] == val["best_step"] == 0, val["curve"]
+    assert all(r["ce"] > val["curve"][0]["ce"] for r in val["curve"][1:])
+    x = tiny_inputs(2, 40, seed=5) % 256
+    with torch.no_grad():
+        assert torch.equal(kept["model"](input_ids=x).logits, load_model(pruned)[0](input_ids=x).logits)
+    assert json.loads((tmp_path / "best" / "rft_record.json").read_text())["validation"] == val
+    last = _run(pairs["delta_net"], tmp_path / "last", cfg={**wreck, "keep": "last"})
+    assert last["validation"]["kept_step"] == 4 and last["validation"]["curve"] == val["curve"]
+    a, b = load_file(tmp_path / "best" / "model.safetensors"), load_file(tmp_path / "last" / "model.safetensors")
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    # the recorded step-0 loss is the pruned model's on the same validation sequences
+    tok = byte_level_tokenizer()
+    _, vblocks, _ = ft._rft_data(tok, CORPUS, RftSettings.from_dict({**RFT, **wreck}), [])
+    teacher = load_model(base)[0]
+    got = ft.validation_loss(load_model(pruned)[0], teacher, vblocks, RftSettings.from_dict({**RFT, **wreck}),
+                             _Acc(), contextlib.nullcontext(), 4)
+    assert math.isclose(got["ce"], val["curve"][0]["ce"], rel_tol=1e-6)
+    assert math.isclose(got["ce"], mean_loss(load_model(pruned)[0], vblocks), rel_tol=1e-5)
+
+
+class _Acc:
+    """A one-process stand-in for accelerate's Accelerator in :func:`statereduce.rft.validation_loss`."""
+
+    process_index, num_processes, device = 0, 1, torch.device("cpu")
+
+    @staticmethod
+    def reduce(t, reduction="sum"):
+        return t
 
 
 def test_embedded_train_split_never_holds_heldout_text():

@@ -118,6 +118,7 @@ def summarize(
     pruned_eval: Mapping[str, Any],
     rft_eval: Mapping[str, Any] | None,
     meta: Mapping[str, Any],
+    rft_record: Mapping[str, Any] | None = None,
 ) -> dict:
     """The summary ``eval.json`` the user asks for: metrics before/after pruning (and after RFT), state size.
 
@@ -127,12 +128,16 @@ def summarize(
         rft_eval: ``eval.json`` of the recovery-fine-tuned checkpoint, or ``None`` (slot stays null).
         meta: ``model``, ``method``, ``pct`` (percent of key channels removed, paper's "compression");
             any other keys go into ``provenance``.
+        rft_record: ``rft_record.json`` of the RFT checkpoint: its steps and validation curve become the summary's
+            ``rft`` entry.
 
     Returns:
         ``{"model", "method", "pct", "metrics": {"baseline", "pruned", "rft"}, "state": {"bytes_before",
         "bytes_after", "ratio", "d_k_before", "d_k_after", "key_dims_after"}, "provenance"}`` (``key_dims_after``: the
         pruned model's {layer: d_k'}, where its document has them), plus ``"suites": {"baseline", "pruned",
-        "rft"}`` (the documents' suite averages) when any document has them. Raises ``ValueError`` if the documents were evaluated
+        "rft"}`` (the documents' suite averages) when any document has them, and ``"rft": {"steps", "kept_step",
+        "best_step", "metric", "val_loss_start", "val_loss_kept", "curve": [[step, val_loss], ...]}`` (the validation
+        loss is the record's ``metric``) when ``rft_record`` has a validation curve, else null. Raises ``ValueError`` if the documents were evaluated
         on different tasks or windows (their metrics would not be comparable).
     """
     missing = [k for k in ("model", "method", "pct") if k not in meta]
@@ -185,9 +190,23 @@ def summarize(
                 "d_k_after": pruned_eval["state"].get("d_k"),
                 **({"key_dims_after": pruned_eval["state"]["key_dims"]} if "key_dims" in pruned_eval["state"] else {}),
             },
+            "rft": _rft_brief(rft_record),
             "provenance": provenance,
         }
     )
+
+
+def _rft_brief(record: Mapping[str, Any] | None) -> dict | None:
+    """The summary's ``rft`` entry: steps, the kept step and the validation curve of an ``rft_record.json``."""
+    val = (record or {}).get("validation")
+    if not val:
+        return None
+    metric = val["metric"]
+    curve = [[int(r["step"]), float(r[metric])] for r in val["curve"]]
+    by_step = dict(curve)
+    return {"steps": int(record["steps"]), "kept_step": int(val["kept_step"]), "best_step": int(val["best_step"]),
+            "metric": metric, "val_loss_start": by_step.get(0), "val_loss_kept": by_step.get(int(val["kept_step"])),
+            "curve": curve}
 
 
 def _comparable(doc: Mapping[str, Any]) -> dict:
