@@ -10,7 +10,7 @@ something. On CPU the layers run through the family adapter's fallbacks (fla's t
 :func:`init_random` writes an untrained model of any shape instead (a model's ``init:`` source): the cost of every
 stage at a hub model's size, where nothing can be downloaded.
 
-Paper: Nazari & Rusch (2026), "On State Reduction in Linear Attention", Sec. 4 (the pretrained DeltaNet
+Paper: Nazari & Rusch (2026), "On State Reduction in Linear Attention", Sec. 5 (the pretrained DeltaNet
 and Gated DeltaNet models that are pruned); the tiny models stand in for them offline.
 """
 

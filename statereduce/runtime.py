@@ -59,7 +59,7 @@ def _log_peak_gpu_memory(log: logging.Logger) -> None:
 def cpu_kind() -> str:
     """The CPU this process runs on, as the provenance of its numbers: model name and widest vector extension, e.g.
     ``"AMD EPYC (AVX2)"``. The tiny models' CPU results depend on it: torch, MKL and oneDNN pick their kernels by the
-    CPU, and kernels of different CPUs round differently (README: "The same numbers on another CPU")."""
+    CPU, and kernels of different CPUs round differently (docs/results.md, "Why the CPU matters")."""
     import platform
 
     found: dict[str, str] = {}

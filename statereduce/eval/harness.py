@@ -1,6 +1,6 @@
 """Evaluation through lm-eval-harness: a loaded model, lm-eval's own tasks, clean metrics.
 
-The paper (Sec. 4, Tables 1-6) reports WikiText-2 word perplexity, LAMBADA perplexity and accuracy,
+The paper (Sec. 5, Tables 1, 3, 10, 20-24) reports WikiText-2 word perplexity, LAMBADA perplexity and accuracy,
 ARC-Easy/Challenge, HellaSwag, WinoGrande and PIQA, plus a recall suite. All of them run here
 through lm-eval's own tasks and ``lm_eval.simple_evaluate`` on an already-loaded model wrapped in
 ``HFLM``. Offline, the same code path runs *local-file* tasks (:mod:`statereduce.eval.tasks`: a held-out
@@ -104,7 +104,7 @@ def evaluate_model(
     num_fewshot: int | None = None,
     metadata: Mapping[str, Any] | None = None,
 ) -> dict:
-    """Evaluate an already-loaded causal LM on lm-eval tasks (paper Sec. 4 metrics).
+    """Evaluate an already-loaded causal LM on lm-eval tasks (paper Sec. 5 metrics).
 
     Wraps ``model`` in ``lm_eval.models.huggingface.HFLM`` (scoring without building a cache, see
     :func:`_scoring_hflm_class`) and calls ``lm_eval.simple_evaluate``

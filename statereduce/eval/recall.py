@@ -1,6 +1,6 @@
 """An offline recall probe: synthetic multi-query associative recall (MQAR) scored through lm-eval.
 
-The paper's recall finding (Sec. 4, recall suite) is that pure recurrent models lose in-context
+The paper's recall finding (Sec. 5, Table 4; App. C.4) is that pure recurrent models lose in-context
 recall first when their state shrinks. This module generates a probe that needs no download, in
 the spirit of MQAR (Arora et al., 2023, "Zoology") and needle-in-a-haystack: a context of
 ``n_pairs`` compact assignment lines ``kx=47`` (distinct two-letter keys, distinct two-digit
