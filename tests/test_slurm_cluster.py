@@ -165,7 +165,7 @@ def test_dag_runs_as_slurm_jobs_and_a_gpu_rule_gets_a_gpu(cluster, tmp_path):
         job = subprocess.run(["scontrol", "show", "job", by_rule[rule]], env=cluster, capture_output=True,
                              text=True).stdout
         assert ("TresPerJob=gres:gpu:1" in job) == bool(gpus), job
-    assert (work / "logs" / "pretrain" / "wf-dn.log").is_file()  # the job's own log where the README says
+    assert (work / "logs" / "pretrain" / "wf-dn.log").is_file()  # the job's own log where docs/cluster.md says
 
 
 def test_cancelled_job_leaves_nothing_complete_and_a_rerun_finishes(cluster, tmp_path):
