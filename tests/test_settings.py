@@ -31,6 +31,7 @@ OLD_DEFAULTS = {
         "scope": "auto", "n_samples": 32000, "seq_len": 2048, "batch_size": 16, "micro_batch_size": "auto",
         "lr": 1e-4, "min_lr": 1e-5, "warmup_frac": 0.05, "weight_decay": 0.0, "betas": [0.9, 0.999],
         "grad_clip": 1.0, "precision": "auto", "kernels": "auto", "seed": 0, "log_every": 10, "save_every": 100,
+        "val_samples": 64, "keep": "best", "best_metric": "ce",
     },
     st.TrainSettings: {"steps": 700, "batch_size": 4, "seq_len": 128, "lr": 3e-3, "min_lr": None,
                        "weight_decay": 0.1, "betas": [0.9, 0.95], "warmup": 50, "grad_clip": 1.0, "seed": 0,
@@ -106,7 +107,7 @@ def test_to_dict_hands_out_copies():
 
 # ---- errors -----------------------------------------------------------------------------------------------------
 UNKNOWN = {
-    st.RftSettings: r"^unknown rft key\(s\) \['bogus'\]; valid: batch_size, betas, distill, grad_clip, ",
+    st.RftSettings: r"^unknown rft key\(s\) \['bogus'\]; valid: batch_size, best_metric, betas, distill, grad_clip, keep, ",
     st.LoraSettings: r"^unknown rft\.lora key\(s\) \['bogus'\]; valid: alpha, dropout, rank$",
     st.DistillSettings: r"^unknown rft\.distill key\(s\) \['bogus'\]; valid: kl_weight, lm_weight, temperature$",
     st.TrainSettings: r"^unknown train key\(s\) \['bogus'\]; valid: batch_size, betas, eval_blocks, ",
