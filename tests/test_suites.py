@@ -174,6 +174,22 @@ def test_recall_probe_summary_needs_its_tasks():
     assert su.suite_summary("recall_probe", metrics) == {"recall_mqar_avg": None}
 
 
+def test_suite_stderr_of_an_average():
+    """The mean of n items has standard error sqrt(sum se_i^2) / n; an item without one (lm-eval's RULER lengths,
+    an older document) leaves the average without one; a local suite finds its tasks by their prefix."""
+    metrics = {"recall_mqar_4": {"acc": 0.5, "acc_stderr": 0.05}, "recall_mqar_8": {"acc": 0.3, "acc_stderr": 0.04},
+               "heldout": {"bits_per_byte": 3.0}}
+    assert su.local_tasks("recall_probe", metrics) == ["recall_mqar_4", "recall_mqar_8"]
+    assert su.local_tasks("lm", metrics) is None
+    assert su.suite_stderr("recall_probe", metrics) == {"recall_mqar_avg": pytest.approx((0.05**2 + 0.04**2) ** 0.5 / 2)}
+    assert su.suite_stderr("recall_probe", metrics, ["recall_mqar_4"]) == {"recall_mqar_avg": pytest.approx(0.05)}
+    del metrics["recall_mqar_8"]["acc_stderr"]
+    assert su.suite_stderr("recall_probe", metrics) == {"recall_mqar_avg": None}
+    squad = {"squad_completion": {"contains": 0.4, "contains_stderr": 0.02}, "niah_single_1": {"2048": 1.0}}
+    out = su.suite_stderr("recall", squad)
+    assert out["squad"] == pytest.approx(0.02) and out["niah_2048"] is None and out["swde"] is None
+
+
 def test_summarize_suites():
     metrics = {**_lm_metrics(TABLE10_BASELINE), "recall_mqar_4": {"acc": 0.5}}
     out = su.summarize_suites(metrics, ["lm", "recall", "recall_probe"], {"recall_probe": ["recall_mqar_4"]})

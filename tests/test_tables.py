@@ -4,6 +4,8 @@ metric in long format."""
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import pytest
 
@@ -116,15 +118,135 @@ def test_markdown_metric_sections(written):
     assert md.startswith("# Pruned models against their baseline, before and after recovery fine-tuning (RFT)\n")
     assert "(pre-RFT)" not in md.splitlines()[0]
     h2s = [line[3:] for line in md.splitlines() if line.startswith("## ")]
-    assert h2s == [f"{BPB} (lower is better)", f"{WPPL} (lower is better)"]
+    # the held-out word perplexity (millions for a tiny model on source code) stays in the CSV only, said so
+    assert h2s == ["Overview: 50% of key channels removed", "Overview: 75% of key channels removed",
+                   f"{BPB} (lower is better)"]
+    assert "left out here" in md and f"`{WPPL}`" in md
+
+
+def test_overview_wide_tables(written):
+    _, md, _ = written
     t = _tables(md)
-    # word perplexity: only m1 has it; rft documents lack it, so post-RFT is missing, not copied from pre-RFT
-    assert t[(f"{WPPL} (lower is better)", "50% of key channels removed")][1:] == [
-        ["m1", "baseline", "25.000", "25.000", "–"],
-        ["m1", "drrqr", "30.000", "–", "–"],
-        ["m1", "l1", "4000.0", "–", "–"],
+    assert t[("Overview: 50% of key channels removed", None)] == [
+        ["method", "m1", "m2"],
+        ["baseline", "1.000", "2.500"],
+        ["drrqr", "1.250 → 1.125", "3.000 → 3.500"],
+        ["l1", "2.000 → 1.250", "–"],  # m2 has no l1 at all
     ]
-    assert (f"{WPPL} (lower is better)", "m2, every ratio") not in t
+    assert t[("Overview: 75% of key channels removed", None)][2:] == [["drrqr", "1.500 → –", "–"], ["l1", "–", "–"]]
+    assert _lead(md, "Overview: 50% of key channels removed", None) == [
+        "Held-out bits per byte (lower is better, pre-RFT → post-RFT):"]
+
+
+def test_one_ratio_has_no_every_ratio_blocks(tmp_path):
+    summaries = [_summary("m", "drrqr", 50, 1.25, rft_bpb=1.125), _summary("m", "l1", 50, 2.0)]
+    write_comparison(summaries, {"m": _baseline(1.0)}, tmp_path / "t.md", tmp_path / "t.csv")
+    md = (tmp_path / "t.md").read_text()
+    assert "every ratio" not in md
+    assert [h for h, _ in _tables(md)] == ["Overview: 50% of key channels removed", f"{BPB} (lower is better)"]
+
+
+def _levels(accs: dict[int, float], n: int = 100, stderr: bool = True) -> dict:
+    """Recall probe metrics: per level ``acc`` and lm-eval's ``acc_stderr`` sqrt(p (1 - p) / (n - 1))."""
+    return {f"recall_mqar_{k}": {"acc": a, **({"acc_stderr": math.sqrt(a * (1 - a) / (n - 1))} if stderr else {})}
+            for k, a in accs.items()}
+
+
+def _recall_summary(model, pct, pre: dict, post: dict | None, rft: dict | None = None, **kw):
+    def suites(m):
+        return {"recall_probe": {"recall_mqar_avg": sum(v["acc"] for v in m.values()) / len(m)}}
+
+    base = _levels({4: 0.6, 8: 0.4})
+    doc = {"model": model, "method": "grad", "pct": pct, "state": {"bytes_after": 1},
+           "metrics": {"baseline": base, "pruned": pre, "rft": post},
+           "suites": {"baseline": suites(base), "pruned": suites(pre), "rft": suites(post) if post else None}, **kw}
+    if rft is not None:
+        doc["rft"] = rft
+    return doc, {"metrics": base, "suites": suites(base), "state": {"state_bytes_per_sequence": 2}}
+
+
+def test_recall_cells_carry_standard_errors(tmp_path):
+    """The recall probe's mean over its levels carries sqrt(se_4^2 + se_8^2) / 2 in every cell (pre, post, baseline,
+    Δ with both combined); a level without a standard error gives the mean without one, never a made-up one."""
+    pre, post = _levels({4: 0.5, 8: 0.3}), _levels({4: 0.7, 8: 0.3})
+    summ, base = _recall_summary("m", 50, pre, post)
+    summ2, _ = _recall_summary("m2", 50, _levels({4: 0.5, 8: 0.3}, stderr=False), None)
+    df = write_comparison([summ, summ2], {"m": base, "m2": base}, tmp_path / "t.md", tmp_path / "t.csv")
+    se = {k: math.sqrt(sum(v["acc_stderr"] ** 2 for v in d.values())) / 2 for k, d in
+          (("base", base["metrics"]), ("pre", pre), ("post", post))}
+    col = "recall_probe/recall_mqar_avg"
+    got = dict(zip(df["model"] + "/" + df["stage"], df[col + "_stderr"]))
+    assert got["m/pruned"] == pytest.approx(se["pre"]) and got["m/rft"] == pytest.approx(se["post"])
+    assert math.isnan(got["m2/pruned"])  # its levels lack acc_stderr
+    t = _tables((tmp_path / "t.md").read_text())
+    rows = t[(f"{col} (higher is better)", "50% of key channels removed")]
+    b, p, q = (f"{x:.3f}" for x in (se["base"], se["pre"], se["post"]))
+    assert rows[1:3] == [
+        ["m", "baseline", f"0.500 ± {b}", f"0.500 ± {b}", "–"],
+        ["m", "grad", f"0.400 ± {p}", f"0.500 ± {q}", f"+0.100 ± {math.hypot(se['pre'], se['post']):.3f}"],
+    ]
+    assert rows[4] == ["m2", "grad", "0.400", "–", "–"]
+    assert t[("Overview: 50% of key channels removed", None)][-2:] == [
+        ["baseline", f"0.500 ± {b}", f"0.500 ± {b}"], ["grad", f"0.400 ± {p} → 0.500 ± {q}", "0.400 → –"]]
+    # the average recorded in the document must be the one the levels give; otherwise no standard error
+    bad, _ = _recall_summary("m", 50, pre, post)
+    bad["suites"]["pruned"]["recall_probe"]["recall_mqar_avg"] = 0.45
+    frame = comparison_frame([bad], {"m": base})
+    assert frame.loc[frame["stage"] == "pruned", col + "_stderr"].isna().all()
+
+
+def test_rft_kept_step_per_cell(tmp_path):
+    """A summary's ``rft`` block (the kept validation pass) shows as ``k of N (start → kept)``; a summary without one
+    (no RFT, or an older run) as missing; with none, no RFT table at all."""
+    rft = {"steps": 16, "kept_step": 12, "val_loss_start": 2.4514, "val_loss_kept": 2.3981,
+           "curve": [[0, 2.4514], [4, 2.41], [8, 2.40], [12, 2.3981], [16, 2.3990]]}
+    pre, post = _levels({4: 0.5, 8: 0.3}), _levels({4: 0.7, 8: 0.3})
+    a, base = _recall_summary("m", 50, pre, post, rft=rft)
+    b, _ = _recall_summary("m2", 50, pre, post, rft=None)
+    c, _ = _recall_summary("m3", 50, pre, post)  # no key at all
+    df = write_comparison([a, b, c], {m: base for m in ("m", "m2", "m3")}, tmp_path / "t.md", tmp_path / "t.csv")
+    md = (tmp_path / "t.md").read_text()
+    assert t_rows(md, "RFT: step kept of N") == [["method", "m", "m2", "m3"],
+                                                 ["grad", "12 of 16 (2.451 → 2.398)", "–", "–"]]
+    row = df[(df["model"] == "m") & (df["stage"] == "rft")].iloc[0]
+    assert (row["rft_kept_step"], row["rft_steps"]) == (12, 16)
+    assert "rft_kept_step" in pd.read_csv(tmp_path / "t.csv").columns
+    write_comparison([b, c], {m: base for m in ("m2", "m3")}, tmp_path / "u.md", tmp_path / "u.csv")
+    assert "RFT: step kept" not in (tmp_path / "u.md").read_text()
+
+
+def t_rows(md: str, lead: str) -> list[list[str]]:
+    """The table right after the line starting with ``lead`` (header row first, separator dropped)."""
+    lines = md.splitlines()
+    i = next(n for n, line in enumerate(lines) if line.startswith(lead)) + 1
+    while not lines[i].startswith("|"):
+        i += 1
+    rows = []
+    while i < len(lines) and lines[i].startswith("|"):
+        if "---" not in lines[i]:
+            rows.append([c.strip() for c in lines[i].strip("|").split("|")])
+        i += 1
+    return rows
+
+
+def test_made_on_line_names_the_cpu(tmp_path):
+    """The documents' CPU kind (``versions.cpu``) is named under the header, with torch's CPU capability when it is
+    this machine's; :func:`parse_made_on` reads it back."""
+    from statereduce.analysis.tables import made_on_line, parse_made_on
+    from statereduce.runtime import cpu_kind
+
+    here = {"provenance": {"versions": {"cpu": cpu_kind()}}}
+    other = {"provenance": {"versions": {"cpu": "Some CPU (AVX)"}}}
+    line = made_on_line([], {"m": here})
+    kinds, cap = parse_made_on("x\n" + line + "\n")
+    assert kinds == [cpu_kind()] and cap
+    assert parse_made_on(made_on_line([], {"m": here, "n": other})) == (sorted([cpu_kind(), "Some CPU (AVX)"]), None)
+    assert parse_made_on(made_on_line([], {"m": {}})) == ([], None)
+    assert parse_made_on("no such line") is None
+    summ = _summary("m", "drrqr", 50, 1.25)
+    summ["provenance"] = {"evals": {"pruned": {"versions": {"cpu": cpu_kind()}}}}
+    write_comparison([summ], {"m": here}, tmp_path / "t.md", tmp_path / "t.csv")
+    assert parse_made_on((tmp_path / "t.md").read_text())[0] == [cpu_kind()]
 
 
 def test_csv_long_format(written):

@@ -19,11 +19,17 @@ from statereduce.settings import CalibrationSettings
 
 PRIMARY = ("heldout", "bits_per_byte")  # (task, metric) shown first when present
 # Metrics the Markdown table shows, when present: byte-level models on the embedded corpus are compared
-# in bits per byte (word perplexity of source code is dominated by rare long "words"); WikiText-2 word
-# perplexity is the paper's headline number for hub models. The CSV keeps every metric.
-TABLE_METRICS = ("heldout/bits_per_byte", "heldout/word_perplexity", "wikitext/word_perplexity",
+# in bits per byte; WikiText-2 word perplexity is the paper's headline number for hub models. The held-out word
+# perplexity is left out: on source code it is dominated by rare long "words" (tens of millions for a tiny model
+# whose bits per byte are fine). The CSV keeps every metric.
+TABLE_METRICS = ("heldout/bits_per_byte", "wikitext/word_perplexity",
                  "lambada_openai/perplexity", "lm/lm_avg", "recall/niah_2048", "recall/niah_4096", "recall/squad",
                  "recall/swde", "recall_probe/recall_mqar_avg")
+STDERR = "_stderr"  # suffix of a standard-error column (lm-eval's: ``acc`` -> ``acc_stderr``)
+# Per-cell RFT provenance (a summary's top-level ``"rft"`` block: the validation pass whose checkpoint was kept),
+# as columns of the frame's ``rft`` rows: column -> key of the block.
+RFT_COLUMNS = {"rft_steps": "steps", "rft_kept_step": "kept_step", "rft_val_loss_start": "val_loss_start",
+               "rft_val_loss_kept": "val_loss_kept"}
 # Suite averages (eval.json "suites" blocks, statereduce.eval.suites) enter the frame as "<suite>/<summary>" columns:
 # "lm/lm_avg" is the paper's "LM Evals avg" (Table 20), the recall ones its Table 4/11 columns.
 # Metric names (the part after "task/") ending in one of these are lower-is-better; "acc*" higher-is-better.
@@ -48,8 +54,12 @@ def comparison_frame(summaries: list[dict], baselines: dict[str, dict]) -> pd.Da
 
     Returns:
         Columns ``model, method, pct, stage``, one column ``task/metric`` per metric seen (NaN where a row
-        lacks it) and ``state_bytes``; sorted by model, pct, stage, method. Raises ``ValueError`` if two
-        documents give the same (model, method, pct, stage).
+        lacks it; lm-eval's standard errors are ``task/metric_stderr``), one ``suite/summary`` column per suite
+        average and, where its items carry standard errors, ``suite/summary_stderr``
+        (:func:`statereduce.eval.suites.suite_stderr`), ``state_bytes``, and on ``rft`` rows of summaries with an
+        ``"rft"`` block the :data:`RFT_COLUMNS` (step kept of how many, validation loss before RFT and kept);
+        sorted by model, pct, stage, method. Raises ``ValueError`` if two documents give the same (model, method,
+        pct, stage).
     """
     rows = []
     for model, doc in baselines.items():
@@ -57,6 +67,7 @@ def comparison_frame(summaries: list[dict], baselines: dict[str, dict]) -> pd.Da
         for (t, m), v in _flat(doc.get("metrics", {})).items():
             row[f"{t}/{m}"] = v
         row.update(_suite_columns(doc.get("suites")))
+        row.update(_suite_stderr_columns(doc.get("suites"), doc.get("metrics") or {}))
         row["state_bytes"] = doc.get("state", {}).get("state_bytes_per_sequence")
         rows.append(row)
     for s in summaries:
@@ -67,8 +78,12 @@ def comparison_frame(summaries: list[dict], baselines: dict[str, dict]) -> pd.Da
             row = {"model": s["model"], "method": s["method"], "pct": s["pct"], "stage": stage}
             for (t, m), v in _flat(metrics).items():
                 row[f"{t}/{m}"] = v
-            row.update(_suite_columns((s.get("suites") or {}).get(stage)))
+            suites = (s.get("suites") or {}).get(stage)
+            row.update(_suite_columns(suites))
+            row.update(_suite_stderr_columns(suites, metrics))
             row["state_bytes"] = (s.get("state") or {}).get("bytes_after")
+            if stage == "rft" and isinstance(s.get("rft"), dict):
+                row.update({col: s["rft"].get(key) for col, key in RFT_COLUMNS.items()})
             rows.append(row)
     df = pd.DataFrame(rows)
     if df.empty:
@@ -89,6 +104,23 @@ def _suite_columns(suites: dict | None) -> dict[str, float]:
             if v is not None}
 
 
+def _suite_stderr_columns(suites: dict | None, metrics: dict) -> dict[str, float]:
+    """``{"suite/summary_stderr": se}`` for every suite average of ``suites`` whose items all carry a standard error
+    in ``metrics`` (:func:`statereduce.eval.suites.suite_stderr`); none where one lacks it, or where the average
+    recomputed from ``metrics`` is not the recorded one (the items would not be the averaged ones)."""
+    from statereduce.eval.suites import local_tasks, suite_stderr, suite_summary
+
+    out = {}
+    for suite, block in (suites or {}).items():
+        tasks = local_tasks(suite, metrics)
+        means, ses = suite_summary(suite, metrics, tasks), suite_stderr(suite, metrics, tasks)
+        for name, value in (block or {}).items():
+            mean, se = means.get(name), ses.get(name)
+            if value is not None and mean is not None and se is not None and math.isclose(mean, value, rel_tol=1e-9):
+                out[f"{suite}/{name}{STDERR}"] = se
+    return out
+
+
 def _flat(metrics: dict) -> dict[tuple[str, str], float]:
     return {(t, m): v for t, ms in metrics.items() for m, v in ms.items()}
 
@@ -104,7 +136,9 @@ def _direction(metric: str) -> str:
 
 
 def _lookup(df: pd.DataFrame, metric: str) -> dict[tuple, float]:
-    """(model, method, pct, stage) -> value of ``metric``, only where it was computed."""
+    """(model, method, pct, stage) -> value of ``metric``, only where it was computed; empty if no such column."""
+    if metric not in df.columns:
+        return {}
     sub = df.dropna(subset=[metric])
     return {(r.model, r.method, float(r.pct), r.stage): v for r, v in zip(sub.itertuples(), sub[metric])}
 
@@ -131,18 +165,24 @@ def stage_markdown(df: pd.DataFrame, metric: str, pct: float) -> str:
     Returns:
         ``| model | method | pre-RFT | post-RFT | Δ (post − pre) |`` rows; per model the baseline first
         (its value in both columns, Δ missing: it is not fine-tuned), then every method of that model.
-        A value never computed (RFT not run, pct not run for that method) is ``–``, and so is its Δ.
+        A value never computed (RFT not run, pct not run for that method) is ``–``, and so is its Δ. Where
+        ``df`` has the metric's standard error (``metric_stderr``), every value carries ``± se`` and a Δ the
+        two standard errors combined as independent.
     """
-    values = _lookup(df, metric)
+    values, ses = _lookup(df, metric), _lookup(df, metric + STDERR)
     models, methods, _ = _layout(df, metric)
     lines = ["| model | method | pre-RFT | post-RFT | Δ (post − pre) |", "| --- | --- | --- | --- | --- |"]
     for model in models:
-        base = values.get((model, "baseline", 0.0, "unpruned"))
-        lines.append(f"| {model} | baseline | {_fmt(base)} | {_fmt(base)} | {MISSING} |")
+        key = (model, "baseline", 0.0, "unpruned")
+        base = _cell(values.get(key), ses.get(key))
+        lines.append(f"| {model} | baseline | {base} | {base} | {MISSING} |")
         for method in methods[model]:
-            pre, post = (values.get((model, method, float(pct), s)) for s in STAGES)
+            keys = [(model, method, float(pct), s) for s in STAGES]
+            (pre, post), (se_pre, se_post) = ([values.get(k) for k in keys]), ([ses.get(k) for k in keys])
             delta = post - pre if pre is not None and post is not None else None
-            lines.append(f"| {model} | {method} | {_fmt(pre)} | {_fmt(post)} | {_fmt_delta(delta)} |")
+            se = math.hypot(se_pre, se_post) if se_pre is not None and se_post is not None else None
+            lines.append(f"| {model} | {method} | {_cell(pre, se_pre)} | {_cell(post, se_post)} | "
+                         f"{_cell(delta, se, signed=True)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -155,23 +195,25 @@ def ratios_markdown(df: pd.DataFrame, metric: str, model: str) -> str:
         model: a model of ``df``.
 
     Returns:
-        The lead line and a table with pre-RFT rows, then post-RFT rows; ``–`` where never computed.
+        The lead line and a table with pre-RFT rows, then post-RFT rows; ``–`` where never computed; ``± se``
+        where ``df`` has the metric's standard error.
     """
-    values = _lookup(df, metric)
+    values, ses = _lookup(df, metric), _lookup(df, metric + STDERR)
     _, methods, pcts = _layout(df[df["model"] == model], metric)
-    base = values.get((model, "baseline", 0.0, "unpruned"))
-    lines = [f"baseline (0% removed): {_fmt(base)}\n"]
+    key = (model, "baseline", 0.0, "unpruned")
+    lines = [f"baseline (0% removed): {_cell(values.get(key), ses.get(key))}\n"]
     lines.append("| RFT | method | " + " | ".join(f"{format_pct(p)}% removed" for p in pcts) + " |")
     lines.append("|" + " --- |" * (len(pcts) + 2))
     for stage, label in zip(STAGES, ("pre", "post")):
         for method in methods.get(model, []):
-            cells = [_fmt(values.get((model, method, p, stage))) for p in pcts]
+            cells = [_cell(values.get((model, method, p, stage)), ses.get((model, method, p, stage))) for p in pcts]
             lines.append(f"| {label} | {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def comparison_markdown(df: pd.DataFrame, metric: str = "/".join(PRIMARY)) -> str:
-    """One metric's section: a pre/post-RFT block per pct (all models), then an all-ratios block per model.
+    """One metric's section: a pre/post-RFT block per pct (all models), then, where more than one pct was run, an
+    all-ratios block per model.
 
     Args:
         df: the frame of :func:`comparison_frame`.
@@ -188,9 +230,92 @@ def comparison_markdown(df: pd.DataFrame, metric: str = "/".join(PRIMARY)) -> st
     parts = [head]
     for pct in pcts:
         parts.append(f"### {format_pct(pct)}% of key channels removed\n\n{stage_markdown(df, metric, pct)}\n")
-    for model in models:
-        parts.append(f"### {model}, every ratio\n\n{ratios_markdown(df, metric, model)}\n")
+    if len(pcts) > 1:  # with one ratio the block per model would repeat the one above
+        for model in models:
+            parts.append(f"### {model}, every ratio\n\n{ratios_markdown(df, metric, model)}\n")
     return "".join(parts)
+
+
+#: Lead lines of the overview tables, by metric (others: the metric's name)
+METRIC_LABELS = {
+    "heldout/bits_per_byte": "Held-out bits per byte",
+    "wikitext/word_perplexity": "WikiText-2 word perplexity",
+    "lm/lm_avg": "Mean zero-shot accuracy (the paper's LM Evals avg)",
+    "recall_probe/recall_mqar_avg": "Recall probe: mean accuracy over its levels",
+}
+OVERVIEW = "Overview"  # heading of the overview sections: ``## Overview: N% of key channels removed``
+
+
+def overview_metrics(df: pd.DataFrame) -> list[str]:
+    """The metrics of the overview: the first of :data:`TABLE_METRICS` with a value, and the first recall metric
+    (``recall/…`` or ``recall_probe/…``) with one."""
+    present = [m for m in TABLE_METRICS if m in df.columns and df[m].notna().any()]
+    recall = [m for m in present if m.split("/", 1)[0] in ("recall", "recall_probe")]
+    return list(dict.fromkeys(present[:1] + recall[:1]))
+
+
+def overview_markdown(df: pd.DataFrame, pct: float, metrics: list[str] | None = None) -> str:
+    """Wide tables of one ratio: per metric a row per method (the baseline first) and a column per model, cells
+    ``pre-RFT → post-RFT`` (``± se`` where the frame has the metric's standard error); then, where summaries
+    carry RFT provenance, the step RFT kept (:func:`rft_markdown`).
+
+    Args:
+        df: the frame of :func:`comparison_frame`.
+        pct: percent of key channels removed.
+        metrics: the metrics (default: :func:`overview_metrics`).
+    """
+    parts = []
+    for metric in overview_metrics(df) if metrics is None else metrics:
+        values, ses = _lookup(df, metric), _lookup(df, metric + STDERR)
+        models, methods, _ = _layout(df, metric)
+        direction = _direction(metric)
+        label = METRIC_LABELS.get(metric, f"`{metric}`") + (" ± standard error" if ses else "")
+        lines = [f"{label} ({direction + ', ' if direction else ''}pre-RFT → post-RFT):", "",
+                 "| method | " + " | ".join(models) + " |", "|" + " --- |" * (len(models) + 1)]
+        bases = [(m, "baseline", 0.0, "unpruned") for m in models]
+        lines.append("| baseline | " + " | ".join(_cell(values.get(k), ses.get(k)) for k in bases) + " |")
+        for method in sorted(set().union(*methods.values())):
+            cells = []
+            for model in models:
+                pre, post = ((model, method, float(pct), s) for s in STAGES)
+                if pre not in values and post not in values:
+                    cells.append(MISSING)
+                else:
+                    cells.append(f"{_cell(values.get(pre), ses.get(pre))} → {_cell(values.get(post), ses.get(post))}")
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines) + "\n")
+    rft = rft_markdown(df, pct)
+    return "\n".join(parts + ([rft] if rft else []))
+
+
+def rft_markdown(df: pd.DataFrame, pct: float) -> str:
+    """The checkpoint RFT kept, per method (rows) and model (columns) at one ratio: ``k of N (start → kept)``, the
+    optimizer step of the kept validation pass of N steps and the validation loss before RFT and at the kept step;
+    ``–`` where a summary has no RFT provenance. Empty when none has any."""
+    col = "rft_kept_step"
+    if col not in df.columns:
+        return ""
+    sub = df[(df["stage"] == "rft") & (df["pct"].astype(float) == float(pct))]
+    if sub[col].isna().all():
+        return ""
+    models = sorted(sub["model"].unique())
+    cells = {(r["model"], r["method"]): r for r in sub.to_dict("records")}
+    lines = ["RFT: step kept of N (validation loss before RFT → at the kept step):", "",
+             "| method | " + " | ".join(models) + " |", "|" + " --- |" * (len(models) + 1)]
+    for method in sorted(sub["method"].unique()):
+        row = []
+        for model in models:
+            r = cells.get((model, method))
+            if r is None or pd.isna(r.get(col)):
+                row.append(MISSING)
+                continue
+            text = f"{int(r[col])} of {MISSING if pd.isna(r.get('rft_steps')) else int(r['rft_steps'])}"
+            start, kept = r.get("rft_val_loss_start"), r.get("rft_val_loss_kept")
+            if not (pd.isna(start) or pd.isna(kept)):
+                text += f" ({start:.3f} → {kept:.3f})"
+            row.append(text)
+        lines.append(f"| {method} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _fmt(v) -> str:
@@ -205,18 +330,99 @@ def _fmt_delta(v) -> str:
     return f"+{text}" if v is not None and v > 0 else text
 
 
+def _cell(v, se=None, signed: bool = False) -> str:
+    """A value as :func:`_fmt` (:func:`_fmt_delta` if ``signed``), with ``± se`` when both are known."""
+    text = _fmt_delta(v) if signed else _fmt(v)
+    return text if text == MISSING or se is None or pd.isna(se) else f"{text} ± {se:.3f}"
+
+
 HEADER = (
     "# Pruned models against their baseline, before and after recovery fine-tuning (RFT)\n\n"
     "Pre-RFT: the pruned model; post-RFT: after recovery fine-tuning; Δ = post-RFT − pre-RFT. "
     "The baseline (unpruned, not fine-tuned) shows its value in both columns. "
+    "± is a standard error: lm-eval's for one task; sqrt(Σ se²) / n for the mean of n tasks; for a Δ both "
+    "standard errors combined as independent (both stages score the same documents, so this overstates it). "
     f"{MISSING} = not computed (e.g. RFT not run).\n\n"
 )
+MADE_ON = "Made on: "  # the line that names the CPU kind the numbers were made on (:func:`made_on_line`)
+
+
+def _doc_cpus(summaries: list[dict], baselines: dict[str, dict]) -> list[str]:
+    """The CPU kinds the documents record (``versions.cpu`` of their provenance), sorted."""
+    found = set()
+    for doc in baselines.values():
+        found.add(((doc.get("provenance") or {}).get("versions") or {}).get("cpu"))
+    for s in summaries:
+        prov = s.get("provenance") or {}
+        found.add((prov.get("versions") or {}).get("cpu"))
+        for ev in (prov.get("evals") or {}).values():
+            found.add(((ev or {}).get("versions") or {}).get("cpu"))
+    return sorted(c for c in found if c)
+
+
+def torch_cpu_capability() -> str | None:
+    """torch's CPU capability on this machine (``"AVX512"``, ``"AVX2"``, ...: the kernels it picks), if torch runs."""
+    try:
+        import torch
+
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # noqa: BLE001 - provenance only; the table is written without it
+        return None
+
+
+def made_on_line(summaries: list[dict], baselines: dict[str, dict]) -> str:
+    """``Made on: <CPU kinds the documents record>[, torch CPU capability <X>].`` The capability is this process's,
+    given only when the documents name one CPU kind and it is this machine's (:func:`statereduce.runtime.cpu_kind`);
+    torch, MKL and oneDNN pick their kernels by it, so the trained numbers depend on it (README, "The same numbers
+    on another CPU")."""
+    from statereduce.runtime import cpu_kind
+
+    cpus = _doc_cpus(summaries, baselines)
+    line = MADE_ON + ("; ".join(cpus) if cpus else "CPU not recorded")
+    cap = torch_cpu_capability() if cpus == [cpu_kind()] else None
+    return line + (f", torch CPU capability {cap}" if cap else "") + "."
+
+
+def parse_made_on(md: str) -> tuple[list[str], str | None] | None:
+    """(CPU kinds, torch CPU capability or None) from the :data:`MADE_ON` line of a comparison Markdown; None
+    without one."""
+    import re
+
+    for line in md.splitlines():
+        if line.startswith(MADE_ON):
+            m = re.fullmatch(r"(.*?)(?:, torch CPU capability (\S+))?\.", line[len(MADE_ON):])
+            if m is None:
+                return None
+            kinds = [] if m.group(1) == "CPU not recorded" else m.group(1).split("; ")
+            return kinds, m.group(2)
+    return None
+
+
+def comparison_document(df: pd.DataFrame, made_on: str | None = None) -> str:
+    """The whole ``comparison.md``: :data:`HEADER`, what it shows, the :data:`MADE_ON` line, an overview per ratio
+    (:func:`overview_markdown`), then a section per metric of :data:`TABLE_METRICS` present
+    (:func:`comparison_markdown`)."""
+    present = [m for m in TABLE_METRICS if m in df.columns and df[m].notna().any()]
+    shown = ", ".join(f"`{m}`" for m in present) or "no metric"
+    left = "heldout/word_perplexity" in df.columns
+    note = (f"Shown: {shown}; `comparison.csv` holds every metric of the evaluations" +
+            (" (also `heldout/word_perplexity`, left out here: on source code it is dominated by rare long "
+             "\"words\")" if left else "") + ".\n")
+    parts = [HEADER, note, "\n" + made_on + "\n" if made_on else "", "\n"]
+    if present:
+        _, _, pcts = _layout(df, present[0])
+        for pct in pcts:
+            parts.append(f"## {OVERVIEW}: {format_pct(pct)}% of key channels removed\n\n"
+                         f"{overview_markdown(df, pct)}\n")
+    parts.append("\n".join(comparison_markdown(df, m).rstrip("\n") + "\n" for m in present or ["/".join(PRIMARY)]))
+    return "".join(parts)
 
 
 def write_comparison(
     summaries: list[dict], baselines: dict[str, dict], md_path: str | Path, csv_path: str | Path
 ) -> pd.DataFrame:
-    """Write ``comparison.md`` (a section per metric of ``TABLE_METRICS`` present) and ``comparison.csv``.
+    """Write ``comparison.md`` (:func:`comparison_document`, with the CPU kind the documents were made on) and
+    ``comparison.csv``.
 
     Args:
         summaries: the summary documents, as for :func:`comparison_frame`.
@@ -230,9 +436,7 @@ def write_comparison(
     from statereduce.runtime import write_text_atomic
 
     df = comparison_frame(summaries, baselines)
-    present = [m for m in TABLE_METRICS if m in df.columns and df[m].notna().any()]
-    md = HEADER + "\n".join(comparison_markdown(df, m).rstrip("\n") + "\n" for m in present or ["/".join(PRIMARY)])
-    write_text_atomic(md_path, md)
+    write_text_atomic(md_path, comparison_document(df, made_on_line(summaries, baselines)))
     write_text_atomic(csv_path, df.to_csv(index=False))
     return df
 

@@ -62,6 +62,7 @@ class Suite:
         local_metric: for a suite of locally written tasks (``tasks`` empty), the metric of each task
             that ``local_average`` averages.
         local_average: the summary name of that average.
+        local_prefix: the common prefix of those tasks' names, to find them among a document's metrics.
         missing: metric values that mean "not evaluated" (lm-eval's RULER aggregation gives -1 for a
             length with no documents).
     """
@@ -76,6 +77,7 @@ class Suite:
     network: bool = True
     local_metric: str | None = None
     local_average: str | None = None
+    local_prefix: str | None = None
     missing: tuple[float, ...] = ()
 
     def summary_items(self, tasks: Sequence[str] | None = None) -> dict[str, tuple[Item, ...]]:
@@ -127,6 +129,7 @@ SUITES: dict[str, Suite] = {
         network=False,
         local_metric="acc",
         local_average="recall_mqar_avg",
+        local_prefix="recall_mqar_",
     ),
 }
 
@@ -222,6 +225,45 @@ def suite_summary(
     for key, items in suite.summary_items(tasks).items():
         values = [metric_value(metrics, t, m, suite.missing) for t, m in items]
         out[key] = sum(values) / len(values) if values and None not in values else None
+    return out
+
+
+def local_tasks(name: str, metrics: Mapping[str, Mapping[str, Any]]) -> list[str] | None:
+    """The tasks of local suite ``name`` among an ``eval.json`` ``metrics`` mapping (named with its
+    ``local_prefix`` and carrying its ``local_metric``), sorted; ``None`` for a suite of lm-eval tasks."""
+    suite = get_suite(name)
+    if suite.local_average is None:
+        return None
+    return sorted(t for t, ms in metrics.items() if t.startswith(suite.local_prefix or "") and suite.local_metric in ms)
+
+
+def suite_stderr(
+    name: str, metrics: Mapping[str, Mapping[str, Any]], tasks: Sequence[str] | None = None
+) -> dict[str, float | None]:
+    """The standard error of each average of :func:`suite_summary`, from its items' standard errors.
+
+    The average of n items with standard errors se_i has standard error sqrt(sum se_i^2) / n when the items are
+    independent samples (lm-eval's ``acc_stderr`` of each recall level: sqrt(p (1 - p) / (N - 1)) over its N
+    documents).
+
+    Args:
+        name: a suite name.
+        metrics: ``{task: {metric: value}}``, with lm-eval's ``<metric>_stderr`` beside each metric.
+        tasks: for a suite of local tasks, the task names that were written (default: :func:`local_tasks`).
+
+    Returns:
+        ``{summary: standard error or None}``; ``None`` when the average is missing or any item lacks a standard
+        error (lm-eval gives none for some metrics), never a guess.
+    """
+    suite = get_suite(name)
+    if suite.local_average is not None and tasks is None:
+        tasks = local_tasks(name, metrics)
+    means = suite_summary(name, metrics, tasks)
+    out: dict[str, float | None] = {}
+    for key, items in suite.summary_items(tasks).items():
+        ses = [metric_value(metrics, t, f"{m}_stderr") for t, m in items]
+        ok = means.get(key) is not None and ses and None not in ses
+        out[key] = math.sqrt(sum(se**2 for se in ses)) / len(ses) if ok else None
     return out
 
 
