@@ -1,8 +1,10 @@
 """Comparison tables from result files (Markdown and CSV). A missing cell is shown as missing.
 
-The Markdown follows the paper's Table 20 (pruned models before and after recovery fine-tuning, RFT, side by
-side, with the unpruned baseline in both column groups) and Table 21 (every compression ratio, pre- and
-post-RFT). The CSV is long: one row per (model, method, pct, stage) with every metric.
+The Markdown names the CPU kind the evaluations ran on, gives an overview per ratio (method × model, pre → post
+RFT, with the step RFT kept), then follows the paper's Table 20 (pruned models before and after recovery
+fine-tuning, RFT, side by side, with the unpruned baseline in both column groups) and Table 21 (every compression
+ratio, pre- and post-RFT). Values carry ± their standard errors where lm-eval gives them. The CSV is long: one row
+per (model, method, pct, stage) with every metric.
 """
 
 from __future__ import annotations
@@ -178,7 +180,8 @@ def stage_markdown(df: pd.DataFrame, metric: str, pct: float) -> str:
         lines.append(f"| {model} | baseline | {base} | {base} | {MISSING} |")
         for method in methods[model]:
             keys = [(model, method, float(pct), s) for s in STAGES]
-            (pre, post), (se_pre, se_post) = ([values.get(k) for k in keys]), ([ses.get(k) for k in keys])
+            pre, post = (values.get(k) for k in keys)
+            se_pre, se_post = (ses.get(k) for k in keys)
             delta = post - pre if pre is not None and post is not None else None
             se = math.hypot(se_pre, se_post) if se_pre is not None and se_post is not None else None
             lines.append(f"| {model} | {method} | {_cell(pre, se_pre)} | {_cell(post, se_post)} | "
