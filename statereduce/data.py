@@ -38,7 +38,10 @@ list of documents (``str``) per split: ``"train"`` (pretraining the embedded tin
     ``"train[100000:110000]"`` also when streaming, so that splits of one HF split can be disjoint),
     ``doc_mode`` (``"rows"``, default: one document per row; ``"paragraphs"``/``"wikitext"``: rows are
     joined into one text first, as in WikiText-2-raw where each row is a line), ``doc_bytes``,
-    ``max_docs``, ``max_bytes``.
+    ``max_docs``, ``max_bytes``. A streamed split of parquet data files (FineWeb) is read from the files that hold
+    its row range (:func:`parquet_shards`): each is downloaded once into the Hugging Face cache and only the row
+    groups of the range are read, giving the rows, in the order, that streaming ``skip``/``take`` gives; offline
+    (``HF_HUB_OFFLINE``) the cache alone serves them (docs/offline.md).
 
 Document order is deterministic for every source; byte caps are hard budgets (documents are taken
 in order while the running total of UTF-8 bytes stays within the budget).
@@ -49,12 +52,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import json
+import os
 import platform
 import re
 import sysconfig
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import torch
 
@@ -455,23 +462,27 @@ def _hf_split(spec: dict, split: str) -> list[str]:
     import datasets  # lazy: heavy import, only this source needs it
 
     streaming = bool(spec.get("streaming", False))
-    hf_split, row_range = _streaming_slice(mapping[split]) if streaming else (mapping[split], None)
-    ds = datasets.load_dataset(
-        spec["path"],
-        spec.get("name"),
-        data_files=spec.get("data_files"),
-        split=hf_split,
-        revision=spec.get("revision"),
-        cache_dir=spec.get("cache_dir"),
-        streaming=streaming,
-    )
-    if row_range is not None:
-        start, stop = row_range
-        ds = ds.skip(start) if start else ds
-        ds = ds.take(stop - start) if stop is not None else ds
+    hf_split, row_range = streaming_slice(mapping[split]) if streaming else (mapping[split], None)
     field = spec.get("text_field", "text")
+    shards = parquet_shards(spec, hf_split) if streaming else None
+    if shards is not None:
+        rows = shards.rows(field, *(row_range or (0, None)))
+    else:
+        ds = datasets.load_dataset(
+            spec["path"],
+            spec.get("name"),
+            data_files=spec.get("data_files"),
+            split=hf_split,
+            revision=spec.get("revision"),
+            cache_dir=spec.get("cache_dir"),
+            streaming=streaming,
+        )
+        if row_range is not None:
+            start, stop = row_range
+            ds = ds.skip(start) if start else ds
+            ds = ds.take(stop - start) if stop is not None else ds
+        rows = _hf_rows(ds, field)
     max_docs, max_bytes = spec.get("max_docs"), spec.get("max_bytes")
-    rows = _hf_rows(ds, field)
     if mode == "rows":
         return _cap((r for r in rows if r.strip()), max_docs, max_bytes)
     # join rows into one text (a newline added to rows without one), read only up to the byte budget
@@ -494,7 +505,7 @@ def _hf_split(spec: dict, split: str) -> list[str]:
 _ROW_SLICE = re.compile(r"^(?P<split>[^\[\]]+)\[(?P<start>\d*):(?P<stop>\d*)\]$")
 
 
-def _streaming_slice(split: str) -> tuple[str, tuple[int, int | None] | None]:
+def streaming_slice(split: str) -> tuple[str, tuple[int, int | None] | None]:
     """``"train[1000:2000]"`` -> ("train", (1000, 2000)) for streaming datasets, which take no HF slicing;
     row ranges are applied with ``skip``/``take``. Percent slices cannot stream (the length is unknown)."""
     if "[" not in split:
@@ -514,6 +525,153 @@ def _hf_rows(ds, field: str):
         if field not in row:
             raise ValueError(f"text_field {field!r} not in dataset columns {sorted(row)}")
         yield row[field] or ""
+
+
+# ---- hf streaming over parquet shards: a row range read from the shard files that hold it -----------------------
+PARQUET_INDEX_DIR = ("statereduce", "parquet_splits")
+"""Where the shard index of a streamed parquet split is kept, under ``HF_HOME`` (:func:`parquet_shards`)."""
+
+_HF_URL = re.compile(r"^hf://datasets/(?P<repo>[^@]+)@(?P<revision>[^/]+)/(?P<path>.+)$")
+
+
+def hf_offline() -> bool:
+    """Whether the Hugging Face libraries run offline (``HF_HUB_OFFLINE``, or ``HF_DATASETS_OFFLINE`` for datasets)."""
+    import datasets
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE or datasets.config.HF_HUB_OFFLINE)
+
+
+def _fetch_hint(what: str) -> str:
+    from huggingface_hub import constants
+
+    return (f"{what} is not in the Hugging Face cache (HF_HOME={constants.HF_HOME}) and the libraries run offline; "
+            "fetch it on a machine with network: python -m statereduce.fetch <target> (docs/offline.md)")
+
+
+@dataclass(frozen=True)
+class ParquetShard:
+    """One parquet data file of a split: ``url`` as ``datasets`` resolved it (``hf://datasets/<repo>@<commit>/<path>``
+    or a local path), its rows and bytes."""
+
+    url: str
+    num_rows: int
+    bytes: int
+
+    @property
+    def hub_file(self) -> tuple[str, str, str] | None:
+        """``(repo_id, revision, path in repo)`` of a hub file, None for a local one."""
+        m = _HF_URL.match(self.url)
+        return None if m is None else (m["repo"], unquote(m["revision"]), m["path"])
+
+    def local_path(self) -> str:
+        """The file on this machine: a hub file from the Hugging Face cache, downloaded there first when online."""
+        if self.hub_file is None:
+            return self.url
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        repo, revision, path = self.hub_file
+        try:
+            return hf_hub_download(repo, path, repo_type="dataset", revision=revision)
+        except LocalEntryNotFoundError:
+            raise ValueError(_fetch_hint(f"dataset file {path} of {repo}@{revision}")) from None
+
+
+@dataclass(frozen=True)
+class ParquetShards:
+    """The parquet files of one split of a ``datasets`` dataset, in the order ``datasets`` reads them (streaming
+    yields their rows file by file, row group by row group)."""
+
+    shards: tuple[ParquetShard, ...]
+
+    def covering(self, start: int, stop: int | None) -> list[tuple[ParquetShard, int, int]]:
+        """``(shard, first row, end row)`` within each shard that holds rows ``[start, stop)`` of the split."""
+        out, offset = [], 0
+        for shard in self.shards:
+            lo = max(start - offset, 0)
+            hi = shard.num_rows if stop is None else min(stop - offset, shard.num_rows)
+            if hi > lo:
+                out.append((shard, lo, hi))
+            offset += shard.num_rows
+            if stop is not None and offset >= stop:
+                break
+        return out
+
+    def rows(self, field: str, start: int = 0, stop: int | None = None):
+        """The ``field`` values of rows ``[start, stop)`` (fewer where the split ends first), reading only the row
+        groups that hold them; a hub shard is downloaded when the reading reaches it."""
+        import pyarrow.parquet as pq
+
+        for shard, lo, hi in self.covering(start, stop):
+            pf = pq.ParquetFile(shard.local_path())
+            names = pf.schema_arrow.names
+            if field not in names:
+                raise ValueError(f"text_field {field!r} not in dataset columns {sorted(names)}")
+            offset = 0
+            for group in range(pf.num_row_groups):
+                n = pf.metadata.row_group(group).num_rows
+                a, b = max(lo - offset, 0), min(hi - offset, n)
+                offset += n
+                if b > a:
+                    column = pf.read_row_group(group, columns=[field]).column(0)
+                    yield from (v or "" for v in column.slice(a, b - a).to_pylist())
+                if offset >= hi:
+                    break
+
+
+def parquet_shards(spec: dict, hf_split: str) -> ParquetShards | None:
+    """The parquet files of HF split ``hf_split`` of an ``hf`` corpus, or None when its data files are not parquet.
+
+    Online, ``datasets.load_dataset_builder`` resolves the data files (the hub's commit included) and each file's row
+    count is read from its parquet footer (a few ranged reads, nothing downloaded); the result is kept as a small index
+    under ``HF_HOME/statereduce/parquet_splits/``. Offline (``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE``) the index is
+    read instead, so that a streamed row range needs only the shard files that hold it in the hub cache
+    (:mod:`statereduce.fetch` puts them there).
+    """
+    import datasets
+    from huggingface_hub import constants
+
+    key = {k: spec.get(k) for k in ("path", "name", "data_files", "revision")} | {"split": hf_split}
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    index = Path(constants.HF_HOME, *PARQUET_INDEX_DIR, f"{digest}.json")
+    known = json.loads(index.read_text()) if index.is_file() else None
+    if known is not None and hf_offline():
+        return ParquetShards(tuple(ParquetShard(**s) for s in known["shards"]))
+    try:
+        builder = datasets.load_dataset_builder(spec["path"], spec.get("name"), data_files=spec.get("data_files"),
+                                                revision=spec.get("revision"), cache_dir=spec.get("cache_dir"))
+    except (ConnectionError, OSError) as e:
+        if hf_offline():
+            raise ValueError(_fetch_hint(f"the index of split {hf_split!r} of dataset {spec['path']!r}") +
+                             f" ({type(e).__name__})") from None
+        raise
+    if builder.name != "parquet":
+        return None
+    files = (builder.config.data_files or {}).get(hf_split)
+    if files is None:
+        raise ValueError(f"dataset {spec['path']!r} has no split {hf_split!r}; its splits: "
+                         f"{', '.join(builder.config.data_files or {}) or '(none)'}")
+    counted = {s["url"]: ParquetShard(**s) for s in (known or {}).get("shards", [])}
+    shards = tuple(counted.get(str(url)) or _parquet_shard(str(url)) for url in files)
+    if any(s.hub_file for s in shards) and [s.url for s in shards] != list(counted):
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "shards": [vars(s) for s in shards]}, indent=1))
+        tmp.replace(index)
+    return ParquetShards(shards)
+
+
+def _parquet_shard(url: str) -> ParquetShard:
+    """A parquet file's row count and size from its footer (a hub file through ``HfFileSystem``: ranged reads)."""
+    import pyarrow.parquet as pq
+
+    if _HF_URL.match(url):
+        from huggingface_hub import HfFileSystem
+
+        with HfFileSystem().open(url, "rb") as f:
+            return ParquetShard(url, pq.ParquetFile(f).metadata.num_rows, int(f.size))
+    return ParquetShard(url, pq.ParquetFile(url).metadata.num_rows, Path(url).stat().st_size)
 
 
 # ---- public entry points --------------------------------------------------------------------------

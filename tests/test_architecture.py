@@ -90,7 +90,7 @@ LAYERS = [
     ("services", ["statereduce.eval", "statereduce.analysis", "statereduce.speed", "statereduce.config"]),
     ("stages", ["statereduce.pretrain", "statereduce.capture", "statereduce.allocate", "statereduce.select",
                 "statereduce.prune", "statereduce.rft", "statereduce.analysis.rank"]),
-    ("api", ["statereduce.api", "statereduce.__main__"]),
+    ("api", ["statereduce.api", "statereduce.__main__", "statereduce.fetch"]),
 ]
 
 
