@@ -181,7 +181,8 @@ def test_suite_stderr_of_an_average():
                "heldout": {"bits_per_byte": 3.0}}
     assert su.local_tasks("recall_probe", metrics) == ["recall_mqar_4", "recall_mqar_8"]
     assert su.local_tasks("lm", metrics) is None
-    assert su.suite_stderr("recall_probe", metrics) == {"recall_mqar_avg": pytest.approx((0.05**2 + 0.04**2) ** 0.5 / 2)}
+    expected = (0.05**2 + 0.04**2) ** 0.5 / 2
+    assert su.suite_stderr("recall_probe", metrics) == {"recall_mqar_avg": pytest.approx(expected)}
     assert su.suite_stderr("recall_probe", metrics, ["recall_mqar_4"]) == {"recall_mqar_avg": pytest.approx(0.05)}
     del metrics["recall_mqar_8"]["acc_stderr"]
     assert su.suite_stderr("recall_probe", metrics) == {"recall_mqar_avg": None}

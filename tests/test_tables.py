@@ -198,7 +198,8 @@ def test_recall_cells_carry_standard_errors(tmp_path):
 def test_rft_kept_step_per_cell(tmp_path):
     """A summary's ``rft`` block (the kept validation pass) shows as ``k of N (start → kept)``; a summary without one
     (no RFT, or an older run) as missing; with none, no RFT table at all."""
-    rft = {"steps": 16, "kept_step": 12, "val_loss_start": 2.4514, "val_loss_kept": 2.3981,
+    rft = {"steps": 16, "kept_step": 12, "best_step": 12, "metric": "ce", "val_loss_start": 2.4514,
+           "val_loss_kept": 2.3981,
            "curve": [[0, 2.4514], [4, 2.41], [8, 2.40], [12, 2.3981], [16, 2.3990]]}
     pre, post = _levels({4: 0.5, 8: 0.3}), _levels({4: 0.7, 8: 0.3})
     a, base = _recall_summary("m", 50, pre, post, rft=rft)
@@ -206,6 +207,7 @@ def test_rft_kept_step_per_cell(tmp_path):
     c, _ = _recall_summary("m3", 50, pre, post)  # no key at all
     df = write_comparison([a, b, c], {m: base for m in ("m", "m2", "m3")}, tmp_path / "t.md", tmp_path / "t.csv")
     md = (tmp_path / "t.md").read_text()
+    assert "RFT: step kept of N (validation cross entropy before RFT → at the kept step):" in md
     assert t_rows(md, "RFT: step kept of N") == [["method", "m", "m2", "m3"],
                                                  ["grad", "12 of 16 (2.451 → 2.398)", "–", "–"]]
     row = df[(df["model"] == "m") & (df["stage"] == "rft")].iloc[0]

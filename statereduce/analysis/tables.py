@@ -30,8 +30,10 @@ TABLE_METRICS = ("heldout/bits_per_byte", "wikitext/word_perplexity",
 STDERR = "_stderr"  # suffix of a standard-error column (lm-eval's: ``acc`` -> ``acc_stderr``)
 # Per-cell RFT provenance (a summary's top-level ``"rft"`` block: the validation pass whose checkpoint was kept),
 # as columns of the frame's ``rft`` rows: column -> key of the block.
-RFT_COLUMNS = {"rft_steps": "steps", "rft_kept_step": "kept_step", "rft_val_loss_start": "val_loss_start",
-               "rft_val_loss_kept": "val_loss_kept"}
+RFT_COLUMNS = {"rft_steps": "steps", "rft_kept_step": "kept_step", "rft_val_metric": "metric",
+               "rft_val_loss_start": "val_loss_start", "rft_val_loss_kept": "val_loss_kept"}
+#: How the RFT table names a validation metric (``rft.best_metric``)
+VAL_METRICS = {"ce": "cross entropy", "loss": "loss"}
 # Suite averages (eval.json "suites" blocks, statereduce.eval.suites) enter the frame as "<suite>/<summary>" columns:
 # "lm/lm_avg" is the paper's "LM Evals avg" (Table 20), the recall ones its Table 4/11 columns.
 # Metric names (the part after "task/") ending in one of these are lower-is-better; "acc*" higher-is-better.
@@ -293,7 +295,8 @@ def overview_markdown(df: pd.DataFrame, pct: float, metrics: list[str] | None = 
 
 def rft_markdown(df: pd.DataFrame, pct: float) -> str:
     """The checkpoint RFT kept, per method (rows) and model (columns) at one ratio: ``k of N (start → kept)``, the
-    optimizer step of the kept validation pass of N steps and the validation loss before RFT and at the kept step;
+    optimizer step of the kept validation pass of N steps and the validation loss (the metric RFT compared, e.g.
+    cross entropy) before RFT and at the kept step;
     ``–`` where a summary has no RFT provenance. Empty when none has any."""
     col = "rft_kept_step"
     if col not in df.columns:
@@ -303,7 +306,9 @@ def rft_markdown(df: pd.DataFrame, pct: float) -> str:
         return ""
     models = sorted(sub["model"].unique())
     cells = {(r["model"], r["method"]): r for r in sub.to_dict("records")}
-    lines = ["RFT: step kept of N (validation loss before RFT → at the kept step):", "",
+    names = set(sub.loc[sub[col].notna(), "rft_val_metric"].dropna()) if "rft_val_metric" in sub.columns else set()
+    metric = VAL_METRICS.get(next(iter(names)), next(iter(names))) if len(names) == 1 else "loss"
+    lines = [f"RFT: step kept of N (validation {metric} before RFT → at the kept step):", "",
              "| method | " + " | ".join(models) + " |", "|" + " --- |" * (len(models) + 1)]
     for method in sorted(sub["method"].unique()):
         row = []
