@@ -207,7 +207,7 @@ def test_rft_kept_step_per_cell(tmp_path):
     c, _ = _recall_summary("m3", 50, pre, post)  # no key at all
     df = write_comparison([a, b, c], {m: base for m in ("m", "m2", "m3")}, tmp_path / "t.md", tmp_path / "t.csv")
     md = (tmp_path / "t.md").read_text()
-    assert "RFT: step kept of N (validation cross entropy before RFT → at the kept step):" in md
+    assert "RFT: step kept of N, 0 being the pruned model itself (validation cross entropy before RFT" in md
     assert t_rows(md, "RFT: step kept of N") == [["method", "m", "m2", "m3"],
                                                  ["grad", "12 of 16 (2.451 → 2.398)", "–", "–"]]
     row = df[(df["model"] == "m") & (df["stage"] == "rft")].iloc[0]

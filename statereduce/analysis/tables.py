@@ -308,7 +308,8 @@ def rft_markdown(df: pd.DataFrame, pct: float) -> str:
     cells = {(r["model"], r["method"]): r for r in sub.to_dict("records")}
     names = set(sub.loc[sub[col].notna(), "rft_val_metric"].dropna()) if "rft_val_metric" in sub.columns else set()
     metric = VAL_METRICS.get(next(iter(names)), next(iter(names))) if len(names) == 1 else "loss"
-    lines = [f"RFT: step kept of N (validation {metric} before RFT → at the kept step):", "",
+    lines = [f"RFT: step kept of N, 0 being the pruned model itself (validation {metric} before RFT → at the kept "
+             "step):", "",
              "| method | " + " | ".join(models) + " |", "|" + " --- |" * (len(models) + 1)]
     for method in sorted(sub["method"].unique()):
         row = []
