@@ -187,6 +187,7 @@ def test_readme_results_block_is_the_default_runs_table():
                     f"this machine's kind ({rb.made_on_text(*here)})")
     rendered = rb.render_results(ROOT)
     assert rb.stable(block, rb.BLOCKS["results"].volatile) == rb.stable(rendered, rb.BLOCKS["results"].volatile), (
-        "README's results block is not what results/tables/comparison.md of this run gives; "
-        "`python dev/readme_blocks.py results` rewrites it")
+        "README's results block is not what results/tables/comparison.md of this run gives: if the run is older than "
+        "the workflow, `snakemake --cores all` brings it up to date (`-n` lists what it remakes); if the README is "
+        "behind, `python dev/readme_blocks.py results` rewrites the block")
     assert re.search(r"^\| baseline \|", rendered, re.M)
