@@ -45,7 +45,7 @@ from statereduce.pretrain import mean_loss
 from statereduce.prune import PruneRecord, prune_model, save_pruned
 from statereduce.select import head_data, run_selector, write_selection
 from statereduce.selectors import HeadSelection, format_method, get_selector, n_keep_for, parse_method
-from statereduce.settings import BudgetSettings, CalibrationSettings
+from statereduce.settings import BudgetSettings, CalibrationSettings, PruneSettings
 
 __all__ = ["Calibration", "Pruned", "Selection", "allocate", "build", "calibrate", "mean_loss", "prune", "save",
            "select"]
@@ -331,7 +331,7 @@ def allocate(
 
 
 def prune(model: nn.Module, selection: Selection | Mapping[int, Any], *, inplace: bool = False,
-          norm_eps: str = "stock") -> Pruned:
+          norm_eps: str = PruneSettings.norm_eps) -> Pruned:
     """Slice the selected key/query channels out of every linear-attention layer (paper Sec. 3.3).
 
     The result is a stock model of the same class with a smaller d_k (``head_k_dim``, ``expand_k``, ``state_size``
@@ -342,9 +342,10 @@ def prune(model: nn.Module, selection: Selection | Mapping[int, Any], *, inplace
         selection: :func:`select`'s result, or a mapping {layer: [H, d_k'] channel indices} covering every
             linear-attention layer (or {layer: float [H, d_k', d_k]} transforms with orthonormal rows).
         inplace: prune ``model`` itself instead of a deep copy (no second copy of the weights in memory).
-        norm_eps: ``"stock"`` keeps the config's norm eps (the pruned model equals zero-masking up to the mixers'
-            output-norm eps, as the paper's checkpoints); ``"exact"`` equals zero-masking to float precision and is
-            still a stock checkpoint (:func:`statereduce.prune.exact_norm_eps`; refused for tied embeddings).
+        norm_eps: ``"exact"`` (the default, the workflow's: :class:`~statereduce.settings.PruneSettings`) equals
+            zero-masking to float precision and is still a stock checkpoint (:func:`statereduce.prune.exact_norm_eps`;
+            refused for tied embeddings); ``"stock"`` keeps the config's norm eps (the pruned model equals
+            zero-masking up to the mixers' output-norm eps, as the paper's checkpoints).
     Returns:
         ``Pruned(model, record)``.
     Raises:

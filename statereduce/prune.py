@@ -19,9 +19,10 @@ pruned model equals zero-masking exactly when that norm's eps is multiplied by `
 holds one eps for that norm and the block norms (the spec's ``norm_eps_field``), so :func:`prune_model` offers
 two choices (``norm_eps``, :data:`NORM_EPS`):
 
-- ``"stock"`` (the default): the checkpoint keeps the stock eps and differs from zero-masking by that eps effect
-  only; the record says so (``kernel_scale``).
-- ``"exact"`` (:func:`exact_norm_eps`): the config's eps is multiplied by c^2, and every norm other than the
+- ``"stock"``: the checkpoint keeps the stock eps and differs from zero-masking by that eps effect only; the record
+  says so (``kernel_scale``).
+- ``"exact"`` (the default, :class:`~statereduce.settings.PruneSettings`'s, which the workflow's ``prune`` block
+  also starts from; :func:`exact_norm_eps`): the config's eps is multiplied by c^2, and every norm other than the
   mixers' output norms is made to see a c times larger input, which an RMSNorm ignores apart from its eps
   (``RMSNorm(c x; eps c^2) = RMSNorm(x; eps)``): the residual stream is multiplied by c (the input embedding and
   every module that adds into it, ``adapter.residual_writers``), and so are the projections that feed norms off
@@ -61,6 +62,7 @@ from statereduce.checkpoints import base_checkpoint
 from statereduce.kernels.shapes import record_note
 from statereduce.models import save_checkpoint
 from statereduce.runtime import atomic_dir, versions
+from statereduce.settings import PRUNE_NORM_EPS, PruneSettings
 from statereduce.slicing import (  # noqa: F401  (the slicing verbs re-exported)
     KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD, head_rows, kept_rows, mix_filters, set_mixer_dims, slice_mixer, slice_rows,
     transform_rows,
@@ -68,7 +70,7 @@ from statereduce.slicing import (  # noqa: F401  (the slicing verbs re-exported)
 
 RECORD_NAME = PRUNE_RECORD  # the record's file name in a pruned checkpoint folder
 RECORD_FORMAT = 1
-NORM_EPS = ("stock", "exact")
+NORM_EPS = PRUNE_NORM_EPS
 """Values of :func:`prune_model`'s ``norm_eps`` (module docstring, "Kernel scale")."""
 _NUMBER_LIST = re.compile(r"\[\n\s*(-?[\d.e+-]+(?:,\n\s*-?[\d.e+-]+)*)\n\s*\]")
 
@@ -371,7 +373,7 @@ def check_keep(adapter: LinearAttentionAdapter, keep: Mapping[int, Any], *,
 
 
 def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, Any] | None = None, *,
-                norm_eps: str = "stock") -> PruneRecord:
+                norm_eps: str = PruneSettings.norm_eps) -> PruneRecord:
     """Slice the kept key/query channels out of every linear-attention layer, in place (paper Sec. 3.3).
 
     Validates everything (selection, reduced config, ``norm_eps``) before touching any weight, slices each mixer,
@@ -391,11 +393,13 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
             removed) fill the record's fields; ``family``, ``d_k``, ``d_k_new``, ``num_heads``, ``num_v_heads``
             and ``head_v_dim``, when present (e.g. a selection file's metadata), must agree with the model and
             ``keep``; every other JSON-serialisable entry goes to ``record.extra``.
-        norm_eps: ``"stock"`` keeps the config's norm eps: the checkpoint equals zero-masking up to the output
-            norms' eps (the record's ``kernel_scale`` names the factor that would make it exact). ``"exact"``
-            (:func:`exact_norm_eps`): equal to zero-masking to float precision, still a stock checkpoint; the
-            record's ``kernel_scale["norm_eps"]`` and ``config_changes`` hold the eps before and after. A no-op for
-            Mamba-2 (no kernel scale) and when every channel is kept.
+        norm_eps: ``"exact"`` (the default, :class:`~statereduce.settings.PruneSettings`'s, as in the workflow;
+            :func:`exact_norm_eps`): equal to zero-masking to float precision, still a stock checkpoint; the
+            record's ``kernel_scale["norm_eps"]`` and ``config_changes`` hold the eps before and after; refused for
+            tied input/output embeddings. ``"stock"`` keeps the config's norm eps: the checkpoint equals
+            zero-masking up to the output norms' eps (the record's ``kernel_scale`` names the factor that would make
+            it exact), as the paper's checkpoints. A no-op for Mamba-2 (no kernel scale) and when every channel is
+            kept.
     Returns:
         the :class:`PruneRecord`.
     Raises:

@@ -225,13 +225,13 @@ def test_live_eps_equals_the_reloaded_models(reloaded, case):
 # ---- 2. stock: today's checkpoint ------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["delta_net", "gdn", "qwen3_5", "mamba2"])
 def test_stock_is_todays_checkpoint(case, tmp_path):
-    """The default and an explicit "stock" write identical files; every tensor outside the sliced q/k rows, every eps
-    and the config outside ``config_changes`` are the original's; the record's kernel_scale is today's entry."""
+    """Two "stock" prunings write identical files; every tensor outside the sliced q/k rows, every eps and the config
+    outside ``config_changes`` are the original's; the record's kernel_scale is today's entry."""
     family, overrides = CASES.get(case, ("mamba2", {}))
     model = tiny_model(family, **overrides)
     keep = random_keep(model, 16, seed=4)
     default, explicit = copy.deepcopy(model), copy.deepcopy(model)
-    r_default = prune_model(default, keep, META)
+    r_default = prune_model(default, keep, META, norm_eps="stock")
     r_explicit = prune_model(explicit, keep, META, norm_eps="stock")
     assert r_default.to_json() == r_explicit.to_json()
     old, new = model.config.to_dict(), default.config.to_dict()  # (saving sets config.architectures)
@@ -259,12 +259,36 @@ def test_stock_is_todays_checkpoint(case, tmp_path):
                      "original with dropped q/k channels zeroed only up to the o_norm eps (exact with eps * 2)")}
 
 
+def test_the_default_is_the_workflows(tmp_path):
+    """prune_model and api.prune default to the workflow's norm_eps (PruneSettings, the one place of that default):
+    the default writes the files an explicit "exact" writes."""
+    import inspect
+
+    from statereduce import api
+    from statereduce.settings import PruneSettings
+
+    assert PruneSettings().norm_eps == "exact"
+    for fn in (prune_model, api.prune):
+        assert inspect.signature(fn).parameters["norm_eps"].default == PruneSettings().norm_eps, fn.__name__
+    family, overrides = CASES["gdn"]
+    model = tiny_model(family, **overrides)
+    keep = random_keep(model, 16, seed=4)
+    default, explicit = copy.deepcopy(model), copy.deepcopy(model)
+    r_default = prune_model(default, keep, META)
+    r_explicit = prune_model(explicit, keep, META, norm_eps="exact")
+    assert r_default.kernel_scale["norm_eps"]["choice"] == "exact"
+    save_pruned(default, None, r_default, tmp_path / "default")
+    save_pruned(explicit, None, r_explicit, tmp_path / "explicit")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "default" / name).read_bytes() == (tmp_path / "explicit" / name).read_bytes(), name
+
+
 # ---- 3. Mamba-2: a no-op -----------------------------------------------------------------------------------------
 def test_mamba2_exact_is_a_no_op(tmp_path):
     model = tiny_model("mamba2")
     keep = random_keep(model, 8, seed=4)
     stock, exact = copy.deepcopy(model), copy.deepcopy(model)
-    r_stock = prune_model(stock, keep, META)
+    r_stock = prune_model(stock, keep, META, norm_eps="stock")
     r_exact = prune_model(exact, keep, META, norm_eps="exact")
     save_pruned(stock, None, r_stock, tmp_path / "stock")
     save_pruned(exact, None, r_exact, tmp_path / "exact")
@@ -314,7 +338,7 @@ def test_tied_embeddings_are_refused_before_any_change():
     model.config.tie_word_embeddings = False  # weights still shared in memory: refused as well
     with pytest.raises(ValueError, match="share one weight"):
         prune_model(model, random_keep(model, 16), META, norm_eps="exact")
-    prune_model(model, random_keep(model, 16), META)  # stock is fine
+    prune_model(model, random_keep(model, 16), META, norm_eps="stock")  # stock is fine
 
 
 def test_attention_residual_blocks_are_refused():

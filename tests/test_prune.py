@@ -132,7 +132,7 @@ def reloaded(tmp_path_factory) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for case, (family, overrides) in CASES.items():
         model = tiny_model(family, **overrides)
-        record = prune_model(model, random_keep(model, 16, seed=5), META)
+        record = prune_model(model, random_keep(model, 16, seed=5), META, norm_eps="stock")
         inputs = tiny_inputs(length=20)
         (root / case).mkdir()
         torch.save(inputs, root / case / "inputs.pt")
@@ -170,7 +170,7 @@ class SlicingContract:
         inputs = tiny_inputs(length=20)
         before, config_before = logits(model, inputs), model.config.to_dict()
         keep = {layer: torch.arange(D_K).repeat(2, 1) for layer, _ in get_adapter(model).mixer_layers()}
-        record = prune_model(model, keep, {"method": "all", "pct": 0})
+        record = prune_model(model, keep, {"method": "all", "pct": 0}, norm_eps="stock")
         assert torch.equal(logits(model, inputs), before)
         assert model.config.to_dict() == config_before
         assert (record.d_k, record.d_k_new) == (D_K, D_K)
@@ -179,7 +179,7 @@ class SlicingContract:
         model = self.model()
         original = copy.deepcopy(model)
         keep = random_keep(model, 12, seed=1)
-        prune_model(model, keep, META)
+        prune_model(model, keep, META, norm_eps="stock")
         adapter, orig_adapter = get_adapter(model), get_adapter(original)
         h, hv, d_k, d_v = orig_adapter.dims(orig_adapter.config)
         assert tuple(adapter.dims(adapter.config)) == (h, hv, 12, d_v)
@@ -220,7 +220,7 @@ class SlicingContract:
         zero_dropped(zeroed, keep)
         ref = logits(zeroed, inputs)
         assert (logits(model, inputs) - ref).abs().max() > 1e-2  # the dropped channels matter
-        prune_model(model, keep, META)
+        prune_model(model, keep, META, norm_eps="stock")
         as_saved = (logits(model, inputs) - ref).abs().max().item()
         if not get_adapter(model).kernel_scale:
             assert as_saved <= 1e-5  # no kernel scale (Mamba-2): exact as saved
@@ -243,20 +243,21 @@ class SlicingContract:
 
     def test_cached_decoding_matches_full_forward(self):
         model = self.model()
-        prune_model(model, random_keep(model, 16, seed=3), META)
+        prune_model(model, random_keep(model, 16, seed=3), META, norm_eps="stock")
         inputs = tiny_inputs(length=20)
         assert torch.allclose(cached_steps(model, inputs), logits(model, inputs), atol=1e-4)
 
     def test_record(self):
         model = self.model()
         keep = random_keep(model, 8, seed=4)
-        record = prune_model(model, keep, META)
+        record = prune_model(model, keep, META, norm_eps="stock")
         assert PruneRecord.from_json(record.to_json()) == record
         assert all(torch.equal(record.keep_tensors()[layer], keep[layer]) for layer in keep)
         assert (record.family, record.method, record.pct, record.source_model) == (self.family, "rand", 50, "tiny-test")
         assert (record.d_k, record.d_k_new, record.extra) == (D_K, 8, {"calibration": "none"})
         agreeing = {**META, "d_k": D_K, "d_k_new": 8, "num_heads": 2, "family": self.family, "source": "x"}
-        other = prune_model(self.model(), keep, {k: v for k, v in agreeing.items() if k != "source_model"})
+        other = prune_model(self.model(), keep, {k: v for k, v in agreeing.items() if k != "source_model"},
+                            norm_eps="stock")
         assert (other.source_model, other.extra) == ("x", {"calibration": "none"})
         assert "norm_eps" not in record.kernel_scale  # the default, norm_eps="stock", records no norm_eps entry
         if get_adapter(model).kernel_scale:
@@ -284,14 +285,14 @@ class SlicingContract:
         for name, (keep, msg) in bad_cases.items():
             meta = bad_meta.get(name, META)
             with pytest.raises(ValueError, match=msg):
-                prune_model(model, keep, meta)
+                prune_model(model, keep, meta, norm_eps="stock")
         assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
     def test_unsorted_keep_is_sorted(self):
         model, other = self.model(), self.model()
         keep = random_keep(model, 16, seed=6)
-        prune_model(model, keep, META)
-        prune_model(other, {layer: idx.flip(1) for layer, idx in keep.items()}, META)
+        prune_model(model, keep, META, norm_eps="stock")
+        prune_model(other, {layer: idx.flip(1) for layer, idx in keep.items()}, META, norm_eps="stock")
         inputs = tiny_inputs()
         assert torch.equal(logits(model, inputs), logits(other, inputs))
 
@@ -303,8 +304,8 @@ class FlaSlicing(SlicingContract):
         model = self.model(attn={"layers": [1], "num_heads": 2})
         attn_state = {k: v.clone() for k, v in model.model.layers[1].state_dict().items()}
         with pytest.raises(ValueError, match=r"are \[0\]"):
-            prune_model(model, random_keep(self.model(), 16), META)  # keep names layer 1
-        record = prune_model(model, random_keep(model, 16), META)
+            prune_model(model, random_keep(self.model(), 16), META, norm_eps="stock")  # keep names layer 1
+        record = prune_model(model, random_keep(model, 16), META, norm_eps="stock")
         assert list(record.keep) == [0]
         assert model.model.layers[0].attn.q_proj.out_features == 32
         assert all(torch.equal(v, attn_state[k]) for k, v in model.model.layers[1].state_dict().items())
@@ -315,7 +316,7 @@ class TestDeltaNet(FlaSlicing):
 
     def test_config_fields(self):
         model = self.model()
-        record = prune_model(model, random_keep(model, 16), META)
+        record = prune_model(model, random_keep(model, 16), META, norm_eps="stock")
         assert model.config.expand_k == 0.5 and record.config_changes == {"expand_k": [1.0, 0.5]}
 
 
@@ -324,7 +325,7 @@ class TestGatedDeltaNet(FlaSlicing):
 
     def test_config_fields(self):
         model = self.model()
-        record = prune_model(model, random_keep(model, 16), META)
+        record = prune_model(model, random_keep(model, 16), META, norm_eps="stock")
         assert (model.config.head_dim, model.config.expand_v) == (16, 4.0)
         assert record.config_changes == {"head_dim": [32, 16], "expand_v": [2.0, 4.0]}
 
@@ -332,7 +333,7 @@ class TestGatedDeltaNet(FlaSlicing):
         model = tiny_model("gated_deltanet", head_dim=64)  # d_v = 128; d_k' = 49 truncates to 127
         state = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(ValueError, match="d_k'=49 with d_v=128"):
-            prune_model(model, random_keep(model, 49), META)
+            prune_model(model, random_keep(model, 49), META, norm_eps="stock")
         assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
         assert model.config.head_dim == 64
 
@@ -353,13 +354,14 @@ class TestMamba2(SlicingContract):
 
     def test_config_fields(self):
         model = self.model()
-        record = prune_model(model, random_keep(model, 16), META)
+        record = prune_model(model, random_keep(model, 16), META, norm_eps="stock")
         assert model.config.state_size == 16 and record.config_changes == {"state_size": [32, 16]}
 
     def test_no_channel_left_in_a_group_is_rejected(self):
         model = self.model()
         with pytest.raises(ValueError, match=r"expected \[num_heads=2, d_k'>0\]"):
-            prune_model(model, {0: torch.zeros(2, 0, dtype=torch.long), 1: torch.zeros(2, 0, dtype=torch.long)}, META)
+            prune_model(model, {0: torch.zeros(2, 0, dtype=torch.long), 1: torch.zeros(2, 0, dtype=torch.long)}, META,
+                        norm_eps="stock")
 
 
 class TestQwen35(SlicingContract):
@@ -370,14 +372,14 @@ class TestQwen35(SlicingContract):
 
     def test_config_fields(self):
         model = self.model()
-        record = prune_model(model, random_keep(model, 16), META)
+        record = prune_model(model, random_keep(model, 16), META, norm_eps="stock")
         assert model.config.linear_key_head_dim == 16
         assert record.config_changes == {"linear_key_head_dim": [32, 16]}
 
     def test_attention_layer_and_everything_outside_the_mixers_untouched(self):
         model = self.model()
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        prune_model(model, random_keep(model, 16), META)
+        prune_model(model, random_keep(model, 16), META, norm_eps="stock")
         after = model.state_dict()
         changed = {k for k in before if k not in after or not torch.equal(before[k], after[k])}
         sliced = ("in_proj_qkv", "conv1d")
@@ -388,7 +390,7 @@ class TestQwen35(SlicingContract):
 def test_save_pruned_is_atomic(tmp_path):
     """A failure while writing leaves no out_dir and no temp dir; a second save replaces the first."""
     model = tiny_model("delta_net")
-    record = prune_model(model, random_keep(model, 16), META)
+    record = prune_model(model, random_keep(model, 16), META, norm_eps="stock")
 
     class BrokenTokenizer:
         def save_pretrained(self, path):
