@@ -42,7 +42,8 @@ for family in args.families:
                 prm.normal_(0.0, 0.3)
     adapter = get_adapter(model)
     pct = 100 * (1 - args.keep / adapter.head_k_dim)
-    prune_model(model, random_keep(model, args.keep, seed=1), {"source": "random", "method": "rand", "pct": pct})
+    prune_model(model, random_keep(model, args.keep, seed=1), {"source": "random", "method": "rand", "pct": pct},
+                norm_eps="stock")
     adapter.install_fallbacks(("cpu",))
     x = torch.randint(0, 256, (2, 512), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

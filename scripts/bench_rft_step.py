@@ -174,7 +174,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     keep = {i: torch.stack([torch.randperm(d_k, generator=g)[:keep_n].sort().values
                             for _ in range(adapter.num_heads)]) for i, _ in adapter.mixer_layers()}
-    prune_model(student, keep)
+    prune_model(student, keep, norm_eps="stock")
     kernels = adapter.route_backward("auto")
     blocks = torch.randint(0, 257, (args.batch * args.steps, args.seq_len), generator=g)
     out = {"model": args.model, "family": family, "arch": arch, "pct": args.pct, "d_k": [d_k, keep_n],

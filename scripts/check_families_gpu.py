@@ -90,7 +90,8 @@ def check_family(family: str, scale: int, length: int, root: Path) -> dict:
     model.save_pretrained(base)
     tok.save_pretrained(base)
     d_k = get_adapter(model).head_k_dim
-    record = prune_model(model, random_keep(model, d_k // 2, seed=1), {"method": "rand", "pct": 50})
+    record = prune_model(model, random_keep(model, d_k // 2, seed=1), {"method": "rand", "pct": 50},
+                          norm_eps="stock")
     pruned = save_pruned(model, tok, record, root / family / "pruned")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (2, length), generator=g)

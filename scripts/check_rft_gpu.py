@@ -115,7 +115,8 @@ def main() -> None:
 
     pct = 100 * (1 - args.keep / get_adapter(model).head_k_dim)
     record = prune_model(
-        model, random_keep(model, args.keep, seed=1), {"source": "random", "method": "rand", "pct": pct}
+        model, random_keep(model, args.keep, seed=1), {"source": "random", "method": "rand", "pct": pct},
+        norm_eps="stock",
     )
     save_pruned(model, tok, record, work / "pruned")
     corpus = {"source": "embedded"}

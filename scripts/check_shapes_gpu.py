@@ -99,7 +99,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(tiny_config(family, arch)).float()
         assert (get_adapter(model).head_k_dim, get_adapter(model).head_v_dim) == (d_k, d_v)
         record = prune_model(model, random_keep(model, keep, seed=1),
-                             {"source": "random", "method": "rand", "pct": 100 * (1 - keep / d_k)})
+                             {"source": "random", "method": "rand", "pct": 100 * (1 - keep / d_k)}, norm_eps="stock")
         ckpt = work / f"{family}_{keep}x{d_v}"
         save_pruned(model, tok, record, ckpt)
         kernels = tuple(adapter_class(family).padded_kernels)
