@@ -14,7 +14,8 @@ def command_line():
     function ``snakemake`` itself parsed it with before it read this file, which gives the same result for any order
     of options and targets that Snakemake accepts. (An option of several values, such as ``--resources``,
     ``--forcerun`` or ``--until``, takes every word up to the next option: a target right after it is read as one of
-    its values by Snakemake itself, or stops Snakemake before it reads this file. Targets go first.)"""
+    its values by Snakemake itself, or stops Snakemake before it reads this file. Targets go first, or after ``--``,
+    which ends the options.)"""
     prog = Path(sys.argv[0])
     if prog.name != "snakemake" and prog.parts[-2:] != ("snakemake", "__main__.py"):
         return None
@@ -29,6 +30,13 @@ def command_line():
 
 
 CLI = command_line()
+
+# Every word after `--` is a target: an option there (`-- <target> -n`) would be a target that no rule makes.
+for _target in sorted(t for t in CLI.targets if t.startswith("-")) if CLI else []:
+    raise WorkflowError(
+        f"{_target} stands after --, which makes every word after it a target: put the options before -- "
+        f"(snakemake --cores all {_target} -- <targets>)"
+    )
 
 # A requested path under results/ naming an unknown model, selector or calibration, or an impossible pct, fails here
 # in one line with the valid choices (Snakemake alone would answer only "No rule to produce ...").

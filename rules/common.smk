@@ -20,6 +20,18 @@ from statereduce.selectors import METHOD_REGEX, parse_method
 from statereduce.select import selector_code_files
 from statereduce.settings import HubSettings
 
+# --configfile takes every path up to the next option: a path under results/ among them was meant as a target. An
+# existing one would be read as config here (a missing one stops Snakemake before it reads this file). One line.
+_configfiles = [str(f) if os.path.relpath(f).startswith(os.pardir) else os.path.relpath(f)
+                for f in workflow.overwrite_configfiles or ()]
+_taken = [f for f in _configfiles if Path(f).parts[:1] == (layout.RESULTS,)]
+if _taken:
+    raise WorkflowError(
+        f"--configfile read {' '.join(_taken)} as config (it takes every path up to the next option): put the "
+        f"targets first, snakemake {' '.join(_taken)} --configfile "
+        f"{' '.join(f for f in _configfiles if f not in _taken)} ..., or after --"
+    )
+
 try:
     CFG = srconfig.validate_config(config)
 except srconfig.ConfigError as e:

@@ -62,6 +62,11 @@ def check_schema(config: dict, schema: dict | None = None) -> None:
         raise ConfigError(
             f"config error at {_where(err.path)}: a model needs exactly one of hub, local, pretrain, init"
         )
+    if err.validator == "required" and list(err.path)[:1] == ["models"] and len(err.path) <= 3 and (
+            "dims" in err.path or "'dims'" in err.message):
+        raise ConfigError(f"config error at {_where(err.path)}: {err.message}; a hub model needs dims: {{num_heads, "
+                          "head_k_dim, head_v_dim} (its checkpoint's head sizes), so that an impossible ratio fails "
+                          "before any job runs")
     valid = err.schema.get("description") if err.validator in ("oneOf", "anyOf") else None
     raise ConfigError(f"config error at {_where(err.path)}: {err.message}" + (f"; valid: {valid}" if valid else ""))
 
@@ -338,8 +343,19 @@ def _checkpoint_dims(family: str, folder: str) -> dict | None:
     return {"num_heads": d.num_heads, "head_k_dim": d.head_k_dim, "head_v_dim": d.head_v_dim}
 
 
+def check_has_checkpoint(config: dict, model: str) -> None:
+    """A one-line ConfigError for a model with no checkpoint to read (``local: null`` and no other source)."""
+    m = config["models"][model]
+    if not any(m.get(source) for source in ("hub", "local", "pretrain", "init")):
+        raise ConfigError(f"model {model!r} has no checkpoint: set models.{model}.local (or hub)")
+
+
 def check_reduction(config: dict, model: str, pct: float) -> int:
-    """Check that removing ``pct`` percent of ``model``'s key channels is possible; return d_k'."""
+    """Check that removing ``pct`` percent of ``model``'s key channels is possible; return d_k'.
+
+    The head sizes come from :func:`model_dims`; a model whose sizes the config cannot give (no checkpoint yet, a
+    ``local`` checkpoint whose config.json the family cannot read, ``dims`` without ``head_k_dim``) is refused in one
+    line, so that no job is planned for a ratio that may keep no channel."""
     from statereduce.families import family_spec
     from statereduce.selectors import n_keep_for
 
@@ -347,7 +363,9 @@ def check_reduction(config: dict, model: str, pct: float) -> int:
         raise ConfigError(f"pct {pct} is outside (0, 100): it is the percent of key channels removed")
     dims = model_dims(config, model)
     if dims is None or "head_k_dim" not in dims:
-        return -1  # checked when the checkpoint is loaded
+        check_has_checkpoint(config, model)
+        raise ConfigError(f"model {model!r}: its head sizes are unknown (no models.{model}.dims, and its checkpoint's "
+                          f"config.json gives none); add dims: {{num_heads, head_k_dim, head_v_dim}}")
     try:
         n_keep = n_keep_for(dims["head_k_dim"], pct)
         if "head_v_dim" in dims:
@@ -440,6 +458,7 @@ def check_target(config: dict, target: str) -> None:
     try:
         if found.model not in config["models"]:
             raise ConfigError(f"unknown model {found.model!r}; valid: {', '.join(sorted(config['models']))}")
+        check_has_checkpoint(config, found.model)
         if found.calib is not None:
             model_calibration(config, found.model, found.calib)
         if found.stage is None:
@@ -450,10 +469,14 @@ def check_target(config: dict, target: str) -> None:
             )
         check_method(config, found.method)
         if not layout.is_pct(found.pct):
-            raise ConfigError(
-                f"pct {found.pct!r} in {found.stage!r} is not a number such as 75 or 37.5 (percent of key channels "
-                "removed)"
-            )
+            pct = layout.canonical_pct(found.pct)
+            if pct is None:
+                raise ConfigError(
+                    f"pct {found.pct!r} in {found.stage!r} is not a number such as 75 or 37.5 (percent of key "
+                    "channels removed)"
+                )
+            raise ConfigError(f"pct {found.pct!r} is written {pct!r} in paths (one spelling per ratio): "
+                              f"{layout.with_pct(target, pct)}")
         check_reduction(config, found.model, float(found.pct))
         check_budget_cell(config, found.model, found.method, float(found.pct))
     except ConfigError as e:

@@ -50,8 +50,9 @@ SPEED = f"{STAGE}/speed.json"
 
 #: Folders of ``results/{model}/`` whose name is not a ``<method>_<pct>`` stage.
 FOLDERS = ("base", "baseline", "calib", "select", "weights")
-#: A pct as paths write it (percent of key channels removed).
-PCT_RE = r"\d+(\.\d+)?"
+#: A pct as paths write it (percent of key channels removed): :func:`format_pct`'s one spelling per ratio, so no
+#: leading zero and no trailing zero after the point (``50``, ``37.5``; not ``050``, ``50.0``, ``50.00``).
+PCT_RE = r"(?:0|[1-9]\d*)(?:\.\d*[1-9])?"
 
 
 def format_pct(pct: float | int | str) -> str:
@@ -115,4 +116,27 @@ def parse(target: str) -> ResultPath | None:
 
 
 def is_pct(text: str) -> bool:
+    """Whether ``text`` is a pct as paths write it (:data:`PCT_RE`)."""
     return re.fullmatch(PCT_RE, text) is not None
+
+
+def canonical_pct(text: str) -> str | None:
+    """The path form (:func:`format_pct`) of the number ``text`` spells (``50.0``, ``050`` -> ``50``), or None when
+    it spells no number that paths can write."""
+    try:
+        pct = format_pct(float(text))
+    except (TypeError, ValueError):
+        return None
+    return pct if is_pct(pct) else None
+
+
+def with_pct(target: str, pct: str) -> str:
+    """``target`` (a path under ``results/{model}/`` with a ``<method>_<pct>`` stage, :func:`parse`) with its pct
+    written ``pct``."""
+    found = parse(target)
+    if found is None or found.method is None:
+        raise ValueError(f"{target!r} has no <method>_<pct> stage")
+    parts = list(PurePosixPath(target).parts)
+    i = 3 if found.folder == "select" else 2
+    parts[i] = parts[i].replace(found.stage, f"{found.method}_{pct}", 1)
+    return str(PurePosixPath(*parts))

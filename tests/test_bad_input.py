@@ -284,6 +284,77 @@ def test_check_target(shipped_config, target, message):
     assert _one_line(err).startswith(f"{target}: {message}")
 
 
+@pytest.mark.parametrize("spelling", ["50.0", "050", "50.00", "5e1"])
+@pytest.mark.parametrize("template", ["results/tiny-dn/drrqr_{}/eval.json", "results/tiny-dn/select/drrqr_{}.parquet",
+                                      "results/tiny-gdn/grad.prose_{}/rft/eval.json"])
+def test_a_ratio_spelled_otherwise_is_refused_naming_its_one_spelling(shipped_config, template, spelling):
+    """One spelling per ratio (layout.format_pct's): 50.0, 050, 50.00 and 5e1 would each start a chain of their own
+    for the same work; they are refused in one line that names the target as it is written."""
+    from statereduce.config import ConfigError, check_target, validate_config
+
+    cfg = validate_config(shipped_config)
+    check_target(cfg, template.format("50"))
+    target = template.format(spelling)
+    with pytest.raises(ConfigError) as err:
+        check_target(cfg, target)
+    assert _one_line(err) == (f"{target}: pct {spelling!r} is written '50' in paths (one spelling per ratio): "
+                              f"{template.format('50')}")
+
+
+def _checkpoint_entries() -> list[str]:
+    import yaml
+    from _paths import ROOT
+
+    models = yaml.safe_load((ROOT / "config.yaml").read_text())["models"]
+    return sorted(name for name, m in models.items() if "hub" in m or "local" in m)
+
+
+@pytest.mark.parametrize("model", _checkpoint_entries())
+def test_every_hub_and_local_entry_refuses_an_impossible_ratio(shipped_config, model):
+    """Each hub or local entry of config.yaml knows its head sizes before any job (a hub entry's ``dims``), or has
+    no checkpoint yet: a ratio that keeps no channel is refused in one line either way, never planned."""
+    from statereduce.config import ConfigError, check_target, validate_config
+
+    cfg = validate_config(shipped_config)
+    target = f"results/{model}/drrqr_99.9/eval.json"
+    with pytest.raises(ConfigError) as err:
+        check_target(cfg, target)
+    line = _one_line(err)
+    if cfg["models"][model].get("hub") or cfg["models"][model].get("local"):
+        assert re.fullmatch(rf"{re.escape(target)}: model '{re.escape(model)}' at pct 99\.9: pct=99\.9 removes every "
+                            r"channel of d_k=\d+ \(keeps 0\); use a smaller pct", line), line
+    else:
+        assert line == f"{target}: model '{model}' has no checkpoint: set models.{model}.local (or hub)"
+
+
+def test_gdn13b_has_its_checkpoints_head_sizes(shipped_config):
+    """m-a-p/1.3B-100B-GatedDeltaNet-pure loaded by fla has 1,466,343,808 parameters and 8 per-head D scalars per
+    layer: hidden 2048, 24 layers, 8 heads of d_k = d_v = 256 is the fla layout of exactly that count."""
+    assert shipped_config["models"]["gdn1.3b"]["dims"] == {"num_heads": 8, "head_k_dim": 256, "head_v_dim": 256}
+    from statereduce.config import check_reduction, validate_config
+
+    assert check_reduction(validate_config(shipped_config), "gdn1.3b", 75) == 64
+
+
+@pytest.mark.parametrize("drop", [("dims",), ("dims", "head_v_dim")], ids=["no-dims", "no-head_v_dim"])
+def test_a_hub_entry_needs_all_its_dims(shipped_config, drop):
+    import copy
+
+    from statereduce.config import ConfigError, validate_config
+
+    cfg = copy.deepcopy(shipped_config)
+    block = cfg["models"]["dn1.3b"]
+    for key in drop[:-1]:
+        block = block[key]
+    del block[drop[-1]]
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    where = ".".join(("models", "dn1.3b", *drop[:-1]))
+    assert _one_line(err) == (f"config error at {where}: '{drop[-1]}' is a required property; a hub model needs dims: "
+                              "{num_heads, head_k_dim, head_v_dim} (its checkpoint's head sizes), so that an "
+                              "impossible ratio fails before any job runs")
+
+
 def _dry_run(workdir: Path, *targets: str, cfg: dict | None = None) -> subprocess.CompletedProcess:
     """``snakemake -n --quiet targets`` of the repository's workflow in ``workdir`` with ``cfg`` (default: the shipped
     one); ``--quiet`` last (it takes every word after it)."""

@@ -16,6 +16,21 @@ def test_format_pct(pct, text):
     assert layout.format_pct(pct) == text
 
 
+@pytest.mark.parametrize("text, canonical", [
+    ("50", "50"), ("37.5", "37.5"), ("0.5", "0.5"), ("50.0", "50"), ("050", "50"), ("50.00", "50"),
+    ("37.50", "37.5"), ("00.5", "0.5"), ("1e1", "10"), ("7x5", None), ("nan", None),
+])
+def test_a_ratio_has_one_spelling_in_paths(text, canonical):
+    """The wildcard pattern takes only format_pct's spelling; canonical_pct names it for any other spelling."""
+    assert layout.canonical_pct(text) == canonical
+    assert layout.is_pct(text) == (re.fullmatch(layout.PCT_RE, text) is not None) == (text == canonical)
+
+
+def test_with_pct_rewrites_only_the_stages_pct():
+    assert layout.with_pct("results/m/drrqr.n16_050/rft/eval.json", "50") == "results/m/drrqr.n16_50/rft/eval.json"
+    assert layout.with_pct("results/m/select/grad-k_75.0.parquet", "75") == "results/m/select/grad-k_75.parquet"
+
+
 def test_path_fills_the_given_wildcards_and_leaves_the_others():
     assert layout.path(layout.SUMMARY, model="m", method="drrqr", pct=50.0) == "results/m/drrqr_50/eval.json"
     assert layout.path(layout.ACTIVATIONS, calib="default") == "results/{model}/calib/default/activations.h5"

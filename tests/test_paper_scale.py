@@ -65,18 +65,19 @@ def test_a_base_config_target_names_the_rule_of_its_model_source(tmp_path):
 
 
 def test_overlay_models_have_their_hub_entries_shapes():
-    """Each ``<hub key>-init`` model has the head sizes of the hub entry beside it (its ``dims``, or the speed
-    runs' arch of that shape), so that what it measures is what the hub model would cost."""
+    """Each ``<hub key>-init`` model has the shape of the hub entry beside it: the speed runs' arch where the entry
+    has one (gdn1.3b's is fla's GatedDeltaNetConfig 1.3B layout, not its checkpoint's dims), else its ``dims``."""
     cfg = validate_config(_merged())
     hub_keys = [name.removesuffix("-init") for name in cfg["models"] if name.endswith("-init")]
     assert sorted(hub_keys) == sorted(n for n, m in cfg["models"].items() if "hub" in m)
     for key in hub_keys:
         hub, init = cfg["models"][key], cfg["models"][f"{key}-init"]
         assert init["family"] == hub["family"], key
-        if "dims" in hub:
-            assert model_dims(cfg, f"{key}-init") == hub["dims"], key
         if "speed" in hub:
             assert init["init"]["arch"] == hub["speed"]["arch"], key
+        else:
+            assert model_dims(cfg, f"{key}-init") == hub["dims"], key
+    assert model_dims(cfg, "dn1.3b-init") == cfg["models"]["dn1.3b"]["dims"]
 
 
 def test_init_model_needs_one_source_and_a_valid_arch():
