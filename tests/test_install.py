@@ -73,9 +73,23 @@ def test_readme_install_resolves_on_the_public_index_alone(which, tmp_path):
     (``PIP_CONFIG_FILE=/dev/null``; ``--isolated`` alone still reads the global one), no environment variables, no
     local wheel folder. Every pinned package resolves to its constraints.txt version; on Linux x86-64 torch is PyPI's
     CUDA build and brings the Triton the constraints name."""
+    _check_resolution(pip_install_args(quick_start()[which]), tmp_path)
+
+
+def test_slurm_install_resolves_to_the_pins(tmp_path):
+    """The SLURM install the profile and the docs name (``pip install -c constraints.txt -e '.[slurm]'``) resolves to
+    the pinned versions, the plugin included (without ``-c`` pip takes the newest torch and Triton, untested)."""
+    pins = constraints()
+    assert {"snakemake-executor-plugin-slurm", "snakemake-executor-plugin-slurm-jobstep"} <= set(pins)
+    got = _check_resolution(["-c", "constraints.txt", "-e", ".[slurm]"], tmp_path)
+    assert got["snakemake-executor-plugin-slurm"] == pins["snakemake-executor-plugin-slurm"]
+
+
+def _check_resolution(args: list[str], tmp_path: Path) -> dict[str, str]:
+    """pip's resolver, dry, on ``args`` seeing PyPI alone; asserts every package resolves to its pin and returns
+    name -> resolved version."""
     if not pypi_reachable():
-        pytest.skip("PyPI (pypi.org:443) is out of reach: the README's install line cannot be resolved here")
-    args = pip_install_args(quick_start()[which])
+        pytest.skip("PyPI (pypi.org:443) is out of reach: the install line cannot be resolved here")
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | {"PIP_CONFIG_FILE": os.devnull}
     p = subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed",
@@ -94,6 +108,7 @@ def test_readme_install_resolves_on_the_public_index_alone(which, tmp_path):
     if sys.platform == "linux" and os.uname().machine == "x86_64":
         assert got["torch"] == pins["torch"] and got["triton"] == pins["triton"]
         assert any(n.startswith("nvidia-") for n in got), "PyPI's Linux torch should be the CUDA build"
+    return got
 
 
 def test_constraints_pin_what_the_local_venv_holds():
