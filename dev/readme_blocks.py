@@ -26,6 +26,7 @@ import csv
 import datetime as dt
 import difflib
 import json
+import os
 import re
 import statistics
 import sys
@@ -279,7 +280,18 @@ def render_recipe(root: Path) -> str:
     path = root / RECIPE
     if not path.is_file():
         raise SourceMissing(f"no {RECIPE} yet")
-    return path.read_text().strip("\n") + "\n"
+    return rebase_links(path.read_text(), RECIPE.parent).strip("\n") + "\n"
+
+
+def rebase_links(text: str, folder: Path) -> str:
+    """``text``'s relative Markdown links, written relative to ``folder``, rewritten relative to the repository root
+    (where the README that includes the text lies); URLs and in-page anchors stay."""
+    def rebase(m: re.Match) -> str:
+        target = m.group(1)
+        if target.startswith("#") or re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", target):
+            return m.group(0)
+        return f"]({os.path.normpath(folder / target)})"
+    return re.sub(r"\]\(([^)\s]+)\)", rebase, text)
 
 
 BLOCKS: dict[str, Block] = {

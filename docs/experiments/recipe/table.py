@@ -135,7 +135,7 @@ def summary(rows: list[dict], paper_dir: Path, recipe_dir: Path) -> str:
         "",
         "Pruning loss: held-out bits per byte before RFT minus the unpruned model's (lower is better); paper: `drrqr` "
         f"with `prune.norm_eps: stock`. Measured settings: {', '.join(settings)}. On the tiny models, which the "
-        f"defaults were tuned on; {', '.join(cpus)}; [docs/experiments/recipe](docs/experiments/recipe/README.md).",
+        f"defaults were tuned on; {', '.join(cpus)}; [docs/experiments/recipe](README.md).",
         "",
     ]
     for p in pcts:
