@@ -81,19 +81,20 @@ def _doc_hash(doc: str) -> str:
     return hashlib.sha256(doc.encode("utf-8")).hexdigest()
 
 
-def _take_documents(tokenizer, ordered: Sequence[str], start: int, need: int) -> tuple[list[str], int, int]:
+def _take_documents(tokenizer, ordered: Sequence[str], start: int, need: int,
+                    min_docs: int = 0) -> tuple[list[str], int, int]:
     """Documents of ``ordered`` from ``start`` on until they hold ``need`` tokens (each document's tokens plus its
-    EOS), tokenized 64 at a time so that a large split is not tokenized whole.
+    EOS) and number at least ``min_docs``, tokenized 64 at a time so that a large split is not tokenized whole.
 
     Returns:
         ``(documents, index after the last one taken, tokens they hold)``.
     """
     used, have, i = [], 0, start
-    while i < len(ordered) and have < need:
+    while i < len(ordered) and (have < need or len(used) < min_docs):
         chunk = ordered[i : i + 64]
         lengths = [len(x) + 1 for x in tokenizer(list(chunk), add_special_tokens=False)["input_ids"]]
         for doc, n in zip(chunk, lengths):
-            if have >= need:
+            if have >= need and len(used) >= min_docs:
                 break
             used.append(doc)
             have += n
@@ -101,23 +102,29 @@ def _take_documents(tokenizer, ordered: Sequence[str], start: int, need: int) ->
     return used, i, have
 
 
+PAD = -1
+"""Token id that right-pads the validation sequences (:func:`rft_blocks`) to one length; never fed to a model."""
+
+
 def rft_blocks(
     tokenizer, docs: Sequence[str], n_samples: int, seq_len: int, seed: int, exclude: Sequence[str] = (),
-    val_samples: int = 0,
+    val_samples: int = 0, val_seq_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-    """The RFT training and validation sequences: ``n_samples`` and ``val_samples`` distinct ``seq_len``-token
-    blocks of ``docs``, from disjoint documents, in a seeded order.
+    """The RFT training and validation sequences, from disjoint documents in a seeded order.
 
     Documents whose text equals one of ``exclude`` (the held-out evaluation documents) are dropped. The rest are
-    visited in a seeded random order: the first ones, until they hold twice the tokens the validation blocks need,
-    are the validation documents; the following ones, until they hold twice the tokens of the training blocks, the
-    training documents. The blocks are cut and drawn from each set as for calibration
-    (:func:`statereduce.data.token_blocks`). With ``val_samples=0`` the training blocks are those of
-    :func:`training_blocks`.
+    visited in a seeded random order. The first ``val_samples`` of them are the validation documents; each gives one
+    validation sequence, its first ``val_seq_len`` tokens (default ``seq_len``; a shorter document whole), so that
+    validation scores documents from their start as the held-out evaluation does. The following documents, until
+    they hold twice the tokens of the training blocks and number at least ``n_samples`` (so that the blocks come
+    from many documents, not from the first long ones), are the training documents: ``n_samples`` distinct
+    ``seq_len``-token blocks are drawn from them as for calibration (:func:`statereduce.data.token_blocks`). With
+    ``val_samples=0`` the training blocks are those of :func:`training_blocks`.
 
     Returns:
-        (LongTensor ``[n_samples, seq_len]``, LongTensor ``[val_samples, seq_len]``, info: documents available, used
-        for training and for validation, dropped, tokens; ``validation_hashes``: SHA-256 of the validation documents).
+        (LongTensor ``[n_samples, seq_len]``, LongTensor ``[val_samples, L]`` right-padded with :data:`PAD` to the
+        longest validation sequence ``L``, info: documents available, used for training and for validation,
+        dropped, tokens; ``validation_hashes``: SHA-256 of the validation documents).
     """
     from statereduce.data import token_blocks
 
@@ -125,23 +132,46 @@ def rft_blocks(
     kept = [d for d in docs if d and _doc_hash(d) not in banned]
     g = torch.Generator().manual_seed(int(seed))
     ordered = [kept[j] for j in torch.randperm(len(kept), generator=g).tolist()]
-    val_docs, pos, val_tokens = _take_documents(tokenizer, ordered, 0, 2 * val_samples * seq_len) if val_samples \
-        else ([], 0, 0)
-    used, _, have = _take_documents(tokenizer, ordered, pos, 2 * n_samples * seq_len)
+    val_docs, val, pos = _validation_starts(tokenizer, ordered, val_samples, int(val_seq_len or seq_len))
+    used, _, have = _take_documents(tokenizer, ordered, pos, 2 * n_samples * seq_len, n_samples)
     blocks = token_blocks(tokenizer, used, n_samples, seq_len, seed)
-    val = token_blocks(tokenizer, val_docs, val_samples, seq_len, seed + 1) if val_samples \
-        else torch.empty(0, seq_len, dtype=torch.long)
     info = {
         "documents": len(kept),
         "documents_used": len(used),
         "documents_dropped_as_heldout": sum(1 for d in docs if d and _doc_hash(d) in banned),
         "tokens_read": have,
         "tokens": blocks.numel(),
-        "validation": {"documents": len(val_docs), "tokens_read": val_tokens, "tokens": val.numel(),
-                       "samples": int(val_samples)},
+        "validation": {"documents": len(val_docs), "tokens": int((val != PAD).sum()), "samples": int(val_samples),
+                       "seq_len": int(val_seq_len or seq_len)},
         "validation_hashes": sorted(_doc_hash(d) for d in val_docs),
     }
     return blocks, val, info
+
+
+def _validation_starts(tokenizer, ordered: Sequence[str], n: int,
+                       length: int) -> tuple[list[str], torch.Tensor, int]:
+    """The first ``n`` documents of ``ordered`` that hold at least two tokens, and their first ``length`` tokens as
+    rows of a LongTensor right-padded with :data:`PAD`; the index of the first document after them."""
+    docs: list[str] = []
+    rows: list[list[int]] = []
+    i = 0
+    while i < len(ordered) and len(docs) < n:
+        chunk = ordered[i : i + 64]
+        for doc, ids in zip(chunk, tokenizer(list(chunk), add_special_tokens=False)["input_ids"]):
+            i += 1
+            if len(ids) >= 2:
+                docs.append(doc)
+                rows.append(list(ids[:length]))
+            if len(docs) == n:
+                break
+    if len(docs) < n:
+        raise ValueError(f"rft val_samples={n} asks for more validation documents than the train split holds "
+                         f"({len(docs)} with two tokens or more); valid: val_samples <= {len(docs)}")
+    width = max((len(r) for r in rows), default=0)
+    val = torch.full((len(rows), width), PAD, dtype=torch.long)
+    for j, r in enumerate(rows):
+        val[j, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return docs, val, i
 
 
 def training_blocks(
@@ -246,23 +276,35 @@ def distill_loss(
     temperature: float = 2.0,
     kl_weight: float = 1.0,
     lm_weight: float = 0.0,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RFT loss on one micro-batch: ``kl_weight * T^2 * KL(p_teacher^T || p_student^T) + lm_weight * CE``.
 
     KL is summed over the vocabulary and averaged over positions; CE is the next-token cross entropy of
-    the student. Both in float32. Returns (loss, kl, ce); ``kl`` is exactly 0 when the logits agree.
+    the student. Both in float32. Returns (loss, kl, ce); ``kl`` is exactly 0 when the logits agree. ``mask``
+    (bool ``[batch, positions]``): only the positions it marks count (KL at them, CE of the tokens they predict
+    whose next position it marks too); right padding of causal models leaves the marked positions unchanged.
     """
     t = float(temperature)
     s = student_logits.float() / t
     q = teacher_logits.float() / t
     vocab = s.shape[-1]
-    kl = F.kl_div(
-        F.log_softmax(s, dim=-1).reshape(-1, vocab),
-        F.log_softmax(q, dim=-1).reshape(-1, vocab),
-        log_target=True,
-        reduction="batchmean",
-    )
-    ce = F.cross_entropy(student_logits[:, :-1].float().reshape(-1, vocab), input_ids[:, 1:].reshape(-1))
+    if mask is None:
+        kl = F.kl_div(
+            F.log_softmax(s, dim=-1).reshape(-1, vocab),
+            F.log_softmax(q, dim=-1).reshape(-1, vocab),
+            log_target=True,
+            reduction="batchmean",
+        )
+        ce = F.cross_entropy(student_logits[:, :-1].float().reshape(-1, vocab), input_ids[:, 1:].reshape(-1))
+    else:
+        m = mask.to(s.device, torch.float32)
+        per = F.kl_div(F.log_softmax(s, dim=-1), F.log_softmax(q, dim=-1), log_target=True, reduction="none").sum(-1)
+        kl = (per * m).sum() / m.sum()
+        tm = m[:, :-1] * m[:, 1:]
+        nll = F.cross_entropy(student_logits[:, :-1].float().reshape(-1, vocab), input_ids[:, 1:].reshape(-1),
+                              reduction="none").view_as(tm)
+        ce = (nll * tm).sum() / tm.sum()
     loss = float(kl_weight) * t * t * kl + float(lm_weight) * ce
     return loss, kl.detach(), ce.detach()
 
@@ -303,8 +345,8 @@ def train(
         log_path: the JSONL log (rewritten from the resume state's lines, then appended).
         accelerator: an ``accelerate.Accelerator``; a default single-process one when None.
         stop_after: test hook: raise after this many optimizer steps (after any checkpoint at that step).
-        val_blocks: LongTensor ``[val_samples, seq_len]`` of validation sequences (:func:`rft_blocks`): their loss
-            (:func:`validation_loss`) is measured before the first step, at every ``save_every`` and after the last
+        val_blocks: LongTensor ``[val_samples, L]`` of validation sequences (:func:`rft_blocks`, right-padded):
+            their loss (:func:`validation_loss`) is measured before the first step, at every ``save_every`` and after the last
             step; with ``cfg.keep == "best"`` the student ends with the trainable tensors of the pass with the lowest
             ``cfg.best_metric`` (the earliest of equal ones).
 
@@ -374,27 +416,33 @@ def train(
 
 def validation_loss(model, teacher: nn.Module, blocks: torch.Tensor, cfg: RftSettings, acc, autocast,
                     micro_batch_size: int) -> dict[str, float]:
-    """RFT's loss (:func:`distill_loss`) of ``model`` on the validation ``blocks``, without gradients, in eval mode:
-    ``{"loss", "kl", "ce"}``, each the mean over the sequences. Process ``r`` of ``W`` takes every W-th sequence;
-    the sums are reduced over the processes."""
+    """RFT's loss (:func:`distill_loss`) of ``model`` on the validation ``blocks`` (rows right-padded with
+    :data:`PAD`), without gradients, in eval mode: ``{"loss", "kl", "ce"}``, ``kl`` the mean over every scored
+    position, ``ce`` over every scored next token, ``loss`` their weighted sum. Process ``r`` of ``W`` takes every
+    W-th sequence; the sums are reduced over the processes."""
     dist = cfg.distill
     mine = list(range(acc.process_index, blocks.shape[0], acc.num_processes))
-    sums = torch.zeros(4, device=acc.device, dtype=torch.float64)
+    sums = torch.zeros(4, device=acc.device, dtype=torch.float64)  # kl sum, positions, ce sum, next tokens
     was_training = model.training
     model.eval()
     with torch.no_grad():
         for i in range(0, len(mine), micro_batch_size):
-            x = blocks[mine[i : i + micro_batch_size]].to(acc.device)
+            x = blocks[mine[i : i + micro_batch_size]]
+            mask = x != PAD
+            width = int(mask.sum(1).max())
+            x, mask = x[:, :width].clamp(min=0).to(acc.device), mask[:, :width].to(acc.device)
             with autocast:
                 t_logits = teacher(input_ids=x).logits
                 s_logits = model(input_ids=x).logits
-            loss, kl, ce = distill_loss(s_logits, t_logits, x, dist.temperature, dist.kl_weight, dist.lm_weight)
-            n = torch.tensor(float(len(x)), dtype=torch.float64, device=acc.device)
-            sums += torch.stack([loss.double() * n, kl.double() * n, ce.double() * n, n])
+            _, kl, ce = distill_loss(s_logits, t_logits, x, dist.temperature, dist.kl_weight, dist.lm_weight, mask)
+            n_pos = mask.sum().double()
+            n_next = (mask[:, :-1] & mask[:, 1:]).sum().double()
+            sums += torch.stack([kl.double() * n_pos, n_pos, ce.double() * n_next, n_next])
     model.train(was_training)
     sums = acc.reduce(sums, reduction="sum")
-    count = float(sums[3])
-    return {"loss": float(sums[0]) / count, "kl": float(sums[1]) / count, "ce": float(sums[2]) / count}
+    kl, ce = float(sums[0]) / float(sums[1]), float(sums[2]) / float(sums[3])
+    t = float(dist.temperature)
+    return {"loss": float(dist.kl_weight) * t * t * kl + float(dist.lm_weight) * ce, "kl": kl, "ce": ce}
 
 
 def _validate(val: dict[str, Any], step: int, student, teacher: nn.Module, blocks: torch.Tensor, cfg: RftSettings,
@@ -775,10 +823,11 @@ def _rft_data(tokenizer, corpus_spec: dict[str, Any], cfg: RftSettings,
     corpus_spec = dict(corpus_spec)
     if corpus_spec.get("source") == "hf" and corpus_spec.get("max_bytes") is None:
         # read a bounded prefix of a large hub split: 8 bytes per token is generous for BPE tokenizers on text
-        corpus_spec["max_bytes"] = 8 * (cfg.n_samples + cfg.val_samples) * cfg.seq_len
+        val_tokens = cfg.val_samples * (cfg.val_seq_len or cfg.seq_len)
+        corpus_spec["max_bytes"] = 8 * (cfg.n_samples * cfg.seq_len + val_tokens)
     blocks, val_blocks, data_info = rft_blocks(
         tokenizer, load_split(corpus_spec, "train"), cfg.n_samples, cfg.seq_len, cfg.seed, exclude_docs,
-        val_samples=cfg.val_samples,
+        val_samples=cfg.val_samples, val_seq_len=cfg.val_seq_len,
     )
     data_info.pop("validation_hashes")
     return blocks, val_blocks, {"corpus": corpus_provenance(corpus_spec), "split": "train", **data_info}

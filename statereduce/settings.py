@@ -581,9 +581,12 @@ class RftSettings(Settings):
         seed: data order and LoRA's initialisation.
         log_every: optimizer steps per log line.
         save_every: optimizer steps between resume checkpoints and validation passes.
-        val_samples: validation sequences of ``seq_len`` tokens, from documents of the RFT corpus's train split that
-            feed no training sequence (held-out evaluation documents are never among them); the validation loss is
-            measured before the first step, at every ``save_every`` and after the last step. 0: no validation.
+        val_samples: validation documents of the RFT corpus's train split that feed no training sequence (held-out
+            evaluation documents are never among them), each scored from its start with a fresh state, as the
+            held-out evaluation scores its documents; the validation loss is measured before the first step, at
+            every ``save_every`` and after the last step. 0: no validation.
+        val_seq_len: the tokens scored of each validation document, from its start (shorter documents whole);
+            None: ``seq_len``. Set it to the evaluation's document length where that is longer than ``seq_len``.
         keep: which fine-tuned weights are saved: ``best`` (the validation pass with the lowest ``best_metric``,
             step 0, the pruned model itself, included; as Hugging Face's ``load_best_model_at_end``) or ``last``.
         best_metric: what ``keep: best`` compares: ``ce`` (the student's next-token cross entropy, what the held-out
@@ -612,12 +615,15 @@ class RftSettings(Settings):
     log_every: int = 10
     save_every: int = 100
     val_samples: int = 64
+    val_seq_len: int | None = None
     keep: str = "best"
     best_metric: str = "ce"
 
     def __post_init__(self):
         if not _is_int(self.val_samples) or self.val_samples < 0:
             raise ValueError(f"rft val_samples must be an integer >= 0, got {self.val_samples!r}")
+        if self.val_seq_len is not None and (not _is_int(self.val_seq_len) or self.val_seq_len < 2):
+            raise ValueError(f"rft val_seq_len must be an integer >= 2 or null (seq_len), got {self.val_seq_len!r}")
         if self.keep not in RFT_KEEP:
             raise ValueError(f"unknown rft keep {self.keep!r}; valid: {', '.join(RFT_KEEP)}")
         if self.best_metric not in RFT_BEST_METRICS:

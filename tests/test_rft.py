@@ -102,9 +102,11 @@ def test_settings_defaults_are_the_papers():
         ({"best_metric": "kl"}, "unknown rft best_metric 'kl'; valid: ce, loss"),
         ({"val_samples": 0}, "rft keep: best needs validation sequences, got val_samples=0"),
         ({"val_samples": -1}, "val_samples must be an integer >= 0, got -1"),
+        ({"val_seq_len": 1}, r"rft val_seq_len must be an integer >= 2 or null \(seq_len\), got 1"),
     ],
     ids=["unknown-key", "unknown-lora-key", "accumulation", "too-few-samples", "precision", "no-loss", "seq_len",
-         "micro-batch", "keep", "best-metric", "best-without-validation", "val-samples"],
+         "micro-batch", "keep", "best-metric", "best-without-validation", "val-samples",
+         "val-seq-len"],
 )
 def test_settings_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -145,6 +147,27 @@ def test_distill_loss_matches_hand_computation():
     assert float(kl) == pytest.approx(ref_kl, rel=1e-5)
     assert float(ce) == pytest.approx(ref_ce, rel=1e-5)
     assert float(loss) == pytest.approx(4 * ref_kl + 0.5 * ref_ce, rel=1e-5)
+
+
+def test_masked_distill_loss_counts_only_the_marked_positions():
+    """With ``mask`` (validation rows right-padded to one length), KL is the mean over the marked positions and CE
+    over the next tokens both of whose positions are marked: a float64 sum over each row's own prefix."""
+    g = torch.Generator().manual_seed(1)
+    s, t = torch.randn(3, 6, 7, generator=g), torch.randn(3, 6, 7, generator=g)
+    ids = torch.randint(0, 7, (3, 6), generator=g)
+    lengths = [6, 4, 2]
+    mask = torch.arange(6)[None] < torch.tensor(lengths)[:, None]
+    _, kl, ce = ft.distill_loss(s, t, ids, temperature=2.0, mask=mask)
+    kl_sum = ce_sum = 0.0
+    for b, n in enumerate(lengths):
+        ls = torch.log_softmax(s[b, :n].double() / 2, -1)
+        lt = torch.log_softmax(t[b, :n].double() / 2, -1)
+        kl_sum += float((lt.exp() * (lt - ls)).sum())
+        ce_sum += float(torch.nn.functional.cross_entropy(s[b, : n - 1].double(), ids[b, 1:n], reduction="sum"))
+    assert float(kl) == pytest.approx(kl_sum / sum(lengths), rel=1e-5)
+    assert float(ce) == pytest.approx(ce_sum / sum(n - 1 for n in lengths), rel=1e-5)
+    full = ft.distill_loss(s, t, ids, temperature=2.0, mask=torch.ones(3, 6, dtype=torch.bool))
+    assert all(float(a) == pytest.approx(float(b), rel=1e-6) for a, b in zip(full, ft.distill_loss(s, t, ids)))
 
 
 def test_distill_loss_is_zero_when_student_is_teacher():
@@ -401,6 +424,20 @@ def test_validation_documents_are_disjoint_from_training_and_heldout():
     assert seen_val and seen_train and not seen_val & seen_train and not (seen_val | seen_train) & {3, 4}
     assert {ft._doc_hash(docs[i]) for i in seen_val} <= set(info["validation_hashes"])
     assert info["validation"]["documents"] == len(info["validation_hashes"]) and info["validation"]["samples"] == 4
+    # each validation sequence is the start of its own document, as the held-out evaluation scores documents
+    starts = {tuple(tok(d, add_special_tokens=False)["input_ids"][:50]) for d in docs}
+    assert all(tuple(row) in starts for row in val.tolist()) and len(seen_val) == 4
+    # the training blocks come from at least n_samples documents, not from the first long one
+    assert info["documents_used"] >= 6 and len(seen_train) >= 3
+    # val_seq_len: a document shorter than it is scored whole, the row right-padded with PAD
+    short = ["x" * 30] + docs[5:]
+    _, val, info = ft.rft_blocks(tok, short, n_samples=2, seq_len=50, seed=0, val_samples=len(short) - 3,
+                                 val_seq_len=200)
+    lengths = sorted((val != ft.PAD).sum(1).tolist())
+    assert val.shape[1] == 200 and lengths[0] == 30 and lengths[-1] == 200 and info["validation"]["seq_len"] == 200
+    assert (val[:, :30] != ft.PAD).all() and info["validation"]["tokens"] == sum(lengths)
+    with pytest.raises(ValueError, match=r"^rft val_samples=30 asks for more validation documents than the train "):
+        ft.rft_blocks(tok, docs, n_samples=2, seq_len=50, seed=0, val_samples=30)
     # the embedded corpus: validation documents are train-split documents, none of them held out
     train, held = load_split(CORPUS, "train"), load_split(CORPUS, "heldout")
     _, _, info = ft.rft_blocks(tok, train, 8, 64, 0, exclude=held, val_samples=8)
@@ -408,7 +445,7 @@ def test_validation_documents_are_disjoint_from_training_and_heldout():
     assert val_docs and val_docs <= {ft._doc_hash(d) for d in train} and not val_docs & {ft._doc_hash(d) for d in held}
     alone, _ = ft.training_blocks(tok, docs, n_samples=6, seq_len=50, seed=0, exclude=heldout)
     plain, none, _ = ft.rft_blocks(tok, docs, n_samples=6, seq_len=50, seed=0, exclude=heldout)
-    assert torch.equal(alone, plain) and none.shape == (0, 50)
+    assert torch.equal(alone, plain) and none.shape[0] == 0
 
 
 def test_best_validation_step_is_kept(pairs, tmp_path):
@@ -439,7 +476,15 @@ def test_best_validation_step_is_kept(pairs, tmp_path):
     got = ft.validation_loss(load_model(pruned)[0], teacher, vblocks, RftSettings.from_dict({**RFT, **wreck}),
                              _Acc(), contextlib.nullcontext(), 4)
     assert math.isclose(got["ce"], val["curve"][0]["ce"], rel_tol=1e-6)
-    assert math.isclose(got["ce"], mean_loss(load_model(pruned)[0], vblocks), rel_tol=1e-5)
+    # independently: each validation document's start alone, its next-token losses summed, over all next tokens
+    model, nll, count = load_model(pruned)[0], 0.0, 0
+    with torch.no_grad():
+        for row in vblocks:
+            ids = row[row != ft.PAD][None]
+            logits = model(input_ids=ids).logits[0, :-1]
+            nll += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+            count += ids.shape[1] - 1
+    assert math.isclose(got["ce"], nll / count, rel_tol=1e-5)
 
 
 class _Acc:

@@ -31,7 +31,7 @@ OLD_DEFAULTS = {
         "scope": "auto", "n_samples": 32000, "seq_len": 2048, "batch_size": 16, "micro_batch_size": "auto",
         "lr": 1e-4, "min_lr": 1e-5, "warmup_frac": 0.05, "weight_decay": 0.0, "betas": [0.9, 0.999],
         "grad_clip": 1.0, "precision": "auto", "kernels": "auto", "seed": 0, "log_every": 10, "save_every": 100,
-        "val_samples": 64, "keep": "best", "best_metric": "ce",
+        "val_samples": 64, "val_seq_len": None, "keep": "best", "best_metric": "ce",
     },
     st.TrainSettings: {"steps": 700, "batch_size": 4, "seq_len": 128, "lr": 3e-3, "min_lr": None,
                        "weight_decay": 0.1, "betas": [0.9, 0.95], "warmup": 50, "grad_clip": 1.0, "seed": 0,
