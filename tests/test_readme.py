@@ -5,6 +5,7 @@ this machine is the kind of CPU that the block names."""
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import math
@@ -163,10 +164,9 @@ def test_results_of_another_cpu_are_not_compared(planted, capsys):
     assert "not compared (another kind of CPU trains other numbers)" in capsys.readouterr().out
 
 
-def test_readme_results_block_is_the_default_runs_table():
-    """The README's ``results`` block equals what the generator renders from this checkout's finished default run
-    (``.ci/run`` runs it before the tests), where this machine is the kind of CPU the block names; the run time
-    line is left out."""
+def _default_run_on_the_readmes_cpu() -> tuple[Path, str]:
+    """(comparison.md, README's results block) of this checkout's finished default run; skips where there is none, or
+    where this machine, or the run, is not the kind of CPU that README's block names."""
     table = ROOT / rb.COMPARISON
     if not table.is_file():
         pytest.skip(f"no finished default run here ({rb.COMPARISON} is missing; `snakemake --cores all` makes it)")
@@ -185,9 +185,30 @@ def test_readme_results_block_is_the_default_runs_table():
     if made != here:
         pytest.skip(f"{rb.COMPARISON} was made on {rb.made_on_text(*made) if made else 'an unrecorded CPU'}, not on "
                     f"this machine's kind ({rb.made_on_text(*here)})")
+    return table, block
+
+
+def test_readme_results_block_is_the_default_runs_table():
+    """The README's ``results`` block equals what the generator renders from this checkout's finished default run
+    (``.ci/run`` runs it before the tests), where this machine is the kind of CPU the block names; the run time
+    line is left out."""
+    _, block = _default_run_on_the_readmes_cpu()
     rendered = rb.render_results(ROOT)
     assert rb.stable(block, rb.BLOCKS["results"].volatile) == rb.stable(rendered, rb.BLOCKS["results"].volatile), (
         "README's results block is not what results/tables/comparison.md of this run gives: if the run is older than "
         "the workflow, `snakemake --cores all` brings it up to date (`-n` lists what it remakes); if the README is "
         "behind, `python dev/readme_blocks.py results` rewrites the block")
     assert re.search(r"^\| baseline \|", rendered, re.M)
+
+
+def test_default_runs_rft_helps_where_there_is_something_to_recover():
+    """In the default run on the README's kind of CPU, RFT never makes a cell worse by more than 0.001 held-out bits
+    per byte, and it improves every ``rand`` cell (keep: best falls back to the pruned model where no step helps on
+    validation; docs/experiments/rft_tiny)."""
+    table, _ = _default_run_on_the_readmes_cpu()
+    rows = list(csv.DictReader(table.with_suffix(".csv").open()))
+    pre = {(r["model"], r["method"], r["pct"]): float(r["heldout/bits_per_byte"]) for r in rows if r["stage"] == "pruned"}
+    post = {(r["model"], r["method"], r["pct"]): float(r["heldout/bits_per_byte"]) for r in rows if r["stage"] == "rft"}
+    assert pre and post.keys() == pre.keys()
+    worse = {k: post[k] - pre[k] for k in pre if post[k] > pre[k] + 0.001 or (k[1] == "rand" and post[k] >= pre[k])}
+    assert not worse, f"RFT made these cells worse (post - pre bits per byte): {worse}"

@@ -18,13 +18,14 @@ METHODS = ("rand", "l1", "swanda", "grad", "drrqr")
 
 
 def main(paths: list[str]) -> None:
-    rows = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.strip()]
-    variants = list(dict.fromkeys(r["variant"] for r in rows))
-    for v in variants:
-        cells = {(r["model"], r["method"]): r for r in rows if r["variant"] == v}
+    rows = [{**json.loads(line), "file": Path(p).name} for p in paths for line in Path(p).read_text().splitlines()
+            if line.strip()]
+    variants = list(dict.fromkeys((r["file"], r["variant"]) for r in rows))
+    for f, v in variants:
+        cells = {(r["model"], r["method"]): r for r in rows if (r["file"], r["variant"]) == (f, v)}
         models = sorted({m for m, _ in cells})
         methods = [m for m in METHODS if any(k[1] == m for k in cells)]
-        print(f"**{v}**\n")
+        print(f"**{f}: {v}**\n")
         print("| model | " + " | ".join(methods) + " |")
         print("| --- |" + " ---: |" * len(methods))
         bad = []
@@ -35,7 +36,7 @@ def main(paths: list[str]) -> None:
                 if r is None:
                     out.append("–")
                     continue
-                out.append(f"{r['delta_full']:+.4f} ({r['kept_step']})")
+                out.append(f"{r['delta_full']:+.4f} ({r.get('kept_step', 'last')})")
                 if r["delta_full"] > 0.001 or (method == "rand" and r["delta_full"] >= 0):
                     bad.append(f"{model} {method} {r['delta_full']:+.4f}")
             print(f"| {model} | " + " | ".join(out) + " |")
