@@ -346,9 +346,9 @@ def train(
         accelerator: an ``accelerate.Accelerator``; a default single-process one when None.
         stop_after: test hook: raise after this many optimizer steps (after any checkpoint at that step).
         val_blocks: LongTensor ``[val_samples, L]`` of validation sequences (:func:`rft_blocks`, right-padded):
-            their loss (:func:`validation_loss`) is measured before the first step, at every ``save_every`` and after the last
-            step; with ``cfg.keep == "best"`` the student ends with the trainable tensors of the pass with the lowest
-            ``cfg.best_metric`` (the earliest of equal ones).
+            their loss (:func:`validation_loss`) is measured before the first step, at every ``save_every`` and after
+            the last step; with ``cfg.keep == "best"`` the student ends with the trainable tensors of the pass with the
+            lowest ``cfg.best_metric`` (the earliest of equal ones).
 
     Returns:
         Training statistics: steps, tokens, seconds, tokens/s, final loss/KL/CE, resumed_from, the micro-batch size

@@ -207,8 +207,9 @@ def test_default_runs_rft_helps_where_there_is_something_to_recover():
     validation; docs/experiments/rft_tiny)."""
     table, _ = _default_run_on_the_readmes_cpu()
     rows = list(csv.DictReader(table.with_suffix(".csv").open()))
-    pre = {(r["model"], r["method"], r["pct"]): float(r["heldout/bits_per_byte"]) for r in rows if r["stage"] == "pruned"}
-    post = {(r["model"], r["method"], r["pct"]): float(r["heldout/bits_per_byte"]) for r in rows if r["stage"] == "rft"}
+    bpb = {stage: {(r["model"], r["method"], r["pct"]): float(r["heldout/bits_per_byte"]) for r in rows
+                   if r["stage"] == stage} for stage in ("pruned", "rft")}
+    pre, post = bpb["pruned"], bpb["rft"]
     assert pre and post.keys() == pre.keys()
     worse = {k: post[k] - pre[k] for k in pre if post[k] > pre[k] + 0.001 or (k[1] == "rand" and post[k] >= pre[k])}
     assert not worse, f"RFT made these cells worse (post - pre bits per byte): {worse}"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -99,10 +98,10 @@ def main() -> None:
                    "curve": rec["validation"]["curve"] if rec.get("validation") else None,
                    "kept_step": rec["validation"]["kept_step"] if rec.get("validation") else rec["steps"],
                    "seconds": round(time.time() - t0, 1)}
-            print(json.dumps({k: row[k] for k in ("model", "method", "variant", "delta_full", "kept_step", "seconds")}), flush=True)
+            brief = ("model", "method", "variant", "delta_full", "kept_step", "seconds")
+            print(json.dumps({k: row[k] for k in brief}), flush=True)
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-        shutil.rmtree(Path(tempfile.gettempdir()) / "unused", ignore_errors=True)
 
 
 if __name__ == "__main__":
