@@ -17,6 +17,16 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
+# The fixtures that run a whole tiny DAG: a test that takes one is in the `workflow` tier (docs/testing.md).
+WORKFLOW_FIXTURES = ("finished_run", "own_run")
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m selection of pyproject's addopts reads the markers
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(name in WORKFLOW_FIXTURES for name in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.workflow)
+
 
 @pytest.fixture(scope="module")
 def shipped_config() -> dict:

@@ -100,6 +100,7 @@ def test_env_files_agree():
     assert {k: lm_eval[k] for k in fla} == fla and {"lm-eval", "matplotlib"} <= set(lm_eval)
 
 
+@pytest.mark.network
 @pytest.mark.parametrize("name", ["lm_eval.yaml", "lm_eval_cuda.yaml"])  # each holds its fla env's pins too
 def test_env_file_resolves_with_pip(name, tmp_path):
     """pip's resolver, dry, on PyPI alone (``--isolated``: no local index or find-links): every pin exists for

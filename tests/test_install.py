@@ -62,11 +62,16 @@ def test_quick_start_is_two_commands_that_install_from_constraints_and_run():
 def test_ci_runs_the_readme_commands_verbatim():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "quick_start" in ci  # it reads them from the README, so a change of the README is what CI runs
+    # and then every tier that pyproject.toml's default run leaves out
+    tiers = re.search(r'^tiers="([^"]+)"$', ci, re.M).group(1).split(" or ")
+    left_out = re.search(r"addopts = \"-m '([^']+)'\"", (ROOT / "pyproject.toml").read_text()).group(1)
+    assert sorted(tiers) == sorted(m.removeprefix("not ") for m in left_out.split(" and ")), (tiers, left_out)
     p = subprocess.run(["bash", "-c", f"source <(sed -n '/^quick_start()/,/^}}/p' {ROOT / '.ci' / 'run'}); "
                         f"quick_start {README}"], capture_output=True, text=True, check=True)
     assert p.stdout.splitlines() == quick_start()
 
 
+@pytest.mark.network
 @pytest.mark.parametrize("which", [0, 1], ids=["main-job", "tests"])
 def test_readme_install_resolves_on_the_public_index_alone(which, tmp_path):
     """pip's resolver, dry, on exactly the README's install arguments, seeing PyPI alone: no pip configuration file
@@ -76,6 +81,7 @@ def test_readme_install_resolves_on_the_public_index_alone(which, tmp_path):
     _check_resolution(pip_install_args(quick_start()[which]), tmp_path)
 
 
+@pytest.mark.network
 def test_slurm_install_resolves_to_the_pins(tmp_path):
     """The SLURM install the profile and the docs name (``pip install -c constraints.txt -e '.[slurm]'``) resolves to
     the pinned versions, the plugin included (without ``-c`` pip takes the newest torch and Triton, untested)."""

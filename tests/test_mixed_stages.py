@@ -130,9 +130,10 @@ def test_a_selection_must_keep_the_checkpoints_widths():
 
 
 # ---- recovery fine-tuning --------------------------------------------------------------------------------------
-# keep: last, so that the saved checkpoint is the trained one (two steps may not beat step 0 on validation)
+# keep: last, so that the saved checkpoint is the trained one (two steps may not beat step 0 on validation); two
+# validation documents, as the 100 KB corpus's train split holds only a few
 RFT = {"n_samples": 4, "seq_len": 32, "batch_size": 2, "micro_batch_size": 2, "log_every": 1, "save_every": 100,
-       "keep": "last"}
+       "keep": "last", "val_samples": 2}
 CORPUS = {"source": "embedded", "max_bytes": 100_000}
 
 

@@ -113,6 +113,7 @@ def test_init_random_writes_a_seeded_checkpoint_that_loads(tmp_path, family):
     assert torch.isfinite(ma(input_ids=ids).logits).all()
 
 
+@pytest.mark.workflow
 def test_init_model_runs_capture_select_prune_eval_through_the_workflow(tmp_path):
     """A tiny ``init`` model on the CPU through init_random -> calibrate -> select -> prune + evaluate."""
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())

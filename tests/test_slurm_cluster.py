@@ -29,10 +29,10 @@ from _snakemake import copy_workflow, snakemake
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
     not all(shutil.which(d) for d in (*DAEMONS, "sbatch", "squeue", "scancel", "srun")) or os.geteuid() != 0,
     reason="needs root and Debian's slurm-wlm and munge (apt-get install slurm-wlm munge)",
-)
+)]
 
 
 def _free_port() -> int:
