@@ -148,6 +148,7 @@ def test_auto_kernels_pick_torch_only_where_fla_refuses_the_family_backward(monk
     assert adapter_class("delta_net").backward_kernels("cpu", "torch") == "torch"
 
 
+@pytest.mark.slow  # 47 s on 2 cores: the benchmark script under torch's profiler, in a fresh interpreter
 def test_rft_step_benchmark_measures_both_steps_side_by_side(tmp_path):
     """scripts/bench_rft_step.py (the RFT-throughput target's measurement) runs end to end on a tiny shape: both
     steps timed in one run, the ratio written, and the profiled steady steps' tables."""
