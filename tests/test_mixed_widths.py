@@ -6,6 +6,7 @@ cache as the full forward computes; a uniform selection keeps today's path."""
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 
@@ -58,34 +59,59 @@ def rel_err(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.fixture(scope="module")
+def mixed_cases(tmp_path_factory) -> dict[tuple[str, str], dict]:
+    """{(family, norm_eps mode): case}: each family's tiny model pruned to mixed widths with ``stock`` and ``exact``,
+    saved, and reloaded in ONE fresh process that compares each reloaded model's logits with the in-memory ones
+    (``case["reload"]``: "ok", or the largest difference)."""
+    root = tmp_path_factory.mktemp("mixed_widths")
+    cases = {}
+    for family in FAMILIES:
+        model = tiny_model(family, **EPS[family])
+        keep = mixed_selection(model)
+        ids = tiny_inputs(batch=2, length=24)
+        with torch.no_grad():
+            ref = zero_masked(model, keep)(ids).logits
+        for mode in ("stock", "exact"):
+            pruned = copy.deepcopy(model)
+            record = prune_model(pruned, keep, {"method": "test", "pct": 62.5}, norm_eps=mode)
+            with torch.no_grad():
+                logits = pruned(ids).logits
+            folder = save_pruned(pruned, byte_level_tokenizer(), record, root / family / mode)
+            torch.save({"ids": ids, "logits": logits}, root / family / f"{mode}.pt")
+            cases[family, mode] = {"widths": getattr(pruned.config, KEY_DIMS_FIELD), "record": record,
+                                   "error": rel_err(logits, ref), "folder": str(folder),
+                                   "tensors": str(root / family / f"{mode}.pt"),
+                                   "kernel_scale": get_adapter(model).kernel_scale}
+    paths = json.dumps({f"{f}/{m}": (c["folder"], c["tensors"]) for (f, m), c in cases.items()})
+    script = (f"import json, sys, torch; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+              "from statereduce.models import load_model\n"
+              f"cases = json.loads({paths!r})\n"
+              "out = {}\n"
+              "for key, (folder, tensors) in cases.items():\n"
+              "    m, _ = load_model(folder); d = torch.load(tensors)\n"
+              "    with torch.no_grad(): got = m(d['ids']).logits\n"
+              "    out[key] = 'ok' if torch.equal(got, d['logits']) else float((got - d['logits']).abs().max())\n"
+              "print(json.dumps(out))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    reloads = json.loads(run.stdout.strip().splitlines()[-1])
+    for (family, mode), case in cases.items():
+        case["reload"] = reloads[f"{family}/{mode}"]
+    return cases
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mixed_widths_equal_zero_masking_and_reload_in_a_fresh_process(family, tmp_path):
-    model = tiny_model(family, **EPS[family])
-    keep = mixed_selection(model)
-    ids = tiny_inputs(batch=2, length=24)
-    with torch.no_grad():
-        ref = zero_masked(model, keep)(ids).logits
-    errors = {}
+def test_mixed_widths_equal_zero_masking_and_reload_in_a_fresh_process(family, mixed_cases):
     for mode in ("stock", "exact"):
-        pruned = copy.deepcopy(model)
-        record = prune_model(pruned, keep, {"method": "test", "pct": 62.5}, norm_eps=mode)
-        widths = getattr(pruned.config, KEY_DIMS_FIELD)
+        case = mixed_cases[family, mode]
+        widths, record = case["widths"], case["record"]
         assert [w for w in widths if w is not None] == [len(rows[0]) for _, rows in sorted(record.keep.items())]
         assert record.d_k_new == max(w for w in widths if w is not None)
-        with torch.no_grad():
-            logits = pruned(ids).logits
-        errors[mode] = rel_err(logits, ref)
-        folder = save_pruned(pruned, byte_level_tokenizer(), record, tmp_path / mode)
-        torch.save({"ids": ids, "logits": logits}, tmp_path / f"{mode}.pt")
-        script = (f"import sys, torch; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
-                  "from statereduce.models import load_model\n"
-                  f"m, _ = load_model({str(folder)!r}); d = torch.load({str(tmp_path / (mode + '.pt'))!r})\n"
-                  "with torch.no_grad(): out = m(d['ids']).logits\n"
-                  "assert torch.equal(out, d['logits']), float((out - d['logits']).abs().max())\n")
-        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-2000:]
+        assert case["reload"] == "ok", (mode, case["reload"])  # a fresh process's reload gives identical logits
+    errors = {mode: mixed_cases[family, mode]["error"] for mode in ("stock", "exact")}
     assert errors["exact"] < 1e-5, errors
-    if get_adapter(model).kernel_scale:
+    if mixed_cases[family, "exact"]["kernel_scale"]:
         assert errors["stock"] > 100 * errors["exact"], errors  # the eps effect that exact removes
     else:
         assert errors["stock"] == errors["exact"], errors  # Mamba-2: no kernel scale, nothing to hold
