@@ -81,25 +81,29 @@ def _doc_hash(doc: str) -> str:
     return hashlib.sha256(doc.encode("utf-8")).hexdigest()
 
 
+def _tokenized(tokenizer, ordered: Sequence[str], start: int):
+    """``(document, token ids)`` of ``ordered`` from ``start`` on, tokenized 64 at a time so that a large split is not
+    tokenized whole."""
+    for i in range(start, len(ordered), 64):
+        chunk = ordered[i : i + 64]
+        yield from zip(chunk, tokenizer(list(chunk), add_special_tokens=False)["input_ids"])
+
+
 def _take_documents(tokenizer, ordered: Sequence[str], start: int, need: int,
                     min_docs: int = 0) -> tuple[list[str], int, int]:
     """Documents of ``ordered`` from ``start`` on until they hold ``need`` tokens (each document's tokens plus its
-    EOS) and number at least ``min_docs``, tokenized 64 at a time so that a large split is not tokenized whole.
+    EOS) and number at least ``min_docs``.
 
     Returns:
         ``(documents, index after the last one taken, tokens they hold)``.
     """
-    used, have, i = [], 0, start
-    while i < len(ordered) and (have < need or len(used) < min_docs):
-        chunk = ordered[i : i + 64]
-        lengths = [len(x) + 1 for x in tokenizer(list(chunk), add_special_tokens=False)["input_ids"]]
-        for doc, n in zip(chunk, lengths):
-            if have >= need and len(used) >= min_docs:
-                break
-            used.append(doc)
-            have += n
-            i += 1
-    return used, i, have
+    used, have = [], 0
+    for doc, ids in _tokenized(tokenizer, ordered, start):
+        if have >= need and len(used) >= min_docs:
+            break
+        used.append(doc)
+        have += len(ids) + 1
+    return used, start + len(used), have
 
 
 PAD = -1
@@ -132,7 +136,8 @@ def rft_blocks(
     kept = [d for d in docs if d and _doc_hash(d) not in banned]
     g = torch.Generator().manual_seed(int(seed))
     ordered = [kept[j] for j in torch.randperm(len(kept), generator=g).tolist()]
-    val_docs, val, pos = _validation_starts(tokenizer, ordered, val_samples, int(val_seq_len or seq_len))
+    val_len = int(val_seq_len or seq_len)
+    val_docs, val, pos = _validation_starts(tokenizer, ordered, val_samples, val_len)
     used, _, have = _take_documents(tokenizer, ordered, pos, 2 * n_samples * seq_len, n_samples)
     blocks = token_blocks(tokenizer, used, n_samples, seq_len, seed)
     info = {
@@ -142,7 +147,7 @@ def rft_blocks(
         "tokens_read": have,
         "tokens": blocks.numel(),
         "validation": {"documents": len(val_docs), "tokens": int((val != PAD).sum()), "samples": int(val_samples),
-                       "seq_len": int(val_seq_len or seq_len)},
+                       "seq_len": val_len},
         "validation_hashes": sorted(_doc_hash(d) for d in val_docs),
     }
     return blocks, val, info
@@ -155,9 +160,8 @@ def _validation_starts(tokenizer, ordered: Sequence[str], n: int,
     docs: list[str] = []
     rows: list[list[int]] = []
     i = 0
-    while i < len(ordered) and len(docs) < n:
-        chunk = ordered[i : i + 64]
-        for doc, ids in zip(chunk, tokenizer(list(chunk), add_special_tokens=False)["input_ids"]):
+    if n:
+        for doc, ids in _tokenized(tokenizer, ordered, 0):
             i += 1
             if len(ids) >= 2:
                 docs.append(doc)
