@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _fresh as fresh
 import yaml
 from _paths import ROOT
 
@@ -48,7 +49,8 @@ def snakemake(
     background: bool = False,
 ) -> subprocess.CompletedProcess | subprocess.Popen:
     """``snakemake -s <workflow>/Snakefile --directory workdir args`` run by this Python: ``args`` (targets and
-    options) in the order given, the command line as a user types it.
+    options) in the order given, the command line as a user types it, in a fresh process (a child of the session's
+    Snakemake fork server, :mod:`_fresh`, which has imported Snakemake already).
 
     Args:
         workdir: the work directory; created if missing.
@@ -72,10 +74,11 @@ def snakemake(
         (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
     if cwd is None and workflow == ROOT:
         cwd = ROOT
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(workflow / "Snakefile"), "--directory", str(workdir), *args]
+    args = ["-m", "snakemake", "-s", str(workflow / "Snakefile"), "--directory", str(workdir), *args]
     if background:
-        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+        return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    return fresh.run(args, preload=fresh.SNAKEMAKE, timeout=timeout, cwd=cwd, env=env)
 
 
 def dry_run_outputs(workdir: Path, *args: str, cfg: dict | None = None) -> dict[str, list[str]]:

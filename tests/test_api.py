@@ -21,6 +21,7 @@ import warnings
 
 import numpy as np
 import pytest
+import _fresh as fresh
 import torch
 import yaml
 from _models import tiny_inputs, tiny_model
@@ -182,7 +183,7 @@ def test_saved_checkpoints_reload_in_a_fresh_process(tmp_path):
             with torch.no_grad():
                 torch.save(model(ids).logits, root + "/" + family + ".pt")
     """)
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = fresh.run(["-c", code], cwd=ROOT, timeout=600, preload=fresh.TORCH)
     assert out.returncode == 0, out.stderr[-3000:]
     for family in RELOADED:
         assert torch.equal(torch.load(tmp_path / f"{family}.pt"), expected[family]), family

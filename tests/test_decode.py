@@ -5,7 +5,6 @@ The GPU side (fla's kernels in place, autotuned configs, CUDA graphs) is checked
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -238,9 +237,10 @@ def test_kernel_matches_reference_under_interpreter():
     """The Triton kernel against float64 torch references (DeltaNet and Gated DeltaNet layouts, GVA, d_k not a power
     of two, fixed and default tiles), and whole stock fla models decoding through ``inplace_decode`` against the
     torch fallback's decoding, run by Triton's interpreter in a fresh process."""
+    import _fresh as fresh  # here: the child runs this file, where tests/ is not on sys.path
+
     code = f"import runpy; runpy.run_path({str(Path(__file__))!r})['_check_all'](); print('ok')"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600, check=False)
+    out = fresh.run(["-c", code], env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600, preload=fresh.TORCH)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+import _fresh as fresh
 import torch
 from _models import tiny_arch, tiny_inputs, tiny_model
 from _paths import ROOT
@@ -190,6 +189,6 @@ def test_rft_of_a_mixed_checkpoint_keeps_its_widths_and_reloads(family, tmp_path
               "with torch.no_grad(): out = m(d['ids']).logits\n"
               "assert torch.equal(out, d['logits']), float((out - d['logits']).abs().max())\n"
               "print(get_adapter(m).state_bytes())\n")
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    run = fresh.run(["-c", script], timeout=300, cwd=ROOT, preload=fresh.TORCH)
     assert run.returncode == 0, run.stderr[-2000:]
     assert int(run.stdout.split()[-1]) == get_adapter(model).state_bytes()

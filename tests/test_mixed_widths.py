@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 
 import pytest
+import _fresh as fresh
 import torch
 from _models import tiny_inputs, tiny_model
 from _paths import ROOT
@@ -93,7 +92,7 @@ def mixed_cases(tmp_path_factory) -> dict[tuple[str, str], dict]:
               "    with torch.no_grad(): got = m(d['ids']).logits\n"
               "    out[key] = 'ok' if torch.equal(got, d['logits']) else float((got - d['logits']).abs().max())\n"
               "print(json.dumps(out))\n")
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    run = fresh.run(["-c", script], timeout=600, preload=fresh.TORCH)
     assert run.returncode == 0, run.stderr[-2000:]
     reloads = json.loads(run.stdout.strip().splitlines()[-1])
     for (family, mode), case in cases.items():

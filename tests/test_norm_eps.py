@@ -22,10 +22,9 @@ from __future__ import annotations
 import copy
 import json
 import math
-import subprocess
-import sys
 
 import pytest
+import _fresh as fresh
 import torch
 
 from _models import random_keep, tiny_inputs, tiny_model
@@ -186,8 +185,7 @@ def reloaded(tmp_path_factory) -> dict[tuple[str, int], dict]:
                               "logits": [logits(model, x) for x in inputs], "ref": [logits(zeroed, x) for x in inputs]}
     script = root / "reload.py"
     script.write_text(_RELOAD_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), *(str(v["ckpt"]) for v in out.values())],
-                          capture_output=True, text=True)
+    proc = fresh.run([str(script), *(str(v["ckpt"]) for v in out.values())], preload=fresh.TORCH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for v in out.values():
         v["reloaded"] = torch.load(v["ckpt"].parent / "reloaded.pt")

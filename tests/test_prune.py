@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import _fresh as fresh
 import torch
 
 from _models import random_keep, tiny_inputs, tiny_model
@@ -140,9 +139,7 @@ def reloaded(tmp_path_factory) -> dict[str, dict]:
         out[case] = {"ckpt": ckpt, "record": record, "logits": logits(model, inputs)}
     script = root / "reload.py"
     script.write_text(_RELOAD_SCRIPT)
-    proc = subprocess.run(
-        [sys.executable, str(script), *(str(v["ckpt"]) for v in out.values())], capture_output=True, text=True
-    )
+    proc = fresh.run([str(script), *(str(v["ckpt"]) for v in out.values())], preload=fresh.TORCH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for case, v in out.items():
         v["reloaded"] = torch.load(root / case / "reloaded_logits.pt")

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+import _fresh as fresh
 import torch
 from _models import random_keep, tiny_arch, tiny_inputs, tiny_model
 from _paths import ROOT
@@ -324,11 +325,8 @@ def test_rft_checkpoint_reloads_in_fresh_process(pairs, tmp_path):
         "m = AutoModelForCausalLM.from_pretrained(sys.argv[2], fuse_cross_entropy=False).eval(); "
         "x = torch.load(sys.argv[3]); torch.set_grad_enabled(False); torch.save(m(input_ids=x).logits, sys.argv[4])"
     )
-    subprocess.run(
-        [sys.executable, "-c", code, str(ROOT), str(out), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")],
-        check=True,
-        timeout=300,
-    )
+    fresh.run(["-c", code, str(ROOT), str(out), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")], check=True,
+              timeout=300, preload=fresh.TORCH)
     got = torch.load(tmp_path / "y.pt")
     assert torch.equal(got, expected), float((got - expected).abs().max())
     record = json.loads((out / "prune_record.json").read_text())

@@ -7,11 +7,10 @@ from __future__ import annotations
 import copy
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import _fresh as fresh
 import torch
 from _models import VOCAB, tiny_arch, tiny_inputs, tiny_model
 from _paths import ROOT
@@ -216,8 +215,7 @@ def test_checkpoints_reload_with_stock_from_pretrained(trained, tmp_path):
 
     paths = {name: str(ckpt) for name, (ckpt, _) in trained.items()}
     result = tmp_path / "reloaded.pt"
-    proc = subprocess.run([sys.executable, "-c", RELOAD, str(result), *paths.values()], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    proc = fresh.run(["-c", RELOAD, str(result), *paths.values()], timeout=300, cwd=ROOT, preload=fresh.TORCH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reloaded = torch.load(result)
     x = torch.tensor([list(b"def f(x):\n    return x + 1\n")])

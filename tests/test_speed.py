@@ -5,10 +5,9 @@ in docs/speed.md).
 """
 
 import contextlib
-import subprocess
-import sys
 
 import pytest
+import _fresh as fresh
 import torch
 from _models import tiny_arch
 from _paths import ROOT
@@ -178,8 +177,8 @@ def test_time_call_measures_memory_eagerly_before_the_graph(monkeypatch):
 def test_cli_without_cuda_fails_with_one_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    out = subprocess.run([sys.executable, "-m", "statereduce.speed.bench", str(tmp_path / "s.json"), "--family",
-                          "delta_net"], check=False, capture_output=True, text=True)
+    out = fresh.run(["-m", "statereduce.speed.bench", str(tmp_path / "s.json"), "--family", "delta_net"],
+                    preload=fresh.TORCH)
     assert out.returncode == 2
     err = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert err == [("error: speed benchmarks need a CUDA GPU and this machine has none (torch.cuda.is_available() is "
@@ -193,10 +192,10 @@ def test_cli_reads_the_config_of_the_current_directory_or_of_config(tmp_path):
     import shutil
 
     repo_config = ROOT / "config.yaml"
-    cli = [sys.executable, "-m", "statereduce.speed", str(tmp_path / "s.json"), "--model", "tiny-dn"]
+    cli = ["-m", "statereduce.speed", str(tmp_path / "s.json"), "--model", "tiny-dn"]
 
     def errors(*extra):
-        out = subprocess.run([*cli, *extra], cwd=tmp_path, check=False, capture_output=True, text=True)
+        out = fresh.run([*cli, *extra], cwd=tmp_path, preload=fresh.TORCH)
         assert out.returncode == 2
         return [line for line in out.stderr.splitlines() if line.startswith("error:")]
 

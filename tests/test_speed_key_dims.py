@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+import _fresh as fresh
 import torch
 from _models import tiny_arch, tiny_inputs
 from _paths import ROOT
@@ -207,8 +206,7 @@ def test_per_layer_model_decodes_through_every_routed_kernel_under_interpreter()
     like its plain decoding (CPU: Triton's interpreter for our kernels, the torch fallbacks for fla's)."""
     archs = {f: _arch(f) for f in FAMILIES}
     code = DECODE_CHECK.format(tests=str(ROOT / "tests"), archs=archs, widths=WIDTHS)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False,
-                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    out = fresh.run(["-c", code], timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"}, preload=fresh.TORCH)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count(" ok") == 8, out.stdout
 

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+import _fresh as fresh
 import torch
 from _models import random_keep, tiny_model
 
@@ -267,8 +266,8 @@ def test_pca_selection_prunes_a_real_model_that_reloads(tmp_path):
     torch.save(x, tmp_path / "x.pt")
     code = ("import sys, torch; from statereduce.models import load_model; m, _ = load_model(sys.argv[1]); "
             "torch.save(m(torch.load(sys.argv[2])).logits.detach(), sys.argv[3])")
-    subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt"), str(tmp_path / "x.pt"),
-                    str(tmp_path / "y.pt")], check=True, capture_output=True)
+    fresh.run(["-c", code, str(tmp_path / "ckpt"), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")], check=True,
+              preload=fresh.TORCH)
     assert torch.equal(torch.load(tmp_path / "y.pt"), expected)
     saved = json.loads((tmp_path / "ckpt" / "prune_record.json").read_text())
     assert saved["keep"] == {} and saved["transform"]["sha256"] == record.transform["sha256"]
