@@ -1,11 +1,16 @@
 """Shared test set-up: one torch thread (tiny tensors: intra-op threading only adds synchronisation,
 up to 20x slower matmuls on a loaded 2-core machine), offline Hugging Face libraries, and the fixtures several test
-files use. The helper modules beside it (``_paths``, ``_models``, ``_snakemake``, ``_pins``) are imported by name:
-pytest puts this folder on ``sys.path``."""
+files use, and the number of pytest-xdist workers. The helper modules beside it (``_paths``, ``_models``,
+``_snakemake``, ``_fresh``, ``_pins``) are imported by name: pytest puts this folder on ``sys.path``."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,11 +26,58 @@ torch.set_num_threads(1)
 WORKFLOW_FIXTURES = ("finished_run", "own_run")
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject's addopts): one worker per CPU this process may use, at most 4 (each worker holds torch
+    and two fork servers, ~1.5 GB)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
 @pytest.hookimpl(tryfirst=True)  # before the -m selection of pyproject's addopts reads the markers
 def pytest_collection_modifyitems(items):
     for item in items:
         if any(name in WORKFLOW_FIXTURES for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.workflow)
+
+
+def _package_digest() -> str:
+    """SHA-256 of every source file of the package: what builds the cached checkpoints."""
+    h = hashlib.sha256()
+    for path in sorted((ROOT / "statereduce").rglob("*.py")):
+        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def built(request, tmp_path_factory) -> Callable[[str, dict, Callable[[Path], None]], Path]:
+    """``built(name, params, build)``: the folder ``build(folder)`` fills, made once and then reused: within the
+    session, and across sessions under pytest's cache (``.pytest_cache/d/statereduce``) keyed by the package's
+    source, the build parameters, torch's version and CPU capability (they set trained numbers); a build that fails
+    leaves nothing behind. With ``-p no:cacheprovider`` the folders live for the session only."""
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    root = Path(cache.mkdir("statereduce")) if cache is not None else tmp_path_factory.mktemp("built")
+    base = {"package": _package_digest(), "torch": torch.__version__,
+            "cpu": torch.backends.cpu.get_cpu_capability()}
+
+    def get(name: str, params: dict, build: Callable[[Path], None]) -> Path:
+        key = hashlib.sha256(json.dumps({**base, "params": params}, sort_keys=True, default=str).encode())
+        folder = root / f"{name}-{key.hexdigest()[:16]}"
+        if not folder.is_dir():
+            for stale in root.glob(f"{name}-*"):  # built by other code: never read again
+                shutil.rmtree(stale, ignore_errors=True)
+            partial = root / f".{folder.name}.partial-{os.getpid()}"
+            shutil.rmtree(partial, ignore_errors=True)
+            try:
+                build(partial)
+                try:
+                    partial.rename(folder)
+                except OSError:  # another xdist worker built it first
+                    if not folder.is_dir():
+                        raise
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
+        return folder
+
+    return get
 
 
 @pytest.fixture(scope="module")

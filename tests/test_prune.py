@@ -274,6 +274,7 @@ class SlicingContract:
             "wrong heads": ({0: good[0][:1], 1: good[1][:1]}, r"shape \(1, 16\); expected \[num_heads=2"),
             "out of range": ({0: good[0], 1: good[1] + 16}, r"span \[\d+, \d+\]; valid: \[0, d_k=32\)"),
             "repeated": ({0: good[0], 1: torch.zeros(2, 16, dtype=torch.long)}, "repeated"),
+            "one repeated": ({0: good[0], 1: torch.cat([good[1][:, :1], good[1][:, :15]], dim=1)}, "repeated"),
             "meta pct": (good, "pct='50' must be a number"),
             "meta d_k_new": (good, r"meta d_k_new=8 disagrees with the model/selection: d_k_new=16"),
             "meta json": (good, "JSON-serialisable"),

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,17 +59,21 @@ RFT = {
 
 
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
+def pairs(built):
     """{family: (base dir, pruned dir)}: a briefly pretrained tiny model and its copy with 28 of its 32 key
-    channels per head removed at random (87.5%, so that the damage is clear)."""
-    root = tmp_path_factory.mktemp("rft")
+    channels per head removed at random (87.5%, so that the damage is clear); built once (conftest's ``built``)."""
+
+    def build(family: str, folder: Path) -> None:
+        pretrain(family, ARCH[family], CORPUS, PRETRAIN, folder / "base")
+        model, tok = load_model(folder / "base")
+        meta = {"source": "base", "method": "rand", "pct": 87.5}  # the folder beside it
+        save_pruned(model, tok, prune_model(model, random_keep(model, 4, seed=3), meta), folder / "pruned")
+
     out = {}
-    for family, arch in ARCH.items():
-        base = root / family / "base"
-        pretrain(family, arch, CORPUS, PRETRAIN, base)
-        model, tok = load_model(base)
-        record = prune_model(model, random_keep(model, 4, seed=3), {"source": str(base), "method": "rand", "pct": 87.5})
-        out[family] = (base, save_pruned(model, tok, record, root / family / "pruned"))
+    for family in FAMILIES:
+        folder = built(f"rft-pair-{family}", {"arch": ARCH[family], "corpus": CORPUS, "pretrain": PRETRAIN},
+                       lambda f, family=family: build(family, f))
+        out[family] = (folder / "base", folder / "pruned")
     return out
 
 
@@ -352,6 +357,7 @@ def test_resume_after_interrupt_equals_uninterrupted_run(pairs, tmp_path):
     assert [json.loads(x)["loss"] for x in la] == [json.loads(x)["loss"] for x in lb]
 
 
+@pytest.mark.slow  # a fresh process run until its first checkpoint; the default tier resumes in process
 def test_killed_process_resumes_and_finishes(pairs, tmp_path):
     """SIGKILL a ``python -m statereduce.rft`` run after its first checkpoint; the rerun finishes from it."""
     base, pruned = pairs["delta_net"]

@@ -140,6 +140,18 @@ def test_kahan_qrcp_alone_is_not_strong(n, c):
     assert_strong(K, res, DEFAULT_F)
 
 
+def test_swaps_stop_exactly_at_the_tolerance():
+    """The swap loop runs while max rho_ij > f and no longer: a start whose max rho lies just under f is kept as it
+    is, one just over f is swapped until max rho <= f."""
+    K = kahan(64, 0.2)
+    start = strong_rrqr(K, 63, f=1e12)  # no swap: QRCP's own max rho
+    assert start.n_swaps == 0 and start.max_rho > 10
+    kept = strong_rrqr(K, 63, f=start.max_rho * (1 + 1e-9))
+    assert kept.n_swaps == 0 and kept.max_rho == start.max_rho
+    swapped = strong_rrqr(K, 63, f=start.max_rho * 0.99)
+    assert swapped.n_swaps >= 1 and swapped.max_rho <= start.max_rho * 0.99
+
+
 def test_swap_updates_match_recomputation():
     """Gu-Eisenstat's rank-one updates of A^-1 B and omega (and the kept gamma) equal a fresh recomputation."""
     rng = np.random.default_rng(4)
