@@ -6,7 +6,8 @@ coverage.py (configured in pyproject.toml: branch, parallel, `patch = ["subproce
 Python process it starts: fresh-process reloads, `python -m snakemake` and the jobs Snakemake runs. Snakemake runs a
 rule's `script:` from a copy, `.snakemake/scripts/tmpXXXX.<name>.py` in the job's folder, made of a three-line preamble
 and the script's text; this maps the copies' lines back onto `workflow_scripts/<name>.py`. OUT.json gets the totals
-(lines and branches, covered and all), per-file figures, the pytest command and its exit status and wall time.
+(lines and branches, covered and all), per-file figures, the pytest command and its exit status and wall time;
+OUT.coverage the merged data.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def main(argv: list[str]) -> int:
         start = time.monotonic()
         status = subprocess.run(command, cwd=ROOT, env=env).returncode
         wall = time.monotonic() - start
-        merged = Path(tmp) / "merged.coverage"
+        merged = out.with_suffix(".coverage")  # kept: `coverage combine` of two such files gives their union
         merge(Path(tmp), merged)
         doc = {"pytest": ["pytest", *pytest_args], "exit_status": status, "wall_s": round(wall, 1), **totals(merged)}
     out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -371,3 +371,19 @@ def test_norm_eps_stock_overlay_sets_stock_for_every_model(shipped_config):
     assert set(overlay) == {"prune"}
     cfg = validate_config({**copy.deepcopy(shipped_config), **overlay})
     assert {model_prune(cfg, m).norm_eps for m in cfg["models"]} == {"stock"}
+
+
+@pytest.mark.parametrize("skip", [95, 96, 97])
+def test_rank_skip_must_leave_positions(shipped_config, skip):
+    """rank.skip positions are dropped from each rank-analysis sequence: at least one must be left."""
+    from statereduce.config import model_rank
+
+    cfg = copy.deepcopy(shipped_config)
+    cfg["rank"] = {**cfg.get("rank", {}), "seq_len": 96, "skip": skip}
+    for m in cfg["models"].values():
+        m.pop("rank", None)
+    if skip < 96:
+        assert model_rank(validate_config(cfg), "tiny-dn").skip == skip
+        return
+    with pytest.raises(ConfigError, match=rf"^rank\.skip={skip} must be smaller than rank\.seq_len=96 \(model '"):
+        validate_config(cfg)
