@@ -45,6 +45,8 @@ def test_path_fills_the_given_wildcards_and_leaves_the_others():
      {"folder": "grad-k_75", "stage": "grad-k_75", "method": "grad-k", "pct": "75", "rest": ("pruned", "config.json")}),
     (layout.GRAD_SCORES, {"model": "m", "calib": "seed1"},
      {"folder": "calib", "stage": None, "method": None, "calib": "seed1", "rest": ("seed1", "grad_scores.h5")}),
+    (layout.ALLOCATION, {"model": "m", "method": "drrqr@sens", "pct": 75},
+     {"folder": "select", "stage": "drrqr@sens_75", "method": "drrqr@sens", "pct": "75", "calib": None}),
     (layout.BASELINE_EVAL, {"model": "m"}, {"folder": "baseline", "stage": None, "rest": ("eval.json",)}),
     (f"{layout.BASE}/config.json", {"model": "m"}, {"folder": "base", "stage": None}),
 ])
@@ -65,9 +67,16 @@ def test_a_stage_that_is_no_method_and_pct_keeps_only_its_name():
     assert (found.stage, found.method, found.pct) == ("drrqr", None, None)
 
 
-def test_every_path_the_default_target_plans_parses_to_its_jobs_wildcards(tmp_path):
-    out = snakemake(tmp_path, "-n", "--cores", "1")
+@pytest.fixture(scope="module")
+def default_plan(tmp_path_factory):
+    """The dry run of the default target with the shipped config."""
+    out = snakemake(tmp_path_factory.mktemp("plan"), "-n", "--cores", "1")
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    return out
+
+
+def test_every_path_the_default_target_plans_parses_to_its_jobs_wildcards(default_plan):
+    out = default_plan
     jobs = re.findall(r"output: (.+)\n(?:.+\n)*?\s+wildcards: (.+)", out.stdout)  # within one job block
     assert len(jobs) > 20, out.stdout[-2000:]
     for outputs, wildcards in jobs:
@@ -81,3 +90,16 @@ def test_every_path_the_default_target_plans_parses_to_its_jobs_wildcards(tmp_pa
                 assert (found.method, found.pct) == (wc["method"], wc["pct"]), target
             if "calib" in wc:
                 assert found.calib == wc["calib"], target
+
+
+def test_each_summary_reads_its_stages_evaluations_and_records(default_plan):
+    """A summary (rule summarize) reads the baseline's evaluation, its stage's pruned and RFT evaluations, the
+    prune record and the RFT record, and nothing else."""
+    jobs = re.findall(r"^rule summarize:\n\s+input: (.+)\n\s+output: (.+)$", default_plan.stdout, re.M)
+    assert len(jobs) == 20, default_plan.stdout[-2000:]
+    for inputs, output in jobs:
+        stage = output.removesuffix("/eval.json")
+        model = stage.split("/")[1]
+        assert sorted(inputs.split(", ")) == sorted([
+            f"results/{model}/baseline/eval.json", f"{stage}/pruned/eval.json", f"{stage}/pruned/prune_record.json",
+            f"{stage}/rft/eval.json", f"{stage}/rft/rft_record.json"]), output
