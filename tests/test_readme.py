@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import re
+import runpy
 import sys
 from pathlib import Path
 
@@ -213,3 +214,10 @@ def test_default_runs_rft_helps_where_there_is_something_to_recover():
     assert pre and post.keys() == pre.keys()
     worse = {k: post[k] - pre[k] for k in pre if post[k] > pre[k] + 0.001 or (k[1] == "rand" and post[k] >= pre[k])}
     assert not worse, f"RFT made these cells worse (post - pre bits per byte): {worse}"
+
+
+def test_testing_page_figures_are_the_recorded_runs():
+    """docs/testing.md's coverage, planted-fault and time tables are what dev/testing_figures.py renders from the
+    documents in docs/results/tests/."""
+    figures = runpy.run_path(str(ROOT / "dev" / "testing_figures.py"))
+    assert figures["main"](["check"]) == 0
