@@ -10,6 +10,8 @@ script as ``python`` would (``runpy``, so ``sys.argv[0]`` and ``__main__`` are w
 with the code a real interpreter would (``SystemExit`` and uncaught exceptions included). What it lacks is only the
 import time of the preloaded modules, and they are in ``sys.modules`` from the start: tests that check which modules
 an import pulls in use a plain ``subprocess`` instead.
+Nothing of this project is preloaded: a child must import the package from wherever its own ``sys.path`` and working
+directory say (a copy of the workflow holds its own copy of the package).
 
 Forking is safe here because the server has only imported modules, never run torch ops or started threads, and it
 forks from one thread. Coverage (dev/coverage_run.py) follows the children: pyproject's ``patch`` names ``fork`` and
@@ -30,8 +32,9 @@ from pathlib import Path
 
 from _paths import ROOT
 
-SNAKEMAKE = ("snakemake.cli", "snakemake.api", "jsonschema", "yaml", "statereduce.config")
-"""What a ``python -m snakemake`` child would import before it reads the Snakefile."""
+SNAKEMAKE = ("snakemake.cli", "snakemake.api", "jsonschema", "yaml")
+"""What a ``python -m snakemake`` child would import before it reads the Snakefile (not statereduce: the Snakefile of a
+workflow copy imports the copy's package, :func:`_snakemake.copy_workflow`)."""
 TORCH = ("torch", "transformers", "safetensors.torch")
 """The libraries every checkpoint reload imports (fla and statereduce are left to the child: some tests look at
 what importing them does)."""
