@@ -6,8 +6,8 @@
     python dev/testing_figures.py check                       # exit 1 if docs/testing.md's block differs
 
 The documents in docs/results/tests/ come from `dev/coverage_run.py` (`coverage_<when>_<tier>.json`),
-`dev/planted_faults.py` (`faults_<when>.json`) and `time` above (`timings.json`); `<when>` is `before` or `after` the
-tiering of issue 37, `<tier>` `default` or `all`.
+`dev/planted_faults.py` (`faults_<when>.json`) and `time` above (`timings.json`); `<when>` is `before` or `after`
+(the two checkouts docs/testing.md names), `<tier>` `default` or `all`.
 """
 
 from __future__ import annotations

@@ -44,8 +44,6 @@ import json, os, runpy, signal, sys, traceback
 import importlib
 for name in sys.argv[1:]:
     importlib.import_module(name)
-os.environ.pop("PYTHONSTARTUP", None)
-base_modules = set(sys.modules)
 control = sys.stdin.buffer
 reply = os.fdopen(os.dup(1), "w", buffering=1)
 devnull = os.open(os.devnull, os.O_RDWR)
