@@ -351,8 +351,9 @@ def train(
         stop_after: test hook: raise after this many optimizer steps (after any checkpoint at that step).
         val_blocks: LongTensor ``[val_samples, L]`` of validation sequences (:func:`rft_blocks`, right-padded):
             their loss (:func:`validation_loss`) is measured before the first step, at every ``save_every`` and after
-            the last step; with ``cfg.keep == "best"`` the student ends with the trainable tensors of the pass with the
-            lowest ``cfg.best_metric`` (the earliest of equal ones).
+            the last step (the teacher's logits of the first pass are kept for the later ones: :class:`TeacherLogits`);
+            with ``cfg.keep == "best"`` the student ends with the trainable tensors of the pass with the lowest
+            ``cfg.best_metric`` (the earliest of equal ones).
 
     Returns:
         Training statistics: steps, tokens, seconds, tokens/s, final loss/KL/CE, resumed_from, the micro-batch size
@@ -377,8 +378,9 @@ def train(
         opt.zero_grad(set_to_none=True)  # the probe's gradients are not training's
     micro = [local[i : i + mbs] for i in range(0, len(local), mbs)]
     validate = val_blocks is not None and val_blocks.shape[0] > 0
+    teacher_logits = TeacherLogits() if validate else None  # the teacher's validation logits, computed once
     if validate and start_step == 0:
-        _validate(val, 0, student, teacher, val_blocks, cfg, acc, autocast, mbs)
+        _validate(val, 0, student, teacher, val_blocks, cfg, acc, autocast, mbs, teacher_logits)
     window: list[tuple[float, float, float]] = []
     t_start = t_window = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -406,7 +408,7 @@ def train(
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['kl']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 window, t_window = [], now
             if validate and (done % cfg.save_every == 0 or done == steps):
-                _validate(val, done, student, teacher, val_blocks, cfg, acc, autocast, mbs)
+                _validate(val, done, student, teacher, val_blocks, cfg, acc, autocast, mbs, teacher_logits)
                 bar.set_postfix(val=f"{val['curve'][-1][cfg.best_metric]:.4f}", best=val["best_step"])
             if resume_file is not None and (done % cfg.save_every == 0 and done < steps):
                 _checkpoint(resume_file, acc, student, opt, done, log_lines, val)
@@ -418,30 +420,68 @@ def train(
     return {**stats, "micro_batch_size": mbs, **({"micro_batch_probe": probe} if probe is not None else {})}
 
 
+class TeacherLogits:
+    """The teacher's logits of each validation micro-batch, kept on the host after the first validation pass so that
+    later passes run only the student (the teacher is frozen and its inputs are the same: the logits are the ones a
+    new forward would give, bit for bit). Once they would pass ``max_bytes`` (default :data:`TEACHER_LOGITS_BYTES`)
+    nothing is kept and every pass runs the teacher again."""
+
+    def __init__(self, max_bytes: int | None = None):
+        self.max_bytes = TEACHER_LOGITS_BYTES if max_bytes is None else int(max_bytes)
+        self.kept: list[torch.Tensor] | None = []
+        self.complete = False
+        self._bytes = 0
+
+    def logits(self, i: int, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The teacher's logits of micro-batch ``i`` (``x``), from the cache or a forward (kept if there is room)."""
+        if self.complete:
+            return self.kept[i].to(x.device)
+        out = teacher(input_ids=x).logits
+        if self.kept is not None:
+            self._bytes += out.numel() * out.element_size()
+            if self._bytes <= self.max_bytes:
+                self.kept.append(out.detach().to("cpu", copy=True))
+            else:
+                self.kept = None
+        return out
+
+    def pass_done(self) -> None:
+        """The end of a validation pass: from now on the kept logits answer (when all of them fitted)."""
+        self.complete = self.kept is not None
+
+
+TEACHER_LOGITS_BYTES = 1 << 30
+"""The most host memory :class:`TeacherLogits` keeps: 1 GiB (a tiny model's 32 sequences of 2,048 byte tokens take
+67 MB; 32 of 2,048 tokens of a 32k-token vocabulary in bfloat16 would take 4 GB, and are recomputed instead)."""
+
+
 def validation_loss(model, teacher: nn.Module, blocks: torch.Tensor, cfg: RftSettings, acc, autocast,
-                    micro_batch_size: int) -> dict[str, float]:
+                    micro_batch_size: int, teacher_logits: TeacherLogits | None = None) -> dict[str, float]:
     """RFT's loss (:func:`distill_loss`) of ``model`` on the validation ``blocks`` (rows right-padded with
     :data:`PAD`), without gradients, in eval mode: ``{"loss", "kl", "ce"}``, ``kl`` the mean over every scored
     position, ``ce`` over every scored next token, ``loss`` their weighted sum. Process ``r`` of ``W`` takes every
-    W-th sequence; the sums are reduced over the processes."""
+    W-th sequence; the sums are reduced over the processes. ``teacher_logits``, given to every pass of one run,
+    keeps the teacher's logits after the first (:class:`TeacherLogits`)."""
     dist = cfg.distill
+    cache = teacher_logits or TeacherLogits(max_bytes=0)
     mine = list(range(acc.process_index, blocks.shape[0], acc.num_processes))
     sums = torch.zeros(4, device=acc.device, dtype=torch.float64)  # kl sum, positions, ce sum, next tokens
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for i in range(0, len(mine), micro_batch_size):
+        for n, i in enumerate(range(0, len(mine), micro_batch_size)):
             x = blocks[mine[i : i + micro_batch_size]]
             mask = x != PAD
             width = int(mask.sum(1).max())
             x, mask = x[:, :width].clamp(min=0).to(acc.device), mask[:, :width].to(acc.device)
             with autocast:
-                t_logits = teacher(input_ids=x).logits
+                t_logits = cache.logits(n, teacher, x)
                 s_logits = model(input_ids=x).logits
             _, kl, ce = distill_loss(s_logits, t_logits, x, dist.temperature, dist.kl_weight, dist.lm_weight, mask)
             n_pos = mask.sum().double()
             n_next = (mask[:, :-1] & mask[:, 1:]).sum().double()
             sums += torch.stack([kl.double() * n_pos, n_pos, ce.double() * n_next, n_next])
+    cache.pass_done()
     model.train(was_training)
     sums = acc.reduce(sums, reduction="sum")
     kl, ce = float(sums[0]) / float(sums[1]), float(sums[2]) / float(sums[3])
@@ -450,12 +490,13 @@ def validation_loss(model, teacher: nn.Module, blocks: torch.Tensor, cfg: RftSet
 
 
 def _validate(val: dict[str, Any], step: int, student, teacher: nn.Module, blocks: torch.Tensor, cfg: RftSettings,
-              acc, autocast, micro_batch_size: int) -> None:
+              acc, autocast, micro_batch_size: int, teacher_logits: TeacherLogits | None = None) -> None:
     """One validation pass after ``step`` optimizer steps, appended to ``val["curve"]``; a new lowest
     ``cfg.best_metric`` makes this step ``val["best_step"]`` and (with ``keep: best``) its trainable tensors
     ``val["best_state"]``."""
     model = acc.unwrap_model(student)
-    rec = {"step": step, **validation_loss(model, teacher, blocks, cfg, acc, autocast, micro_batch_size)}
+    rec = {"step": step, **validation_loss(model, teacher, blocks, cfg, acc, autocast, micro_batch_size,
+                                           teacher_logits)}
     val["curve"].append(rec)
     if val["best_step"] is None or rec[cfg.best_metric] < val["best"]:
         val["best_step"], val["best"] = step, rec[cfg.best_metric]

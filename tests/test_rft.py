@@ -491,6 +491,30 @@ def test_best_validation_step_is_kept(pairs, tmp_path):
     assert math.isclose(got["ce"], nll / count, rel_tol=1e-5)
 
 
+def test_teacher_logits_are_computed_once_per_run(pairs):
+    """Validation passes of one run share the teacher's logits of the first pass (the teacher runs once, the losses are
+    those of passes that run it every time, bit for bit); logits over the byte limit are never kept and the teacher
+    runs in every pass."""
+    base, pruned = pairs["delta_net"]
+    cfg = RftSettings.from_dict({**RFT, "val_samples": 6, "val_seq_len": 100})
+    _, vblocks, _ = ft._rft_data(byte_level_tokenizer(), CORPUS, cfg, [])
+    teacher, student = load_model(base)[0], load_model(pruned)[0]
+    calls = []
+    teacher.register_forward_hook(lambda module, args, out: calls.append(1))
+
+    def passes(cache):
+        calls.clear()
+        losses = [ft.validation_loss(student, teacher, vblocks, cfg, _Acc(), contextlib.nullcontext(), 4, cache)
+                  for _ in range(3)]
+        return losses, len(calls)
+
+    plain, plain_calls = passes(None)
+    cached, cached_calls = passes(ft.TeacherLogits())
+    over, over_calls = passes(ft.TeacherLogits(max_bytes=6 * 100 * 257 * 4 // 2))  # half of 6 rows' float32 logits
+    assert plain_calls == over_calls == 3 * 2 and cached_calls == 2  # two micro-batches of at most 4 sequences
+    assert cached == plain == over
+
+
 class _Acc:
     """A one-process stand-in for accelerate's Accelerator in :func:`statereduce.rft.validation_loss`."""
 
