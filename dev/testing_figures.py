@@ -36,18 +36,34 @@ def cpu_kind() -> str:
     return f"{name}, {len(os.sched_getaffinity(0))} cores, torch CPU capability {capability}"
 
 
+def phases(output: str) -> list[dict]:
+    """The commands `.ci/run` echoed (``+ COMMAND``) with the seconds it printed after each (``(N s)``)."""
+    found, command = [], None
+    for line in output.splitlines():
+        if line.startswith("+ "):
+            command = line[2:].strip()
+        elif command is not None and (m := re.fullmatch(r"\((\d+) s\)", line.strip())):
+            found.append({"command": command, "wall_s": int(m.group(1))})
+            command = None
+    return found
+
+
 def record_time(label: str, command: list[str]) -> int:
     start = time.monotonic()
-    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wall = time.monotonic() - start
-    sys.stdout.write(proc.stdout[-3000:])
-    summary = next((line.strip("= ") for line in reversed(proc.stdout.splitlines()) if " in " in line and
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # shown as it comes (a whole .ci/run takes most of an hour)
+        sys.stdout.write(line)
+        lines.append(line)
+    proc.wait()
+    wall, output = time.monotonic() - start, "".join(lines)
+    summary = next((line.strip("= ") for line in reversed(output.splitlines()) if " in " in line and
                     re.search(r"\d+ (passed|failed)", line)), "")
     path = RESULTS / "timings.json"
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc[label] = {"command": " ".join(command), "cwd": os.getcwd(), "exit_status": proc.returncode,
                   "wall_s": round(wall, 1), "pytest": summary, "cpu": cpu_kind(),
-                  "date": time.strftime("%Y-%m-%d")}
+                  "date": time.strftime("%Y-%m-%d"), **({"phases": found} if (found := phases(output)) else {})}
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(sorted(doc.items())), indent=1) + "\n")
     print(f"{label}: {wall:.0f} s, exit {proc.returncode}")
@@ -88,8 +104,14 @@ def render() -> str:
     path = RESULTS / "timings.json"
     if path.exists():
         lines += ["", "| run | command | tests | wall time | CPU |", "| --- | --- | --- | --- | --- |"]
-        for label, t in json.loads(path.read_text()).items():
+        timings = json.loads(path.read_text())
+        for label, t in timings.items():
             lines.append(f"| {label} | `{t['command']}` | {t['pytest']} | {_minutes(t['wall_s'])} | {t['cpu']} |")
+        staged = {label: t["phases"] for label, t in timings.items() if t.get("phases")}
+        if staged:
+            lines += ["", "| run | its command | wall time |", "| --- | --- | --- |"]
+            for label, found in staged.items():
+                lines += [f"| {label} | `{p['command']}` | {_minutes(p['wall_s'])} |" for p in found]
     return "\n".join(lines) + "\n"
 
 

@@ -22,8 +22,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
-# The fixtures that run a whole tiny DAG: a test that takes one is in the `workflow` tier (docs/testing.md).
-WORKFLOW_FIXTURES = ("finished_run", "own_run")
+# The fixtures that read the finished tiny DAG run: a test that takes one is in the `workflow` tier (docs/testing.md).
+WORKFLOW_FIXTURES = ("workflow_run", "finished_run", "own_run")
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
@@ -78,6 +78,33 @@ def built(request, tmp_path_factory) -> Callable[[str, dict, Callable[[Path], No
         return folder
 
     return get
+
+
+@pytest.fixture(scope="session")
+def workflow_run(tmp_path_factory) -> dict:
+    """The workflow tier's finished run (``tests/_workflow_run.py``), built once per session: under xdist by the
+    first worker that asks, while the others wait on a lock in the session's shared temporary folder (a failed build
+    fails theirs at once, with its message). Read it, or copy it (``_workflow_run.copy_run``) before changing
+    anything."""
+    import _workflow_run
+    from filelock import FileLock
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process
+        return _workflow_run.build(tmp_path_factory.mktemp("workflow_run"))
+    shared = tmp_path_factory.getbasetemp().parent / "workflow_run"  # the session's folder, above every worker's
+    done, failed = shared.with_suffix(".json"), shared.with_suffix(".failed")
+    with FileLock(str(shared.with_suffix(".lock"))):
+        if failed.is_file():
+            pytest.fail(f"the workflow run failed in another worker: {failed.read_text()}", pytrace=False)
+        if not done.is_file():
+            try:
+                run = _workflow_run.build(shared)
+            except BaseException as e:
+                failed.write_text(f"{type(e).__name__}: {e}"[-5000:])
+                raise
+            done.write_text(json.dumps(run, default=str))
+        run = json.loads(done.read_text())
+    return {**run, "work": Path(run["work"]), "ckpt": Path(run["ckpt"])}
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """A user's own checkpoint through the workflow (configs/my_model.yaml, docs/workflow.md "Adding a model").
 
 A tiny random DeltaNet saved as a stock HF checkpoint stands in for the user's model. The shipped overlay, pointed at
-it, plans and runs the whole chain (base_source, calibrate, select, prune and evaluate, RFT and evaluate) with the
-defaults of every optional block; ``source.json`` and every artifact record the SHA-256 of the checkpoint's files;
+it, plans and (in the workflow tier's one finished run, tests/_workflow_run.py) runs the whole chain (base_source,
+calibrate, select, prune and evaluate, RFT and evaluate) with the defaults of every optional block; ``source.json`` and every artifact record the SHA-256 of the checkpoint's files;
 the evaluations leave nothing of lm-eval under ``results/``; new weights rerun base_source and everything downstream.
 Bad minimal entries fail validation in one line.
 """
@@ -16,6 +16,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import _workflow_run
 import pytest
 import yaml
 from _models import tiny_arch
@@ -26,38 +27,14 @@ from statereduce.config import ConfigError, load_schema, validate_config
 from statereduce.settings import CalibrationSettings, EvalSettings
 
 OVERLAY = ROOT / "configs" / "my_model.yaml"
-MODEL = "my-model"
-TARGET = f"results/{MODEL}/drrqr_50/eval.json"
+MODEL, TARGET, OVERLAY_FILE = _workflow_run.OWN_MODEL, _workflow_run.OWN_TARGET, _workflow_run.OVERLAY_FILE
 CHAIN = {"base_source", "qk_weights", "calibrate", "eval_baseline", "select_channels", "prune", "rft", "summarize"}
-
-
-def _save_checkpoint(folder: Path, seed: int) -> None:
-    """A tiny random DeltaNet (tests/_models.py's) with the byte-level tokenizer, saved as a stock HF checkpoint."""
-    from _models import tiny_model
-
-    from statereduce.tokenizer import VOCAB_SIZE, byte_level_tokenizer
-
-    model = tiny_model("delta_net", seed=seed, vocab_size=VOCAB_SIZE, bos_token_id=256, eos_token_id=256)
-    model.save_pretrained(folder)
-    byte_level_tokenizer().save_pretrained(folder)
-
-
-def _overlay(local: Path) -> dict:
-    """The shipped overlay with ``local`` set, and sizes for a CPU test; eval and RFT keep their default corpus."""
-    cfg = yaml.safe_load(OVERLAY.read_text())
-    entry = cfg["models"][MODEL]
-    assert set(entry) == {"family", "local", "calibration"}  # the overlay ships the minimal entry
-    entry["local"] = str(local)
-    entry["calibration"].update(n_samples=4, seq_len=64, rows_per_head=64)
-    entry["eval"] = {"max_docs": 3, "max_doc_bytes": 256, "max_length": 512}
-    entry["rft"] = {"n_samples": 8, "seq_len": 32, "batch_size": 4, "micro_batch_size": 4, "save_every": 1}
-    return cfg
 
 
 def _snakemake(work: Path, *args: str) -> subprocess.CompletedProcess:
     """Snakemake on the workflow copy in ``work``: targets and options in ``args``, the overlay last (``--configfile``
     takes every path after it)."""
-    return snakemake(work, *args, "--configfile", str(work / "my_model.yaml"), workflow=work, timeout=1200)
+    return snakemake(work, *args, "--configfile", str(work / OVERLAY_FILE), workflow=work, timeout=1200)
 
 
 def _planned(work: Path) -> tuple[dict[str, list[str]], str]:
@@ -68,17 +45,22 @@ def _planned(work: Path) -> tuple[dict[str, list[str]], str]:
 
 
 @pytest.fixture(scope="module")
-def own_run(tmp_path_factory) -> dict:
-    """The workflow (shipped config.yaml) in a temporary folder, the overlay pointed at a tiny checkpoint, planned and
-    run to the end."""
-    work = copy_workflow(tmp_path_factory.mktemp("own"), ROOT / "config.yaml")
-    ckpt = tmp_path_factory.mktemp("ckpt")
-    _save_checkpoint(ckpt, seed=0)
-    (work / "my_model.yaml").write_text(yaml.safe_dump(_overlay(ckpt)))
-    planned, _ = _planned(work)
-    run = _snakemake(work, TARGET, "--cores", "2")
-    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
-    return {"work": work, "ckpt": ckpt, "planned": planned}
+def own_run(workflow_run, tmp_path_factory) -> dict:
+    """This module's copy of the finished run, where the overlay, pointed at a tiny checkpoint, was planned (before
+    anything ran) and run to the end: ``{"work", "ckpt", "planned"}``."""
+    work = _workflow_run.copy_run(workflow_run, tmp_path_factory.mktemp("own") / "run")
+    return {"work": work, "ckpt": workflow_run["ckpt"], "planned": workflow_run["own_planned"]}
+
+
+def test_overlay_plans_the_whole_chain_with_the_shipped_config(tmp_path):
+    """The overlay on the shipped config.yaml (its corpora and top-level blocks), pointed at a checkpoint: the dry run
+    plans every stage of the chain, nothing else."""
+    ckpt = tmp_path / "ckpt"
+    _workflow_run.save_checkpoint(ckpt, seed=0)
+    (tmp_path / OVERLAY_FILE).write_text(yaml.safe_dump(_workflow_run.own_overlay(ckpt)))
+    out = snakemake(tmp_path / "work", TARGET, "-n", "--configfile", str(tmp_path / OVERLAY_FILE))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert set(job_outputs(out.stdout + out.stderr)) == CHAIN
 
 
 def test_minimal_entry_runs_the_whole_chain(own_run):
@@ -130,12 +112,19 @@ def test_evaluations_leave_no_lm_eval_files_under_results(own_run):
     assert sorted(p.name for p in (results / MODEL / "baseline").iterdir()) == ["eval.json"]
 
 
-def test_new_weights_rerun_base_source_and_everything_downstream(own_run):
-    """Before: the DAG is complete. New weights in the checkpoint folder (the same file names): base_source and every
-    job after it rerun."""
-    work = own_run["work"]
-    assert _planned(work)[0] == {}
-    _save_checkpoint(own_run["ckpt"], seed=1)
+@pytest.mark.workflow
+def test_new_weights_rerun_base_source_and_everything_downstream(tmp_path):
+    """Its own checkpoint (the finished run's is shared by the session), the chain's first two jobs run: a dry run of
+    the whole chain plans the rest. New weights in the checkpoint folder (the same file names): base_source reruns for
+    the updated file, and the job after it that had run reruns too."""
+    work = copy_workflow(tmp_path / "work", _workflow_run.CONFIG)
+    ckpt = tmp_path / "ckpt"
+    _workflow_run.save_checkpoint(ckpt, seed=0)
+    (work / OVERLAY_FILE).write_text(yaml.safe_dump(_workflow_run.own_overlay(ckpt)))
+    done = _snakemake(work, f"results/{MODEL}/weights/qk.h5", "--cores", "2")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert set(_planned(work)[0]) == CHAIN - {"base_source", "qk_weights"}
+    _workflow_run.save_checkpoint(ckpt, seed=1)
     planned, text = _planned(work)
     assert set(planned) == CHAIN
     base = text[text.index("rule base_source:"):]

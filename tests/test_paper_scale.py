@@ -113,25 +113,19 @@ def test_init_random_writes_a_seeded_checkpoint_that_loads(tmp_path, family):
     assert torch.isfinite(ma(input_ids=ids).logits).all()
 
 
-@pytest.mark.workflow
-def test_init_model_runs_capture_select_prune_eval_through_the_workflow(tmp_path):
-    """A tiny ``init`` model on the CPU through init_random -> calibrate -> select -> prune + evaluate."""
-    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
-    cfg["models"] = {"tiny-init": {
-        "family": "delta_net",
-        "init": {"arch": tiny_arch("delta_net", vocab_size=300, bos_token_id=256, eos_token_id=256), "seed": 0},
-        "calibration": {"corpus": "embedded", "n_samples": 4, "seq_len": 64, "rows_per_head": 64},
-        "eval": {"max_docs": 2, "max_doc_bytes": 256, "max_length": 512},
-    }}
-    cfg["targets"]["models"] = ["tiny-init"]
-    cfg.pop("studies")
-    cfg["speed"]["models"] = []
-    out = snakemake(tmp_path, "results/tiny-init/drrqr_50/pruned/eval.json", "--cores", "2", cfg=cfg, timeout=900)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    base = tmp_path / "results" / "tiny-init" / "base"
+def test_init_model_ran_capture_select_prune_eval_through_the_workflow(workflow_run):
+    """A tiny ``init`` model (``wf-init`` of the workflow tier's run) on the CPU through init_random -> calibrate ->
+    select -> prune + evaluate."""
+    from _workflow_run import INIT_TARGET
+
+    from statereduce.models import load_model
+
+    work = workflow_run["work"]
+    base = work / "results" / "wf-init" / "base"
     assert {"init.json", "config.json", "model.safetensors"} <= {p.name for p in base.iterdir()}
-    assert (tmp_path / "benchmarks" / "init_random" / "tiny-init.tsv").is_file()
-    assert (tmp_path / "results" / "tiny-init" / "drrqr_50" / "pruned" / "eval.json").is_file()
+    assert (work / "benchmarks" / "init_random" / "wf-init.tsv").is_file()
+    assert (work / INIT_TARGET).is_file()
+    assert load_model(base)[0].config.vocab_size == 300
 
 
 def test_auto_kernels_pick_torch_only_where_fla_refuses_the_family_backward(monkeypatch):

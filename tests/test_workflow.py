@@ -1,7 +1,7 @@
-"""Minimal recompute, proven on a finished tiny run (Snakemake dry runs).
+"""Minimal recompute, proven on the workflow tier's finished tiny run (Snakemake dry runs).
 
-A copy of the workflow (Snakefile, rules, scripts, package, schema) runs the tiny config in
-``tests/workflow/`` to the end; then dry runs show that
+The one finished run of the session (``tests/_workflow_run.py``: the tiny config in ``tests/workflow/`` run to the
+end, ``all_paper`` and budget cells included) is copied into this module's own folder; then dry runs show that
 - nothing reruns when nothing changed,
 - editing the DRRQR selector's code schedules only DRRQR selections and their dependents,
 - a Grad-only setting touches only Grad jobs,
@@ -12,6 +12,7 @@ A copy of the workflow (Snakefile, rules, scripts, package, schema) runs the tin
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -21,7 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 from _paths import ROOT
-from _snakemake import copy_workflow, dry_run_outputs, job_counts, job_outputs, snakemake
+from _snakemake import dry_run_outputs, job_counts, job_outputs, snakemake
+from _workflow_run import BUDGET_TARGETS, copy_run
 
 
 def _snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
@@ -29,18 +31,17 @@ def _snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
     return snakemake(workdir, *args, workflow=workdir, timeout=900)
 
 
-def planned_outputs(workdir: Path) -> dict[str, list[str]]:
-    """rule -> output files of the jobs a dry run would execute."""
-    out = _snakemake(workdir, "-n", "--printshellcmds")
+def planned_outputs(workdir: Path, *targets: str) -> dict[str, list[str]]:
+    """rule -> output files of the jobs a dry run of ``targets`` (default: the default target) would execute."""
+    out = _snakemake(workdir, *targets, "-n", "--printshellcmds")
     assert out.returncode == 0, out.stderr[-3000:]
     return job_outputs(out.stdout + out.stderr)
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
-    work = copy_workflow(tmp_path_factory.mktemp("wf"), ROOT / "tests" / "workflow" / "config.yaml")
-    run = _snakemake(work, "--cores", "2")
-    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
+def finished_run(workflow_run, tmp_path_factory) -> Path:
+    """This module's copy of the finished run (its tests change the config and the code, and rerun jobs)."""
+    work = copy_run(workflow_run, tmp_path_factory.mktemp("wf") / "run")
     assert (work / "results" / "tables" / "comparison.md").exists()
     return work
 
@@ -74,13 +75,13 @@ def test_a_moved_project_folder_keeps_its_results(finished_run, tmp_path):
 
 def test_editing_drrqr_code_reruns_only_drrqr(finished_run):
     code = finished_run / "statereduce" / "selectors" / "drrqr.py"
-    original = code.read_text()
+    original, stat = code.read_text(), code.stat()
     try:
         code.write_text(original + "\n# edited\n")
         jobs = planned_outputs(finished_run)
     finally:
         code.write_text(original)
-        _snakemake(finished_run, "--touch", "--cores", "1")  # restore a clean state for the next test
+        os.utime(code, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the file as it was: a clean state for the next test
     assert set(jobs) == {"select_channels", "prune", "rft", "summarize", "comparison_table"}, jobs
     per_method = [p for r, ps in jobs.items() if r != "comparison_table" for p in ps]
     assert per_method and all("drrqr_50" in p for p in per_method), per_method
@@ -131,11 +132,15 @@ def _documented_rerun_commands() -> list[str]:
 
 def test_documented_rerun_commands_plan_what_the_docs_say(finished_run):
     """docs/workflow.md's commands for rerunning one step, run as written (through bash, for the globs) with ``-n``
-    on the finished run, the tiny default's tiny-dn replaced by this config's wf-dn (its only model, so a "column" is
-    one cell): each plans exactly the jobs the docs list, all of the drrqr cell."""
+    on the finished run, the tiny default's tiny-dn replaced by this config's wf-dn (the default target's only model,
+    so a "column" of it is one cell; the glob of selections also finds the run's other models'): each plans exactly
+    the jobs the docs list, all of drrqr cells."""
     commands = _documented_rerun_commands()
     cell = {"select_channels": 1, "prune": 1, "rft": 1, "summarize": 1}
-    expected = [{"select_channels": 1}, cell, {"select_channels": 1}, {**cell, "comparison_table": 1, "all": 1}]
+    column = {"select_channels": len(list((finished_run / "results").glob("*/select/drrqr_*.parquet")))}
+    assert column == {"select_channels": 3}  # wf-dn, wf-init, my-model
+    # the fourth forces every selection the glob finds, downstream of those in the default target
+    expected = [{"select_channels": 1}, cell, column, {**cell, **column, "comparison_table": 1, "all": 1}]
     assert len(commands) == len(expected), commands
     until = "snakemake results/tiny-dn/drrqr_50/eval.json --forcerun select_channels --until select_channels"
     assert f"`{until}`" in (ROOT / "docs" / "workflow.md").read_text()  # "plans the same single job as the first"
@@ -155,8 +160,7 @@ def test_documented_rerun_commands_plan_what_the_docs_say(finished_run):
 
 def test_all_paper_adds_rank_analysis_and_tables(finished_run):
     """``all_paper`` = the default outputs plus rank.json per checkpoint and the Table 5/6/overlap tables."""
-    run = _snakemake(finished_run, "--cores", "2", "all_paper")
-    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
+    assert planned_outputs(finished_run, "all_paper") == {}  # the finished run built it
     results = finished_run / "results"
     base = yaml.safe_load((results / "wf-dn" / "baseline" / "rank.json").read_text())
     assert base["model"]["d_k"] == 32 and 0 < base["summary"]["u"]["mean"] <= 1
@@ -174,10 +178,7 @@ def test_all_paper_adds_rank_analysis_and_tables(finished_run):
 
 def test_report_has_tables_and_figures(finished_run, tmp_path):
     """``--report`` after ``all_paper``: one self-contained HTML with the captioned tables and rank figures."""
-    if not (finished_run / "report").exists():  # the captions and the workflow description of the Snakefile
-        shutil.copytree(ROOT / "report", finished_run / "report")
-    run = _snakemake(finished_run, "--cores", "2", "all_paper")  # cheap when the test above already built it
-    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
+    assert (finished_run / "report").is_dir()  # the captions and the workflow description of the Snakefile
     figures = finished_run / "results" / "figures"
     assert {p.name for p in figures.glob("*.png")} == {"wf-dn_utilization_50.png", "wf-dn_spectrum_50.png"}
     page = (finished_run / "results" / "tables" / "rank_utilization.html").read_text()
@@ -268,12 +269,11 @@ def test_every_rule_that_runs_a_job_records_a_benchmark():
 
 
 def test_budget_cells_run_through_the_dag_and_rerun_alone(finished_run):
-    """Methods with @<budget> run allocate -> select_channels -> prune -> rft -> summarize in the finished run: the
+    """Methods with @<budget> ran allocate -> select_channels -> prune -> rft -> summarize in the finished run: the
     uniform budget's pruned checkpoint is the plain method's byte for byte, a sensitivity budget's widths reach the
     prune record and keep the summary's state bytes, and a budget's setting reruns only that budget's cells."""
-    targets = [f"results/wf-dn/{m}_50/eval.json" for m in ("drrqr@uniform", "drrqr@sens", "grad@energy")]
-    run = _snakemake(finished_run, *targets, "--cores", "2")
-    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
+    targets = list(BUDGET_TARGETS)
+    assert planned_outputs(finished_run, *targets) == {}
     res = finished_run / "results" / "wf-dn"
     for name in ("model.safetensors", "config.json"):
         plain = (res / "drrqr_50" / "pruned" / name).read_bytes()
