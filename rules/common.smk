@@ -191,30 +191,57 @@ def get_select_inputs(wildcards):
     return inputs
 
 
-@checked
-def get_allocate_inputs(wildcards):
-    """Rule allocate: the q/k weights (head sizes, layers), what the budget's policy reads (calibration activations
-    for spectrum; the selector's own inputs and code for greedy and sensitivity; the model for sensitivity)."""
+def _budget_spec(wildcards):
+    """The method token's parsed spec and its budget's settings (a method without @<budget> has none)."""
     srconfig.check_method(CFG, wildcards.method)
     spec = parse_method(wildcards.method)
     if spec.budget is None:
         raise WorkflowError(f"method {wildcards.method!r} has no @<budget>: it has no allocation")
-    srconfig.check_budget_cell(CFG, wildcards.model, wildcards.method, float(wildcards.pct))
-    from statereduce.budgets import policy_needs
+    return spec, srconfig.model_budget(CFG, spec.budget)
 
-    budget = srconfig.model_budget(CFG, spec.budget)
-    policy = budget.policy
+
+@checked
+def get_budget_values_inputs(wildcards):
+    """Rule budget_values (a measured policy: greedy or sensitivity): the q/k weights (head sizes, layers), the
+    selector's own inputs and code (both policies run it), for sensitivity the model."""
+    from statereduce.allocate import MEASURED
+    from statereduce.budgets import check_budget_selector, policy_needs
+
+    spec, budget = _budget_spec(wildcards)
+    if budget.policy not in MEASURED:
+        raise WorkflowError(f"method {wildcards.method!r}: budgets.{spec.budget} (policy {budget.policy}) has no "
+                            f"measured values; measured policies: {', '.join(MEASURED)}")
+    try:
+        check_budget_selector(budget, spec.selector)
+    except ValueError as e:
+        raise WorkflowError(f"method {wildcards.method!r} (budgets.{spec.budget}): {e}") from None
     needs = policy_needs(budget, spec.selector)
     inputs = {"weights": layout.path(layout.QK_WEIGHTS, model=wildcards.model)}
-    if policy in ("greedy", "sensitivity"):  # they run the selector
-        inputs["code"] = [here_relative(f) for f in selector_code_files(spec.selector)]
+    inputs["code"] = [here_relative(f) for f in selector_code_files(spec.selector)]  # both policies run the selector
     if needs & {"activations", "xnorm"}:
         inputs["activations"] = layout.path(layout.ACTIVATIONS, model=wildcards.model, calib=spec.calib)
     if "grad" in needs:
         inputs["grads"] = layout.path(layout.GRAD_SCORES, model=wildcards.model, calib=spec.calib)
-    if policy == "sensitivity":
+    if budget.policy == "sensitivity":
         inputs["base"] = get_base(wildcards)
         inputs["checkpoint"] = get_checkpoint_files(wildcards)
+    return inputs
+
+
+@checked
+def get_allocate_inputs(wildcards):
+    """Rule allocate: the q/k weights (head sizes, layers) and what the budget's policy reads: the calibration
+    activations for spectrum, the measured values (rule budget_values, one file for every pct) for greedy and
+    sensitivity."""
+    from statereduce.allocate import MEASURED
+
+    spec, budget = _budget_spec(wildcards)
+    srconfig.check_budget_cell(CFG, wildcards.model, wildcards.method, float(wildcards.pct))
+    inputs = {"weights": layout.path(layout.QK_WEIGHTS, model=wildcards.model)}
+    if budget.policy == "spectrum":
+        inputs["activations"] = layout.path(layout.ACTIVATIONS, model=wildcards.model, calib=spec.calib)
+    elif budget.policy in MEASURED:
+        inputs["values"] = layout.path(layout.BUDGET_VALUES, model=wildcards.model, method=wildcards.method)
     return inputs
 
 

@@ -82,8 +82,8 @@ def gpu_of(wildcards, rulename):
     return gpu_request(1 if MODELS[wildcards.model]["device"] == "cuda" else 0, rulename, wildcards)
 
 
-def allocate_gpu(wildcards, rulename):
-    """Rule allocate loads the model only for the sensitivity policy: one GPU then, for models on CUDA."""
+def budget_values_gpu(wildcards, rulename):
+    """Rule budget_values loads the model only for the sensitivity policy: one GPU then, for models on CUDA."""
     from statereduce.selectors import parse_method
 
     policy = srconfig.model_budget(CFG, parse_method(wildcards.method).budget).policy

@@ -1,3 +1,28 @@
+rule budget_values:
+    """Per-width values of a measured budget policy for a method with @<budget> (greedy: the share of the selector's
+    objective; sensitivity: the calibration loss of each single-layer cut), measured once for the allocation of every
+    pct (results/{model}/select/{method}.values.json)."""
+    input:
+        unpack(get_budget_values_inputs),
+    output:
+        layout.BUDGET_VALUES,
+    params:
+        info=model_info,
+        budget=get_budget,
+        selector=get_selector_options,
+    threads: model_threads
+    resources:
+        gpu=budget_values_gpu,
+    log:
+        "logs/budget_values/{model}/{method}.log",
+    benchmark:
+        "benchmarks/budget_values/{model}/{method}.tsv"
+    conda:
+        conda_env("fla")
+    script:
+        "../workflow_scripts/budget_values.py"
+
+
 rule allocate:
     """Per-layer key widths of a method with @<budget> (budgets.<name>): one d_k' per layer at the uniform cut's total,
     with the policy's values and statistics (results/{model}/select/{method}_{pct}.allocation.json)."""
@@ -10,8 +35,6 @@ rule allocate:
         budget=get_budget,
         selector=get_selector_options,
     threads: model_threads
-    resources:
-        gpu=allocate_gpu,
     log:
         "logs/allocate/{model}/{method}_{pct}.log",
     benchmark:

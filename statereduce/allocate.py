@@ -23,6 +23,10 @@ family's config can express). The policies (:mod:`statereduce.budgets` solves th
   measured on the model (:func:`sensitivity_losses`): ``layers x (candidates - 1)`` forwards over the calibration
   sequences. On the tiny models (4 layers, 7 widths, 16 x 256 tokens) 15-20 s on a CPU; a 24-layer 1.3B model with
   d_k 128 and multiples of 16 takes 24 x 7 = 168 forwards of the calibration set.
+
+The values of the two measured policies (:data:`MEASURED`) do not depend on the pct: rule ``budget_values`` measures
+them once per model, method and budget (``results/{model}/select/{method}.values.json``, :func:`budget_values`), and
+the allocation of every pct reads them (:func:`read_values`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from statereduce import __version__
 from statereduce.budgets import (
     ALLOCATION_FORMAT,
     Allocation,
+    allowed_widths,
     check_budget,
+    check_budget_selector,
     effective_rank,
     policy_needs,
     sensitivity_values,
@@ -49,6 +55,10 @@ from statereduce.selectors import HeadData, get_selector, head_rng, n_keep_for, 
 from statereduce.settings import BudgetSettings
 
 log = logging.getLogger(__name__)
+
+MEASURED = ("greedy", "sensitivity")
+"""The budget policies whose per-width values run the selector (and, for ``sensitivity``, the model)."""
+VALUES_FORMAT = 1
 
 
 def _sides(data: HeadData, variant: str) -> list[np.ndarray | None]:
@@ -153,10 +163,36 @@ def sensitivity_losses(model, blocks, layers: Iterable[tuple[int, list[HeadData]
     return base, out
 
 
+def measured_values(method: str, settings: BudgetSettings, widths: list[int], *, d_k: int, layers: list[int],
+                    layer_data, seed: int = 0, options: Mapping[str, Any] | None = None, model=None,
+                    blocks=None) -> tuple[list[dict[int, float]], dict[str, Any]]:
+    """A measured policy's (:data:`MEASURED`) per-layer ``{width: value}`` over ``widths``, in the order of
+    ``layers``, and its statistics; the arguments as for :func:`allocation_document`. Nothing here depends on the
+    pct."""
+    spec = parse_method(method)
+    options = dict(options or {})
+    if settings.policy == "greedy":
+        by_layer = greedy_layer_values(layer_data(), spec.selector, widths, variant=spec.variant, seed=seed,
+                                       options=options, normalize=settings.normalize)
+        values = [by_layer[i] for i in layers]
+        return values, {"value_at_full": [v[max(v)] for v in values], "normalize": settings.normalize}
+    if settings.policy != "sensitivity":
+        raise ValueError(f"budget policy {settings.policy!r} is not measured; measured: {', '.join(MEASURED)}")
+    if model is None or blocks is None:
+        raise ValueError("the sensitivity budget needs the model and calibration blocks")
+    batch = settings.batch_size or blocks.shape[0]
+    base, losses = sensitivity_losses(model, blocks, layer_data(), spec.selector, widths, variant=spec.variant,
+                                      seed=seed, options=options, batch_size=batch)
+    values = sensitivity_values([losses[i] for i in layers], d_k=d_k)
+    return values, {"base_loss": base, "losses": [[losses[i][w] for w in sorted(losses[i])] for i in layers],
+                    "n_samples": int(blocks.shape[0]), "seq_len": int(blocks.shape[1])}
+
+
 def allocation_document(method: str, pct: float, budget: str, settings: BudgetSettings, *, d_k: int, num_heads: int,
                         layers: list[int], layer_data, check_width=None, seed: int = 0,
                         options: Mapping[str, Any] | None = None, model=None, blocks=None,
-                        provenance: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                        provenance: Mapping[str, Any] | None = None,
+                        measured: tuple[list[dict[int, float]], dict[str, Any]] | None = None) -> dict[str, Any]:
     """The allocation artifact of ``method`` (with ``@budget``) at ``pct``: widths, values, statistics, provenance.
 
     Args:
@@ -170,6 +206,8 @@ def allocation_document(method: str, pct: float, budget: str, settings: BudgetSe
         seed, options: the selector's seed and options (as for its selection).
         model, blocks: the loaded model and calibration token blocks [N, T] (``sensitivity`` only).
         provenance: model, family, base checkpoint for the document.
+        measured: a measured policy's values and statistics (:func:`measured_values`, :func:`read_values`) when
+            they were measured before; None: measured here.
     """
     spec = parse_method(method)
     n_keep = n_keep_for(d_k, pct)
@@ -187,22 +225,15 @@ def allocation_document(method: str, pct: float, budget: str, settings: BudgetSe
         stats = {"eigenvalues": [eigs[i].tolist() for i in layers],
                  "effective_rank": [effective_rank(eigs[i]) for i in layers],
                  "energy_at_uniform": [float(np.cumsum(eigs[i])[n_keep - 1] / eigs[i].sum()) for i in layers]}
-    elif settings.policy == "greedy":
-        by_layer = greedy_layer_values(layer_data(), spec.selector, widths, variant=spec.variant, seed=seed,
-                                       options=options, normalize=settings.normalize)
-        values = [by_layer[i] for i in layers]
-        alloc = Allocation.solve(values, total, "greedy")
-        stats = {"value_at_full": [v[max(v)] for v in values], "normalize": settings.normalize}
-    else:  # sensitivity
-        if model is None or blocks is None:
-            raise ValueError("the sensitivity budget needs the model and calibration blocks")
-        batch = settings.batch_size or blocks.shape[0]
-        base, losses = sensitivity_losses(model, blocks, layer_data(), spec.selector, widths, variant=spec.variant,
-                                          seed=seed, options=options, batch_size=batch)
-        values = sensitivity_values([losses[i] for i in layers], d_k=d_k)
-        alloc = Allocation.solve(values, total, "sensitivity")
-        stats = {"base_loss": base, "losses": [[losses[i][w] for w in sorted(losses[i])] for i in layers],
-                 "n_samples": int(blocks.shape[0]), "seq_len": int(blocks.shape[1])}
+    else:  # greedy, sensitivity
+        if measured is None:
+            measured = measured_values(method, settings, widths, d_k=d_k, layers=layers, layer_data=layer_data,
+                                       seed=seed, options=options, model=model, blocks=blocks)
+        values, stats = measured
+        if len(values) != n_layers or any(set(v) != set(widths) for v in values):
+            raise ValueError(f"the measured values are of widths {[sorted(v) for v in values]} in {len(values)} "
+                             f"layers; the budget allows {widths} in {n_layers}")
+        alloc = Allocation.solve(values, total, settings.policy)
     if sum(alloc.widths) != total:  # pragma: no cover - allocate meets the total exactly
         raise RuntimeError(f"allocation {alloc.widths} misses the total {total}")
     return {
@@ -228,29 +259,14 @@ def allocation_document(method: str, pct: float, budget: str, settings: BudgetSe
     }
 
 
-def allocate_budget(weights: str | Path, method: str, pct: float, budget: str, settings: BudgetSettings | Mapping,
-                    *, activations: str | Path | None = None, grads: str | Path | None = None,
-                    base: str | Path | None = None, calibration: Mapping[str, Any] | None = None,
-                    corpus: Mapping[str, Any] | None = None, head_v_dim: int | None = None, seed: int = 0,
-                    options: Mapping[str, Any] | None = None,
-                    expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Rule ``allocate``: the allocation artifact of ``method`` (ending in ``@budget``) at ``pct``.
-
-    Args:
-        weights: the model's ``qk.h5`` (head sizes, pruned layers; the weights where the selector reads them).
-        method, pct: the method token and percent of key channels removed.
-        budget, settings: the budget id and its settings (``budgets.<budget>``).
-        activations, grads: the calibration artifacts the policy and the selector read.
-        base: the base checkpoint folder (sensitivity: the model whose loss is measured).
-        calibration, corpus: the calibration settings and corpus spec of the sensitivity loss's sequences.
-        head_v_dim: d_v, to leave out widths the family's config cannot express (None: not checked here).
-        seed, options: the selector's seed and options.
-        expect: the job's ``params.info`` (model, family, dtype, device): every input must have been written for it.
-    """
+def _budget_inputs(weights: str | Path, method: str, settings: BudgetSettings, *, activations, grads, base,
+                   calibration, corpus, head_v_dim, expect, load: bool) -> dict[str, Any]:
+    """What rules allocate and budget_values read: head sizes, layers, the per-layer data callable, the width check,
+    the provenance, the settings as recorded (``sensitivity``: with its batch size), and with ``load`` the model and
+    calibration blocks of the sensitivity loss."""
     from statereduce.families import family_spec
     from statereduce.h5files import H5Artifact, layer_head_data
 
-    settings = BudgetSettings.coerce(settings)
     spec = parse_method(method)
     wattrs = H5Artifact(weights).expect(expect)
     d_k, h, family = int(wattrs["head_k_dim"]), int(wattrs["num_heads"]), wattrs.get("family")
@@ -270,21 +286,129 @@ def allocate_budget(weights: str | Path, method: str, pct: float, budget: str, s
         check_width = lambda w: family_spec(family).check_reduction(d_k, int(head_v_dim), w)  # noqa: E731
     model = blocks = None
     if settings.policy == "sensitivity":
-        from statereduce.data import load_split, token_blocks
-        from statereduce.models import load_model
         from statereduce.settings import CalibrationSettings
 
-        if base is None or calibration is None or corpus is None:
+        if calibration is None or (load and (base is None or corpus is None)):
             raise ValueError("the sensitivity budget needs the base checkpoint, its calibration and corpus")
         cal = CalibrationSettings.from_dict(calibration)
-        info = dict(expect or {})
-        model, tokenizer = load_model(base, dtype=info.get("dtype"), device=info.get("device", "cpu"))
         n_samples, batch = settings.sizes(cal)
-        blocks = token_blocks(tokenizer, load_split(dict(corpus), cal.split), cal.n_samples, cal.seq_len, cal.seed)
-        blocks = blocks[:n_samples]
+        if load:
+            from statereduce.data import load_split, token_blocks
+            from statereduce.models import load_model
+
+            info = dict(expect or {})
+            model, tokenizer = load_model(base, dtype=info.get("dtype"), device=info.get("device", "cpu"))
+            blocks = token_blocks(tokenizer, load_split(dict(corpus), cal.split), cal.n_samples, cal.seq_len, cal.seed)
+            blocks = blocks[:n_samples]
         settings = settings.replace(batch_size=batch)
     provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": family,
                   "base_checkpoint": json.loads(wattrs["base_checkpoint"]) if wattrs.get("base_checkpoint") else None}
-    return allocation_document(method, pct, budget, settings, d_k=d_k, num_heads=h, layers=layers,
-                               layer_data=layer_data, check_width=check_width, seed=seed, options=options,
-                               model=model, blocks=blocks, provenance=provenance)
+    return {"d_k": d_k, "num_heads": h, "layers": layers, "layer_data": layer_data, "check_width": check_width,
+            "settings": settings, "model": model, "blocks": blocks, "provenance": provenance}
+
+
+def budget_values(weights: str | Path, method: str, budget: str, settings: BudgetSettings | Mapping, *,
+                  activations: str | Path | None = None, grads: str | Path | None = None,
+                  base: str | Path | None = None, calibration: Mapping[str, Any] | None = None,
+                  corpus: Mapping[str, Any] | None = None, head_v_dim: int | None = None, seed: int = 0,
+                  options: Mapping[str, Any] | None = None, expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Rule ``budget_values``: the per-width values of a measured policy (:data:`MEASURED`) for ``method`` (ending in
+    ``@budget``), for the allocation of every pct (``results/{model}/select/{method}.values.json``): each layer's
+    allowed widths and their values, the policy's statistics, the settings and the provenance. The arguments are
+    those of :func:`allocate_budget`, without the pct."""
+    settings = BudgetSettings.coerce(settings)
+    spec = parse_method(method)
+    if settings.policy not in MEASURED:
+        raise ValueError(f"budgets.{budget}: policy {settings.policy!r} has no measured values; measured: "
+                         f"{', '.join(MEASURED)}")
+    check_budget_selector(settings, spec.selector)
+    got = _budget_inputs(weights, method, settings, activations=activations, grads=grads, base=base,
+                         calibration=calibration, corpus=corpus, head_v_dim=head_v_dim, expect=expect, load=True)
+    d_k, layers, settings = got["d_k"], got["layers"], got["settings"]
+    widths = allowed_widths(d_k, settings, got["check_width"])
+    if not widths:
+        raise ValueError(f"budget floor={settings.floor}, multiple={settings.multiple} leave no width the model can "
+                         f"keep at d_k={d_k}")
+    values, stats = measured_values(method, settings, widths, d_k=d_k, layers=layers, layer_data=got["layer_data"],
+                                    seed=seed, options=options, model=got["model"], blocks=got["blocks"])
+    return {
+        "format": VALUES_FORMAT,
+        **{k: v for k, v in got["provenance"].items() if v is not None},
+        "method": method,
+        "selector": spec.selector,
+        "variant": spec.variant,
+        "calibration": spec.calib,
+        "budget": budget,
+        "settings": settings.to_dict(),
+        "d_k": d_k,
+        "num_heads": got["num_heads"],
+        "layers": layers,
+        "widths": widths,
+        "values": [{str(w): v for w, v in layer.items()} for layer in values],
+        "statistics": stats,
+        "seed": seed,
+        "options": dict(options or {}),
+        "package_version": __version__,
+    }
+
+
+def read_values(path: str | Path, expect: Mapping[str, Any] | None = None) -> tuple[list[dict[int, float]],
+                                                                                     dict[str, Any]]:
+    """The per-layer ``{width: value}`` and statistics of a budget values file (:func:`budget_values`), checked
+    against ``expect`` (the reading job's model, family, method, settings, d_k, layers, seed and options).
+
+    Raises:
+        ArtifactError: one line naming the file and the rule that rebuilds it.
+    """
+    from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
+
+    if not Path(path).exists():
+        raise missing(path)
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise unreadable(path, "budget values", err) from None
+    if not isinstance(doc, dict) or doc.get("format") != VALUES_FORMAT or "values" not in doc:
+        raise ArtifactError(f"{path} is not a budget values file (format {VALUES_FORMAT}); {remedy(path)}")
+    expect = dict(expect or {})
+    check_provenance(path, doc, expect)
+    for key in ("settings", "d_k", "layers", "seed", "options"):
+        if key in expect and doc.get(key) != expect[key]:
+            raise ArtifactError(f"{path} was measured with {key}={doc.get(key)!r}; this job has {expect[key]!r}; "
+                                f"{remedy(path)}")
+    return [{int(w): v for w, v in layer.items()} for layer in doc["values"]], doc["statistics"]
+
+
+def allocate_budget(weights: str | Path, method: str, pct: float, budget: str, settings: BudgetSettings | Mapping,
+                    *, activations: str | Path | None = None, grads: str | Path | None = None,
+                    base: str | Path | None = None, calibration: Mapping[str, Any] | None = None,
+                    corpus: Mapping[str, Any] | None = None, head_v_dim: int | None = None, seed: int = 0,
+                    options: Mapping[str, Any] | None = None, values: str | Path | None = None,
+                    expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Rule ``allocate``: the allocation artifact of ``method`` (ending in ``@budget``) at ``pct``.
+
+    Args:
+        weights: the model's ``qk.h5`` (head sizes, pruned layers; the weights where the selector reads them).
+        method, pct: the method token and percent of key channels removed.
+        budget, settings: the budget id and its settings (``budgets.<budget>``).
+        activations, grads: the calibration artifacts the policy and the selector read.
+        base: the base checkpoint folder (sensitivity: the model whose loss is measured).
+        calibration, corpus: the calibration settings and corpus spec of the sensitivity loss's sequences.
+        head_v_dim: d_v, to leave out widths the family's config cannot express (None: not checked here).
+        seed, options: the selector's seed and options.
+        values: a measured policy's values file (:func:`budget_values`, the workflow's); None: measured here.
+        expect: the job's ``params.info`` (model, family, dtype, device): every input must have been written for it.
+    """
+    settings = BudgetSettings.coerce(settings)
+    got = _budget_inputs(weights, method, settings, activations=activations, grads=grads, base=base,
+                         calibration=calibration, corpus=corpus, head_v_dim=head_v_dim, expect=expect,
+                         load=values is None)
+    settings, measured = got["settings"], None
+    if values is not None and settings.policy in MEASURED:
+        measured = read_values(values, {**(expect or {}), "method": method, "settings": settings.to_dict(),
+                                        "d_k": got["d_k"], "layers": got["layers"], "seed": seed,
+                                        "options": dict(options or {})})
+    return allocation_document(method, pct, budget, settings, d_k=got["d_k"], num_heads=got["num_heads"],
+                               layers=got["layers"], layer_data=got["layer_data"], check_width=got["check_width"],
+                               seed=seed, options=options, model=got["model"], blocks=got["blocks"],
+                               provenance=got["provenance"], measured=measured)

@@ -468,6 +468,8 @@ def check_target(config: dict, target: str) -> None:
                 f"{found.stage!r} is neither <method>_<pct> (e.g. drrqr_75) nor one of {', '.join(layout.FOLDERS)}"
             )
         check_method(config, found.method)
+        if found.pct is None:  # a budget values file: rule budget_values checks its budget when it plans it
+            return
         if not layout.is_pct(found.pct):
             pct = layout.canonical_pct(found.pct)
             if pct is None:

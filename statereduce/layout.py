@@ -13,6 +13,7 @@ input use it, so that the layout is written down here only.
     results/{model}/calib/{calib}/        activations.h5, grad_scores.h5
     results/{model}/select/{method}_{pct}.parquet
     results/{model}/select/{method}_{pct}.allocation.json   per-layer key widths of a method with @<budget>
+    results/{model}/select/{method}.values.json    a measured budget's per-width values (every pct's allocation)
     results/{model}/baseline/             eval.json, rank.json, speed.json of the unpruned model
     results/{model}/{method}_{pct}/       pruned/, rft/, eval.json (the summary), rank.json, speed.json
     results/tables/, results/figures/     across models
@@ -36,6 +37,7 @@ ACTIVATIONS = f"{CALIB}/activations.h5"
 GRAD_SCORES = f"{CALIB}/grad_scores.h5"
 SELECTION = f"{MODEL}/select/{{method}}_{{pct}}.parquet"
 ALLOCATION = f"{MODEL}/select/{{method}}_{{pct}}.allocation.json"
+BUDGET_VALUES = f"{MODEL}/select/{{method}}.values.json"
 BASELINE = f"{MODEL}/baseline"
 BASELINE_EVAL = f"{BASELINE}/eval.json"
 BASELINE_RANK = f"{BASELINE}/rank.json"
@@ -84,7 +86,7 @@ def figure(name: str) -> str:
 class ResultPath:
     """The parts of a path under ``results/{model}/``: ``folder`` is one of :data:`FOLDERS` or a stage
     ``<method>_<pct>``; ``stage`` is that stage, or a selection file's, split into ``method`` and ``pct`` (as written;
-    ``None`` where the path has none); ``calib`` the calibration id of a ``calib/`` path; ``rest`` what follows."""
+    ``None`` where the path has none: a budget values file has a method and no pct); ``calib`` the calibration id of a ``calib/`` path; ``rest`` what follows."""
 
     model: str
     folder: str
@@ -108,6 +110,9 @@ def parse(target: str) -> ResultPath | None:
     calib = rest[0] if folder == "calib" and rest else None
     if folder in FOLDERS and not (folder == "select" and rest):
         return ResultPath(model, folder, rest, calib=calib)
+    if folder == "select" and rest[0].endswith(".values.json"):  # one per method with @<budget>, every pct's
+        method = rest[0].removesuffix(".values.json")
+        return ResultPath(model, folder, rest, stage=method, method=method)
     stage = rest[0].removesuffix(".parquet").removesuffix(".allocation.json") if folder == "select" else folder
     method, sep, pct = stage.rpartition("_")
     if not sep:

@@ -250,6 +250,58 @@ def test_an_allocation_for_another_cell_is_refused(tmp_path):
         read_allocation(path)
 
 
+MEASURED_CASES = [("grad@g", {"policy": "greedy"}),
+                  ("drrqr@s", {"policy": "sensitivity", "floor": 8, "multiple": 8, "n_samples": 2})]
+
+
+@pytest.mark.parametrize("method,settings", MEASURED_CASES, ids=[m for m, _ in MEASURED_CASES])
+def test_measured_values_made_once_give_every_pcts_allocation(method, settings, tmp_path):
+    """Rule budget_values measures a greedy or sensitivity budget's values once; rule allocate reads them at every pct
+    and writes the allocation it writes when it measures them itself, byte for byte; values of other settings are
+    refused in one line."""
+    from _workflow_run import save_checkpoint
+
+    from statereduce.allocate import allocate_budget, budget_values
+    from statereduce.models import load_model
+
+    save_checkpoint(tmp_path / "base", seed=0)
+    model = load_model(tmp_path / "base")[0]
+    blocks = tiny_inputs(batch=4, length=24) % 256
+    export_qk_weights(model, tmp_path / "qk.h5")
+    capture_activations(model, blocks, tmp_path / "activations.h5", **CALIB)
+    grad_scores(model, blocks, tmp_path / "grad_scores.h5", batch_size=2)
+    files = {"activations": tmp_path / "activations.h5", "grads": tmp_path / "grad_scores.h5"}
+    cal = {"corpus": "embedded", "n_samples": 2, "seq_len": 32, "seed": 0, "batch_size": 2}
+    corpus = {"source": "embedded", "max_bytes": 600_000}
+    values = tmp_path / f"{method}.values.json"
+    write_json(values, budget_values(tmp_path / "qk.h5", method, "b", settings, **files, base=tmp_path / "base",
+                                     calibration=cal, corpus=corpus))
+    for pct in (50, 75):
+        measured_here = allocate_budget(tmp_path / "qk.h5", method, pct, "b", settings, **files,
+                                        base=tmp_path / "base", calibration=cal, corpus=corpus)
+        read = allocate_budget(tmp_path / "qk.h5", method, pct, "b", settings, values=values, calibration=cal)
+        assert json.dumps(read) == json.dumps(measured_here), pct
+    other = {**settings, "floor": 16}
+    with pytest.raises(ValueError, match=r"^\S+values\.json was measured with settings=\{.*\}; this job has \{.*"
+                                         r"'floor': 16.*delete it and rerun \(rule budget_values rebuilds it\)$"):
+        allocate_budget(tmp_path / "qk.h5", method, 50, "b", other, values=values, calibration=cal)
+
+
+def test_a_values_file_is_a_target_of_its_own(tmp_path):
+    """``results/{model}/select/{method}.values.json`` plans rule budget_values (what it reads, nothing after it); for
+    a budget whose values are not measured (spectrum) the dry run stops in one line naming the measured policies."""
+    from _snakemake import job_counts, snakemake
+
+    out = snakemake(tmp_path, "results/tiny-dn/select/drrqr@sens.values.json", "-n")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert job_counts(out.stdout) == {"pretrain": 1, "qk_weights": 1, "calibrate": 1, "budget_values": 1}
+    out = snakemake(tmp_path, "results/tiny-dn/select/drrqr@energy.values.json", "-n")
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert ("method 'drrqr@energy': budgets.energy (policy spectrum) has no measured values; measured policies: "
+            "greedy, sensitivity") in text, text[-3000:]
+
+
 def _summary(model, method, pct, pre, post, acc):
     level = {"acc": acc, "acc_stderr": 0.05}
     stage = lambda bpb: {"heldout": {"bits_per_byte": bpb}, "recall_mqar_4": level, "recall_mqar_8": level}  # noqa

@@ -47,6 +47,8 @@ def test_path_fills_the_given_wildcards_and_leaves_the_others():
      {"folder": "calib", "stage": None, "method": None, "calib": "seed1", "rest": ("seed1", "grad_scores.h5")}),
     (layout.ALLOCATION, {"model": "m", "method": "drrqr@sens", "pct": 75},
      {"folder": "select", "stage": "drrqr@sens_75", "method": "drrqr@sens", "pct": "75", "calib": None}),
+    (layout.BUDGET_VALUES, {"model": "m", "method": "drrqr-k.prose@sens"},
+     {"folder": "select", "stage": "drrqr-k.prose@sens", "method": "drrqr-k.prose@sens", "pct": None, "calib": None}),
     (layout.BASELINE_EVAL, {"model": "m"}, {"folder": "baseline", "stage": None, "rest": ("eval.json",)}),
     (f"{layout.BASE}/config.json", {"model": "m"}, {"folder": "base", "stage": None}),
 ])

@@ -79,6 +79,7 @@ def test_editing_drrqr_code_reruns_only_drrqr(finished_run):
     try:
         code.write_text(original + "\n# edited\n")
         jobs = planned_outputs(finished_run)
+        budget_jobs = planned_outputs(finished_run, *BUDGET_TARGETS)
     finally:
         code.write_text(original)
         os.utime(code, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the file as it was: a clean state for the next test
@@ -86,6 +87,9 @@ def test_editing_drrqr_code_reruns_only_drrqr(finished_run):
     per_method = [p for r, ps in jobs.items() if r != "comparison_table" for p in ps]
     assert per_method and all("drrqr_50" in p for p in per_method), per_method
     assert not any(r in jobs for r in ("pretrain", "calibrate", "grad_scores", "eval_baseline"))
+    # the sensitivity budget's values run the selector; the uniform budget's selection too; grad@energy neither
+    assert budget_jobs["budget_values"] == ["results/wf-dn/select/drrqr@sens.values.json"], budget_jobs
+    assert not any("grad@" in p for ps in budget_jobs.values() for p in ps), budget_jobs
 
 
 def test_grad_setting_touches_only_grad_jobs(finished_run):
@@ -231,6 +235,10 @@ def test_all_paper_plans_study_tables(tmp_path):
     assert summaries == targets | cells | budget_cells  # every target and every study cell, each once
     assert set(jobs["allocate"]) == {p.replace(f"/{p.split('/')[2]}/eval.json", "/select/") + p.split("/")[2]
                                      + ".allocation.json" for p in budget_cells if "@" in p}
+    measured = [b for b in bud["budgets"] if cfg["budgets"][b]["policy"] in ("greedy", "sensitivity")]
+    assert measured == ["greedy", "sens"]  # measured once for both pcts; the spectrum budgets in allocate itself
+    assert set(jobs["budget_values"]) == {f"results/{m}/select/{s}@{b}.values.json" for m in bud["models"]
+                                          for s in bud["selectors"] for b in measured}
     assert set(jobs["budget_study"]) == {"results/tables/budget_study.md", "results/tables/budget_study.csv",
                                          "results/tables/budget_study.html", "results/figures/budget_allocations.png"}
     calibrations = {p.split("/")[3] for p in jobs["calibrate"]}
@@ -269,9 +277,10 @@ def test_every_rule_that_runs_a_job_records_a_benchmark():
 
 
 def test_budget_cells_run_through_the_dag_and_rerun_alone(finished_run):
-    """Methods with @<budget> ran allocate -> select_channels -> prune -> rft -> summarize in the finished run: the
-    uniform budget's pruned checkpoint is the plain method's byte for byte, a sensitivity budget's widths reach the
-    prune record and keep the summary's state bytes, and a budget's setting reruns only that budget's cells."""
+    """Methods with @<budget> ran (budget_values ->) allocate -> select_channels -> prune -> rft -> summarize in the
+    finished run: the uniform budget's pruned checkpoint is the plain method's byte for byte, a sensitivity budget's
+    widths reach the prune record and keep the summary's state bytes, and a budget's setting reruns only that
+    budget's cells (and its values)."""
     targets = list(BUDGET_TARGETS)
     assert planned_outputs(finished_run, *targets) == {}
     res = finished_run / "results" / "wf-dn"
@@ -296,8 +305,9 @@ def test_budget_cells_run_through_the_dag_and_rerun_alone(finished_run):
         cfg_path.write_text(original)
     assert out.returncode == 0, out.stderr[-3000:]
     jobs = job_outputs(out.stdout + out.stderr)
-    assert set(jobs) == {"allocate", "select_channels", "prune", "rft", "summarize"}, jobs
-    assert all("drrqr@sens_50" in p for ps in jobs.values() for p in ps), jobs
+    assert set(jobs) == {"budget_values", "allocate", "select_channels", "prune", "rft", "summarize"}, jobs
+    assert jobs["budget_values"] == ["results/wf-dn/select/drrqr@sens.values.json"]
+    assert all("drrqr@sens_50" in p for rule, ps in jobs.items() if rule != "budget_values" for p in ps), jobs
 
 
 def test_prune_norm_eps_reruns_pruning_and_what_reads_it(finished_run):
