@@ -295,6 +295,12 @@ def test_a_values_file_is_a_target_of_its_own(tmp_path):
     out = snakemake(tmp_path, "results/tiny-dn/select/drrqr@sens.values.json", "-n")
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert job_counts(out.stdout) == {"pretrain": 1, "qk_weights": 1, "calibrate": 1, "budget_values": 1}
+    job = out.stdout[out.stdout.index("rule budget_values:"):]
+    inputs = [p.strip() for p in job.split("input: ", 1)[1].split("\n", 1)[0].split(",")]
+    assert [p for p in inputs if p.endswith((".py", ".h5", ".json"))] == [  # the selector's code: editing it reruns
+        "results/tiny-dn/weights/qk.h5", str(ROOT / "statereduce/selectors/drrqr.py"),
+        str(ROOT / "statereduce/selectors/rrqr.py"), "results/tiny-dn/calib/default/activations.h5",
+        "results/tiny-dn/base/pretrain.json"]
     out = snakemake(tmp_path, "results/tiny-dn/select/drrqr@energy.values.json", "-n")
     text = out.stdout + out.stderr
     assert out.returncode != 0
