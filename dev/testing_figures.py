@@ -5,9 +5,10 @@
     python dev/testing_figures.py write                       # put it into docs/testing.md between its markers
     python dev/testing_figures.py check                       # exit 1 if docs/testing.md's block differs
 
-The documents in docs/results/tests/ come from `dev/coverage_run.py` (`coverage_<when>_<tier>.json`),
+The documents in docs/results/tests/ come from `dev/coverage_run.py` (`coverage_<when>_<tier>.json`; `<tier>_copies`
+with its `--copies`),
 `dev/planted_faults.py` (`faults_<when>.json`) and `time` above (`timings.json`); `<when>` is `before` or `after`
-(the two checkouts docs/testing.md names), `<tier>` `default` or `all`.
+(the checkouts docs/testing.md names), `<tier>` `default` or `all`.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def _minutes(seconds: float) -> str:
 def render() -> str:
     lines = ["| coverage of `statereduce/` and `workflow_scripts/` | lines | branches |", "| --- | --- | --- |"]
     for when in ("before", "after"):
-        for tier, name in (("default", "default tier"), ("all", "all tiers")):
+        for tier, name in (("default", "default tier"), ("all", "all tiers"),
+                           ("all_copies", "all tiers, workflow copies counted (`--copies`)")):
             path = RESULTS / f"coverage_{when}_{tier}.json"
             if not path.exists():
                 continue
