@@ -188,6 +188,16 @@ def measured_values(method: str, settings: BudgetSettings, widths: list[int], *,
                     "n_samples": int(blocks.shape[0]), "seq_len": int(blocks.shape[1])}
 
 
+def _header(fmt: int, provenance: Mapping[str, Any] | None, method: str, budget: str,
+            settings: BudgetSettings) -> dict[str, Any]:
+    """The first entries of an allocation or budget values document: format, provenance, the method token's parts,
+    the budget and its settings."""
+    spec = parse_method(method)
+    return {"format": fmt, **{k: v for k, v in (provenance or {}).items() if v is not None}, "method": method,
+            "selector": spec.selector, "variant": spec.variant, "calibration": spec.calib, "budget": budget,
+            "settings": settings.to_dict()}
+
+
 def allocation_document(method: str, pct: float, budget: str, settings: BudgetSettings, *, d_k: int, num_heads: int,
                         layers: list[int], layer_data, check_width=None, seed: int = 0,
                         options: Mapping[str, Any] | None = None, model=None, blocks=None,
@@ -237,14 +247,7 @@ def allocation_document(method: str, pct: float, budget: str, settings: BudgetSe
     if sum(alloc.widths) != total:  # pragma: no cover - allocate meets the total exactly
         raise RuntimeError(f"allocation {alloc.widths} misses the total {total}")
     return {
-        "format": ALLOCATION_FORMAT,
-        **{k: v for k, v in (provenance or {}).items() if v is not None},
-        "method": method,
-        "selector": spec.selector,
-        "variant": spec.variant,
-        "calibration": spec.calib,
-        "budget": budget,
-        "settings": settings.to_dict(),
+        **_header(ALLOCATION_FORMAT, provenance, method, budget, settings),
         "pct": pct,
         "d_k": d_k,
         "num_heads": num_heads,
@@ -325,21 +328,11 @@ def budget_values(weights: str | Path, method: str, budget: str, settings: Budge
     got = _budget_inputs(weights, method, settings, activations=activations, grads=grads, base=base,
                          calibration=calibration, corpus=corpus, head_v_dim=head_v_dim, expect=expect, load=True)
     d_k, layers, settings = got["d_k"], got["layers"], got["settings"]
-    widths = allowed_widths(d_k, settings, got["check_width"])
-    if not widths:
-        raise ValueError(f"budget floor={settings.floor}, multiple={settings.multiple} leave no width the model can "
-                         f"keep at d_k={d_k}")
+    widths = allowed_widths(d_k, settings, got["check_width"], nonempty=True)
     values, stats = measured_values(method, settings, widths, d_k=d_k, layers=layers, layer_data=got["layer_data"],
                                     seed=seed, options=options, model=got["model"], blocks=got["blocks"])
     return {
-        "format": VALUES_FORMAT,
-        **{k: v for k, v in got["provenance"].items() if v is not None},
-        "method": method,
-        "selector": spec.selector,
-        "variant": spec.variant,
-        "calibration": spec.calib,
-        "budget": budget,
-        "settings": settings.to_dict(),
+        **_header(VALUES_FORMAT, got["provenance"], method, budget, settings),
         "d_k": d_k,
         "num_heads": got["num_heads"],
         "layers": layers,
@@ -360,18 +353,10 @@ def read_values(path: str | Path, expect: Mapping[str, Any] | None = None) -> tu
     Raises:
         ArtifactError: one line naming the file and the rule that rebuilds it.
     """
-    from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
+    from statereduce.artifacts import ArtifactError, read_json_artifact, remedy
 
-    if not Path(path).exists():
-        raise missing(path)
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise unreadable(path, "budget values", err) from None
-    if not isinstance(doc, dict) or doc.get("format") != VALUES_FORMAT or "values" not in doc:
-        raise ArtifactError(f"{path} is not a budget values file (format {VALUES_FORMAT}); {remedy(path)}")
     expect = dict(expect or {})
-    check_provenance(path, doc, expect)
+    doc = read_json_artifact(path, "budget values", VALUES_FORMAT, "values", expect)
     for key in ("settings", "d_k", "layers", "seed", "options"):
         if key in expect and doc.get(key) != expect[key]:
             raise ArtifactError(f"{path} was measured with {key}={doc.get(key)!r}; this job has {expect[key]!r}; "

@@ -118,6 +118,27 @@ PRUNE_RECORD = "prune_record.json"
 """The record a pruned (or RFT) checkpoint folder holds (:mod:`statereduce.prune`)."""
 
 
+def read_json_artifact(path: str | os.PathLike, kind: str, fmt: int, key: str,
+                       expected: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A JSON artifact of ``kind`` (``allocation``, ``budget values``): read, of format ``fmt`` with a ``key`` entry,
+    and written for the job that reads it (:func:`check_provenance`).
+
+    Raises:
+        FileNotFoundError, ArtifactError: one line naming the file and the rule that rebuilds it.
+    """
+    if not Path(path).exists():
+        raise missing(path)
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise unreadable(path, kind, err) from None
+    if not isinstance(doc, dict) or doc.get("format") != fmt or key not in doc:
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise ArtifactError(f"{path} is not {article} {kind} file (format {fmt}); {remedy(path)}")
+    check_provenance(path, doc, expected)
+    return doc
+
+
 def check_prune_record(checkpoint: str | os.PathLike, expected: Mapping[str, Any]) -> dict[str, Any]:
     """The ``prune_record.json`` of a pruned (or RFT) checkpoint as a dict, checked against a job's expectations.
 

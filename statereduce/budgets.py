@@ -24,7 +24,6 @@ NumPy only: no torch, no snakemake (selection jobs use it).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -560,23 +559,26 @@ class Allocation:
 ALLOCATION_FORMAT = 1
 
 
-def allowed_widths(d_k: int, settings: BudgetSettings, check_width=None) -> list[int]:
+def allowed_widths(d_k: int, settings: BudgetSettings, check_width=None, *, nonempty: bool = False) -> list[int]:
     """The widths a layer may keep under ``settings`` (floor, multiple, full d_k), less those ``check_width`` refuses
-    (a callable raising ValueError for a width the family's config cannot express)."""
+    (a callable raising ValueError for a width the family's config cannot express); with ``nonempty`` a one-line
+    ValueError where none is left."""
     if settings.floor > d_k:
         raise ValueError(f"budget floor={settings.floor} exceeds d_k={d_k}; valid: a floor in [1, {d_k}]")
     widths = candidate_widths(d_k, settings.floor, settings.multiple)
     if settings.powers_of_two:
         widths = [w for w in widths if w == d_k or w & (w - 1) == 0]
-    if check_width is None:
-        return widths
     ok = []
     for w in widths:
         try:
-            check_width(w)
+            if check_width is not None:
+                check_width(w)
         except ValueError:
             continue
         ok.append(w)
+    if nonempty and not ok:
+        raise ValueError(f"budget floor={settings.floor}, multiple={settings.multiple} leave no width the model can "
+                         f"keep at d_k={d_k}")
     return ok
 
 
@@ -613,10 +615,7 @@ def check_budget(settings: BudgetSettings, selector: str, *, d_k: int, n_layers:
     n_keep = n_keep_for(d_k, pct)
     if settings.policy == "uniform":
         return [n_keep]
-    widths = allowed_widths(d_k, settings, check_width)
-    if not widths:
-        raise ValueError(f"budget floor={settings.floor}, multiple={settings.multiple} leave no width the model can "
-                         f"keep at d_k={d_k}")
+    widths = allowed_widths(d_k, settings, check_width, nonempty=True)
     try:
         allocate([{w: 0.0 for w in widths}] * n_layers, n_keep * n_layers)
     except ValueError as e:
@@ -632,17 +631,9 @@ def read_allocation(path: str | Path, expect: Mapping[str, Any] | None = None) -
     Raises:
         ArtifactError: one line naming the file and the rule that rebuilds it.
     """
-    from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
+    from statereduce.artifacts import ArtifactError, read_json_artifact, remedy
 
-    if not Path(path).exists():
-        raise missing(path)
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise unreadable(path, "allocation", err) from None
-    if not isinstance(doc, dict) or doc.get("format") != ALLOCATION_FORMAT or "key_dims" not in doc:
-        raise ArtifactError(f"{path} is not an allocation file (format {ALLOCATION_FORMAT}); {remedy(path)}")
-    check_provenance(path, doc, expect)
+    doc = read_json_artifact(path, "allocation", ALLOCATION_FORMAT, "key_dims", expect)
     widths = {int(k): int(v) for k, v in doc["key_dims"].items()}
     if sum(widths.values()) != doc["uniform_width"] * len(widths):
         raise ArtifactError(f"{path}: widths {widths} do not add up to the uniform total "
