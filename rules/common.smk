@@ -246,17 +246,11 @@ def get_allocate_inputs(wildcards):
 
 
 def get_budget(wildcards):
-    """The budget of the method token (``budgets.<name>``) and, for the sensitivity policy, the calibration that
-    gives its loss's sequences (the model's calibration of the token's ``.<calib>``) and that corpus's spec."""
-    spec = parse_method(wildcards.method)
-    budget = srconfig.model_budget(CFG, spec.budget)
-    dims = srconfig.model_dims(CFG, wildcards.model) or {}
-    out = {"name": spec.budget, "settings": budget.to_dict(), "head_v_dim": dims.get("head_v_dim")}
-    if budget.policy == "sensitivity":
-        cal = srconfig.model_calibration(CFG, wildcards.model, spec.calib)
-        out["calibration"] = cal.to_dict()
-        out["corpus"] = get_corpus_spec(cal.corpus)
-    return out
+    """The method token's budget plan (config.model_budget_plan), with the sensitivity calibration's corpus spec."""
+    plan = srconfig.model_budget_plan(CFG, wildcards.model, wildcards.method)
+    if plan.calibration is not None:
+        plan = plan.replace(corpus=get_corpus_spec(plan.calibration.corpus))
+    return plan.to_dict()
 
 
 def get_selector_options(wildcards):

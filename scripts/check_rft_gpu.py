@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from statereduce import rft as finetune
+from statereduce.settings import RftSettings
 
 ARCH = {"hidden_size": 512, "num_hidden_layers": 4, "num_heads": 4, "expand_k": 0.5}  # defaults: d_k 64
 
@@ -138,7 +139,7 @@ def main() -> None:
         work / "pruned",
         work / "base",
         work / "rft1",
-        cfg,
+        RftSettings.from_dict(cfg),
         corpus,
         dtype="bfloat16",
         device=args.device,
@@ -162,7 +163,7 @@ def main() -> None:
             work / "pruned",
             work / "base",
             work / "rftN",
-            cfg,
+            RftSettings.from_dict(cfg),
             corpus,
             dtype="bfloat16",
             device=args.device,

@@ -4,7 +4,8 @@ A method token ending in ``@<budget>`` (``drrqr@energy_75``) names a budget of t
 (:class:`statereduce.settings.BudgetSettings`). Its allocation,
 ``results/{model}/select/{method}_{pct}.allocation.json``, holds each pruned layer's width, the policy's value of
 every candidate width, and the statistics behind them; the selection of the same token
-(:func:`statereduce.select.select_channels`) runs the selector with each layer's width, and pruning (:func:`statereduce.prune.prune_model`) writes a checkpoint whose layers keep different widths
+(:func:`statereduce.select.select_channels`) runs the selector with each layer's width, and pruning
+(:func:`statereduce.prune.prune_model`) writes a checkpoint whose layers keep different widths
 (``statereduce_key_dims`` in its config; :func:`statereduce.models.load_model` loads it).
 
 Every allocation keeps ``n_keep_for(d_k, pct) * layers`` channels per head position in all (every linear-attention
@@ -52,7 +53,7 @@ from statereduce.budgets import (
     spectrum_values,
 )
 from statereduce.selectors import HeadData, get_selector, head_rng, n_keep_for, parse_method
-from statereduce.settings import BudgetSettings
+from statereduce.settings import BudgetPlan, BudgetSettings
 
 log = logging.getLogger(__name__)
 
@@ -262,15 +263,15 @@ def allocation_document(method: str, pct: float, budget: str, settings: BudgetSe
     }
 
 
-def _budget_inputs(weights: str | Path, method: str, settings: BudgetSettings, *, activations, grads, base,
-                   calibration, corpus, head_v_dim, expect, load: bool) -> dict[str, Any]:
+def _budget_inputs(weights: str | Path, method: str, plan: BudgetPlan, *, activations, grads, base, expect,
+                   load: bool) -> dict[str, Any]:
     """What rules allocate and budget_values read: head sizes, layers, the per-layer data callable, the width check,
     the provenance, the settings as recorded (``sensitivity``: with its batch size), and with ``load`` the model and
     calibration blocks of the sensitivity loss."""
     from statereduce.families import family_spec
     from statereduce.h5files import H5Artifact, layer_head_data
 
-    spec = parse_method(method)
+    spec, settings, cal, head_v_dim = parse_method(method), plan.settings, plan.calibration, plan.head_v_dim
     wattrs = H5Artifact(weights).expect(expect)
     d_k, h, family = int(wattrs["head_k_dim"]), int(wattrs["num_heads"]), wattrs.get("family")
     layers = [int(x) for x in np.asarray(wattrs["layers"]).tolist()]
@@ -289,11 +290,8 @@ def _budget_inputs(weights: str | Path, method: str, settings: BudgetSettings, *
         check_width = lambda w: family_spec(family).check_reduction(d_k, int(head_v_dim), w)  # noqa: E731
     model = blocks = None
     if settings.policy == "sensitivity":
-        from statereduce.settings import CalibrationSettings
-
-        if calibration is None or (load and (base is None or corpus is None)):
+        if cal is None or (load and (base is None or plan.corpus is None)):
             raise ValueError("the sensitivity budget needs the base checkpoint, its calibration and corpus")
-        cal = CalibrationSettings.from_dict(calibration)
         n_samples, batch = settings.sizes(cal)
         if load:
             from statereduce.data import load_split, token_blocks
@@ -301,7 +299,8 @@ def _budget_inputs(weights: str | Path, method: str, settings: BudgetSettings, *
 
             info = dict(expect or {})
             model, tokenizer = load_model(base, dtype=info.get("dtype"), device=info.get("device", "cpu"))
-            blocks = token_blocks(tokenizer, load_split(dict(corpus), cal.split), cal.n_samples, cal.seq_len, cal.seed)
+            blocks = token_blocks(tokenizer, load_split(dict(plan.corpus), cal.split), cal.n_samples, cal.seq_len,
+                                  cal.seed)
             blocks = blocks[:n_samples]
         settings = settings.replace(batch_size=batch)
     provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": family,
@@ -310,23 +309,20 @@ def _budget_inputs(weights: str | Path, method: str, settings: BudgetSettings, *
             "settings": settings, "model": model, "blocks": blocks, "provenance": provenance}
 
 
-def budget_values(weights: str | Path, method: str, budget: str, settings: BudgetSettings | Mapping, *,
-                  activations: str | Path | None = None, grads: str | Path | None = None,
-                  base: str | Path | None = None, calibration: Mapping[str, Any] | None = None,
-                  corpus: Mapping[str, Any] | None = None, head_v_dim: int | None = None, seed: int = 0,
+def budget_values(weights: str | Path, method: str, plan: BudgetPlan, *, activations: str | Path | None = None,
+                  grads: str | Path | None = None, base: str | Path | None = None, seed: int = 0,
                   options: Mapping[str, Any] | None = None, expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Rule ``budget_values``: the per-width values of a measured policy (:data:`MEASURED`) for ``method`` (ending in
     ``@budget``), for the allocation of every pct (``results/{model}/select/{method}.values.json``): each layer's
     allowed widths and their values, the policy's statistics, the settings and the provenance. The arguments are
     those of :func:`allocate_budget`, without the pct."""
-    settings = BudgetSettings.coerce(settings)
-    spec = parse_method(method)
+    settings, budget, spec = plan.settings, plan.name, parse_method(method)
     if settings.policy not in MEASURED:
         raise ValueError(f"budgets.{budget}: policy {settings.policy!r} has no measured values; measured: "
                          f"{', '.join(MEASURED)}")
     check_budget_selector(settings, spec.selector)
-    got = _budget_inputs(weights, method, settings, activations=activations, grads=grads, base=base,
-                         calibration=calibration, corpus=corpus, head_v_dim=head_v_dim, expect=expect, load=True)
+    got = _budget_inputs(weights, method, plan, activations=activations, grads=grads, base=base, expect=expect,
+                         load=True)
     d_k, layers, settings = got["d_k"], got["layers"], got["settings"]
     widths = allowed_widths(d_k, settings, got["check_width"], nonempty=True)
     values, stats = measured_values(method, settings, widths, d_k=d_k, layers=layers, layer_data=got["layer_data"],
@@ -364,36 +360,31 @@ def read_values(path: str | Path, expect: Mapping[str, Any] | None = None) -> tu
     return [{int(w): v for w, v in layer.items()} for layer in doc["values"]], doc["statistics"]
 
 
-def allocate_budget(weights: str | Path, method: str, pct: float, budget: str, settings: BudgetSettings | Mapping,
-                    *, activations: str | Path | None = None, grads: str | Path | None = None,
-                    base: str | Path | None = None, calibration: Mapping[str, Any] | None = None,
-                    corpus: Mapping[str, Any] | None = None, head_v_dim: int | None = None, seed: int = 0,
-                    options: Mapping[str, Any] | None = None, values: str | Path | None = None,
-                    expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def allocate_budget(weights: str | Path, method: str, pct: float, plan: BudgetPlan, *,
+                    activations: str | Path | None = None, grads: str | Path | None = None,
+                    base: str | Path | None = None, seed: int = 0, options: Mapping[str, Any] | None = None,
+                    values: str | Path | None = None, expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Rule ``allocate``: the allocation artifact of ``method`` (ending in ``@budget``) at ``pct``.
 
     Args:
         weights: the model's ``qk.h5`` (head sizes, pruned layers; the weights where the selector reads them).
         method, pct: the method token and percent of key channels removed.
-        budget, settings: the budget id and its settings (``budgets.<budget>``).
+        plan: the token's budget (:class:`~statereduce.settings.BudgetPlan`: its id and settings, d_v, and the
+            calibration and corpus spec of the sensitivity loss's sequences).
         activations, grads: the calibration artifacts the policy and the selector read.
         base: the base checkpoint folder (sensitivity: the model whose loss is measured).
-        calibration, corpus: the calibration settings and corpus spec of the sensitivity loss's sequences.
-        head_v_dim: d_v, to leave out widths the family's config cannot express (None: not checked here).
         seed, options: the selector's seed and options.
         values: a measured policy's values file (:func:`budget_values`, the workflow's); None: measured here.
         expect: the job's ``params.info`` (model, family, dtype, device): every input must have been written for it.
     """
-    settings = BudgetSettings.coerce(settings)
-    got = _budget_inputs(weights, method, settings, activations=activations, grads=grads, base=base,
-                         calibration=calibration, corpus=corpus, head_v_dim=head_v_dim, expect=expect,
+    got = _budget_inputs(weights, method, plan, activations=activations, grads=grads, base=base, expect=expect,
                          load=values is None)
     settings, measured = got["settings"], None
     if values is not None and settings.policy in MEASURED:
         measured = read_values(values, {**(expect or {}), "method": method, "settings": settings.to_dict(),
                                         "d_k": got["d_k"], "layers": got["layers"], "seed": seed,
                                         "options": dict(options or {})})
-    return allocation_document(method, pct, budget, settings, d_k=got["d_k"], num_heads=got["num_heads"],
+    return allocation_document(method, pct, plan.name, settings, d_k=got["d_k"], num_heads=got["num_heads"],
                                layers=got["layers"], layer_data=got["layer_data"], check_width=got["check_width"],
                                seed=seed, options=options, model=got["model"], blocks=got["blocks"],
                                provenance=got["provenance"], measured=measured)

@@ -19,6 +19,7 @@ import yaml
 
 from statereduce import layout
 from statereduce.settings import (
+    BudgetPlan,
     BudgetSettings,
     CalibrationSettings,
     DeviceSettings,
@@ -27,7 +28,6 @@ from statereduce.settings import (
     RankSettings,
     RftPlan,
     PruneSettings,
-    RftSettings,
     SpeedPlan,
     SpeedSettings,
 )
@@ -199,18 +199,24 @@ def model_rft(config: dict, model: str) -> RftPlan:
 
     Returns:
         The :class:`~statereduce.settings.RftPlan`: ``activate``, ``corpus`` (default: the model's calibration
-        corpus), ``gpus`` and ``settings``, the fine-tuning keys as configured (typed: ``plan.finetune``).
+        corpus), ``gpus`` and ``settings``, the fine-tuning settings (their ``overrides()`` the keys as configured).
+
+    Raises:
+        ConfigError: one line for a bad fine-tuning key or value.
     """
     merged = _merge_rft(config.get("rft", {}), config["models"][model].get("rft", {}))
     workflow = {key: merged.pop(key) for key in RftPlan.WORKFLOW_KEYS if key in merged}
-    plan = RftPlan(**workflow, settings=canonical(merged))
+    try:
+        plan = RftPlan.from_dict({**workflow, "settings": canonical(merged)})
+    except ValueError as e:
+        raise ConfigError(f"models.{model}.rft (with the top-level rft block): {e}") from None
     if plan.corpus is None:
         plan = plan.replace(corpus=config["models"][model].get("calibration", {}).get("corpus"))
     return plan
 
 
 def check_rft(config: dict, model: str) -> RftPlan:
-    """Validate the RFT plan of ``model`` (its fine-tuning settings through ``plan.finetune``)."""
+    """Validate the RFT plan of ``model`` (its fine-tuning settings are checked by :func:`model_rft`)."""
     plan = model_rft(config, model)
     if not plan.activate:
         return plan
@@ -222,10 +228,6 @@ def check_rft(config: dict, model: str) -> RftPlan:
             f"valid: {', '.join(sorted(config['corpora']))}"
         )
     check_split(config, plan.corpus, "train", f"models.{model}.rft", "RFT trains on it; set rft.corpus")
-    try:
-        RftSettings.from_dict(plan.settings)
-    except ValueError as e:
-        raise ConfigError(f"models.{model}.rft (with the top-level rft block): {e}") from None
     return plan
 
 
@@ -403,6 +405,19 @@ def model_budget(config: dict, budget: str) -> BudgetSettings:
         return BudgetSettings.from_dict(budgets[budget])
     except ValueError as e:
         raise ConfigError(f"budgets.{budget}: {e}") from None
+
+
+def model_budget_plan(config: dict, model: str, method: str) -> BudgetPlan:
+    """The budget plan of ``method`` (ending in ``@<budget>``) for ``model``: the budget's settings, the model's d_v
+    where its config gives it and, for the ``sensitivity`` policy, the calibration of the token's ``.<calib>`` (its
+    ``corpus`` spec is the workflow's to resolve)."""
+    spec = layout.parse_method(method)
+    settings = model_budget(config, spec.budget)
+    plan = BudgetPlan(name=spec.budget, settings=settings,
+                      head_v_dim=(model_dims(config, model) or {}).get("head_v_dim"))
+    if settings.policy == "sensitivity":
+        plan = plan.replace(calibration=model_calibration(config, model, spec.calib))
+    return plan
 
 
 def model_mixer_layers(config: dict, model: str) -> int | None:

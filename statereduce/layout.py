@@ -17,11 +17,28 @@ input use it, so that the layout is written down here only.
     results/{model}/baseline/             eval.json, rank.json, speed.json of the unpruned model
     results/{model}/{method}_{pct}/       pruned/, rft/, eval.json (the summary), rank.json, speed.json
     results/tables/, results/figures/     across models
+
+Method tokens name a selection in these paths (``{method}``)::
+
+    <selector>[-k|-q][.<calib>][@<budget>]
+
+Selector names are ``[a-z][a-z0-9]*`` words joined by dashes (``pca-adv``); none ends in ``-k`` or ``-q``.
+``-k`` / ``-q`` score from the key / query side only (paper App. C.7, Table 16); no suffix scores from both (the
+default, "kq"). ``.<calib>`` (``[a-z0-9]+``) names a non-default calibration set (paper Tables 2 and 7); the default
+calibration has no suffix, so ``drrqr`` and ``drrqr.default`` are not both valid: only the plain token is.
+``@<budget>`` (``[a-z0-9]+``) names a per-layer key budget (:mod:`statereduce.budgets`): each layer keeps its own
+d_k' at the uniform cut's total; without it every layer keeps the same d_k'. Examples: ``drrqr``, ``l1-q``,
+``grad-k``, ``pca-adv-k``, ``drrqr.prose``, ``grad-q.prose``, ``drrqr@energy``, ``grad.prose@sens``.
+
+:func:`parse_method` reads a token against a vocabulary (selector name -> its variants): the selector registry passes
+its own (:func:`statereduce.selectors.parse_method`); without one only the grammar is checked.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -145,3 +162,114 @@ def with_pct(target: str, pct: str) -> str:
     i = 3 if found.folder == "select" else 2
     parts[i] = parts[i].replace(found.stage, f"{found.method}_{pct}", 1)
     return str(PurePosixPath(*parts))
+
+
+# ---- method tokens ----------------------------------------------------------------------------------------------
+VARIANTS = ("kq", "k", "q")
+DEFAULT_VARIANT = "kq"
+DEFAULT_CALIB = "default"
+CALIB_PATTERN = r"[a-z0-9]+"
+BUDGET_PATTERN = r"[a-z0-9]+"
+NAME_PATTERN = r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*"
+"""Selector names: lowercase words joined by dashes; none may end in ``-k`` or ``-q`` (the variant suffixes)."""
+
+Vocabulary = Mapping[str, tuple[str, ...]]
+"""Selector name -> the variants it scores (``kq`` always among them)."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A parsed method token: selector name, scoring variant ("kq", "k", "q"), calibration id and per-layer key
+    budget (None: every layer keeps the same d_k')."""
+
+    selector: str
+    variant: str = DEFAULT_VARIANT
+    calib: str = DEFAULT_CALIB
+    budget: str | None = None
+
+    @property
+    def uniform(self) -> MethodSpec:
+        """The same selection without a per-layer budget (the uniform cut it is compared with)."""
+        return MethodSpec(self.selector, self.variant, self.calib)
+
+
+def unknown_selector(name: str, vocabulary: Vocabulary, context: str = "") -> ValueError:
+    """The one-line error for a selector name outside ``vocabulary`` (with close matches)."""
+    close = difflib.get_close_matches(name, sorted(vocabulary), n=3)
+    hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+    return ValueError(f"unknown selector {name!r}{context}{hint}; valid: {', '.join(sorted(vocabulary))}")
+
+
+def _token_help(vocabulary: Vocabulary | None) -> str:
+    if vocabulary is None:
+        return (f"expected <selector>[-k|-q][.<calib>][@<budget>] with selector matching {NAME_PATTERN}, calib "
+                f"matching {CALIB_PATTERN} (omit it for the default calibration), budget matching {BUDGET_PATTERN} "
+                "(omit it for the uniform cut)")
+    with_kq = [n for n, v in sorted(vocabulary.items()) if [x for x in v if x != DEFAULT_VARIANT]]
+    return (
+        f"expected <selector>[-k|-q][.<calib>][@<budget>] with selector in {{{', '.join(sorted(vocabulary))}}}, "
+        f"-k/-q only for {{{', '.join(with_kq)}}}, calib matching {CALIB_PATTERN} (omit it for the default "
+        f"calibration), budget matching {BUDGET_PATTERN} (omit it for the uniform cut)"
+    )
+
+
+def parse_method(token: str, vocabulary: Vocabulary | None = None) -> MethodSpec:
+    """Parse a method token ``<selector>[-k|-q][.<calib>][@<budget>]`` (module docstring) into a
+    :class:`MethodSpec`; with ``vocabulary`` the selector must be in it and have the variant.
+
+    Raises:
+        ValueError: one line naming the bad part and the grammar.
+    """
+    if not isinstance(token, str) or not token:
+        raise ValueError(f"bad method token {token!r}; {_token_help(vocabulary)}")
+    rest, at, budget = token.partition("@")
+    if at and not re.fullmatch(BUDGET_PATTERN, budget):
+        raise ValueError(f"bad budget id {budget!r} in method token {token!r}; {_token_help(vocabulary)}")
+    head, dot, calib = rest.partition(".")
+    if dot:
+        if not re.fullmatch(CALIB_PATTERN, calib):
+            raise ValueError(f"bad calibration id {calib!r} in method token {token!r}; {_token_help(vocabulary)}")
+        if calib == DEFAULT_CALIB:
+            raise ValueError(f"method token {token!r}: write {head!r} for the default calibration; "
+                             f"{_token_help(vocabulary)}")
+    else:
+        calib = DEFAULT_CALIB
+    name, dash, variant = head.rpartition("-")
+    if vocabulary is None:  # the grammar alone: a trailing -k or -q is the variant (no selector name ends in one)
+        if re.fullmatch(NAME_PATTERN, head) and not re.search(r"-[kq]$", head):
+            name, variant = head, DEFAULT_VARIANT
+        elif not (dash and variant in ("k", "q") and re.fullmatch(NAME_PATTERN, name)):
+            raise ValueError(f"bad selector {head!r} in method token {token!r}; {_token_help(vocabulary)}")
+    elif head in vocabulary:  # a selector name (dashes included), no variant suffix
+        name, variant = head, DEFAULT_VARIANT
+    elif not dash or name not in vocabulary:
+        raise unknown_selector(name if dash and variant in VARIANTS else head, vocabulary,
+                               f" in method token {token!r}")
+    elif variant not in VARIANTS or variant == DEFAULT_VARIANT:
+        raise ValueError(f"bad variant suffix {'-' + variant!r} in method token {token!r}; {_token_help(vocabulary)}")
+    elif variant not in vocabulary[name]:
+        raise ValueError(f"selector {name!r} in method token {token!r} has no variant {variant!r}; "
+                         f"{_token_help(vocabulary)}")
+    return MethodSpec(selector=name, variant=variant, calib=calib, budget=budget if at else None)
+
+
+def format_method(spec: MethodSpec, vocabulary: Vocabulary | None = None) -> str:
+    """The canonical method token of a :class:`MethodSpec` (inverse of :func:`parse_method`)."""
+    suffix = "" if spec.variant == DEFAULT_VARIANT else f"-{spec.variant}"
+    calib = "" if spec.calib == DEFAULT_CALIB else f".{spec.calib}"
+    budget = "" if spec.budget is None else f"@{spec.budget}"
+    token = f"{spec.selector}{suffix}{calib}{budget}"
+    if parse_method(token, vocabulary) != spec:  # validates selector, variant and calib
+        raise ValueError(f"MethodSpec {spec!r} has no canonical token; {_token_help(vocabulary)}")
+    return token
+
+
+def method_regex(vocabulary: Vocabulary) -> str:
+    """Regex (unanchored, for Snakemake ``wildcard_constraints``) matching exactly the valid method tokens of
+    ``vocabulary``."""
+    alts = []
+    for name in sorted(vocabulary, key=lambda s: (-len(s), s)):
+        extra = [v for v in vocabulary[name] if v != DEFAULT_VARIANT]
+        alts.append(re.escape(name) + (f"(?:-(?:{'|'.join(extra)}))?" if extra else ""))
+    calib = rf"(?:\.(?!{DEFAULT_CALIB}(?![a-z0-9])){CALIB_PATTERN})?"
+    return f"(?:{'|'.join(alts)}){calib}(?:@{BUDGET_PATTERN})?"

@@ -17,7 +17,7 @@ DeltaNet, Qwen3.5) use ``scale = d_k'**-0.5`` instead of the original ``d_k**-0.
 activation). It passes through the per-head output RMSNorm, and ``RMSNorm(c o; eps) = RMSNorm(o; eps/c^2)``: the
 pruned model equals zero-masking exactly when that norm's eps is multiplied by ``c^2 = d_k/d_k'``. The config
 holds one eps for that norm and the block norms (the spec's ``norm_eps_field``), so :func:`prune_model` offers
-two choices (``norm_eps``, :data:`NORM_EPS`):
+two choices (``norm_eps``, ``PruneSettings.valid("norm_eps")``):
 
 - ``"stock"``: the checkpoint keeps the stock eps and differs from zero-masking by that eps effect only; the record
   says so (``kernel_scale``).
@@ -62,7 +62,7 @@ from statereduce.checkpoints import base_checkpoint
 from statereduce.kernels.shapes import record_note
 from statereduce.models import save_checkpoint
 from statereduce.runtime import atomic_dir, versions
-from statereduce.settings import PRUNE_NORM_EPS, PruneSettings
+from statereduce.settings import PruneSettings
 from statereduce.slicing import (  # noqa: F401  (the slicing verbs re-exported)
     KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD, head_rows, kept_rows, mix_filters, set_mixer_dims, slice_mixer, slice_rows,
     transform_rows,
@@ -70,8 +70,6 @@ from statereduce.slicing import (  # noqa: F401  (the slicing verbs re-exported)
 
 RECORD_NAME = PRUNE_RECORD  # the record's file name in a pruned checkpoint folder
 RECORD_FORMAT = 1
-NORM_EPS = PRUNE_NORM_EPS
-"""Values of :func:`prune_model`'s ``norm_eps`` (module docstring, "Kernel scale")."""
 _NUMBER_LIST = re.compile(r"\[\n\s*(-?[\d.e+-]+(?:,\n\s*-?[\d.e+-]+)*)\n\s*\]")
 
 
@@ -193,13 +191,6 @@ def kernel_scale_note(d_k: int, d_k_new: int, scaled: bool = True,
 
 
 # ---- norm_eps="exact" ---------------------------------------------------------------------------
-def check_norm_eps(norm_eps: Any) -> str:
-    """``norm_eps`` if it is one of :data:`NORM_EPS`, else a one-line ValueError."""
-    if not isinstance(norm_eps, str) or norm_eps not in NORM_EPS:
-        raise ValueError(f"norm_eps={norm_eps!r} is not valid; valid: {', '.join(NORM_EPS)}")
-    return norm_eps
-
-
 EpsPlan = tuple[list[ScaledRows], list[EpsAttribute]]
 """What :func:`exact_norm_eps` changes: the weights scaled by c, the live eps attributes set."""
 
@@ -408,7 +399,7 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
             (:func:`plan_exact_norm_eps`: e.g. tied input/output embeddings).
     """
     meta = dict(meta or {})
-    check_norm_eps(norm_eps)
+    norm_eps = PruneSettings(norm_eps=norm_eps).norm_eps  # a one-line ValueError for a bad value
     adapter = get_adapter(model)
     transforms = None
     if is_transform_selection(keep):

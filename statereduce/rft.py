@@ -34,7 +34,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -748,7 +748,7 @@ def fine_tune(
     pruned_dir: str | Path,
     base_dir: str | Path,
     out_dir: str | Path,
-    cfg: RftSettings | Mapping[str, Any],
+    cfg: RftSettings,
     corpus_spec: dict[str, Any],
     *,
     exclude_docs: Sequence[str] = (),
@@ -769,7 +769,7 @@ def fine_tune(
         pruned_dir: the pruned checkpoint (``results/{model}/{method}_{pct}/pruned``).
         base_dir: the unpruned model's base artifact (teacher).
         out_dir: the RFT checkpoint folder to create.
-        cfg: the RFT settings (:class:`~statereduce.settings.RftSettings`; a mapping updates its defaults).
+        cfg: the RFT settings (:class:`~statereduce.settings.RftSettings`).
         corpus_spec: corpus of the training samples (its ``train`` split).
         exclude_docs: held-out evaluation documents, never trained on.
         dtype: dtype of the saved checkpoint (training keeps float32 weights; bf16 autocast on CUDA).
@@ -791,7 +791,6 @@ def fine_tune(
     from statereduce.checkpoints import checkpoint_provenance
     from statereduce.models import DTYPES
 
-    cfg = RftSettings.coerce(cfg)
     out_dir = Path(out_dir)
     cpu = torch.device(device).type == "cpu"
     if not cpu and not torch.cuda.is_available():  # accelerate would quietly train on the CPU
@@ -919,7 +918,7 @@ def launch(
     pruned_dir: str | Path,
     base_dir: str | Path,
     out_dir: str | Path,
-    settings: dict[str, Any],
+    settings: RftSettings,
     corpus_spec: dict[str, Any],
     *,
     exclude_docs: Sequence[str] = (),
@@ -950,7 +949,7 @@ def launch(
     write_json(
         job,
         {
-            "settings": settings,
+            "settings": settings.to_dict(),
             "corpus_spec": corpus_spec,
             "exclude_docs": list(exclude_docs),
             "dtype": dtype,
@@ -985,7 +984,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--base", required=True, help="base artifact of the unpruned model (teacher)")
     p.add_argument("--out", required=True, help="RFT checkpoint folder to write")
     p.add_argument(
-        "--job", required=True, help="JSON file: {settings: rft overrides, corpus_spec, exclude_docs?, dtype?, device?}"
+        "--job", required=True, help="JSON file: {settings: the rft settings (keys of RftSettings, the rest defaults), "
+                                     "corpus_spec, exclude_docs?, dtype?, device?}"
     )
     p.add_argument("--resume-dir", default=None, help="folder for resume checkpoints")
     p.add_argument("--log", default=None, help="extra copy of the JSONL training log")
@@ -995,7 +995,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.pruned,
         args.base,
         args.out,
-        job.get("settings") or {},
+        RftSettings.from_dict(job.get("settings")),
         job["corpus_spec"],
         exclude_docs=job.get("exclude_docs") or (),
         dtype=job.get("dtype", "float32"),
@@ -1019,7 +1019,7 @@ def run_rft(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, p
     ``plan.gpus > 1`` training runs under ``torchrun`` (one process per GPU, DDP through accelerate) and the saved
     checkpoint is then loaded for evaluation; otherwise everything runs in this process and the merged model
     is evaluated in memory. ``plan`` is the model's :class:`~statereduce.settings.RftPlan`, ``eval_settings`` its
-    :class:`~statereduce.settings.EvalSettings` (mappings are read by their ``from_dict``). First the pruned
+    :class:`~statereduce.settings.EvalSettings`. First the pruned
     checkpoint's ``prune_record.json`` must have been written for this job: ``info``'s model and family, ``extra``'s
     method and pct (:func:`statereduce.artifacts.check_prune_record`).
 
@@ -1032,7 +1032,6 @@ def run_rft(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, p
     from statereduce.artifacts import check_prune_record
 
     check_prune_record(pruned_dir, {**info, **(extra or {})})
-    plan, eval_settings = RftPlan.coerce(plan), EvalSettings.coerce(eval_settings)
     exclude = load_split(eval_settings.corpus_spec, "heldout") if HELDOUT in eval_settings.tasks else []
     out: dict[str, Any] = {}
 
@@ -1040,11 +1039,9 @@ def run_rft(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, p
         out["doc"] = evaluate_loaded(model.to(info["device"]), tokenizer, saved, eval_settings, info, eval_out, extra)
 
     if int(plan.gpus) > 1:
-        launch(int(plan.gpus), pruned_dir, base_dir, out_dir, plan.settings, corpus_spec,
-                        exclude_docs=exclude, dtype=info["dtype"], device=info["device"], resume_dir=resume_dir,
-                        log_path=log_jsonl)
+        launch(int(plan.gpus), pruned_dir, base_dir, out_dir, plan.settings, corpus_spec, exclude_docs=exclude,
+               dtype=info["dtype"], device=info["device"], resume_dir=resume_dir, log_path=log_jsonl)
         return evaluate_checkpoint(out_dir, eval_settings, info, eval_out, extra)
-    fine_tune(pruned_dir, base_dir, out_dir, plan.settings, corpus_spec, exclude_docs=exclude,
-                     dtype=info["dtype"], device=info["device"], resume_dir=resume_dir, log_path=log_jsonl,
-                     on_saved=evaluate)
+    fine_tune(pruned_dir, base_dir, out_dir, plan.settings, corpus_spec, exclude_docs=exclude, dtype=info["dtype"],
+              device=info["device"], resume_dir=resume_dir, log_path=log_jsonl, on_saved=evaluate)
     return out["doc"]

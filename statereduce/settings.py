@@ -9,7 +9,9 @@ Every class has:
 
 * ``from_dict(d)``: the defaults updated by ``d`` (a nested block merged key by key); an unknown key is a one-line
   ``ValueError`` naming it and the valid keys;
-* ``__post_init__``: the checks of its values (one-line ``ValueError`` naming the bad value and what is valid);
+* ``__post_init__``: the checks of its values (one-line ``ValueError`` naming the bad value and what is valid); a
+  field made by :func:`choice` holds its valid values, checked here for every class, and ``valid(name)`` returns
+  them (the schema's ``enum`` entries repeat them and ``tests/test_settings.py`` checks that they agree);
 * ``to_dict()``: the plain dict (fields in order, nested settings as dicts, an optional field left out while unset).
   Snakemake tracks a rule's params by their ``repr`` and ignores objects it cannot represent, so the workflow hands
   jobs ``to_dict()`` and each workflow script builds the object again with ``from_dict``; records and resume
@@ -33,6 +35,19 @@ OPTIONAL = {"optional": True}
 
 RECALL_MAX_PAIRS = 90
 """Most key-value lines of a recall document: the two-digit values 10..99 (:mod:`statereduce.eval.recall`)."""
+
+
+def choice(default: Any, valid: tuple, *, label: str | None = None, describe: str | None = None) -> Any:
+    """A field whose value must be one of ``valid`` (checked by :meth:`Settings.__post_init__`).
+
+    Args:
+        default: the field's default (one of ``valid``).
+        valid: the valid values, in the order the error lists them.
+        label: the error's name of the field (default: ``"<section> <field>"``).
+        describe: the error's text after ``valid:`` (default: ``valid`` joined by commas).
+    """
+    assert default in valid, (default, valid)
+    return field(default=default, metadata={"valid": tuple(valid), "label": label, "describe": describe})
 
 
 def _plain(value: Any) -> Any:
@@ -89,15 +104,33 @@ class Settings:
             valid = ", ".join(sorted(keys) if cls.sort_valid else keys)
             raise ValueError(cls.unknown_message.format(section=cls.section, key=unknown[0], bad=sorted(unknown),
                                                         valid=valid))
+        given = _plain(d)
         for key, sub in cls.nested.items():
             if d.get(key) is not None:
                 d[key] = sub.coerce(d[key])
-        return cls(**d)
+        out = cls(**d)
+        object.__setattr__(out, "_given", given)
+        return out
 
     @classmethod
     def coerce(cls: type[S], obj: S | Mapping[str, Any] | None) -> S:
         """``obj`` itself when it is already a ``cls``, else ``cls.from_dict(obj)``."""
         return obj if isinstance(obj, cls) else cls.from_dict(obj)
+
+    def overrides(self) -> dict[str, Any]:
+        """The block as configured: the mapping :meth:`from_dict` was given (a rule's params carry it, so that a
+        default changed in this module reruns nothing that did not set it); for an object made otherwise, the
+        fields that differ from the defaults."""
+        given = getattr(self, "_given", None)
+        if given is not None:
+            return _plain(given)
+        default = type(self)()
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not f.name.startswith("_") and value != getattr(default, f.name):
+                out[f.name] = value.overrides() if isinstance(value, Settings) else _plain(value)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """The block as a plain dict: fields in order, nested settings as dicts, unset optional fields left out."""
@@ -110,8 +143,28 @@ class Settings:
         return out
 
     def replace(self: S, **changes: Any) -> S:
-        """A copy with ``changes`` (checked again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` (checked again); its :meth:`overrides` are this one's updated by ``changes``."""
+        out = dataclasses.replace(self, **changes)
+        given = getattr(self, "_given", None)
+        if given is not None:
+            public = {k: v for k, v in changes.items() if not k.startswith("_")}
+            object.__setattr__(out, "_given", {**given, **_plain(public)})
+        return out
+
+    @classmethod
+    def valid(cls, name: str) -> tuple:
+        """The valid values of the :func:`choice` field ``name``."""
+        return next(f.metadata["valid"] for f in fields(cls) if f.name == name)
+
+    def __post_init__(self):
+        """Every :func:`choice` field holds one of its valid values (one-line ``ValueError`` otherwise)."""
+        for f in fields(self):
+            valid = f.metadata.get("valid")
+            value = getattr(self, f.name)
+            if valid is not None and value not in valid:
+                label = f.metadata["label"] or f"{self.section} {f.name}"
+                describe = f.metadata["describe"] or ", ".join(map(str, valid))
+                raise ValueError(f"unknown {label} {value!r}; valid: {describe}")
 
     def _set(self, name: str, value: Any) -> None:
         """Normalise a field in ``__post_init__`` (the dataclasses are frozen)."""
@@ -136,13 +189,12 @@ class DeviceSettings(Settings):
 
     section: ClassVar[str] = "model"
 
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = choice("float32", ("float32", "bfloat16", "float16"), label="model dtype")
+    device: str = choice("cpu", tuple(DEFAULT_THREADS), label="device")
     threads: int | None = None
 
     def __post_init__(self):
-        if self.device not in DEFAULT_THREADS:
-            raise ValueError(f"unknown device {self.device!r}; valid: {', '.join(DEFAULT_THREADS)}")
+        super().__post_init__()
         if self.threads is None:
             self._set("threads", DEFAULT_THREADS[self.device])
 
@@ -185,7 +237,7 @@ class CalibrationSettings(Settings):
 
     section: ClassVar[str] = "calibration"
 
-    split: str = "calib"
+    split: str = choice("calib", ("train", "calib", "heldout"))
     n_samples: int = 32
     seq_len: int = 256
     seed: int = 0
@@ -284,9 +336,6 @@ class EvalSettings(Settings):
 
 
 # ---- pruning ------------------------------------------------------------------------------------------------------
-PRUNE_NORM_EPS = ("stock", "exact")
-
-
 @dataclass(frozen=True)
 class PruneSettings(Settings):
     """Pruning (:func:`statereduce.prune.prune_model`): the top-level ``prune`` block updated by the model's.
@@ -300,18 +349,10 @@ class PruneSettings(Settings):
 
     section: ClassVar[str] = "prune"
 
-    norm_eps: str = "exact"
-
-    def __post_init__(self):
-        if self.norm_eps not in PRUNE_NORM_EPS:
-            raise ValueError(f"unknown prune norm_eps {self.norm_eps!r}; valid: {', '.join(PRUNE_NORM_EPS)}")
+    norm_eps: str = choice("exact", ("stock", "exact"))
 
 
 # ---- per-layer key budgets ----------------------------------------------------------------------------------------
-BUDGET_POLICIES = ("uniform", "spectrum", "greedy", "sensitivity")
-BUDGET_STATISTICS = ("energy", "effective_rank")
-
-
 @dataclass(frozen=True)
 class BudgetSettings(Settings):
     """``budgets.<name>``: a per-layer key budget (:mod:`statereduce.budgets`, :mod:`statereduce.allocate`), used by
@@ -340,8 +381,8 @@ class BudgetSettings(Settings):
 
     section: ClassVar[str] = "budgets"
 
-    policy: str = "spectrum"
-    statistic: str = "energy"
+    policy: str = choice("spectrum", ("uniform", "spectrum", "greedy", "sensitivity"), label="budget policy")
+    statistic: str = choice("energy", ("energy", "effective_rank"), label="budget statistic")
     floor: int = 8
     multiple: int = 8
     powers_of_two: bool = False
@@ -350,10 +391,7 @@ class BudgetSettings(Settings):
     batch_size: int | None = field(default=None, metadata=OPTIONAL)
 
     def __post_init__(self):
-        if self.policy not in BUDGET_POLICIES:
-            raise ValueError(f"unknown budget policy {self.policy!r}; valid: {', '.join(BUDGET_POLICIES)}")
-        if self.statistic not in BUDGET_STATISTICS:
-            raise ValueError(f"unknown budget statistic {self.statistic!r}; valid: {', '.join(BUDGET_STATISTICS)}")
+        super().__post_init__()
         for name in ("floor", "multiple"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"budget {name}={getattr(self, name)!r} must be a positive integer")
@@ -369,6 +407,29 @@ class BudgetSettings(Settings):
         """``(n_samples, batch_size)`` of the sensitivity loss over ``calibration``'s sequences."""
         n = calibration.n_samples if self.n_samples is None else min(self.n_samples, calibration.n_samples)
         return n, calibration.batch_size if self.batch_size is None else self.batch_size
+
+
+@dataclass(frozen=True)
+class BudgetPlan(Settings):
+    """What rules ``budget_values`` and ``allocate`` need of a method token's budget
+    (:func:`statereduce.config.model_budget_plan`; the rules' params carry ``to_dict()``).
+
+    Args:
+        name: the budget's id (``budgets.<name>``, the token's ``@<name>``).
+        settings: its :class:`BudgetSettings`.
+        head_v_dim: the model's d_v, to leave out widths the family's config cannot express (None: not checked).
+        calibration: for ``sensitivity``: the calibration whose sequences give the loss (the token's ``.<calib>``).
+        corpus: for ``sensitivity``: that calibration corpus's spec, resolved by the workflow for the job.
+    """
+
+    section: ClassVar[str] = "budget plan"
+    nested: ClassVar[Mapping[str, type[Settings]]] = {"settings": BudgetSettings, "calibration": CalibrationSettings}
+
+    name: str = ""
+    settings: BudgetSettings = field(default_factory=BudgetSettings)
+    head_v_dim: int | None = None
+    calibration: CalibrationSettings | None = field(default=None, metadata=OPTIONAL)
+    corpus: dict | None = field(default=None, metadata=OPTIONAL)
 
 
 # ---- rank analysis ------------------------------------------------------------------------------------------------
@@ -520,12 +581,6 @@ class PretrainSettings(Settings):
 
 
 # ---- recovery fine-tuning -----------------------------------------------------------------------------------------
-RFT_PRECISIONS = ("auto", "bf16", "fp32")
-RFT_KERNELS = ("auto", "fla", "torch")
-RFT_KEEP = ("best", "last")
-RFT_BEST_METRICS = ("ce", "loss")
-
-
 @dataclass(frozen=True)
 class LoraSettings(Settings):
     """``rft.lora``: LoRA on the RFT scope's projections (peft ``LoraConfig``'s ``r``, ``lora_alpha``,
@@ -598,7 +653,7 @@ class RftSettings(Settings):
 
     lora: LoraSettings = field(default_factory=LoraSettings)
     distill: DistillSettings = field(default_factory=DistillSettings)
-    scope: str = "auto"
+    scope: str = choice("auto", ("auto", "all", "recurrent"))
     n_samples: int = 32000
     seq_len: int = 2048
     batch_size: int = 16
@@ -609,25 +664,22 @@ class RftSettings(Settings):
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
-    precision: str = "auto"
-    kernels: str = "auto"
+    precision: str = choice("auto", ("auto", "bf16", "fp32"))
+    kernels: str = choice("auto", ("auto", "fla", "torch"))
     seed: int = 0
     log_every: int = 10
     save_every: int = 100
     val_samples: int = 64
     val_seq_len: int | None = None
-    keep: str = "best"
-    best_metric: str = "ce"
+    keep: str = choice("best", ("best", "last"))
+    best_metric: str = choice("ce", ("ce", "loss"))
 
     def __post_init__(self):
+        super().__post_init__()
         if not _is_int(self.val_samples) or self.val_samples < 0:
             raise ValueError(f"rft val_samples must be an integer >= 0, got {self.val_samples!r}")
         if self.val_seq_len is not None and (not _is_int(self.val_seq_len) or self.val_seq_len < 2):
             raise ValueError(f"rft val_seq_len must be an integer >= 2 or null (seq_len), got {self.val_seq_len!r}")
-        if self.keep not in RFT_KEEP:
-            raise ValueError(f"unknown rft keep {self.keep!r}; valid: {', '.join(RFT_KEEP)}")
-        if self.best_metric not in RFT_BEST_METRICS:
-            raise ValueError(f"unknown rft best_metric {self.best_metric!r}; valid: {', '.join(RFT_BEST_METRICS)}")
         if self.keep == "best" and self.val_samples == 0:
             raise ValueError("rft keep: best needs validation sequences, got val_samples=0; valid: val_samples >= 1, "
                              "or keep: last")
@@ -646,10 +698,6 @@ class RftSettings(Settings):
             raise ValueError(f"rft n_samples={self.n_samples} is smaller than one batch (batch_size={self.batch_size})")
         if not 0 <= float(self.warmup_frac) < 1:
             raise ValueError(f"rft warmup_frac must be in [0, 1), got {self.warmup_frac!r}")
-        if self.kernels not in RFT_KERNELS:
-            raise ValueError(f"unknown rft kernels {self.kernels!r}; valid: {', '.join(RFT_KERNELS)}")
-        if self.precision not in RFT_PRECISIONS:
-            raise ValueError(f"unknown rft precision {self.precision!r}; valid: {', '.join(RFT_PRECISIONS)}")
         if float(self.lr) <= 0 or float(self.min_lr) < 0:
             raise ValueError(f"rft lr must be > 0 and min_lr >= 0; got lr={self.lr!r}, min_lr={self.min_lr!r}")
         self._set("betas", [float(b) for b in self.betas])
@@ -664,23 +712,23 @@ class RftPlan(Settings):
         activate: false: no RFT (summaries keep a null rft slot).
         corpus: a key of ``corpora`` whose ``train`` split feeds RFT (default: the model's calibration corpus).
         gpus: GPUs of the rft job; > 1 runs accelerate (DDP) under torchrun.
-        settings: the fine-tuning keys as configured (the rule's params carry them so; typed: :attr:`finetune`).
+        settings: the fine-tuning settings (:class:`RftSettings`); ``to_dict`` gives them as configured
+            (:meth:`~Settings.overrides`), which the rule's params carry.
     """
 
     section: ClassVar[str] = "rft"
+    nested: ClassVar[Mapping[str, type[Settings]]] = {"settings": RftSettings}
 
     activate: bool = True
     corpus: str | None = None
     gpus: int = 1
-    settings: dict = field(default_factory=dict)
+    settings: RftSettings = field(default_factory=RftSettings)
 
     WORKFLOW_KEYS: ClassVar[tuple[str, ...]] = ("activate", "corpus", "gpus")
     """The rft keys the workflow reads; the rest go to fine-tuning."""
 
-    @property
-    def finetune(self) -> RftSettings:
-        """The fine-tuning settings: :class:`RftSettings` updated by :attr:`settings`."""
-        return RftSettings.from_dict(self.settings)
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "settings": self.settings.overrides()}
 
 
 # ---- speed benchmarks ---------------------------------------------------------------------------------------------
@@ -751,10 +799,6 @@ class SpeedProfileSettings(_SpeedPart):
     top: int = 30
 
 
-SPEED_BLAS_LIBRARIES = (None, "cublas", "cublaslt")
-"""Valid ``speed.blas`` settings."""
-
-
 @dataclass(frozen=True)
 class SpeedSettings(Settings):
     """GPU speed benchmarks (:mod:`statereduce.speed.bench`): the paper's protocol (App. G.1).
@@ -777,8 +821,9 @@ class SpeedSettings(Settings):
                                                       "mixer": MixerSettings, "profile": SpeedProfileSettings}
 
     pcts: list = field(default_factory=lambda: [50, 75])
-    dtype: str = "bfloat16"
-    blas: str | None = None
+    dtype: str = choice("bfloat16", ("bfloat16", "float16"))
+    blas: str | None = choice(None, (None, "cublas", "cublaslt"),
+                              describe="cublas, cublaslt, or null for torch's default")
     pdl: bool = True
     decode: DecodeSettings = field(default_factory=DecodeSettings)
     prefill: PrefillSettings = field(default_factory=PrefillSettings)
@@ -786,8 +831,7 @@ class SpeedSettings(Settings):
     profile: SpeedProfileSettings = field(default_factory=SpeedProfileSettings)
 
     def __post_init__(self):
-        if self.blas not in SPEED_BLAS_LIBRARIES:
-            raise ValueError(f"unknown speed blas {self.blas!r}; valid: cublas, cublaslt, or null for torch's default")
+        super().__post_init__()
         if not isinstance(self.pdl, bool):
             raise ValueError(f"speed pdl must be true or false; got {self.pdl!r}")  # noqa: TRY004 (a setting's value)
         for pct in self.pcts:

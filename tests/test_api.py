@@ -302,12 +302,13 @@ def test_a_budget_matches_the_workflow(workflow_artifacts, method, policy, tmp_p
     """api.allocate gives the widths and values rule allocate computes from the files, and api.select with them the
     workflow's per-layer selection."""
     from statereduce.allocate import allocate_budget
+    from statereduce.settings import BudgetPlan
 
     art, d = workflow_artifacts, workflow_artifacts["dir"]
     budget = {"policy": policy, "floor": 4, "multiple": 4}
     doc = api.allocate(art["model"], art["stats"], method, 50, budget)
-    ref = allocate_budget(d / "qk.h5", f"{method}@b", 50, "b", budget, activations=d / "activations.h5",
-                          grads=d / "grad_scores.h5")
+    ref = allocate_budget(d / "qk.h5", f"{method}@b", 50, BudgetPlan.from_dict({"name": "b", "settings": budget}),
+                          activations=d / "activations.h5", grads=d / "grad_scores.h5")
     assert doc["key_dims"] == ref["key_dims"] and doc["allocation"]["values"] == ref["allocation"]["values"]
     selection = api.select(art["model"], art["stats"], method, pct=50, widths=doc["key_dims"])
     write_json(tmp_path / "a.json", ref)

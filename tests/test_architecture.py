@@ -79,13 +79,14 @@ def test_family_specs_import_no_torch_and_nothing_else_from_the_package(name):
 #: docs/architecture.md's map, lowest layer first: (layer, module prefixes); a module belongs to the layer of its
 #: longest matching prefix.
 LAYERS = [
+    ("layout", ["statereduce.layout"]),
     ("kernels", ["statereduce.kernels"]),
     ("families", ["statereduce.families"]),
     ("adapters", ["statereduce.adapters"]),
     ("selectors", ["statereduce.selectors"]),
     ("foundations", ["statereduce", "statereduce.models", "statereduce.data", "statereduce.tokenizer",
                      "statereduce.checkpoints", "statereduce.h5files", "statereduce.artifacts", "statereduce.runtime",
-                     "statereduce.selection_file", "statereduce.layout", "statereduce.settings",
+                     "statereduce.selection_file", "statereduce.settings",
                      "statereduce.budgets", "statereduce.slicing"]),
     ("services", ["statereduce.eval", "statereduce.analysis", "statereduce.speed", "statereduce.config"]),
     ("stages", ["statereduce.pretrain", "statereduce.capture", "statereduce.allocate", "statereduce.select",

@@ -122,15 +122,16 @@ def _fake_record(folder: Path, model: str, family: str, method: str, pct: float)
 
 def test_rft_refuses_a_checkpoint_pruned_for_another_job(tmp_path):
     from statereduce.rft import run_rft
+    from statereduce.settings import EvalSettings, RftPlan
 
     pruned = _fake_record(tmp_path / "pruned", "tiny-gdn", "gated_deltanet", "drrqr", 75.0)
     with pytest.raises(ArtifactError) as err:  # before any model, corpus or evaluation is touched
-        run_rft(pruned, tmp_path / "base", tmp_path / "rft", {}, {}, {}, DN, tmp_path / "eval.json",
+        run_rft(pruned, tmp_path / "base", tmp_path / "rft", RftPlan(), {}, EvalSettings(), DN, tmp_path / "eval.json",
                 extra={"method": "drrqr", "pct": 75.0, "stage": "rft"})
     assert _one_line(err) == (f"{pruned / 'prune_record.json'} was written for model 'tiny-gdn' (gated_deltanet); "
                               "this job is for 'tiny-dn' (delta_net); delete it and rerun (rule prune rebuilds it)")
     with pytest.raises(ArtifactError, match=r"with method='drrqr'; this job expects method='l1'"):
-        run_rft(pruned, tmp_path / "base", tmp_path / "rft", {}, {}, {}, GDN, tmp_path / "eval.json",
+        run_rft(pruned, tmp_path / "base", tmp_path / "rft", RftPlan(), {}, EvalSettings(), GDN, tmp_path / "eval.json",
                 extra={"method": "l1", "pct": 75.0, "stage": "rft"})
 
 

@@ -263,6 +263,7 @@ def test_measured_values_made_once_give_every_pcts_allocation(method, settings, 
 
     from statereduce.allocate import allocate_budget, budget_values
     from statereduce.models import load_model
+    from statereduce.settings import BudgetPlan
 
     save_checkpoint(tmp_path / "base", seed=0)
     model = load_model(tmp_path / "base")[0]
@@ -274,17 +275,16 @@ def test_measured_values_made_once_give_every_pcts_allocation(method, settings, 
     cal = {"corpus": "embedded", "n_samples": 2, "seq_len": 32, "seed": 0, "batch_size": 2}
     corpus = {"source": "embedded", "max_bytes": 600_000}
     values = tmp_path / f"{method}.values.json"
-    write_json(values, budget_values(tmp_path / "qk.h5", method, "b", settings, **files, base=tmp_path / "base",
-                                     calibration=cal, corpus=corpus))
+    plan = BudgetPlan.from_dict({"name": "b", "settings": settings, "calibration": cal, "corpus": corpus})
+    write_json(values, budget_values(tmp_path / "qk.h5", method, plan, **files, base=tmp_path / "base"))
     for pct in (50, 75):
-        measured_here = allocate_budget(tmp_path / "qk.h5", method, pct, "b", settings, **files,
-                                        base=tmp_path / "base", calibration=cal, corpus=corpus)
-        read = allocate_budget(tmp_path / "qk.h5", method, pct, "b", settings, values=values, calibration=cal)
+        measured_here = allocate_budget(tmp_path / "qk.h5", method, pct, plan, **files, base=tmp_path / "base")
+        read = allocate_budget(tmp_path / "qk.h5", method, pct, plan.replace(corpus=None), values=values)
         assert json.dumps(read) == json.dumps(measured_here), pct
-    other = {**settings, "floor": 16}
+    other = plan.replace(settings=plan.settings.replace(floor=16), corpus=None)
     with pytest.raises(ValueError, match=r"^\S+values\.json was measured with settings=\{.*\}; this job has \{.*"
                                          r"'floor': 16.*delete it and rerun \(rule budget_values rebuilds it\)$"):
-        allocate_budget(tmp_path / "qk.h5", method, 50, "b", other, values=values, calibration=cal)
+        allocate_budget(tmp_path / "qk.h5", method, 50, other, values=values)
 
 
 def test_a_values_file_is_a_target_of_its_own(tmp_path):

@@ -105,3 +105,38 @@ def test_each_summary_reads_its_stages_evaluations_and_records(default_plan):
         assert sorted(inputs.split(", ")) == sorted([
             f"results/{model}/baseline/eval.json", f"{stage}/pruned/eval.json", f"{stage}/pruned/prune_record.json",
             f"{stage}/rft/eval.json", f"{stage}/rft/rft_record.json"]), output
+
+
+# ---- method tokens: the grammar here, the vocabulary from the selector registry --------------------------------
+TOKENS = ["drrqr", "l1-q", "grad-k", "pca-adv-k", "pca-adv", "drrqr.prose", "grad-q.prose", "drrqr@energy",
+          "grad.prose@sens", "swanda-k.x1@b2"]
+BAD = ["", "DRRQR", "drrqr.default", "drrqr.Prose", "drrqr@", "drrqr@Big", "-k", "drrqr-k-", "1abc"]
+
+
+@pytest.mark.parametrize("token", TOKENS)
+def test_the_grammar_alone_reads_what_the_registry_reads(token):
+    from statereduce.selectors import format_method, parse_method
+
+    spec = layout.parse_method(token)
+    assert spec == parse_method(token) == layout.parse_method(token, {"drrqr": ("kq",), "l1": ("kq", "k", "q"),
+                                                                      "grad": ("kq", "k", "q"), "pca-adv": ("kq", "k"),
+                                                                      "swanda": ("kq", "k")})
+    assert layout.format_method(spec) == format_method(spec) == token
+
+
+@pytest.mark.parametrize("token", BAD)
+def test_the_grammar_alone_refuses_a_bad_token_in_one_line(token):
+    with pytest.raises(ValueError, match=r"^[^\n]*expected <selector>\[-k\|-q\]\[\.<calib>\]\[@<budget>\][^\n]*$"):
+        layout.parse_method(token)
+
+
+def test_the_vocabulary_decides_names_and_variants():
+    vocabulary = {"drrqr": ("kq",), "l1": ("kq", "k", "q")}
+    with pytest.raises(ValueError, match=r"^unknown selector 'drrq' in method token 'drrq-k' \(did you mean "
+                                         r"'drrqr'\?\); valid: drrqr, l1$"):
+        layout.parse_method("drrq-k", vocabulary)
+    with pytest.raises(ValueError, match=r"^selector 'drrqr' in method token 'drrqr-k' has no variant 'k'; "):
+        layout.parse_method("drrqr-k", vocabulary)
+    assert layout.parse_method("drrqr-k") == layout.MethodSpec("drrqr", "k")  # the grammar alone allows it
+    assert re.fullmatch(layout.method_regex(vocabulary), "l1-q.prose@b") and not re.fullmatch(
+        layout.method_regex(vocabulary), "drrqr-k")

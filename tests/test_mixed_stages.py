@@ -24,6 +24,7 @@ from statereduce.analysis.rank import check_selection_widths, collect_rank_sampl
 from statereduce.eval.documents import state_record
 from statereduce.models import build_random, load_model, save_checkpoint
 from statereduce.prune import prune_model, save_pruned
+from statereduce.settings import RftSettings
 from statereduce.slicing import KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD
 from statereduce.tokenizer import byte_level_tokenizer
 
@@ -169,7 +170,7 @@ def test_rft_of_a_mixed_checkpoint_keeps_its_widths_and_reloads(family, tmp_path
                          norm_eps="exact")
     pruned = save_pruned(model, tok, record, tmp_path / "pruned")
     out, kept = tmp_path / "rft", {}
-    rec = ft.fine_tune(pruned, base, out, RFT, CORPUS, on_saved=lambda m, t, o: kept.update(model=m))
+    rec = ft.fine_tune(pruned, base, out, RftSettings.from_dict(RFT), CORPUS, on_saved=lambda m, t, o: kept.update(model=m))
     assert rec["steps"] == 2
     before, after = load_file(str(pruned / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert {k: v.shape for k, v in after.items()} == {k: v.shape for k, v in before.items()}

@@ -80,7 +80,7 @@ def pairs(built):
 def _run(pair, out, **kw):
     base, pruned = pair
     kw.setdefault("resume_dir", out.parent / f".{out.name}_resume")
-    return ft.fine_tune(pruned, base, out, {**RFT, **kw.pop("cfg", {})}, CORPUS, **kw)
+    return ft.fine_tune(pruned, base, out, RftSettings.from_dict({**RFT, **kw.pop("cfg", {})}), CORPUS, **kw)
 
 
 # ---- settings and loss -----------------------------------------------------------------------------
@@ -547,7 +547,7 @@ def test_two_process_ddp_matches_one_process(pairs, tmp_path):
     one = tmp_path / "one"
     _run(pairs["delta_net"], one)
     two = tmp_path / "two"
-    ft.launch(2, pruned, base, two, RFT, CORPUS, device="cpu", resume_dir=tmp_path / "resume2")
+    ft.launch(2, pruned, base, two, RftSettings.from_dict(RFT), CORPUS, device="cpu", resume_dir=tmp_path / "resume2")
     record = json.loads((two / "rft_record.json").read_text())
     assert record["processes"] == 2 and record["steps"] == 8
     la = [json.loads(x)["loss"] for x in (one / "train_log.jsonl").read_text().splitlines()]
@@ -567,7 +567,7 @@ def test_cuda_rft_without_cuda_fails_in_one_line(pairs, tmp_path):
     with pytest.raises(RuntimeError, match=r"^RFT on device 'cuda' needs a CUDA GPU and this machine has none \("):
         _run((base, pruned), tmp_path / "one", device="cuda")
     with pytest.raises(ValueError, match=r"^rft\.gpus 2 needs 2 CUDA devices and torch sees 0 .*valid: rft\.gpus up"):
-        ft.launch(2, pruned, base, tmp_path / "two", RFT, CORPUS, device="cuda")
+        ft.launch(2, pruned, base, tmp_path / "two", RftSettings.from_dict(RFT), CORPUS, device="cuda")
     assert not (tmp_path / "one").exists() and not (tmp_path / "two").exists()
 
 

@@ -180,7 +180,7 @@ def _typed(cfg, model):
         pass
     plan = out["rft"]
     if plan.activate:
-        out["rft.finetune"] = plan.finetune
+        out["rft.settings"] = plan.settings
     return out
 
 
@@ -269,9 +269,51 @@ def _owner(block: tuple, key: str) -> type[st.Settings]:
         (*model, "init"): st.InitSettings,
         (*model, "hub"): st.HubSettings,
         ("$defs", "model"): st.DeviceSettings,
+        ("$defs", "speed"): st.SpeedSettings,
     }
     assert block in owners, f"schema default at {'.'.join(map(str, block))}.{key} documents no settings class"
     return owners[block]
+
+
+def _schema_enums(node, path=()):
+    """``(block, key, enum)`` of every property with an ``enum`` in the schema."""
+    if isinstance(node, dict):
+        for key, value in node.get("properties", {}).items():
+            if isinstance(value, dict) and "enum" in value:
+                yield path, key, value["enum"]
+        for key, value in node.items():
+            yield from _schema_enums(value, (*path, key))
+
+
+def test_schema_enums_are_the_fields_valid_values():
+    """A :func:`~statereduce.settings.choice` field's valid values are the schema's enum of it, and every choice
+    field of a documented block has one."""
+    checked = set()
+    for path, key, enum in _schema_enums(srconfig.load_schema()):
+        block = path[:-1] if path and path[-1] == "properties" else path
+        try:
+            cls = _owner(block, key)
+        except AssertionError:
+            continue  # a block that no settings class holds (corpora, suites)
+        field = next((f for f in dataclasses.fields(cls) if f.name == key), None)
+        if field is not None and "valid" in field.metadata:
+            assert sorted(map(str, enum)) == sorted(map(str, cls.valid(key))), \
+                f"{cls.__name__}.{key}: schema {enum}, field {cls.valid(key)}"
+            checked.add((cls, key))
+    choices = {(cls, f.name) for cls in (st.CalibrationSettings, st.EvalSettings, st.RftSettings, st.PruneSettings,
+                                          st.BudgetSettings, st.DeviceSettings, st.SpeedSettings)
+               for f in dataclasses.fields(cls) if "valid" in f.metadata}
+    assert choices <= checked, sorted((c.__name__, k) for c, k in choices - checked)
+    assert len(checked) >= 12
+
+
+@pytest.mark.parametrize("cls", [c for c in vars(st).values()
+                                 if isinstance(c, type) and issubclass(c, st.Settings) and dataclasses.is_dataclass(c)])
+def test_a_choice_field_refuses_what_it_does_not_list(cls):
+    for f in dataclasses.fields(cls):
+        if "valid" in f.metadata:
+            with pytest.raises(ValueError, match=rf"^unknown .*'not-valid'; valid: "):
+                cls(**{f.name: "not-valid"})
 
 
 def test_every_schema_default_is_the_settings_default():

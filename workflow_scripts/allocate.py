@@ -4,13 +4,13 @@ from statereduce.runtime import start
 log = start(snakemake.log[0], snakemake.threads)
 from statereduce.allocate import allocate_budget  # noqa: E402
 from statereduce.runtime import write_json  # noqa: E402
+from statereduce.settings import BudgetPlan  # noqa: E402
 
-inp, budget = snakemake.input, snakemake.params.budget
+inp, selector, wc = snakemake.input, snakemake.params.selector, snakemake.wildcards
 doc = allocate_budget(
-    inp.weights, snakemake.wildcards.method, float(snakemake.wildcards.pct), budget["name"], budget["settings"],
-    activations=inp.get("activations"), values=inp.get("values"), calibration=budget.get("calibration"),
-    head_v_dim=budget["head_v_dim"], seed=snakemake.params.selector["seed"],
-    options=snakemake.params.selector["options"], expect=snakemake.params.info,
+    inp.weights, wc.method, float(wc.pct), BudgetPlan.from_dict(snakemake.params.budget),
+    activations=inp.get("activations"), values=inp.get("values"), seed=selector["seed"], options=selector["options"],
+    expect=snakemake.params.info,
 )
 write_json(snakemake.output[0], doc)
 log.info("%s: widths %s (uniform %d, total %d)", doc["allocation"]["policy"], doc["key_dims"], doc["uniform_width"],

@@ -6,14 +6,14 @@ from statereduce.runtime import start
 log = start(snakemake.log[0], snakemake.threads)
 from statereduce.allocate import budget_values  # noqa: E402
 from statereduce.runtime import write_json  # noqa: E402
+from statereduce.settings import BudgetPlan  # noqa: E402
 
-inp, budget = snakemake.input, snakemake.params.budget
+inp, selector = snakemake.input, snakemake.params.selector
 doc = budget_values(
-    inp.weights, snakemake.wildcards.method, budget["name"], budget["settings"],
+    inp.weights, snakemake.wildcards.method, BudgetPlan.from_dict(snakemake.params.budget),
     activations=inp.get("activations"), grads=inp.get("grads"),
     base=Path(inp.base).parent if "base" in inp.keys() else None,
-    calibration=budget.get("calibration"), corpus=budget.get("corpus"), head_v_dim=budget["head_v_dim"],
-    seed=snakemake.params.selector["seed"], options=snakemake.params.selector["options"], expect=snakemake.params.info,
+    seed=selector["seed"], options=selector["options"], expect=snakemake.params.info,
 )
 write_json(snakemake.output[0], doc)
 log.info("%s: values of widths %s in layers %s", doc["settings"]["policy"], doc["widths"], doc["layers"])

@@ -1,8 +1,9 @@
 """Channel selectors (paper Sec. 3.4): which key/query channels each head keeps.
 
 Importing this package registers every selector; each lives in its own module so that the workflow can
-make that file an input of its own jobs only. See :mod:`statereduce.selectors.registry` for the API and
-the method-token syntax ``<selector>[-k|-q][.<calib>]``.
+make that file an input of its own jobs only. See :mod:`statereduce.selectors.registry` for the API, and
+:mod:`statereduce.layout` for the method-token grammar ``<selector>[-k|-q][.<calib>][@<budget>]`` that
+:func:`parse_method` reads against the registered selectors.
 
 To add a selector: write ``selectors/<name>.py`` with a function decorated by
 ``@register_selector("<name>", needs={...})`` and import the module below.
@@ -11,14 +12,11 @@ To add a selector: write ``selectors/<name>.py`` with a function decorated by
 from __future__ import annotations
 
 from statereduce.selectors import drrqr, grad, l1, pca, rand, swanda  # noqa: F401  (registration)
+from statereduce.layout import DEFAULT_CALIB, DEFAULT_VARIANT, VARIANTS, MethodSpec
 from statereduce.selectors.registry import (
-    DEFAULT_CALIB,
-    DEFAULT_VARIANT,
     NEEDS,
-    VARIANTS,
     HeadData,
     HeadSelection,
-    MethodSpec,
     Selector,
     format_method,
     get_selector,

@@ -1,4 +1,4 @@
-"""Selector registry, per-head data containers, method tokens and the per-model driver.
+"""Selector registry, per-head data containers, method tokens of the registered selectors and the per-model driver.
 
 A *selector* maps the statistics of one (layer, head) to the key/query channels to keep (paper
 Sec. 3.4: the same indices apply to K, Q and their conv filters). Each selector lives in its own
@@ -6,18 +6,8 @@ module (``rand.py``, ``l1.py``, ``swanda.py``, ``grad.py``, ``drrqr.py``) and re
 :func:`register_selector`; the workflow makes that module file an input of that selector's jobs only
 (``Selector.source_file``), so editing one selector recomputes only its own results.
 
-Method tokens name a selection in result paths ``results/{model}/{method}_{pct}/``::
-
-    <selector>[-k|-q][.<calib>][@<budget>]
-
-Selector names are ``[a-z][a-z0-9]*`` words joined by dashes (``pca-adv``); none ends in ``-k`` or ``-q``.
-``-k`` / ``-q`` score from the key / query side only (paper App. C.7, Table 16); no suffix scores
-from both (the default, "kq"). ``.<calib>`` (``[a-z0-9]+``) names a non-default calibration set
-(paper Tables 2 and 7); the default calibration has no suffix, so ``drrqr`` and ``drrqr.default`` are
-not both valid: only the plain token is. ``@<budget>`` (``[a-z0-9]+``) names a per-layer key budget
-(:mod:`statereduce.budgets`): each layer keeps its own d_k' at the uniform cut's total; without it every layer
-keeps the same d_k'. Examples: ``drrqr``, ``l1-q``, ``grad-k``, ``pca-adv-k``, ``drrqr.prose``, ``grad-q.prose``,
-``drrqr@energy``, ``grad.prose@sens``.
+Method tokens (``<selector>[-k|-q][.<calib>][@<budget>]``, grammar in :mod:`statereduce.layout`) name a selection
+in result paths ``results/{model}/{method}_{pct}/``; :func:`parse_method` reads one against the registered selectors.
 
 Most selectors keep a subset of channels (an index selection). A selector may instead return a semi-orthogonal
 transform ``T`` [d_k', d_k] per head (``pca``: paper App. B.3-B.5, C.6); an index selection is the special case
@@ -27,7 +17,6 @@ transform ``T`` [d_k', d_k] per head (``pca``: paper App. B.3-B.5, C.6); an inde
 from __future__ import annotations
 
 import contextlib
-import difflib
 import inspect
 import os
 import re
@@ -39,17 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from statereduce import layout
+from statereduce.layout import DEFAULT_VARIANT, NAME_PATTERN, VARIANTS, MethodSpec, unknown_selector
+
 #: Data a selector may declare it needs (what the workflow must load for its jobs).
 NEEDS = frozenset({"weights", "activations", "xnorm", "grad"})
-#: Scoring variants (paper App. C.7): both sides, keys only, queries only.
-VARIANTS = ("kq", "k", "q")
-DEFAULT_VARIANT = "kq"
-DEFAULT_CALIB = "default"
-_CALIB_RE = re.compile(r"[a-z0-9]+")
-#: Budget ids (``@<budget>`` of a method token): keys of the config's ``budgets`` block.
-BUDGET_PATTERN = r"[a-z0-9]+"
-#: Selector names: words of lower-case letters and digits joined by dashes, e.g. ``drrqr``, ``pca-adv``.
-NAME_PATTERN = r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*"
 #: Largest deviation of ``T T^T`` from the identity that a transform selection may have.
 ORTHONORMAL_TOL = 1e-8
 
@@ -101,22 +84,6 @@ class HeadSelection:
     keep: np.ndarray | None
     scores: np.ndarray | None = None
     transform: np.ndarray | None = None
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """A parsed method token: selector name, scoring variant ("kq", "k", "q"), calibration id and per-layer key
-    budget (None: every layer keeps the same d_k')."""
-
-    selector: str
-    variant: str = DEFAULT_VARIANT
-    calib: str = DEFAULT_CALIB
-    budget: str | None = None
-
-    @property
-    def uniform(self) -> MethodSpec:
-        """The same selection without a per-layer budget (the uniform cut it is compared with)."""
-        return MethodSpec(self.selector, self.variant, self.calib)
 
 
 SelectorFn = Callable[..., HeadSelection]
@@ -276,10 +243,9 @@ def selector_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _unknown_selector(name: str, context: str = "") -> ValueError:
-    close = difflib.get_close_matches(name, selector_names(), n=3)
-    hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
-    return ValueError(f"unknown selector {name!r}{context}{hint}; valid: {', '.join(selector_names())}")
+def _vocabulary() -> dict[str, tuple[str, ...]]:
+    """The registered selectors and their variants, the vocabulary of method tokens."""
+    return {name: sel.variants for name, sel in _REGISTRY.items()}
 
 
 def get_selector(name: str) -> Selector:
@@ -287,7 +253,7 @@ def get_selector(name: str) -> Selector:
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
-        raise _unknown_selector(str(name)) from None
+        raise unknown_selector(str(name), _vocabulary()) from None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -296,61 +262,18 @@ def get_selector(name: str) -> Selector:
 
 def method_regex() -> str:
     """Regex (unanchored, for Snakemake ``wildcard_constraints``) matching exactly the valid method tokens."""
-    alts = []
-    for name in sorted(_REGISTRY, key=lambda s: (-len(s), s)):
-        extra = [v for v in _REGISTRY[name].variants if v != DEFAULT_VARIANT]
-        alts.append(re.escape(name) + (f"(?:-(?:{'|'.join(extra)}))?" if extra else ""))
-    calib = rf"(?:\.(?!{DEFAULT_CALIB}(?![a-z0-9]))[a-z0-9]+)?"
-    return f"(?:{'|'.join(alts)}){calib}(?:@{BUDGET_PATTERN})?"
-
-
-def _token_help() -> str:
-    variants = {n: [v for v in s.variants if v != DEFAULT_VARIANT] for n, s in sorted(_REGISTRY.items())}
-    with_kq = [n for n, v in variants.items() if v]
-    return (
-        f"expected <selector>[-k|-q][.<calib>][@<budget>] with selector in {{{', '.join(selector_names())}}}, "
-        f"-k/-q only for {{{', '.join(with_kq)}}}, calib matching [a-z0-9]+ (omit it for the default calibration), "
-        f"budget matching {BUDGET_PATTERN} (omit it for the uniform cut)"
-    )
+    return layout.method_regex(_vocabulary())
 
 
 def parse_method(token: str) -> MethodSpec:
-    """Parse a method token ``<selector>[-k|-q][.<calib>][@<budget>]`` (see module docstring) into a
-    :class:`MethodSpec`."""
-    if not isinstance(token, str) or not token:
-        raise ValueError(f"bad method token {token!r}; {_token_help()}")
-    rest, at, budget = token.partition("@")
-    if at and not re.fullmatch(BUDGET_PATTERN, budget):
-        raise ValueError(f"bad budget id {budget!r} in method token {token!r}; {_token_help()}")
-    head, dot, calib = rest.partition(".")
-    if dot:
-        if not _CALIB_RE.fullmatch(calib):
-            raise ValueError(f"bad calibration id {calib!r} in method token {token!r}; {_token_help()}")
-        if calib == DEFAULT_CALIB:
-            raise ValueError(f"method token {token!r}: write {head!r} for the default calibration; {_token_help()}")
-    else:
-        calib = DEFAULT_CALIB
-    name, dash, variant = head.rpartition("-")
-    if head in _REGISTRY:  # a selector name (dashes included), no variant suffix
-        name, variant = head, DEFAULT_VARIANT
-    elif not dash or name not in _REGISTRY:
-        raise _unknown_selector(name if dash and variant in VARIANTS else head, f" in method token {token!r}")
-    elif variant not in VARIANTS or variant == DEFAULT_VARIANT:
-        raise ValueError(f"bad variant suffix {'-' + variant!r} in method token {token!r}; {_token_help()}")
-    elif variant not in _REGISTRY[name].variants:
-        raise ValueError(f"selector {name!r} in method token {token!r} has no variant {variant!r}; {_token_help()}")
-    return MethodSpec(selector=name, variant=variant, calib=calib, budget=budget if at else None)
+    """Parse a method token of a registered selector into a :class:`~statereduce.layout.MethodSpec`
+    (:func:`statereduce.layout.parse_method`)."""
+    return layout.parse_method(token, _vocabulary())
 
 
 def format_method(spec: MethodSpec) -> str:
-    """The canonical method token of a :class:`MethodSpec` (inverse of :func:`parse_method`)."""
-    suffix = "" if spec.variant == DEFAULT_VARIANT else f"-{spec.variant}"
-    calib = "" if spec.calib == DEFAULT_CALIB else f".{spec.calib}"
-    budget = "" if spec.budget is None else f"@{spec.budget}"
-    token = f"{spec.selector}{suffix}{calib}{budget}"
-    if parse_method(token) != spec:  # validates selector, variant and calib
-        raise ValueError(f"MethodSpec {spec!r} has no canonical token; {_token_help()}")
-    return token
+    """The canonical method token of a :class:`~statereduce.layout.MethodSpec` of a registered selector."""
+    return layout.format_method(spec, _vocabulary())
 
 
 # ----------------------------------------------------------------------------------------------------
