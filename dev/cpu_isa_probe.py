@@ -49,6 +49,7 @@ def child(isa: str, steps: int) -> dict:
 
     from statereduce.pretrain import pretrain
     from statereduce.selectors.rrqr import strong_rrqr
+    from statereduce.settings import TrainSettings
 
     import random
 
@@ -61,7 +62,7 @@ def child(isa: str, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "corpus.txt").write_text(text)
         corpus = {"source": "files", "paths": [str(Path(tmp) / "corpus.txt")]}
-        rec = pretrain("delta_net", ARCH, corpus, train, Path(tmp) / "ckpt")
+        rec = pretrain("delta_net", ARCH, corpus, TrainSettings.from_dict(train), Path(tmp) / "ckpt")
         weights = load_file(str(Path(tmp) / "ckpt" / "model.safetensors"))
     seconds = time.perf_counter() - t0
     digest = hashlib.sha256()

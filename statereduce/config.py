@@ -29,7 +29,6 @@ from statereduce.settings import (
     RftPlan,
     PruneSettings,
     SpeedPlan,
-    SpeedSettings,
 )
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
@@ -273,7 +272,7 @@ def model_speed(config: dict, model: str) -> SpeedPlan:
     ``arch`` (the family's config keywords) is ``models.<model>.speed.arch``, else the ``pretrain.arch`` or
     ``init.arch`` of a model the workflow makes; speed runs use random weights of that shape, so they need no
     checkpoint. ``settings`` are the top-level ``speed`` block updated by the model's own ``speed`` block (part
-    blocks key by key), which update :class:`~statereduce.settings.SpeedSettings` (``plan.speed``; checked here).
+    blocks key by key), which update :class:`~statereduce.settings.SpeedSettings` (checked here).
     """
     from statereduce.families import family_names, family_spec
 
@@ -299,12 +298,10 @@ def model_speed(config: dict, model: str) -> SpeedPlan:
         raise ConfigError(f"models.{model}.speed.models: 'models' belongs to the top-level speed block only")
     for key, value in own.items():
         settings[key] = {**settings.get(key, {}), **value} if isinstance(value, dict) else value
-    plan = SpeedPlan(**canonical({"family": m["family"], "arch": arch, "settings": settings}))
     try:
-        SpeedSettings.from_dict(plan.settings)
+        return SpeedPlan.from_dict(canonical({"family": m["family"], "arch": arch, "settings": settings}))
     except ValueError as e:
         raise ConfigError(f"models.{model}.speed (with the top-level speed block): {e}") from None
-    return plan
 
 
 def model_dims(config: dict, model: str) -> dict | None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +74,10 @@ def pretrain(
     family: str,
     arch: dict[str, Any],
     corpus_spec: dict[str, Any],
-    train_cfg: TrainSettings | Mapping[str, Any],
+    train_cfg: TrainSettings,
     out_dir: str | Path,
     log_path: str | Path | None = None,
-    recall_mix: RecallMixSettings | Mapping[str, Any] | None = None,
+    recall_mix: RecallMixSettings | None = None,
     share_conv: str = SHARE_CONV_DEFAULT,
 ) -> dict[str, Any]:
     """Train a tiny stock model of ``family`` from scratch and save it as an HF checkpoint folder.
@@ -107,13 +106,13 @@ def pretrain(
             training, a few ``calib`` / ``heldout`` blocks for the final losses.
         train_cfg: the optimisation (:class:`~statereduce.settings.TrainSettings`: steps, batch_size, seq_len, lr,
             min_lr, weight_decay, betas, warmup, grad_clip, seed, threads (``torch.set_num_threads``), log_every,
-            eval_blocks); a mapping updates its defaults.
+            eval_blocks).
         out_dir: the checkpoint folder to create (replaced if it exists); written to a temporary sibling
             and renamed, so it is never half-written.
         log_path: optional extra JSONL file receiving the training log lines (the checkpoint always holds
             ``train_log.jsonl``).
         recall_mix: recall documents mixed in (:class:`~statereduce.settings.RecallMixSettings`: fraction, n_pairs,
-            seed, pure_steps, pure_lr; a mapping updates its defaults); ``None`` trains on the corpus alone.
+            seed, pure_steps, pure_lr); ``None`` trains on the corpus alone.
         share_conv: ``"none"`` (stock convolutions), ``"head"`` or ``"all"``; only for families with q and k short
             convolutions in modules of their own (DeltaNet, Gated DeltaNet).
 
@@ -130,9 +129,8 @@ def pretrain(
     from statereduce.families import check_share_conv
 
     family_adapter = adapter_class(family)
-    cfg = TrainSettings.coerce(train_cfg)
+    cfg, mix = train_cfg, recall_mix
     check_share_conv(family, share_conv, arch)
-    mix = None if recall_mix is None else RecallMixSettings.coerce(recall_mix)
     family_adapter.install_fallbacks()
     torch.set_num_threads(int(cfg.threads))
     seed = int(cfg.seed)

@@ -821,7 +821,7 @@ class SpeedSettings(Settings):
                                                       "mixer": MixerSettings, "profile": SpeedProfileSettings}
 
     pcts: list = field(default_factory=lambda: [50, 75])
-    dtype: str = choice("bfloat16", ("bfloat16", "float16"))
+    dtype: str = "bfloat16"
     blas: str | None = choice(None, (None, "cublas", "cublaslt"),
                               describe="cublas, cublaslt, or null for torch's default")
     pdl: bool = True
@@ -842,16 +842,15 @@ class SpeedSettings(Settings):
 @dataclass(frozen=True)
 class SpeedPlan(Settings):
     """A model's speed plan (:func:`statereduce.config.model_speed`): its family, the arch measured (random weights
-    of that shape) and the speed settings as configured (the top-level ``speed`` block updated by the model's; the
-    rule's params carry them so; typed: :attr:`speed`)."""
+    of that shape) and the speed settings (the top-level ``speed`` block updated by the model's); ``to_dict`` gives
+    them as configured (:meth:`~Settings.overrides`), which the rule's params carry."""
 
     section: ClassVar[str] = "speed plan"
+    nested: ClassVar[Mapping[str, type[Settings]]] = {"settings": SpeedSettings}
 
     arch: dict = field(default_factory=dict)
     family: str = ""
-    settings: dict = field(default_factory=dict)
+    settings: SpeedSettings = field(default_factory=SpeedSettings)
 
-    @property
-    def speed(self) -> SpeedSettings:
-        """:class:`SpeedSettings` updated by :attr:`settings`."""
-        return SpeedSettings.from_dict(self.settings)
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "settings": self.settings.overrides()}

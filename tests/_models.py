@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from statereduce.models import tiny_config
+from statereduce.settings import RecallMixSettings, TrainSettings
 
 VOCAB = 300
 
@@ -109,3 +110,12 @@ def random_keep(model: nn.Module, d_k_new: int, seed: int = 0) -> dict[int, torc
         layer: torch.stack([torch.randperm(d_k, generator=g)[:d_k_new].sort().values for _ in range(h)])
         for layer, _ in adapter.mixer_layers()
     }
+
+
+def pretrain(family: str, arch: dict, corpus: dict, train: dict, out, *, recall_mix: dict | None = None, **kw):
+    """:func:`statereduce.pretrain.pretrain` with its settings given as config blocks (read by their ``from_dict``,
+    as the workflow script reads the rule's params)."""
+    from statereduce import pretrain as pt
+
+    mix = None if recall_mix is None else RecallMixSettings.from_dict(recall_mix)
+    return pt.pretrain(family, arch, corpus, TrainSettings.from_dict(train), out, recall_mix=mix, **kw)

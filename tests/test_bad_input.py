@@ -137,6 +137,7 @@ def test_rft_refuses_a_checkpoint_pruned_for_another_job(tmp_path):
 
 def test_rank_refuses_artifacts_of_another_job(artifacts, tmp_path):
     from statereduce.analysis.rank import rank_analysis
+    from statereduce.settings import RankSettings
 
     rows, meta = select_channels(artifacts["tiny-dn/qk"], "l1", 50, expect=DN)
     sel = write_selection(tmp_path / "l1_50.parquet", rows, meta)
@@ -144,12 +145,13 @@ def test_rank_refuses_artifacts_of_another_job(artifacts, tmp_path):
     gdn_pruned = _fake_record(tmp_path / "gdn", "tiny-gdn", "gated_deltanet", "l1", 50.0)
     with pytest.raises(ArtifactError, match=re.escape(f"{gdn_pruned / 'prune_record.json'} was written for model "
                                                       "'tiny-gdn'")):
-        rank_analysis(gdn_pruned, {}, DN, tmp_path / "rank.json", selection=sel, activations=artifacts["tiny-dn/acts"],
-                      extra=job)
+        rank_analysis(gdn_pruned, RankSettings(), DN, tmp_path / "rank.json", selection=sel,
+                      activations=artifacts["tiny-dn/acts"], extra=job)
     dn_pruned = _fake_record(tmp_path / "dn", "tiny-dn", "delta_net", "l1", 50.0)
     acts = artifacts["tiny-gdn/acts"]
     with pytest.raises(ArtifactError, match=re.escape(f"{acts} was written for model 'tiny-gdn'")):
-        rank_analysis(dn_pruned, {}, DN, tmp_path / "rank.json", selection=sel, activations=acts, extra=job)
+        rank_analysis(dn_pruned, RankSettings(), DN, tmp_path / "rank.json", selection=sel, activations=acts,
+                      extra=job)
 
 
 # ---- 4. artifacts that cannot be read ----------------------------------------------------------------------------

@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
-from _models import SMALL, tiny_arch
+from _models import SMALL, pretrain, tiny_arch
 from safetensors.torch import load_file
 
 from statereduce import pretrain as pt
 from statereduce.models import load_model, tiny_config, write_hub_source
-from statereduce.pretrain import lr_at, pretrain
+from statereduce.pretrain import lr_at
 from statereduce.settings import TrainSettings
 
 CORPUS = {"source": "embedded", "max_bytes": 600_000}

@@ -23,7 +23,7 @@ from _models import tiny_model
 from torch import nn
 
 from statereduce.eval import recall as rc
-from statereduce.settings import RecallMixSettings
+from statereduce.settings import EvalSettings, RecallMixSettings, RecallProbeSettings
 
 
 def _lines(doc: dict) -> list[str]:
@@ -342,7 +342,8 @@ def test_evaluate_loaded_recall_probe_suite_without_heldout(tok, tmp_path):
         "max_length": 256,
     }
     out = tmp_path / "baseline" / "eval.json"
-    doc = evaluate_loaded(model, tok, "ckpt", settings, {"model": "tiny-dn"}, out, {"method": "baseline"})
+    doc = evaluate_loaded(model, tok, "ckpt", EvalSettings.from_dict(settings), {"model": "tiny-dn"}, out,
+                          {"method": "baseline"})
     names = ["recall_mqar_4", "recall_mqar_8_d0"]
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["baseline", "baseline/eval.json"]
     assert list(doc["metrics"]) == names and doc["settings"]["tasks"] == names
@@ -354,12 +355,11 @@ def test_evaluate_loaded_recall_probe_suite_without_heldout(tok, tmp_path):
 
 
 def test_recall_probe_writer_checks_window(tok, tmp_path):
-    writer = rc.recall_probe_writer({"levels": [8], "n_docs": 2}, tok, max_length=16)
+    writer = rc.recall_probe_writer(RecallProbeSettings(levels=[8], n_docs=2), tok, max_length=16)
     with pytest.raises(ValueError, match=r"max_length 16 is shorter than the longest recall document"):
         writer(tmp_path)
-    assert rc.recall_probe_writer({"levels": [8], "n_docs": 2}, tok, max_length=512)(tmp_path) == ["recall_mqar_8"]
-    with pytest.raises(ValueError, match=r"unknown recall_probe keys \['n_doc'\]"):
-        rc.recall_probe_writer({"n_doc": 2})
+    writer = rc.recall_probe_writer(RecallProbeSettings(levels=[8], n_docs=2), tok, max_length=512)
+    assert writer(tmp_path) == ["recall_mqar_8"]
 
 
 def test_documents_are_pinned():

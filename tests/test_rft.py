@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import _fresh as fresh
 import torch
-from _models import random_keep, tiny_arch, tiny_inputs, tiny_model
+from _models import pretrain, random_keep, tiny_arch, tiny_inputs, tiny_model
 from _paths import ROOT
 from safetensors.torch import load_file
 
@@ -28,7 +28,7 @@ from statereduce import rft as ft
 from statereduce.adapters import get_adapter
 from statereduce.data import load_split
 from statereduce.models import load_model
-from statereduce.pretrain import _eval_blocks, mean_loss, pretrain
+from statereduce.pretrain import _eval_blocks, mean_loss
 from statereduce.prune import prune_model, save_pruned
 from statereduce.settings import DistillSettings, LoraSettings, RftSettings
 from statereduce.tokenizer import byte_level_tokenizer

@@ -312,7 +312,7 @@ def test_schema_enums_are_the_fields_valid_values():
 def test_a_choice_field_refuses_what_it_does_not_list(cls):
     for f in dataclasses.fields(cls):
         if "valid" in f.metadata:
-            with pytest.raises(ValueError, match=rf"^unknown .*'not-valid'; valid: "):
+            with pytest.raises(ValueError, match=r"^unknown .*'not-valid'; valid: "):
                 cls(**{f.name: "not-valid"})
 
 

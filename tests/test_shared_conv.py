@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import _fresh as fresh
 import torch
-from _models import VOCAB, tiny_arch, tiny_inputs, tiny_model
+from _models import VOCAB, pretrain, tiny_arch, tiny_inputs, tiny_model
 from _paths import ROOT
 from safetensors.torch import load_file
 
@@ -158,7 +158,7 @@ def trained(tmp_path_factory):
     out = {}
     for name, (family, share) in runs.items():
         kwargs = {} if share is None else {"share_conv": share}
-        record = pt.pretrain(family, ARCH[family], CORPUS, TRAIN, root / name, **kwargs)
+        record = pretrain(family, ARCH[family], CORPUS, TRAIN, root / name, **kwargs)
         out[name] = (root / name, record)
     return out
 
@@ -232,7 +232,7 @@ def test_checkpoints_reload_with_stock_from_pretrained(trained, tmp_path):
 
 def test_default_share_conv_is_bit_identical(trained, tmp_path):
     """``share_conv: none`` trains exactly what a call without the option trains (same draws, same op order)."""
-    record = pt.pretrain("delta_net", ARCH["delta_net"], CORPUS, TRAIN, tmp_path / "none", share_conv="none")
+    record = pretrain("delta_net", ARCH["delta_net"], CORPUS, TRAIN, tmp_path / "none", share_conv="none")
     a = load_file(trained["dn"][0] / "model.safetensors")
     b = load_file(tmp_path / "none" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -243,12 +243,12 @@ def test_default_share_conv_is_bit_identical(trained, tmp_path):
 def test_pretrain_rejects_share_conv_before_training(tmp_path):
     arch = tiny_arch("mamba2", small=True, byte_vocab=True)
     with pytest.raises(ValueError, match=r"^share_conv 'head' needs q/k short convolutions .* family 'mamba2'") as exc:
-        pt.pretrain("mamba2", arch, CORPUS, TRAIN, tmp_path / "x", share_conv="head")
+        pretrain("mamba2", arch, CORPUS, TRAIN, tmp_path / "x", share_conv="head")
     assert "\n" not in str(exc.value)
     with pytest.raises(ValueError, match=r"^unknown share_conv 'heads'; valid: none, head, all$"):
-        pt.pretrain("delta_net", ARCH["delta_net"], CORPUS, TRAIN, tmp_path / "x", share_conv="heads")
+        pretrain("delta_net", ARCH["delta_net"], CORPUS, TRAIN, tmp_path / "x", share_conv="heads")
     with pytest.raises(ValueError, match="use_short_conv"):
-        pt.pretrain("delta_net", {**ARCH["delta_net"], "use_short_conv": False}, CORPUS, TRAIN, tmp_path / "x",
+        pretrain("delta_net", {**ARCH["delta_net"], "use_short_conv": False}, CORPUS, TRAIN, tmp_path / "x",
                     share_conv="all")
     assert not (tmp_path / "x").exists()
 

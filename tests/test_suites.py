@@ -49,7 +49,8 @@ TABLE10_BASELINE = {
 # expansion
 # ---------------------------------------------------------------------------------------------
 def test_expand_lm_and_recall():
-    ev = su.expand_eval({"tasks": ["heldout", "wikitext"], "suites": ["lm", "recall"], "max_length": 2048})
+    ev = su.expand_eval(EvalSettings.from_dict({"tasks": ["heldout", "wikitext"], "suites": ["lm", "recall"],
+                                                "max_length": 2048}))
     assert ev.tasks == ["heldout", "wikitext"] + LM_TASKS[1:] + RECALL_TASKS  # configured first, each once
     assert ev.suites == ["lm", "recall"]
     assert ev.metadata == {"max_seq_lengths": [2048, 4096]}
@@ -65,10 +66,11 @@ def test_expand_without_suites_is_unchanged():
 
 
 def test_expand_recall_probe_fills_defaults():
-    ev = su.expand_eval({"tasks": [], "suites": ["recall_probe"]})
+    ev = su.expand_eval(EvalSettings.from_dict({"tasks": [], "suites": ["recall_probe"]}))
     assert ev.tasks == [] and ev.metadata is None and ev.task_max_length is None
     assert ev.recall_probe == {"levels": [4, 16, 64], "n_docs": 100, "seed": 0}
-    ev = su.expand_eval({"tasks": [], "suites": ["recall_probe"], "recall_probe": {"levels": [8], "n_docs": 5}})
+    ev = su.expand_eval(EvalSettings.from_dict({"tasks": [], "suites": ["recall_probe"],
+                                                "recall_probe": {"levels": [8], "n_docs": 5}}))
     assert ev.recall_probe == {"levels": [8], "n_docs": 5, "seed": 0}
     assert ev.probe == RecallProbeSettings(levels=[8], n_docs=5)
 
@@ -97,17 +99,19 @@ def test_expansion_keeps_the_key_order_of_the_rules_params():
 )
 def test_bad_suites(names, exc, match):
     with pytest.raises(exc, match=match):
-        su.expand_eval({"tasks": [], "suites": names})
+        su.expand_eval(EvalSettings.from_dict({"tasks": [], "suites": names}))
 
 
 def test_unknown_recall_probe_key():
     with pytest.raises(ValueError, match=r"unknown recall_probe keys \['level'\]; valid: levels, n_docs, seed"):
-        su.expand_eval({"tasks": [], "suites": ["recall_probe"], "recall_probe": {"level": [4]}})
+        su.expand_eval(EvalSettings.from_dict({"tasks": [], "suites": ["recall_probe"],
+                                               "recall_probe": {"level": [4]}}))
 
 
 def test_conflicting_metadata():
     with pytest.raises(ValueError, match=r"suite 'recall' needs task metadata max_seq_lengths=\[2048, 4096\]"):
-        su.expand_eval({"tasks": [], "suites": ["recall"], "metadata": {"max_seq_lengths": [8192]}})
+        su.expand_eval(EvalSettings.from_dict({"tasks": [], "suites": ["recall"],
+                                               "metadata": {"max_seq_lengths": [8192]}}))
 
 
 def test_suites_import_neither_lm_eval_nor_torch():

@@ -5,7 +5,7 @@ from statereduce.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
 from statereduce.settings import SpeedPlan  # noqa: E402
-from statereduce.speed.bench import require_cuda, run_speed, speed_settings  # noqa: E402
+from statereduce.speed.bench import check_kernels, require_cuda, run_speed  # noqa: E402
 
 try:
     require_cuda()
@@ -13,5 +13,5 @@ except RuntimeError as e:
     log.error("%s", e)
     sys.exit(f"error: {e}")
 plan = SpeedPlan.from_dict(snakemake.params.speed)
-run_speed(plan.family, plan.arch, speed_settings(plan.settings), snakemake.output[0],
+run_speed(plan.family, plan.arch, check_kernels(plan.settings), snakemake.output[0],
           model_name=snakemake.params.info["model"])

@@ -454,7 +454,7 @@ def rank_analysis(checkpoint: str | Path, settings: RankSettings, info: dict[str
     Pearson correlation of per-head utilization with the baseline's ``rank.json`` when given, and the
     conditioning of the selected [Q; K] calibration columns when ``activations`` is given (every channel for
     the baseline, the ``selection``'s for a pruned model). ``settings`` are the model's rank settings
-    (:class:`~statereduce.settings.RankSettings`, with ``corpus_spec``; a mapping is read by its ``from_dict``).
+    (:class:`~statereduce.settings.RankSettings`, with ``corpus_spec``).
 
     Before the model is loaded, the artifacts must have been written for this job (``info``'s model and family,
     ``extra``'s method and pct): a pruned checkpoint's ``prune_record.json`` and the ``selection``, and the
@@ -478,7 +478,6 @@ def rank_analysis(checkpoint: str | Path, settings: RankSettings, info: dict[str
                         head_k_dim=sel_meta.get("d_k"))
     if activations is not None:
         H5Artifact(activations).expect({k: v for k, v in expected.items() if k not in ("method", "pct")})
-    settings = RankSettings.coerce(settings)
     model, tokenizer = load_model(checkpoint, dtype=info["dtype"], device=info["device"])
     if keep is not None:
         check_selection_widths(keep, get_adapter(model).layer_key_dims(), selection, checkpoint)

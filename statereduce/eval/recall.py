@@ -359,20 +359,19 @@ def write_recall_tasks(
 
 
 def recall_probe_writer(
-    settings: RecallProbeSettings | Mapping[str, Any] | None = None, tokenizer=None, max_length: int | None = None
+    settings: RecallProbeSettings, tokenizer=None, max_length: int | None = None
 ) -> Callable[[str | Path], list[str]]:
     """A local-task writer for :func:`statereduce.eval.harness.evaluate_and_write` (the ``recall_probe`` suite).
 
     Args:
-        settings: ``eval.recall_probe`` (:class:`~statereduce.settings.RecallProbeSettings`; a mapping or None is
-            read by its ``from_dict``).
+        settings: ``eval.recall_probe`` (:class:`~statereduce.settings.RecallProbeSettings`).
         tokenizer, max_length: when both are given, the written documents are checked to fit the
             window (see :func:`check_recall_fits`).
 
     Returns:
         ``writer(task_dir) -> task names``.
     """
-    probe = RecallProbeSettings.coerce(settings)
+    probe = settings
 
     def writer(task_dir: str | Path) -> list[str]:
         names = write_recall_tasks(task_dir, probe.levels, probe.n_docs, probe.seed)

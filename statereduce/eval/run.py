@@ -42,9 +42,9 @@ def evaluate_loaded(model, tokenizer, checkpoint: str | Path, settings: EvalSett
                     out_path: str | Path, extra: dict[str, Any] | None = None) -> dict:
     """Run the lm-eval tasks and suites of ``settings`` on an already loaded model and write ``eval.json``.
 
-    ``settings`` are a model's ``eval`` settings (:func:`statereduce.config.model_eval`); a mapping is read by
-    :meth:`EvalSettings.from_dict` (defaults filled) and its ``suites`` are expanded here too (idempotent), so plain
-    ``{"tasks": [...], "suites": [...]}`` works as well. Local
+    ``settings`` are a model's ``eval`` settings (:func:`statereduce.config.model_eval`); their ``suites`` are
+    expanded here too (idempotent), so ``EvalSettings.from_dict({"tasks": [...], "suites": [...]})`` works as well.
+    Local
     tasks (the ``heldout`` perplexity task, the ``recall_probe`` suite's MQAR levels from
     :mod:`statereduce.eval.recall`) are written to a temporary folder (removed afterwards: nothing but
     ``out_path`` is written under ``results/``) and scored in the same lm-eval call as the other tasks; the

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from statereduce.settings import EvalSettings, RecallProbeSettings
+from statereduce.settings import EvalSettings
 
 Item = tuple[str, str]
 """A ``(task, metric)`` pair of an ``eval.json`` ``metrics`` mapping."""
@@ -156,7 +156,7 @@ def check_suites(names: Sequence[str]) -> list[str]:
     return out
 
 
-def expand_eval(settings: EvalSettings | Mapping[str, Any]) -> EvalSettings:
+def expand_eval(settings: EvalSettings) -> EvalSettings:
     """A model's ``eval`` settings with its ``suites`` expanded (idempotent; unchanged without suites).
 
     Adds every suite's lm-eval tasks to ``tasks`` (after the configured ones, each once), merges the
@@ -164,12 +164,11 @@ def expand_eval(settings: EvalSettings | Mapping[str, Any]) -> EvalSettings:
     ``recall_probe`` (:class:`~statereduce.settings.RecallProbeSettings`' defaults) when that suite is selected.
 
     Args:
-        settings: the ``eval`` settings (a mapping is read by :meth:`EvalSettings.from_dict`).
+        settings: the ``eval`` settings.
 
     Returns:
         The expanded settings; ``ValueError`` for an unknown suite or conflicting metadata.
     """
-    settings = EvalSettings.coerce(settings)
     names = check_suites(settings.suites or [])
     if not names:
         return settings
@@ -191,7 +190,7 @@ def expand_eval(settings: EvalSettings | Mapping[str, Any]) -> EvalSettings:
     if windows:
         changes["task_max_length"] = windows
     if "recall_probe" in names:
-        changes["recall_probe"] = RecallProbeSettings.coerce(settings.recall_probe).to_dict()
+        changes["recall_probe"] = settings.probe.to_dict()
         changes["_probe_last"] = settings._probe_last or settings.recall_probe is None
     return settings.replace(**changes)
 

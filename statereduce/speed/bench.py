@@ -60,12 +60,17 @@ a step's time goes) is not in the default set."""
 DEFAULT_PARTS = ("decode", "prefill", "mixer")
 
 
-def speed_settings(overrides: SpeedSettings | Mapping[str, Any] | None = None) -> SpeedSettings:
+def speed_settings(overrides: Mapping[str, Any] | None = None) -> SpeedSettings:
     """:class:`~statereduce.settings.SpeedSettings` (the paper's protocol, App. G.1) updated by ``overrides`` (the
-    parts' blocks key by key), each decode kernel checked; unknown keys and bad values are one-line ValueErrors."""
+    parts' blocks key by key), each decode kernel checked (:func:`check_kernels`); unknown keys and bad values are
+    one-line ValueErrors."""
+    return check_kernels(SpeedSettings.from_dict(overrides))
+
+
+def check_kernels(settings: SpeedSettings) -> SpeedSettings:
+    """``settings`` once each of its decode kernels is one this module runs (a one-line ValueError otherwise)."""
     from statereduce.speed.inplace import parse_kernel
 
-    settings = SpeedSettings.coerce(overrides)
     for kernel in settings.decode.kernels:
         parse_kernel(kernel)
     return settings
@@ -90,7 +95,7 @@ def workflow_model(name: str, config: str | Path,
     if name not in cfg["models"]:
         raise ValueError(f"unknown model {name!r} in {str(config)!r}; valid: {', '.join(sorted(cfg['models']))}")
     plan = model_speed(cfg, name)
-    return plan.family, plan.arch, speed_settings({**plan.settings, **(overrides or {})})
+    return plan.family, plan.arch, speed_settings({**plan.settings.overrides(), **(overrides or {})})
 
 
 def require_cuda() -> None:
