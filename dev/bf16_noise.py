@@ -21,8 +21,8 @@ from _models import random_keep  # noqa: E402
 from check_rft_gpu import family_arch  # noqa: E402
 
 from statereduce.adapters import adapter_class, get_adapter  # noqa: E402
-from statereduce.models import tiny_config  # noqa: E402
-from statereduce.prune import prune_model  # noqa: E402
+from statereduce.core.models import tiny_config  # noqa: E402
+from statereduce.stages.prune import prune_model  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("families", nargs="+")

@@ -47,9 +47,9 @@ def child(isa: str, steps: int) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from statereduce.pretrain import pretrain
+    from statereduce.stages.pretrain import pretrain
     from statereduce.selectors.rrqr import strong_rrqr
-    from statereduce.settings import TrainSettings
+    from statereduce.common.settings import TrainSettings
 
     import random
 

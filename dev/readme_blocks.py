@@ -220,7 +220,7 @@ def _span(values: list[float], fmt: str) -> str:
 
 
 def render_hub_cost(root: Path) -> str:
-    from statereduce.settings import RftSettings
+    from statereduce.common.settings import RftSettings
 
     data = _paper_scale(root)
     models = [m for m in HUB_MODELS if data.get(m, {}).get("jobs")]

@@ -15,10 +15,10 @@ from snakemake.exceptions import WorkflowError
 from snakemake_interface_executor_plugins.settings import ExecMode
 
 from statereduce import config as srconfig
-from statereduce import layout
+from statereduce.common import layout
 from statereduce.selectors import METHOD_REGEX, parse_method
-from statereduce.select import selector_code_files
-from statereduce.settings import HubSettings
+from statereduce.stages.select import selector_code_files
+from statereduce.common.settings import HubSettings
 
 # --configfile takes every path up to the next option: a path under results/ among them was meant as a target. An
 # existing one would be read as config here (a missing one stops Snakemake before it reads this file). One line.
@@ -97,9 +97,9 @@ def get_base(wildcards):
 
 def get_checkpoint_files(wildcards):
     """The files of a ``local`` model's checkpoint that loading reads (config, weights, tokenizer:
-    statereduce.checkpoints.checkpoint_files): inputs of base_source and of every job that loads the base model, so
+    statereduce.core.checkpoints.checkpoint_files): inputs of base_source and of every job that loads the base model, so
     that new weights rerun them and everything downstream. Empty for hub models and models the workflow makes."""
-    from statereduce.checkpoints import checkpoint_files
+    from statereduce.core.checkpoints import checkpoint_files
 
     local = MODELS[wildcards.model].get("local")
     return [str(p) for p in checkpoint_files(local)] if local else []
@@ -134,7 +134,7 @@ def get_pretrain(wildcards):
 
 
 def pretrain_threads(wildcards):
-    """``threads`` of a pretrain job: ``pretrain.train.threads`` (statereduce.settings.TrainSettings)."""
+    """``threads`` of a pretrain job: ``pretrain.train.threads`` (statereduce.common.settings.TrainSettings)."""
     get_pretrain(wildcards)  # one line for a model without a pretrain block
     return srconfig.model_pretrain(CFG, wildcards.model).train.threads
 
@@ -204,8 +204,8 @@ def _budget_spec(wildcards):
 def get_budget_values_inputs(wildcards):
     """Rule budget_values (a measured policy: greedy or sensitivity): the q/k weights (head sizes, layers), the
     selector's own inputs and code (both policies run it), for sensitivity the model."""
-    from statereduce.allocate import MEASURED
-    from statereduce.budgets import check_budget_selector, policy_needs
+    from statereduce.stages.allocate import MEASURED
+    from statereduce.core.budgets import check_budget_selector, policy_needs
 
     spec, budget = _budget_spec(wildcards)
     if budget.policy not in MEASURED:
@@ -233,7 +233,7 @@ def get_allocate_inputs(wildcards):
     """Rule allocate: the q/k weights (head sizes, layers) and what the budget's policy reads: the calibration
     activations for spectrum, the measured values (rule budget_values, one file for every pct) for greedy and
     sensitivity."""
-    from statereduce.allocate import MEASURED
+    from statereduce.stages.allocate import MEASURED
 
     spec, budget = _budget_spec(wildcards)
     srconfig.check_budget_cell(CFG, wildcards.model, wildcards.method, float(wildcards.pct))

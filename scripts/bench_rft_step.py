@@ -9,8 +9,8 @@ random weights: the teacher in bf16, the student pruned at random to ``--pct`` p
 as RFT holds it. For each micro-batch size (``auto``: what RFT's ``micro_batch_size: auto`` picks, for both kinds), on
 ``--steps`` optimizer steps of ``--batch`` sequences:
 
-- ``rft``: :func:`statereduce.rft.train` as the workflow runs it (LoRA, the bf16 teacher's forward, the KL over the
-  vocabulary, bf16 autocast, kernels by ``rft.kernels: auto``);
+- ``rft``: :func:`statereduce.stages.rft.train` as the workflow runs it (LoRA, the bf16 teacher's forward, the KL over
+  the vocabulary, bf16 autocast, kernels by ``rft.kernels: auto``);
 - ``plain``: an ordinary LM training step of the same student (every parameter trained by AdamW, cross entropy,
   bf16 autocast, the same micro-batches and kernel routing), the reference the issue's target names.
 
@@ -67,8 +67,8 @@ def _steady(rates: list[float]) -> float:
 
 
 def _rft(student, teacher, blocks, micro: int, args) -> dict:
-    from statereduce.rft import attach_lora, train
-    from statereduce.settings import RftSettings
+    from statereduce.stages.rft import attach_lora, train
+    from statereduce.common.settings import RftSettings
 
     blocks = blocks[: args.batch * args.steps]
     cfg = RftSettings.from_dict({"n_samples": blocks.shape[0], "seq_len": blocks.shape[1], "batch_size": args.batch,
@@ -159,9 +159,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from statereduce.adapters import adapter_class, get_adapter
-    from statereduce.models import build_random
-    from statereduce.prune import prune_model
-    from statereduce.runtime import versions
+    from statereduce.core.models import build_random
+    from statereduce.stages.prune import prune_model
+    from statereduce.core.runtime import versions
 
     family, arch = _model_spec(args.config, args.model, args.arch_json)
     device = torch.device(args.device)

@@ -78,9 +78,9 @@ def _bound(fn) -> str:
 def check_family(family: str, scale: int, length: int, root: Path) -> dict:
     from _models import random_keep, tiny_model
     from statereduce.adapters import adapter_class, get_adapter
-    from statereduce.models import load_model
-    from statereduce.prune import prune_model, save_pruned
-    from statereduce.tokenizer import byte_level_tokenizer
+    from statereduce.core.models import load_model
+    from statereduce.stages.prune import prune_model, save_pruned
+    from statereduce.core.tokenizer import byte_level_tokenizer
 
     over = {"mamba2": {"hidden_size": 64 * scale, "num_heads": 8 * scale},
             "qwen3_5": {"hidden_size": 64 * scale}}[family]

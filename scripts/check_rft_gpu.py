@@ -2,10 +2,10 @@
 """Recovery fine-tuning on a CUDA GPU with fla's Triton kernels (no snakemake, no lm-eval needed).
 
 Builds a random model (the teacher; DeltaNet by default), prunes key channels at random (the student), runs
-:func:`statereduce.rft.fine_tune` on the GPU (bf16 autocast, fp32 master weights, saved in bf16), and
+:func:`statereduce.stages.rft.fine_tune` on the GPU (bf16 autocast, fp32 master weights, saved in bf16), and
 checks what the CPU tests cannot: the distillation KL falls, the merged checkpoint reloads with
 ``from_pretrained`` in a fresh process with the same logits on the GPU, and the run's throughput. With
-``--gpus N`` (N > 1) it also runs the same job through :func:`statereduce.rft.launch` (accelerate,
+``--gpus N`` (N > 1) it also runs the same job through :func:`statereduce.stages.rft.launch` (accelerate,
 DDP) right after the one-GPU run (so the DDP processes reuse Triton's autotuning cache) and compares the two
 logs; the reload check comes last.
 
@@ -33,8 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from statereduce import rft as finetune
-from statereduce.settings import RftSettings
+from statereduce.stages import rft as finetune
+from statereduce.common.settings import RftSettings
 
 ARCH = {"hidden_size": 512, "num_hidden_layers": 4, "num_heads": 4, "expand_k": 0.5}  # defaults: d_k 64
 
@@ -85,9 +85,9 @@ def main() -> None:
     import transformers
 
     from statereduce.adapters import adapter_class
-    from statereduce.models import tiny_config
-    from statereduce.prune import prune_model, save_pruned
-    from statereduce.tokenizer import byte_level_tokenizer
+    from statereduce.core.models import tiny_config
+    from statereduce.stages.prune import prune_model, save_pruned
+    from statereduce.core.tokenizer import byte_level_tokenizer
 
     sys.path.insert(0, str(ROOT / "tests"))
     from _models import random_keep

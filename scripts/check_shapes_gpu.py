@@ -4,7 +4,7 @@
 For each (family, d_k -> d_k', d_v) given, a random tiny model is pruned at random to d_k' key channels and saved;
 then in fresh processes on the GPU (all at once, spread over the visible GPUs):
 
-* ``ours``: :func:`statereduce.models.load_model` (the adapter installs its kernel routing, so the chunk calls at a
+* ``ours``: :func:`statereduce.core.models.load_model` (the adapter installs its kernel routing, so the chunk calls at a
   faulty shape go through the zero-padded call of :mod:`statereduce.kernels.shapes`): the bf16-autocast forward of
   a ``--length``-token input (the chunk kernel) and the gradient of every parameter (training mode) against the same
   checkpoint on the CPU in float32 (the project's fallback kernels);
@@ -41,7 +41,7 @@ def _worker(ckpt: str, mode: str, length: int, out: str) -> None:
     sys.path.insert(0, str(ROOT))
     from transformers import AutoModelForCausalLM
 
-    from statereduce.models import load_model
+    from statereduce.core.models import load_model
 
     cuda = mode != "cpu"
     if mode == "stock":
@@ -83,9 +83,9 @@ def main() -> None:
 
     from statereduce.adapters import adapter_class, get_adapter
     from statereduce.kernels import shapes
-    from statereduce.models import tiny_config
-    from statereduce.prune import prune_model, save_pruned
-    from statereduce.tokenizer import byte_level_tokenizer
+    from statereduce.core.models import tiny_config
+    from statereduce.stages.prune import prune_model, save_pruned
+    from statereduce.core.tokenizer import byte_level_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="shapes_gpu_"))
     tok = byte_level_tokenizer()

@@ -26,8 +26,8 @@ import sys
 
 import torch
 
-from statereduce.runtime import write_json
-from statereduce.settings import SpeedSettings
+from statereduce.core.runtime import write_json
+from statereduce.common.settings import SpeedSettings
 from statereduce.speed.bench import (
     _free,
     build_model,

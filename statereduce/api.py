@@ -7,17 +7,18 @@
     stats = api.calibrate(model, blocks)                    # K/Q rows and input norms per head (+ Grad scores)
     selection = api.select(model, stats, "drrqr", pct=50)   # any registered selector
     pruned = api.prune(model, selection)                    # a pruned copy of the model and its PruneRecord
-    api.save(pruned, "pruned/", tokenizer)                  # reloads with statereduce.models.load_model
+    api.save(pruned, "pruned/", tokenizer)                  # reloads with statereduce.core.models.load_model
 
     widths = api.allocate(model, stats, "drrqr", 75, {"policy": "spectrum"})["key_dims"]   # per-layer budget
     mixed = api.prune(model, api.select(model, stats, "drrqr", pct=75, widths=widths))
 
 Every step runs the workflow's own stage code on in-memory arrays: :func:`calibrate` the capture of
-:mod:`statereduce.capture` (``activation_arrays``, ``grad_score_arrays``), :func:`select` the selector driver of
-:mod:`statereduce.select` (``head_data``, ``run_selector``), :func:`prune` :func:`statereduce.prune.prune_model`,
-:func:`save` :func:`statereduce.prune.save_pruned` and :func:`allocate` the per-layer budgets of
-:mod:`statereduce.allocate`. So a selection made here equals the one the workflow makes from the same model, blocks
-and settings, and the pruned checkpoints are the same.
+:mod:`statereduce.stages.capture` (``activation_arrays``, ``grad_score_arrays``), :func:`select` the selector driver of
+:mod:`statereduce.stages.select` (``head_data``, ``run_selector``), :func:`prune`
+:func:`statereduce.stages.prune.prune_model`,
+:func:`save` :func:`statereduce.stages.prune.save_pruned` and :func:`allocate` the per-layer budgets of
+:mod:`statereduce.stages.allocate`. So a selection made here equals the one the workflow makes from the same model,
+blocks and settings, and the pruned checkpoints are the same.
 
 Paper: Nazari & Rusch (2026), "On State Reduction in Linear Attention", Sec. 3.3-3.4 (selection and slicing of the
 key/query channels per head) and App. B.2 (calibration).
@@ -37,15 +38,15 @@ import torch
 from torch import nn
 
 from statereduce.adapters import LinearAttentionAdapter, adapter_class, adapter_families, get_adapter
-from statereduce.allocate import allocation_document
-from statereduce.budgets import policy_needs
-from statereduce.capture import activation_arrays, grad_score_arrays, qk_weight_arrays
-from statereduce.models import build_random
-from statereduce.pretrain import mean_loss
-from statereduce.prune import PruneRecord, prune_model, save_pruned
-from statereduce.select import head_data, run_selector, write_selection
+from statereduce.stages.allocate import allocation_document
+from statereduce.core.budgets import policy_needs
+from statereduce.stages.capture import activation_arrays, grad_score_arrays, qk_weight_arrays
+from statereduce.core.models import build_random
+from statereduce.stages.pretrain import mean_loss
+from statereduce.stages.prune import PruneRecord, prune_model, save_pruned
+from statereduce.stages.select import head_data, run_selector, write_selection
 from statereduce.selectors import HeadSelection, format_method, get_selector, n_keep_for, parse_method
-from statereduce.settings import BudgetSettings, CalibrationSettings, PruneSettings
+from statereduce.common.settings import BudgetSettings, CalibrationSettings, PruneSettings
 
 __all__ = ["Calibration", "Pruned", "Selection", "allocate", "build", "calibrate", "mean_loss", "prune", "save",
            "select"]
@@ -101,20 +102,20 @@ class Selection:
 
     def channels(self) -> dict[int, np.ndarray]:
         """{layer: int64 [H, d_k'] kept channel indices}, or for a transform selection {layer: float64 [H, d_k', d_k]}:
-        the form :func:`statereduce.prune.prune_model` takes."""
+        the form :func:`statereduce.stages.prune.prune_model` takes."""
         by_layer: dict[int, list[np.ndarray]] = {}
         for layer, _, sel in self.rows:
             by_layer.setdefault(layer, []).append(sel.transform if self.kind == "transform" else sel.keep)
         return {layer: np.stack(heads) for layer, heads in by_layer.items()}
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the workflow's selection file (Parquet, :func:`statereduce.select.write_selection`)."""
+        """Write the workflow's selection file (Parquet, :func:`statereduce.stages.select.write_selection`)."""
         return write_selection(path, self.rows, self.meta)
 
 
 class Pruned(NamedTuple):
-    """What :func:`prune` returns: the pruned model and the :class:`~statereduce.prune.PruneRecord` of every decision
-    (unpacks as ``model, record = api.prune(...)``)."""
+    """What :func:`prune` returns: the pruned model and the :class:`~statereduce.stages.prune.PruneRecord` of every
+    decision (unpacks as ``model, record = api.prune(...)``)."""
 
     model: nn.Module
     record: PruneRecord
@@ -127,7 +128,7 @@ def build(family: str, *, seed: int = 0, dtype: str = "float32", **arch: Any) ->
         family: an adapter family (``python -m statereduce`` lists them).
         seed: seeds the initialisation (the global torch generator is left as it was).
         dtype: float32, bfloat16 or float16.
-        **arch: keyword arguments of the family's config class (:func:`statereduce.models.tiny_config`), e.g.
+        **arch: keyword arguments of the family's config class (:func:`statereduce.core.models.tiny_config`), e.g.
             ``hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32`` for ``gated_deltanet``.
     Raises:
         ValueError: one line, for an unknown family, dtype or config keyword.
@@ -152,7 +153,7 @@ def calibrate(
         model: a causal LM of a supported family (``load_model`` or :func:`build`); its mode and its parameters'
             ``requires_grad`` are restored afterwards.
         blocks: token ids [n_samples, seq_len] (a LongTensor, an array or nested lists), e.g.
-            :func:`statereduce.data.token_blocks`.
+            :func:`statereduce.core.data.token_blocks`.
         rows_per_head: token rows of K and of Q kept per head (a seeded uniform sample; 2,500 as in the paper).
         seed: seeds the row sampling.
         batch_size: sequences per forward (and backward) pass.
@@ -289,7 +290,7 @@ def allocate(
             weight-only selector under ``sensitivity``).
         selector: the selector (and ``-k``/``-q``) whose objective or selections the policy uses.
         pct: percent of the key channels removed; every allocation keeps the uniform cut's total.
-        budget: :class:`~statereduce.settings.BudgetSettings` or its mapping (policy, statistic, floor, multiple,
+        budget: :class:`~statereduce.common.settings.BudgetSettings` or its mapping (policy, statistic, floor, multiple,
             ...); None: the spectrum policy with the captured energy.
         blocks: [N, T] calibration token ids, for the sensitivity policy's loss.
         seed, options: the selector's seed and keyword options.
@@ -342,8 +343,9 @@ def prune(model: nn.Module, selection: Selection | Mapping[int, Any], *, inplace
         selection: :func:`select`'s result, or a mapping {layer: [H, d_k'] channel indices} covering every
             linear-attention layer (or {layer: float [H, d_k', d_k]} transforms with orthonormal rows).
         inplace: prune ``model`` itself instead of a deep copy (no second copy of the weights in memory).
-        norm_eps: ``"exact"`` (the default, the workflow's: :class:`~statereduce.settings.PruneSettings`) equals
-            zero-masking to float precision and is still a stock checkpoint (:func:`statereduce.prune.exact_norm_eps`;
+        norm_eps: ``"exact"`` (the default, the workflow's: :class:`~statereduce.common.settings.PruneSettings`) equals
+            zero-masking to float precision and is still a stock checkpoint
+            (:func:`statereduce.stages.prune.exact_norm_eps`;
             refused for tied embeddings); ``"stock"`` keeps the config's norm eps (the pruned model equals
             zero-masking up to the mixers' output-norm eps, as the paper's checkpoints).
     Returns:
@@ -366,8 +368,8 @@ def prune(model: nn.Module, selection: Selection | Mapping[int, Any], *, inplace
 def save(pruned: Pruned, path: str | os.PathLike, tokenizer: Any = None) -> Path:
     """Write the pruned model as a Hugging Face checkpoint folder, with ``prune_record.json`` (and the tokenizer).
 
-    The folder is written atomically (an existing one is replaced). ``statereduce.models.load_model(path)`` loads it
-    (it needs the tokenizer in the folder); so does the family's stock class (``AutoModelForCausalLM`` after
+    The folder is written atomically (an existing one is replaced). ``statereduce.core.models.load_model(path)`` loads
+    it (it needs the tokenizer in the folder); so does the family's stock class (``AutoModelForCausalLM`` after
     ``import fla`` for DeltaNet and Gated DeltaNet; transformers' own classes for Mamba-2 and Qwen3.5).
 
     Args:
@@ -387,7 +389,7 @@ def _adapter(model: Any) -> LinearAttentionAdapter:
     """The model's adapter; anything that is not a causal LM of a registered family fails in one line."""
     if not isinstance(model, nn.Module) or getattr(model, "config", None) is None:
         raise ValueError(f"model must be a causal LM of one of the families {', '.join(adapter_families())} "
-                         f"(statereduce.models.load_model or api.build), got {type(model).__name__}")
+                         f"(statereduce.core.models.load_model or api.build), got {type(model).__name__}")
     return get_adapter(model)
 
 

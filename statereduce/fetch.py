@@ -6,12 +6,13 @@ For each model of the targets (a path under ``results/{model}/``, ``all`` for th
 it and the studies) it fetches:
 
 - the hub checkpoint (``models.<name>.hub``) at its configured revision: the files loading reads
-  (:data:`statereduce.checkpoints.CHECKPOINT_PATTERNS`; safetensors only where the repo has them), through
+  (:data:`statereduce.core.checkpoints.CHECKPOINT_PATTERNS`; safetensors only where the repo has them), through
   ``huggingface_hub.snapshot_download``, so that the revision (a branch, tag or commit) resolves offline;
 - the splits of its ``hf`` corpora that its jobs read (calibration under every calibration variant of the targets,
   the ``heldout`` task's and the rank analysis's held-out split, RFT's and pretraining's train split), as
-  :func:`statereduce.data.load_split` reads them: a streamed row range of a parquet dataset downloads the shard files
-  that hold it (:func:`statereduce.data.parquet_shards`), any other split is loaded once into the ``datasets`` cache;
+  :func:`statereduce.core.data.load_split` reads them: a streamed row range of a parquet dataset downloads the shard
+  files that hold it (:func:`statereduce.core.data.parquet_shards`), any other split is loaded once into the
+  ``datasets`` cache;
 - the lm-eval tasks of its ``eval`` block (suites expanded), built through lm-eval's ``TaskManager`` exactly as
   the evaluation builds them, which downloads their datasets (and for RULER the
   tokenizer by name and nltk's ``punkt_tab``).
@@ -34,8 +35,7 @@ from pathlib import Path
 import yaml
 
 from statereduce import config as srconfig
-from statereduce import layout
-
+from statereduce.common import layout
 DEFAULT_TARGETS = ("all", "all_paper")
 """Target names besides ``results/{model}/...`` paths: the default target (``all``) and ``all_paper``."""
 
@@ -115,7 +115,7 @@ def model_needs(cfg: dict, model: str, calibs: Iterable[str] = ("default",), ran
     """What the chain of ``model`` (base, calibration under ``calibs``, evaluation, RFT, and the rank analysis when
     ``rank``) reads from the network."""
     from statereduce.eval.harness import task_metadata
-    from statereduce.settings import HubSettings
+    from statereduce.common.settings import HubSettings
 
     m = cfg["models"][model]
     needs = ModelNeeds(model)
@@ -167,9 +167,9 @@ def folder_bytes(folder: str | Path) -> int:
 
 
 def checkpoint_files(names: Iterable[str]) -> list[str]:
-    """The files of a hub repo that loading reads (:data:`~statereduce.checkpoints.CHECKPOINT_PATTERNS`), with the
+    """The files of a hub repo that loading reads (:data:`~statereduce.core.checkpoints.CHECKPOINT_PATTERNS`), with the
     ``pytorch_model*.bin`` weights left out where the repo has safetensors (transformers loads those)."""
-    from statereduce.checkpoints import CHECKPOINT_PATTERNS
+    from statereduce.core.checkpoints import CHECKPOINT_PATTERNS
 
     names = sorted(names)
     chosen = [n for n in names if "/" not in n and any(fnmatch.fnmatch(n, p) for p in CHECKPOINT_PATTERNS)]
@@ -197,14 +197,13 @@ def fetch_checkpoint(hub_id: str, revision: str, log: Callable[[str], None] = pr
 
 
 def fetch_split(name: str, spec: dict, split: str, log: Callable[[str], None] = print) -> dict:
-    """Put split ``split`` of the ``hf`` corpus ``name`` into the cache as :func:`statereduce.data.load_split` reads
-    it; returns ``{"files": {file: bytes}}`` for a streamed parquet range, ``{"docs": n}`` otherwise.
+    """Put split ``split`` of the ``hf`` corpus ``name`` into the cache as :func:`statereduce.core.data.load_split`
+    reads it; returns ``{"files": {file: bytes}}`` for a streamed parquet range, ``{"docs": n}`` otherwise.
 
     Raises:
         ValueError: a streamed split whose data files are not parquet (it could only be streamed, never offline).
     """
-    from statereduce import data
-
+    from statereduce.core import data
     hf_split = dict(spec.get("splits") or data.DEFAULT_HF_SPLITS)[split]
     if not spec.get("streaming"):
         docs = data.load_split(spec, split)
@@ -261,7 +260,7 @@ def fetch_tasks(tasks: Sequence[str], metadata: dict | None = None, include_path
 def fetch(cfg: dict, targets: Sequence[str], log: Callable[[str], None] = print) -> list[str]:
     """Fetch what ``targets`` read (module docstring) into the Hugging Face cache; returns the failures, one line
     each (an empty list when everything is in the cache)."""
-    from statereduce.data import hf_offline
+    from statereduce.core.data import hf_offline
 
     if hf_offline():
         raise ValueError("HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set: fetching needs network (unset them)")

@@ -2,7 +2,7 @@
 
 ``tiny_model("delta_net")`` / ``tiny_model("gated_deltanet", num_v_heads=4)``: hidden 64, 2 layers,
 2 heads of d_k = 32, vocab 300 (``fuse_cross_entropy=False`` for fla's configs, from ``tiny_config``);
-keyword overrides go to the family's config class through :func:`statereduce.models.tiny_config`. The
+keyword overrides go to the family's config class through :func:`statereduce.core.models.tiny_config`. The
 family adapter's ``install_fallbacks()`` is called first so the models run on CPU.
 
 :func:`tiny_arch` gives the arch dict of every test model, these and the smaller ones the pretraining tests train on
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from statereduce.models import tiny_config
-from statereduce.settings import RecallMixSettings, TrainSettings
+from statereduce.core.models import tiny_config
+from statereduce.common.settings import RecallMixSettings, TrainSettings
 
 VOCAB = 300
 
@@ -52,7 +52,7 @@ COMMON: dict[str, Any] = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id"
 
 
 def tiny_arch(family: str, *, small: bool = False, byte_vocab: bool = False, **overrides: Any) -> dict[str, Any]:
-    """The arch dict of a test model of ``family``, for :func:`statereduce.models.tiny_config` (or the family's
+    """The arch dict of a test model of ``family``, for :func:`statereduce.core.models.tiny_config` (or the family's
     config class): ``COMMON`` + ``TINY`` (the models of :func:`tiny_model`) unless ``small`` or ``byte_vocab`` say
     otherwise, with ``overrides`` applied (a copy: changing it changes no other test's model).
 
@@ -113,9 +113,8 @@ def random_keep(model: nn.Module, d_k_new: int, seed: int = 0) -> dict[int, torc
 
 
 def pretrain(family: str, arch: dict, corpus: dict, train: dict, out, *, recall_mix: dict | None = None, **kw):
-    """:func:`statereduce.pretrain.pretrain` with its settings given as config blocks (read by their ``from_dict``,
-    as the workflow script reads the rule's params)."""
-    from statereduce import pretrain as pt
-
+    """:func:`statereduce.stages.pretrain.pretrain` with its settings given as config blocks (read by their
+    ``from_dict``, as the workflow script reads the rule's params)."""
+    from statereduce.stages import pretrain as pt
     mix = None if recall_mix is None else RecallMixSettings.from_dict(recall_mix)
     return pt.pretrain(family, arch, corpus, TrainSettings.from_dict(train), out, recall_mix=mix, **kw)

@@ -37,7 +37,7 @@ def save_checkpoint(folder: Path, seed: int) -> None:
     """A tiny random DeltaNet (tests/_models.py's) with the byte-level tokenizer, saved as a stock HF checkpoint."""
     from _models import tiny_model
 
-    from statereduce.tokenizer import VOCAB_SIZE, byte_level_tokenizer
+    from statereduce.core.tokenizer import VOCAB_SIZE, byte_level_tokenizer
 
     model = tiny_model("delta_net", seed=seed, vocab_size=VOCAB_SIZE, bos_token_id=256, eos_token_id=256)
     model.save_pretrained(folder)

@@ -115,7 +115,7 @@ def shipped_config() -> dict:
 
 @pytest.fixture(scope="module")
 def tok():
-    """The byte-level tokenizer of the tiny models (statereduce.tokenizer)."""
-    from statereduce.tokenizer import byte_level_tokenizer
+    """The byte-level tokenizer of the tiny models (statereduce.core.tokenizer)."""
+    from statereduce.core.tokenizer import byte_level_tokenizer
 
     return byte_level_tokenizer()

@@ -32,7 +32,7 @@ from statereduce.adapters import (
     get_adapter,
 )
 from statereduce.families import FamilySpec
-from statereduce.models import tiny_config
+from statereduce.core.models import tiny_config
 
 
 class AdapterContract:
@@ -393,8 +393,8 @@ class TestMamba2(AdapterContract):
         """fla's ``mamba2`` registration overrides the Auto mapping; load_model uses transformers' class."""
         from transformers import AutoConfig, Mamba2ForCausalLM
 
-        from statereduce.models import load_model
-        from statereduce.tokenizer import byte_level_tokenizer
+        from statereduce.core.models import load_model
+        from statereduce.core.tokenizer import byte_level_tokenizer
 
         model = tiny_model("mamba2")
         model.save_pretrained(tmp_path)
@@ -492,9 +492,9 @@ class TestQwen35(AdapterContract):
         and its pruned checkpoint is a text-model checkpoint that reloads."""
         from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-        from statereduce.models import load_model
-        from statereduce.prune import prune_model, save_pruned
-        from statereduce.tokenizer import byte_level_tokenizer
+        from statereduce.core.models import load_model
+        from statereduce.stages.prune import prune_model, save_pruned
+        from statereduce.core.tokenizer import byte_level_tokenizer
 
         vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
         torch.manual_seed(0)

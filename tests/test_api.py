@@ -29,12 +29,12 @@ from _paths import ROOT
 
 from statereduce import api
 from statereduce.adapters import adapter_families, get_adapter
-from statereduce.capture import capture_activations, export_qk_weights, grad_scores
-from statereduce.prune import prune_model
-from statereduce.select import read_selection, select_channels, write_selection
-from statereduce.runtime import write_json
+from statereduce.stages.capture import capture_activations, export_qk_weights, grad_scores
+from statereduce.stages.prune import prune_model
+from statereduce.stages.select import read_selection, select_channels, write_selection
+from statereduce.core.runtime import write_json
 from statereduce.selectors import selector_names
-from statereduce.tokenizer import byte_level_tokenizer
+from statereduce.core.tokenizer import byte_level_tokenizer
 
 DOC = ROOT / "docs" / "api.md"
 FAMILIES = ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"]
@@ -160,7 +160,7 @@ RELOADED = {"delta_net": "pca", "qwen3_5": "grad"}  # an fla family with a trans
 
 
 def test_saved_checkpoints_reload_in_a_fresh_process(tmp_path):
-    """Checkpoints saved through the API load with statereduce.models.load_model in another process with identical
+    """Checkpoints saved through the API load with statereduce.core.models.load_model in another process with identical
     logits (one process for all: its imports cost seconds; tests/test_prune.py reloads every family)."""
     ids = tiny_inputs(batch=2, length=24)
     torch.save(ids, tmp_path / "ids.pt")
@@ -175,7 +175,7 @@ def test_saved_checkpoints_reload_in_a_fresh_process(tmp_path):
             expected[family] = pruned.model(ids).logits
     code = textwrap.dedent(f"""
         import torch
-        from statereduce.models import load_model
+        from statereduce.core.models import load_model
         root = {str(tmp_path)!r}
         ids = torch.load(root + "/ids.pt")
         for family in {list(RELOADED)!r}:
@@ -264,7 +264,7 @@ def test_overview_lists_families_selectors_models_and_tools():
     assert f"Configured models ({ROOT / 'config.yaml'}):" in text
     for name, spec in models.items():
         assert re.search(rf"^  {re.escape(name)} +{spec['family']} ", text, re.M), name
-    for tool in ("python -m statereduce ", "python -m statereduce.rft ", "python -m statereduce.speed "):
+    for tool in ("python -m statereduce ", "python -m statereduce.stages.rft ", "python -m statereduce.speed "):
         assert f"\n  {tool}" in text, tool
     assert "python -m statereduce.speed.bench" not in text  # reached through statereduce.speed
     assert "`" not in text and "**" not in text and ":func:" not in text
@@ -284,7 +284,7 @@ def test_every_cli_help_is_plain_text():
     from statereduce.__main__ import clis
 
     tools = [cmd.split()[-1] for cmd, _ in clis()]
-    assert {"statereduce", "statereduce.rft", "statereduce.speed"} <= set(tools)
+    assert {"statereduce", "statereduce.stages.rft", "statereduce.speed"} <= set(tools)
     for module in tools:
         text = _run_main(module, "--help")
         assert text.startswith(f"usage: python -m {module}"), (module, text[:200])
@@ -301,8 +301,8 @@ def test_import_statereduce_is_light():
 def test_a_budget_matches_the_workflow(workflow_artifacts, method, policy, tmp_path):
     """api.allocate gives the widths and values rule allocate computes from the files, and api.select with them the
     workflow's per-layer selection."""
-    from statereduce.allocate import allocate_budget
-    from statereduce.settings import BudgetPlan
+    from statereduce.stages.allocate import allocate_budget
+    from statereduce.common.settings import BudgetPlan
 
     art, d = workflow_artifacts, workflow_artifacts["dir"]
     budget = {"policy": policy, "floor": 4, "multiple": 4}

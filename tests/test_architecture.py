@@ -1,13 +1,14 @@
-"""The package's layers import downward only (docs/architecture.md): every module sits in one layer of the map below
-and imports only from its own layer or lower ones (stages never from each other); the kernel layer imports nothing
+"""The package's layers import downward only (docs/architecture.md): its folders are the layers. Every module's layer
+is its folder's (the package root holds the api layer alone: a new top-level module, or a folder in no layer, fails),
+and it imports only from its own layer or lower ones (stages never from each other); the kernel layer imports nothing
 else from the package, the family specs nothing at all and no torch (config validation reads them: planning a run
-imports no torch), the adapters only kernels and specs; code that drives models reads family facts from the
-adapters (no fla layer modules of its own); and no two modules import each other, at top level or inside
-functions."""
+imports no torch), the adapters only kernels and specs; code that drives models reads family facts from the adapters
+(no fla layer modules of its own); and no two modules import each other, at top level or inside functions."""
 
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,27 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "statereduce"
 
+#: docs/architecture.md's map, lowest layer first: (layer, the package's folders in it). The package root is the api
+#: layer and holds :data:`API_MODULES` only; the package itself (``__init__``: ``__version__``) imports nothing and
+#: sits below every layer.
+LAYERS = [
+    ("common", ["common"]),
+    ("kernels", ["kernels"]),
+    ("families", ["families"]),
+    ("adapters", ["adapters"]),
+    ("selectors", ["selectors"]),
+    ("core", ["core"]),
+    ("services", ["eval", "analysis", "speed", "config"]),
+    ("stages", ["stages"]),
+]
+API = len(LAYERS)
+API_MODULES = {"statereduce.__main__", "statereduce.api", "statereduce.fetch"}
 
-def _modules() -> dict[str, Path]:
+
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
     return out
@@ -29,10 +46,10 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, modules: dict[str, Path] = MODULES) -> set[str]:
     """Every module a file imports, at any depth (top level, inside functions, under TYPE_CHECKING alike)."""
     tree = ast.parse(path.read_text(), str(path))
-    name = next(n for n, p in MODULES.items() if p == path)
+    name = next(n for n, p in modules.items() if p == path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(tree):
@@ -44,12 +61,12 @@ def _imports(path: Path) -> set[str]:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             for a in node.names:  # `from pkg import mod` imports the module pkg.mod
-                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base)
+                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
     return out
 
 
-def _package_imports(name: str) -> set[str]:
-    return {m for m in _imports(MODULES[name]) if m in MODULES and m != name}
+def _package_imports(name: str, modules: dict[str, Path] = MODULES) -> set[str]:
+    return {m for m in _imports(modules[name], modules) if m in modules and m != name}
 
 
 def _under(name: str, *packages: str) -> bool:
@@ -76,46 +93,87 @@ def test_family_specs_import_no_torch_and_nothing_else_from_the_package(name):
     assert not others and not heavy, f"{name} imports {sorted(others | heavy)}"
 
 
-#: docs/architecture.md's map, lowest layer first: (layer, module prefixes); a module belongs to the layer of its
-#: longest matching prefix.
-LAYERS = [
-    ("layout", ["statereduce.layout"]),
-    ("kernels", ["statereduce.kernels"]),
-    ("families", ["statereduce.families"]),
-    ("adapters", ["statereduce.adapters"]),
-    ("selectors", ["statereduce.selectors"]),
-    ("foundations", ["statereduce", "statereduce.models", "statereduce.data", "statereduce.tokenizer",
-                     "statereduce.checkpoints", "statereduce.h5files", "statereduce.artifacts", "statereduce.runtime",
-                     "statereduce.selection_file", "statereduce.settings",
-                     "statereduce.budgets", "statereduce.slicing"]),
-    ("services", ["statereduce.eval", "statereduce.analysis", "statereduce.speed", "statereduce.config"]),
-    ("stages", ["statereduce.pretrain", "statereduce.capture", "statereduce.allocate", "statereduce.select",
-                "statereduce.prune", "statereduce.rft", "statereduce.analysis.rank"]),
-    ("api", ["statereduce.api", "statereduce.__main__", "statereduce.fetch"]),
-]
+def layer_violations(package: Path = PACKAGE) -> list[str]:
+    """Every break of the layer map in ``package`` (a copy of the package, for the planted faults): a module at the
+    root outside :data:`API_MODULES`, a folder in no layer, an import from a higher layer, a stage importing another
+    stage."""
+    modules = _modules(package)
+    out = []
+    layers = {}
+    for name, path in modules.items():
+        parts = name.split(".")
+        if len(parts) == 2 and not (package / parts[1]).is_dir() and name not in API_MODULES:
+            out.append(f"{name} is a new module at the package root, which holds the api layer only "
+                       f"({', '.join(sorted(API_MODULES))}): put it in the folder of its layer")
+            continue
+        folder = parts[1] if len(parts) > 1 and (package / parts[1]).is_dir() else None
+        if name == "statereduce":
+            layers[name] = -1
+        elif folder is None:
+            layers[name] = API
+        else:
+            found = [i for i, (_, folders) in enumerate(LAYERS) if folder in folders]
+            if not found:
+                out.append(f"{name}: folder statereduce/{folder}/ is in no layer of LAYERS: add it to one")
+                continue
+            layers[name] = found[0]
+    for name, here in layers.items():
+        imports = {m for m in _imports(modules[name], modules) if m in modules and m != name}
+        bad = sorted(m for m in imports if layers.get(m, -1) > here)
+        if here < API and LAYERS[here][0] == "stages":
+            bad += sorted(m for m in imports if layers.get(m) == here and not _under(m, name))
+        if bad:
+            label = "package" if here < 0 else LAYERS[here][0] if here < API else "api"
+            out.append(f"{name} ({label}) imports {bad}")
+    return out
 
 
-def _layer(name: str) -> int:
-    matches = [(len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes if _under(name, p)]
-    assert matches, f"{name} is in no layer of LAYERS (docs/architecture.md): add it"
-    return max(matches)[1]
+def test_every_folder_is_a_layer_and_the_root_holds_the_api_only():
+    """The layer map is the folders: every folder of the package is in one layer, every layer's folders exist."""
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    mapped = {f for _, fs in LAYERS for f in fs}
+    assert folders == mapped, (sorted(folders - mapped), sorted(mapped - folders))
+    root = {n for n in MODULES if n.count(".") == 1 and not (PACKAGE / n.split(".")[-1]).is_dir()}
+    assert root == API_MODULES, sorted(root ^ API_MODULES)
 
 
-@pytest.mark.parametrize("name", sorted(MODULES))
-def test_every_module_imports_only_its_layer_or_lower_ones(name):
+def test_every_module_imports_only_its_layer_or_lower_ones():
     """Upward imports break the map; a stage importing another stage ties two rules' code together (what they share
     belongs in a lower layer)."""
-    here = _layer(name)
-    bad = sorted(m for m in _package_imports(name) if _layer(m) > here)
-    if LAYERS[here][0] == "stages":
-        bad += sorted(m for m in _package_imports(name) if _layer(m) == here and not _under(m, name))
-    assert not bad, f"{name} ({LAYERS[here][0]}) imports {bad}"
+    assert layer_violations() == []
 
 
-def test_settings_import_nothing_else_from_the_package_and_no_torch():
-    """The typed settings are built on every dry run (config validation) and read by every layer above them."""
-    others = _package_imports("statereduce.settings")
-    heavy = {m for m in _imports(MODULES["statereduce.settings"]) if _under(m, "torch", "numpy", "transformers")}
+def _planted_copy(tmp_path: Path) -> Path:
+    copy = tmp_path / "statereduce"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def test_the_layer_check_fails_on_a_planted_upward_import(tmp_path):
+    copy = _planted_copy(tmp_path)
+    path = copy / "core" / "runtime.py"
+    path.write_text(path.read_text() + "\n\ndef _planted():\n    from statereduce.stages.prune import prune_model\n")
+    assert layer_violations(copy) == ["statereduce.core.runtime (core) imports ['statereduce.stages.prune']"]
+    stage = copy / "stages" / "select.py"
+    stage.write_text(stage.read_text() + "\nfrom statereduce.stages import rft  # noqa\n")
+    assert "statereduce.stages.select (stages) imports ['statereduce.stages.rft']" in layer_violations(copy)
+
+
+def test_the_layer_check_fails_on_a_planted_top_level_module_and_folder(tmp_path):
+    copy = _planted_copy(tmp_path)
+    (copy / "helpers.py").write_text("from statereduce.core.runtime import write_json\n")
+    (copy / "extras").mkdir()
+    (copy / "extras" / "__init__.py").write_text("")
+    found = layer_violations(copy)
+    assert any(v.startswith("statereduce.helpers is a new module at the package root") for v in found), found
+    assert any(v.startswith("statereduce.extras: folder statereduce/extras/ is in no layer") for v in found), found
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if _under(n, "statereduce.common")])
+def test_common_imports_nothing_else_from_the_package_and_no_torch(name):
+    """The layout and the typed settings are read on every dry run (config validation) and by every layer above."""
+    others = {m for m in _package_imports(name) if not _under(m, "statereduce.common")}
+    heavy = {m for m in _imports(MODULES[name]) if _under(m, "torch", "numpy", "transformers")}
     assert not others and not heavy, sorted(others | heavy)
 
 
@@ -161,10 +219,10 @@ def test_no_import_cycles():
 
 def test_the_walk_sees_imports_inside_functions(tmp_path):
     """The checks above would miss a cycle hidden in a function body if the walk looked at the top level only."""
-    code = "def f():\n    from statereduce.runtime import write_json\n    import statereduce.kernels.conv\n"
+    code = "def f():\n    from statereduce.core.runtime import write_json\n    import statereduce.kernels.conv\n"
     MODULES["_probe"] = tmp_path / "probe.py"
     try:
         (tmp_path / "probe.py").write_text(code)
-        assert {"statereduce.runtime", "statereduce.kernels.conv"} <= _imports(tmp_path / "probe.py")
+        assert {"statereduce.core.runtime", "statereduce.kernels.conv"} <= _imports(tmp_path / "probe.py")
     finally:
         del MODULES["_probe"]

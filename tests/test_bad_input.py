@@ -22,9 +22,9 @@ import pytest
 from _models import tiny_inputs, tiny_model
 from _snakemake import snakemake
 
-from statereduce.artifacts import ArtifactError
-from statereduce.capture import capture_activations, export_qk_weights, grad_scores
-from statereduce.select import read_selection, select_channels, write_selection
+from statereduce.core.artifacts import ArtifactError
+from statereduce.stages.capture import capture_activations, export_qk_weights, grad_scores
+from statereduce.stages.select import read_selection, select_channels, write_selection
 
 DN = {"model": "tiny-dn", "family": "delta_net", "dtype": "float32", "device": "cpu"}  # a job's params.info
 GDN = {"model": "tiny-gdn", "family": "gated_deltanet", "dtype": "float32", "device": "cpu"}
@@ -121,8 +121,8 @@ def _fake_record(folder: Path, model: str, family: str, method: str, pct: float)
 
 
 def test_rft_refuses_a_checkpoint_pruned_for_another_job(tmp_path):
-    from statereduce.rft import run_rft
-    from statereduce.settings import EvalSettings, RftPlan
+    from statereduce.stages.rft import run_rft
+    from statereduce.common.settings import EvalSettings, RftPlan
 
     pruned = _fake_record(tmp_path / "pruned", "tiny-gdn", "gated_deltanet", "drrqr", 75.0)
     with pytest.raises(ArtifactError) as err:  # before any model, corpus or evaluation is touched
@@ -136,8 +136,8 @@ def test_rft_refuses_a_checkpoint_pruned_for_another_job(tmp_path):
 
 
 def test_rank_refuses_artifacts_of_another_job(artifacts, tmp_path):
-    from statereduce.analysis.rank import rank_analysis
-    from statereduce.settings import RankSettings
+    from statereduce.stages.rank import rank_analysis
+    from statereduce.common.settings import RankSettings
 
     rows, meta = select_channels(artifacts["tiny-dn/qk"], "l1", 50, expect=DN)
     sel = write_selection(tmp_path / "l1_50.parquet", rows, meta)
@@ -165,7 +165,7 @@ def _truncate(src: Path, dest: Path, n: int = 100) -> Path:
                                         ("grad_scores.h5", "grad_scores")])
 @pytest.mark.parametrize("keep_bytes", [100, 5000])
 def test_truncated_hdf5_names_the_rule_that_rebuilds_it(artifacts, tmp_path, name, rule, keep_bytes):
-    from statereduce.h5files import H5Artifact
+    from statereduce.core.h5files import H5Artifact
 
     bad = _truncate(artifacts["tiny-dn/acts"], tmp_path / name, keep_bytes)
     for read in (lambda a: a.attrs(), lambda a: a.layers(), lambda a: a.read(0, ["K"])):
@@ -185,7 +185,7 @@ def test_selection_job_reports_a_truncated_input(artifacts, tmp_path):
 
 
 def test_missing_dataset_and_missing_file(artifacts, tmp_path):
-    from statereduce.h5files import H5Artifact
+    from statereduce.core.h5files import H5Artifact
 
     with pytest.raises(ArtifactError,
                        match=r"qk\.h5 has no dataset layer_000/K; delete it and rerun \(rule qk_weights"):
@@ -216,7 +216,7 @@ def test_unreadable_selection_names_select_channels(artifacts, tmp_path):
 
 
 def test_unreadable_prune_record(tmp_path):
-    from statereduce.prune import check_prune_record
+    from statereduce.stages.prune import check_prune_record
 
     (tmp_path / "prune_record.json").write_text('{"family": "delta_net", ')
     with pytest.raises(ArtifactError, match=r"prune_record\.json is not a readable JSON file \(.+\); delete it and "
@@ -433,7 +433,7 @@ def test_hub_checkpoint_of_another_family_fails_validation(shipped_config, tmp_p
 
 
 def test_base_job_checks_the_family_of_a_local_checkpoint(tmp_path):
-    from statereduce.models import write_hub_source
+    from statereduce.core.models import write_hub_source
 
     (tmp_path / "config.json").write_text('{"model_type": "mamba2"}')
     with pytest.raises(ValueError, match=r"is a 'mamba2' checkpoint, not qwen3_5"):

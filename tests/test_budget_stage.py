@@ -17,17 +17,17 @@ from _models import tiny_inputs, tiny_model
 from _paths import ROOT
 
 from statereduce.adapters import get_adapter
-from statereduce.allocate import allocation_document, calibration_loss, sensitivity_losses, spectrum_eigenvalues
-from statereduce.budgets import allocate, read_allocation, spectrum_values
-from statereduce.capture import capture_activations, export_qk_weights, grad_scores
+from statereduce.stages.allocate import allocation_document, calibration_loss, sensitivity_losses, spectrum_eigenvalues
+from statereduce.core.budgets import allocate, read_allocation, spectrum_values
+from statereduce.stages.capture import capture_activations, export_qk_weights, grad_scores
 from statereduce.config import ConfigError, check_target, validate_config
-from statereduce.h5files import layer_head_data
-from statereduce.prune import prune_model
-from statereduce.runtime import write_json
-from statereduce.select import read_selection, select_channels, write_selection
+from statereduce.core.h5files import layer_head_data
+from statereduce.stages.prune import prune_model
+from statereduce.core.runtime import write_json
+from statereduce.stages.select import read_selection, select_channels, write_selection
 from statereduce.selectors import METHOD_REGEX, HeadData, MethodSpec, format_method, get_selector, parse_method
-from statereduce.settings import BudgetSettings
-from statereduce.slicing import KEY_DIMS_FIELD, masked_channels
+from statereduce.common.settings import BudgetSettings
+from statereduce.core.slicing import KEY_DIMS_FIELD, masked_channels
 
 FAMILIES = ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"]
 CALIB = {"rows_per_head": 48, "seed": 0, "batch_size": 2}
@@ -261,9 +261,9 @@ def test_measured_values_made_once_give_every_pcts_allocation(method, settings, 
     refused in one line."""
     from _workflow_run import save_checkpoint
 
-    from statereduce.allocate import allocate_budget, budget_values
-    from statereduce.models import load_model
-    from statereduce.settings import BudgetPlan
+    from statereduce.stages.allocate import allocate_budget, budget_values
+    from statereduce.core.models import load_model
+    from statereduce.common.settings import BudgetPlan
 
     save_checkpoint(tmp_path / "base", seed=0)
     model = load_model(tmp_path / "base")[0]
@@ -341,7 +341,7 @@ def test_the_budget_study_table_compares_each_budget_with_its_uniform_cut(tmp_pa
 
 
 def test_powers_of_two_keep_the_widths_the_kernels_tile_without_padding():
-    from statereduce.budgets import allowed_widths
+    from statereduce.core.budgets import allowed_widths
 
     assert allowed_widths(64, BudgetSettings()) == [8, 16, 24, 32, 40, 48, 56, 64]
     assert allowed_widths(64, BudgetSettings(powers_of_two=True)) == [8, 16, 32, 64]

@@ -1,4 +1,4 @@
-"""Per-layer key budgets (statereduce.budgets): allowed widths, the exact knapsack allocator and its tie-break,
+"""Per-layer key budgets (statereduce.core.budgets): allowed widths, the exact knapsack allocator and its tie-break,
 the policy value builders and the recorded Allocation."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from statereduce.budgets import (
+from statereduce.core.budgets import (
     TIE_RTOL,
     Allocation,
     allocate,
@@ -320,6 +320,6 @@ def test_allocation_record_round_trips_through_json():
 
 
 def test_module_imports_neither_torch_nor_snakemake():
-    code = "import sys, statereduce.budgets; print(sorted({'torch', 'snakemake'} & set(sys.modules)))"
+    code = "import sys, statereduce.core.budgets; print(sorted({'torch', 'snakemake'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -14,10 +14,10 @@ import torch
 from _models import tiny_inputs, tiny_model
 
 from statereduce.adapters import get_adapter
-from statereduce.capture import BottomKReservoir, capture_activations, export_qk_weights, grad_scores
-from statereduce.h5files import H5Artifact
-from statereduce.select import read_selection, select_channels, write_selection
-from statereduce.prune import prune_model
+from statereduce.stages.capture import BottomKReservoir, capture_activations, export_qk_weights, grad_scores
+from statereduce.core.h5files import H5Artifact
+from statereduce.stages.select import read_selection, select_channels, write_selection
+from statereduce.stages.prune import prune_model
 
 FAMILIES = ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"]
 
@@ -110,7 +110,7 @@ def test_grad_scores_with_recomputed_layers_equal_the_plain_backward(family, mon
     import torch.utils.checkpoint
 
     from statereduce.adapters.base import decoder_layers
-    from statereduce.capture import grad_score_arrays
+    from statereduce.stages.capture import grad_score_arrays
 
     calls = []
     stock = torch.utils.checkpoint.checkpoint

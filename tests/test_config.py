@@ -117,7 +117,7 @@ ARCHS = [
 def test_arch_dims_match_fla_config(family, arch):
     """Config-only dims (validation, no fla) equal the adapter's dims of the real fla config."""
     from statereduce.adapters import adapter_class
-    from statereduce.models import tiny_config
+    from statereduce.core.models import tiny_config
 
     cls = adapter_class(family)
     assert cls.arch_dims(arch) == cls.dims(tiny_config(family, arch))
@@ -140,7 +140,7 @@ def test_config_defaults_pinned_to_fla(family):
 def test_unknown_arch_key_rejected_like_tiny_config():
     """Validation rejects exactly the arch keys ``tiny_config`` rejects (one line, valid keys listed)."""
     from statereduce.adapters import adapter_class
-    from statereduce.models import tiny_config
+    from statereduce.core.models import tiny_config
 
     for family, valid in (("delta_net", "expand_v"), ("gated_deltanet", "expand_v"), ("mamba2", "state_size"),
                           ("qwen3_5", "linear_key_head_dim")):
@@ -156,7 +156,8 @@ def test_validation_does_not_import_fla():
     transformers' model code (importing fla costs ~15 s on every snakemake call)."""
     code = (
         "import sys, yaml\n"
-        "from statereduce import config, select, selectors\n"
+        "from statereduce import config, selectors\n"
+        "from statereduce.stages import select\n"
         f"cfg = config.validate_config(yaml.safe_load(open({str(ROOT / 'config.yaml')!r})))\n"
         "for model in cfg['targets']['models']:\n"
         "    config.model_dims(cfg, model)\n"
@@ -177,7 +178,7 @@ def test_validation_imports_no_stage():
         f"cfg = config.validate_config(yaml.safe_load(open({str(ROOT / 'config.yaml')!r})))\n"
         "for model in cfg['models']:\n"
         "    config.check_rft(cfg, model)\n"
-        "stages = ('pretrain', 'capture', 'select', 'prune', 'rft', 'models')\n"
+        "stages = ('stages.pretrain', 'stages.capture', 'stages.select', 'stages.prune', 'stages.rft', 'core.models')\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('fla', 'transformers', 'peft')\n"
         "             or m in {f'statereduce.{s}' for s in stages})\n"
         "assert not bad, bad[:5]\n"

@@ -1,4 +1,4 @@
-"""Every corpus form statereduce/data.py documents works in the workflow.
+"""Every corpus form statereduce/core/data.py documents works in the workflow.
 
 For each form (``embedded``, ``pydoc_topics``, ``files`` with ``paths``, ``files`` with ``splits``, ``hf``) a
 tiny config (the shipped tiny-dn model, every corpus reference pointed at the corpus under test) makes
@@ -19,7 +19,7 @@ import yaml
 from _paths import ROOT
 from _snakemake import copy_workflow, snakemake
 
-from statereduce import data
+from statereduce.core import data
 from statereduce.config import ConfigError, validate_config
 
 FRACTIONS = {"train": 0.6, "calib": 0.2, "heldout": 0.2}

@@ -10,8 +10,7 @@ import pytest
 import torch
 from _paths import ROOT
 
-from statereduce import data
-
+from statereduce.core import data
 # Real text files next to the repository (not part of it): the tests that read them skip without them.
 SHARED_DATA = ROOT.parent / "shared" / "data"
 SMALL_EMBEDDED = {"source": "embedded", "max_bytes": 600_000}

@@ -201,8 +201,7 @@ def test_eval_json_written_with_state_and_provenance(single_window):
 
 
 def test_write_json_atomic_keeps_old_file_on_failure(tmp_path, monkeypatch):
-    from statereduce import runtime
-
+    from statereduce.core import runtime
     path = tmp_path / "eval.json"
     runtime.write_json(path, {"a": 1, "nan": float("nan"), "np": np.float32(0.5)})
     assert json.loads(path.read_text()) == {"a": 1, "nan": "nan", "np": 0.5}

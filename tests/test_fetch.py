@@ -20,7 +20,7 @@ import yaml
 from _fakehub import FakeHub
 from _paths import ROOT
 
-from statereduce import data
+from statereduce.core import data
 from statereduce.fetch import checkpoint_files, merge, target_models
 
 SHARDS = (30, 25, 40)  # rows per parquet file of the streamed dataset (row groups of 8)
@@ -62,8 +62,8 @@ metadata:
 OFFLINE = """
 import json, sys
 from pathlib import Path
-from statereduce import data
-from statereduce.models import load_model, write_hub_source
+from statereduce.core import data
+from statereduce.core.models import load_model, write_hub_source
 from statereduce.eval.harness import build_task_manager
 import torch
 
@@ -92,8 +92,8 @@ print("RESULT " + json.dumps(out))
 @pytest.fixture(scope="module")
 def fetched(tmp_path_factory):
     """Serve the fake hub, run the fetch, shut the hub down: (paths, fetch output, requests, commit)."""
-    from statereduce.models import save_checkpoint
-    from statereduce.tokenizer import byte_level_tokenizer
+    from statereduce.core.models import save_checkpoint
+    from statereduce.core.tokenizer import byte_level_tokenizer
     from _models import tiny_model
 
     tmp = tmp_path_factory.mktemp("fetch")

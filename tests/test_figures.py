@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from statereduce.analysis.figures import markdown_html, spectrum_figure, utilization_histograms, write_markdown_html
-from statereduce.runtime import jsonable
+from statereduce.core.runtime import jsonable
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

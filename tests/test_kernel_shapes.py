@@ -201,9 +201,9 @@ def test_load_model_installs_the_guard_and_records_the_shape(family, tmp_path):
     from _models import random_keep, tiny_model
 
     from statereduce.adapters import adapter_class
-    from statereduce.models import load_model
-    from statereduce.prune import load_prune_record, prune_model, save_pruned
-    from statereduce.tokenizer import byte_level_tokenizer
+    from statereduce.core.models import load_model
+    from statereduce.stages.prune import load_prune_record, prune_model, save_pruned
+    from statereduce.core.tokenizer import byte_level_tokenizer
 
     kw = {"expand_k": 2.0, "expand_v": 2.0} if family == "delta_net" else {"head_dim": 64, "expand_v": 1.0}
     model = tiny_model(family, **kw)  # d_k 64, d_v 64
@@ -230,7 +230,7 @@ def test_load_model_installs_the_guard_and_records_the_shape(family, tmp_path):
 def test_transformers_families_record_no_fla_shapes(tmp_path):
     from _models import random_keep, tiny_model
 
-    from statereduce.prune import prune_model
+    from statereduce.stages.prune import prune_model
 
     model = tiny_model("mamba2")
     record = prune_model(model, random_keep(model, 16), {"source": "random", "method": "rand", "pct": 50})

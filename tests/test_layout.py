@@ -1,5 +1,5 @@
-"""The results layout (statereduce.layout): templates filled by ``path`` read back by ``parse``, pct forms, and the
-paths the rules write (a dry run of the default target) all parse to their model, stage and calibration."""
+"""The results layout (statereduce.common.layout): templates filled by ``path`` read back by ``parse``, pct forms, and
+the paths the rules write (a dry run of the default target) all parse to their model, stage and calibration."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ import re
 import pytest
 from _snakemake import snakemake
 
-from statereduce import layout
-
-
+from statereduce.common import layout
 @pytest.mark.parametrize("pct, text", [(50, "50"), (50.0, "50"), (37.5, "37.5"), ("75", "75")])
 def test_format_pct(pct, text):
     assert layout.format_pct(pct) == text

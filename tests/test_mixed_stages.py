@@ -17,16 +17,16 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 from test_mixed_widths import EPS, FAMILIES, mixed_selection, zero_masked
 
-from statereduce import rft as ft
+from statereduce.stages import rft as ft
 from statereduce.adapters import adapter_for_config, get_adapter
 from statereduce.adapters.conv_sharing import tie_qk_convs
-from statereduce.analysis.rank import check_selection_widths, collect_rank_samples, rank_report
+from statereduce.stages.rank import check_selection_widths, collect_rank_samples, rank_report
 from statereduce.eval.documents import state_record
-from statereduce.models import build_random, load_model, save_checkpoint
-from statereduce.prune import prune_model, save_pruned
-from statereduce.settings import RftSettings
-from statereduce.slicing import KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD
-from statereduce.tokenizer import byte_level_tokenizer
+from statereduce.core.models import build_random, load_model, save_checkpoint
+from statereduce.stages.prune import prune_model, save_pruned
+from statereduce.common.settings import RftSettings
+from statereduce.core.slicing import KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD
+from statereduce.core.tokenizer import byte_level_tokenizer
 
 # tests/_models.py TINY, written out: (linear-attention layers, value heads HV, d_v) of every family; d_k = 32
 STATE = {"delta_net": ([0, 1], 2, 32), "gated_deltanet": ([0, 1], 2, 64), "mamba2": ([0, 1], 8, 16),
@@ -185,7 +185,8 @@ def test_rft_of_a_mixed_checkpoint_keeps_its_widths_and_reloads(family, tmp_path
     with torch.no_grad():
         logits = kept["model"](ids).logits
     torch.save({"ids": ids, "logits": logits}, tmp_path / "x.pt")
-    script = ("import torch\nfrom statereduce.models import load_model\nfrom statereduce.adapters import get_adapter\n"
+    script = ("import torch\nfrom statereduce.core.models import load_model\n"
+              "from statereduce.adapters import get_adapter\n"
               f"m, _ = load_model({str(out)!r}); d = torch.load({str(tmp_path / 'x.pt')!r})\n"
               "with torch.no_grad(): out = m(d['ids']).logits\n"
               "assert torch.equal(out, d['logits']), float((out - d['logits']).abs().max())\n"

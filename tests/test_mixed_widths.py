@@ -15,10 +15,10 @@ from _models import tiny_inputs, tiny_model
 from _paths import ROOT
 
 from statereduce.adapters import get_adapter
-from statereduce.models import load_model
-from statereduce.prune import prune_model, save_pruned
-from statereduce.slicing import KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD
-from statereduce.tokenizer import byte_level_tokenizer
+from statereduce.core.models import load_model
+from statereduce.stages.prune import prune_model, save_pruned
+from statereduce.core.slicing import KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD
+from statereduce.core.tokenizer import byte_level_tokenizer
 
 FAMILIES = ["delta_net", "gated_deltanet", "qwen3_5", "mamba2"]
 EPS = {"delta_net": {"norm_eps": 1e-2}, "gated_deltanet": {"norm_eps": 1e-2}, "qwen3_5": {"rms_norm_eps": 1e-2},
@@ -84,7 +84,7 @@ def mixed_cases(tmp_path_factory) -> dict[tuple[str, str], dict]:
                                    "kernel_scale": get_adapter(model).kernel_scale}
     paths = json.dumps({f"{f}/{m}": (c["folder"], c["tensors"]) for (f, m), c in cases.items()})
     script = (f"import json, sys, torch; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
-              "from statereduce.models import load_model\n"
+              "from statereduce.core.models import load_model\n"
               f"cases = json.loads({paths!r})\n"
               "out = {}\n"
               "for key, (folder, tensors) in cases.items():\n"

@@ -1,4 +1,4 @@
-"""``prune_model(..., norm_eps=...)`` (statereduce.prune, "Kernel scale"), tiny random CPU models.
+"""``prune_model(..., norm_eps=...)`` (statereduce.stages.prune, "Kernel scale"), tiny random CPU models.
 
 After pruning, the stock delta-rule kernels scale q.k by 1/sqrt(d_k') instead of 1/sqrt(d_k), which changes the
 model only through the eps of the per-head output RMSNorm. ``"stock"`` (the default) keeps the config's eps;
@@ -7,7 +7,7 @@ so that every norm sees what it saw before. Here, with an eps large enough to ma
 
 1. ``"exact"`` equals the original with the dropped q/k channels zeroed (tests/test_prune.py's ``zero_dropped``, written
    from each family's documented layout) to float32 precision, at 50% and 75%, in memory and after saving and
-   reloading in a fresh process with the stock classes and with ``statereduce.models.load_model``; ``"stock"``
+   reloading in a fresh process with the stock classes and with ``statereduce.core.models.load_model``; ``"stock"``
    does not;
 2. ``"stock"`` writes today's checkpoint and record bit for bit (every tensor outside the sliced rows, the config
    and the record's ``kernel_scale`` as before; the default and an explicit ``"stock"`` write identical files);
@@ -30,8 +30,8 @@ import torch
 from _models import random_keep, tiny_inputs, tiny_model
 from statereduce.adapters import get_adapter
 from statereduce.adapters.base import EPS_ATTRIBUTES
-from statereduce.prune import kernel_scale_note, prune_model, save_pruned
-from statereduce.tokenizer import byte_level_tokenizer
+from statereduce.stages.prune import kernel_scale_note, prune_model, save_pruned
+from statereduce.core.tokenizer import byte_level_tokenizer
 from test_prune import cached_steps, logits, zero_dropped
 
 D_K = 32
@@ -154,7 +154,7 @@ torch.set_num_threads(1)
 from transformers import AutoModelForCausalLM
 import fla  # registers fla's classes with the Auto classes
 from statereduce.adapters import adapter_families, adapter_class
-from statereduce.models import load_model
+from statereduce.core.models import load_model
 for family in adapter_families():
     adapter_class(family).install_fallbacks()
 for ckpt in sys.argv[1:]:
@@ -263,7 +263,7 @@ def test_the_default_is_the_workflows(tmp_path):
     import inspect
 
     from statereduce import api
-    from statereduce.settings import PruneSettings
+    from statereduce.common.settings import PruneSettings
 
     assert PruneSettings().norm_eps == "exact"
     for fn in (prune_model, api.prune):

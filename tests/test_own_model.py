@@ -24,7 +24,7 @@ from _paths import ROOT
 from _snakemake import copy_workflow, job_outputs, snakemake
 
 from statereduce.config import ConfigError, load_schema, validate_config
-from statereduce.settings import CalibrationSettings, EvalSettings
+from statereduce.common.settings import CalibrationSettings, EvalSettings
 
 OVERLAY = ROOT / "configs" / "my_model.yaml"
 MODEL, TARGET, OVERLAY_FILE = _workflow_run.OWN_MODEL, _workflow_run.OWN_TARGET, _workflow_run.OVERLAY_FILE
@@ -230,7 +230,7 @@ def test_schema_documents_the_defaults():
 
 
 def test_checkpoint_files_and_streamed_sha256(tmp_path):
-    from statereduce.checkpoints import checkpoint_files, checkpoint_sha256, sha256_file, weight_files
+    from statereduce.core.checkpoints import checkpoint_files, checkpoint_sha256, sha256_file, weight_files
 
     names = ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
              "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -95,8 +95,8 @@ def test_init_model_needs_one_source_and_a_valid_arch():
 
 @pytest.mark.parametrize("family", ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"])
 def test_init_random_writes_a_seeded_checkpoint_that_loads(tmp_path, family):
-    from statereduce.models import load_model
-    from statereduce.pretrain import INIT_RECORD, init_random
+    from statereduce.core.models import load_model
+    from statereduce.stages.pretrain import INIT_RECORD, init_random
 
     arch = tiny_arch(family, vocab_size=400)  # more ids than the byte-level tokenizer's 257, as at hub sizes
     a = init_random(family, arch, tmp_path / "a", seed=3, dtype="float32")
@@ -118,7 +118,7 @@ def test_init_model_ran_capture_select_prune_eval_through_the_workflow(workflow_
     select -> prune + evaluate."""
     from _workflow_run import INIT_TARGET
 
-    from statereduce.models import load_model
+    from statereduce.core.models import load_model
 
     work = workflow_run["work"]
     base = work / "results" / "wf-init" / "base"

@@ -11,10 +11,10 @@ import torch
 from _models import SMALL, pretrain, tiny_arch
 from safetensors.torch import load_file
 
-from statereduce import pretrain as pt
-from statereduce.models import load_model, tiny_config, write_hub_source
-from statereduce.pretrain import lr_at
-from statereduce.settings import TrainSettings
+from statereduce.stages import pretrain as pt
+from statereduce.core.models import load_model, tiny_config, write_hub_source
+from statereduce.stages.pretrain import lr_at
+from statereduce.common.settings import TrainSettings
 
 CORPUS = {"source": "embedded", "max_bytes": 600_000}
 ARCH = {family: tiny_arch(family, small=True, byte_vocab=True) for family in SMALL}  # hidden 32, d_k 16
@@ -120,7 +120,7 @@ def test_load_model_from_source_json(checkpoints, tmp_path):
     rec = write_hub_source(base, str(ckpt), revision=None, dtype="float32")
     import hashlib
 
-    sha = rec.pop("sha256")  # a local folder's files, each hashed (statereduce.checkpoints)
+    sha = rec.pop("sha256")  # a local folder's files, each hashed (statereduce.core.checkpoints)
     assert sha["model.safetensors"] == hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(sha)
     assert rec == {

@@ -24,7 +24,7 @@ import torch
 
 from _models import random_keep, tiny_inputs, tiny_model
 from statereduce.adapters import adapter_class, get_adapter
-from statereduce.prune import (
+from statereduce.stages.prune import (
     RECORD_NAME,
     PruneRecord,
     head_rows,
@@ -32,7 +32,7 @@ from statereduce.prune import (
     prune_model,
     save_pruned,
 )
-from statereduce.tokenizer import byte_level_tokenizer
+from statereduce.core.tokenizer import byte_level_tokenizer
 
 D_K = 32
 CASES = {  # case id -> (family, config overrides)

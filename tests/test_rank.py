@@ -12,7 +12,7 @@ import torch
 from _models import tiny_inputs, tiny_model
 
 from statereduce.adapters import get_adapter
-from statereduce.analysis.rank import (
+from statereduce.stages.rank import (
     collect_rank_samples,
     iter_states,
     keep_overlap,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from statereduce.analysis.tables import parse_made_on, torch_cpu_capability, write_comparison
-from statereduce.runtime import cpu_kind
+from statereduce.core.runtime import cpu_kind
 
 ROOT = Path(__file__).resolve().parents[1]
 

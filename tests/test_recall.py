@@ -23,7 +23,7 @@ from _models import tiny_model
 from torch import nn
 
 from statereduce.eval import recall as rc
-from statereduce.settings import EvalSettings, RecallMixSettings, RecallProbeSettings
+from statereduce.common.settings import EvalSettings, RecallMixSettings, RecallProbeSettings
 
 
 def _lines(doc: dict) -> list[str]:

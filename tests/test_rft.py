@@ -1,4 +1,4 @@
-"""Recovery fine-tuning (statereduce.rft): LoRA + distillation, merge, resume, reload.
+"""Recovery fine-tuning (statereduce.stages.rft): LoRA + distillation, merge, resume, reload.
 
 The fixtures pretrain one tiny model per family for a few dozen steps on the embedded corpus (so that
 pruning does measurable damage), prune 75% of its key channels at random and save both checkpoints.
@@ -24,14 +24,14 @@ from _models import pretrain, random_keep, tiny_arch, tiny_inputs, tiny_model
 from _paths import ROOT
 from safetensors.torch import load_file
 
-from statereduce import rft as ft
+from statereduce.stages import rft as ft
 from statereduce.adapters import get_adapter
-from statereduce.data import load_split
-from statereduce.models import load_model
-from statereduce.pretrain import _eval_blocks, mean_loss
-from statereduce.prune import prune_model, save_pruned
-from statereduce.settings import DistillSettings, LoraSettings, RftSettings
-from statereduce.tokenizer import byte_level_tokenizer
+from statereduce.core.data import load_split
+from statereduce.core.models import load_model
+from statereduce.stages.pretrain import _eval_blocks, mean_loss
+from statereduce.stages.prune import prune_model, save_pruned
+from statereduce.common.settings import DistillSettings, LoraSettings, RftSettings
+from statereduce.core.tokenizer import byte_level_tokenizer
 
 CORPUS = {"source": "embedded", "max_bytes": 600_000}
 # tiny_model's shapes trained on the byte-level tokenizer, with Gated DeltaNet d_v = 32, Mamba-2 4 heads of 32 (chunk
@@ -359,7 +359,7 @@ def test_resume_after_interrupt_equals_uninterrupted_run(pairs, tmp_path):
 
 @pytest.mark.slow  # a fresh process run until its first checkpoint; the default tier resumes in process
 def test_killed_process_resumes_and_finishes(pairs, tmp_path):
-    """SIGKILL a ``python -m statereduce.rft`` run after its first checkpoint; the rerun finishes from it."""
+    """SIGKILL a ``python -m statereduce.stages.rft`` run after its first checkpoint; the rerun finishes from it."""
     base, pruned = pairs["delta_net"]
     job = tmp_path / "job.json"
     cfg = {**RFT, "n_samples": 80, "save_every": 1, "log_every": 1}  # 20 steps (~0.3 s each): longer than the wait
@@ -379,7 +379,7 @@ def test_killed_process_resumes_and_finishes(pairs, tmp_path):
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "statereduce.rft", *args],
+        [sys.executable, "-m", "statereduce.stages.rft", *args],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -516,7 +516,7 @@ def test_teacher_logits_are_computed_once_per_run(pairs):
 
 
 class _Acc:
-    """A one-process stand-in for accelerate's Accelerator in :func:`statereduce.rft.validation_loss`."""
+    """A one-process stand-in for accelerate's Accelerator in :func:`statereduce.stages.rft.validation_loss`."""
 
     process_index, num_processes, device = 0, 1, torch.device("cpu")
 

@@ -1,5 +1,5 @@
-"""The typed settings (statereduce/settings.py): their defaults, one-line errors, the plain dicts they give back (the
-rules' params, byte for byte: Snakemake reruns a job whose params' repr changed) and the schema's documented
+"""The typed settings (statereduce/common/settings.py): their defaults, one-line errors, the plain dicts they give back
+(the rules' params, byte for byte: Snakemake reruns a job whose params' repr changed) and the schema's documented
 defaults."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import yaml
 from _paths import ROOT
 
 from statereduce import config as srconfig
-from statereduce import settings as st
-
+from statereduce.common import settings as st
 # The defaults as the dicts that held them before the settings were typed (config.CALIBRATION_DEFAULTS, EVAL_DEFAULTS,
 # RANK_DEFAULTS, DEFAULT_RFT, DEFAULT_THREADS; pretrain.DEFAULT_TRAIN; speed.bench.DEFAULT_SPEED; eval.recall's
 # RECALL_MIX_DEFAULTS; eval.suites' RECALL_PROBE_DEFAULTS), after their checks normalised them (betas as lists of
@@ -233,7 +232,7 @@ def test_eval_params_keep_the_order_of_the_expanded_block(cfg):
 def test_records_store_the_plain_settings():
     """What the stages write (rft_record settings and schedule, pretrain.json's train block, speed.json's settings) is
     ``to_dict()``: JSON-serialisable, with the old keys."""
-    from statereduce.runtime import Schedule
+    from statereduce.core.runtime import Schedule
 
     sched = Schedule(lr=1e-4, min_lr=1e-5, warmup=100, steps=2000)
     assert list(sched.to_dict()) == ["lr", "min_lr", "warmup", "steps"]
@@ -286,7 +285,7 @@ def _schema_enums(node, path=()):
 
 
 def test_schema_enums_are_the_fields_valid_values():
-    """A :func:`~statereduce.settings.choice` field's valid values are the schema's enum of it, and every choice
+    """A :func:`~statereduce.common.settings.choice` field's valid values are the schema's enum of it, and every choice
     field of a documented block has one."""
     checked = set()
     for path, key, enum in _schema_enums(srconfig.load_schema()):

@@ -16,11 +16,11 @@ from _models import VOCAB, pretrain, tiny_arch, tiny_inputs, tiny_model
 from _paths import ROOT
 from safetensors.torch import load_file
 
-from statereduce import pretrain as pt
+from statereduce.stages import pretrain as pt
 from statereduce.adapters import get_adapter
 from statereduce.adapters.conv_sharing import conv_sharing, model_conv_sharing, tie_qk_convs, untie_convs
 from statereduce.config import ConfigError, validate_config
-from statereduce.settings import TrainSettings
+from statereduce.common.settings import TrainSettings
 
 CORPUS = {"source": "embedded", "max_bytes": 600_000}
 ARCH = {family: tiny_arch(family, small=True, byte_vocab=True) for family in ("delta_net", "gated_deltanet")}
@@ -211,7 +211,7 @@ def test_checkpoints_reload_with_stock_from_pretrained(trained, tmp_path):
     """A fresh process loads each checkpoint with plain ``AutoModelForCausalLM.from_pretrained`` (no missing or
     unexpected keys) and computes the logits statereduce's loader gets; ``conv_sharing`` reports the training's
     sharing there."""
-    from statereduce.models import load_model
+    from statereduce.core.models import load_model
 
     paths = {name: str(ckpt) for name, (ckpt, _) in trained.items()}
     result = tmp_path / "reloaded.pt"

@@ -186,6 +186,6 @@ def test_cancelled_job_leaves_nothing_complete_and_a_rerun_finishes(cluster, tmp
     rerun = _snakemake(work, cluster, target)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-5000:]
     check = subprocess.run(
-        [sys.executable, "-c", "import sys; from statereduce.models import load_model; load_model(sys.argv[1])",
+        [sys.executable, "-c", "import sys; from statereduce.core.models import load_model; load_model(sys.argv[1])",
          str(work / "results/wf-dn/base")], cwd=work, capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr[-3000:]

@@ -13,7 +13,7 @@ from _models import tiny_arch
 from _paths import ROOT
 
 from statereduce.analysis.tables import speed_markdown
-from statereduce.settings import PrefillSettings
+from statereduce.common.settings import PrefillSettings
 from statereduce.speed import bench as speed
 
 DN = tiny_arch("delta_net", vocab_size=97)

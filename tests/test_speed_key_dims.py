@@ -15,7 +15,7 @@ from _models import tiny_arch, tiny_inputs
 from _paths import ROOT
 
 from statereduce.adapters import adapter_class, get_adapter
-from statereduce.slicing import KEY_DIMS_FIELD
+from statereduce.core.slicing import KEY_DIMS_FIELD
 from statereduce.speed import bench as speed
 
 FAMILIES = ["delta_net", "gated_deltanet"]

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from statereduce.eval import suites as su
-from statereduce.settings import EvalSettings, RecallProbeSettings
+from statereduce.common.settings import EvalSettings, RecallProbeSettings
 
 LM_TASKS = ["wikitext", "lambada_openai", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "piqa"]
 RECALL_TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "squad_completion", "swde"]

@@ -235,7 +235,7 @@ def test_made_on_line_names_the_cpu(tmp_path):
     """The documents' CPU kind (``versions.cpu``) is named under the header, with torch's CPU capability when it is
     this machine's; :func:`parse_made_on` reads it back."""
     from statereduce.analysis.tables import made_on_line, parse_made_on
-    from statereduce.runtime import cpu_kind
+    from statereduce.core.runtime import cpu_kind
 
     here = {"provenance": {"versions": {"cpu": cpu_kind()}}}
     other = {"provenance": {"versions": {"cpu": "Some CPU (AVX)"}}}

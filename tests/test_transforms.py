@@ -23,9 +23,9 @@ import _fresh as fresh
 import torch
 from _models import random_keep, tiny_model
 
-from statereduce.artifacts import ArtifactError
-from statereduce.prune import mix_filters, prune_model, save_pruned
-from statereduce.select import read_selection, write_selection
+from statereduce.core.artifacts import ArtifactError
+from statereduce.stages.prune import mix_filters, prune_model, save_pruned
+from statereduce.stages.select import read_selection, write_selection
 from statereduce.selectors import HeadData, get_selector, select_heads
 from statereduce.selectors.registry import HeadSelection
 
@@ -244,9 +244,9 @@ def test_shared_filters_without_silu_give_the_exact_rotated_model():
 def test_pca_selection_prunes_a_real_model_that_reloads(tmp_path):
     """Calibration activations of a tiny DeltaNet -> pca selection file -> pruned checkpoint -> a fresh process
     loads it (stock classes) with the same logits."""
-    from statereduce.capture import capture_activations, export_qk_weights
-    from statereduce.select import select_channels
-    from statereduce.tokenizer import byte_level_tokenizer
+    from statereduce.stages.capture import capture_activations, export_qk_weights
+    from statereduce.stages.select import select_channels
+    from statereduce.core.tokenizer import byte_level_tokenizer
 
     model = tiny_model("delta_net")
     ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
@@ -264,7 +264,7 @@ def test_pca_selection_prunes_a_real_model_that_reloads(tmp_path):
     with torch.no_grad():
         expected = model(x).logits
     torch.save(x, tmp_path / "x.pt")
-    code = ("import sys, torch; from statereduce.models import load_model; m, _ = load_model(sys.argv[1]); "
+    code = ("import sys, torch; from statereduce.core.models import load_model; m, _ = load_model(sys.argv[1]); "
             "torch.save(m(torch.load(sys.argv[2])).logits.detach(), sys.argv[3])")
     fresh.run(["-c", code, str(tmp_path / "ckpt"), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")], check=True,
               preload=fresh.TORCH)
@@ -276,7 +276,7 @@ def test_pca_selection_prunes_a_real_model_that_reloads(tmp_path):
 def test_conditioning_of_a_transform_selection():
     """Rank analysis's [Q; K] conditioning (paper Table 6) takes a transform selection: the identity's rows give the
     index selection's numbers, and a rotation of all channels leaves the singular values unchanged."""
-    from statereduce.analysis.rank import selected_conditioning
+    from statereduce.stages.rank import selected_conditioning
 
     rng = np.random.default_rng(7)
     K, Q = rng.standard_normal((2, 50, 8)), rng.standard_normal((2, 50, 8))

@@ -1,10 +1,10 @@
 """rule allocate: results/{model}/select/{method}_{pct}.allocation.json (per-layer key widths of a budget)."""
-from statereduce.runtime import start
+from statereduce.core.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
-from statereduce.allocate import allocate_budget  # noqa: E402
-from statereduce.runtime import write_json  # noqa: E402
-from statereduce.settings import BudgetPlan  # noqa: E402
+from statereduce.stages.allocate import allocate_budget  # noqa: E402
+from statereduce.core.runtime import write_json  # noqa: E402
+from statereduce.common.settings import BudgetPlan  # noqa: E402
 
 inp, selector, wc = snakemake.input, snakemake.params.selector, snakemake.wildcards
 doc = allocate_budget(

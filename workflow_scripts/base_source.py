@@ -1,10 +1,10 @@
 """rule base_source: write results/{model}/base/source.json for a hub or local checkpoint."""
 from pathlib import Path
 
-from statereduce.runtime import start
+from statereduce.core.runtime import start
 
 log = start(snakemake.log[0], torch_threads=False)
-from statereduce.models import write_hub_source  # noqa: E402
+from statereduce.core.models import write_hub_source  # noqa: E402
 
 src = snakemake.params.source
 write_hub_source(Path(snakemake.output[0]).parent, src["hub_id"], src["revision"], src["dtype"],

@@ -1,7 +1,7 @@
 """rule budget_study: results/tables/budget_study.{md,csv,html}, results/figures/budget_allocations.png."""
 from pathlib import Path
 
-from statereduce.runtime import read_json, start
+from statereduce.core.runtime import read_json, start
 
 log = start(snakemake.log[0], torch_threads=False)
 from statereduce.analysis.figures import budget_allocations, write_markdown_html  # noqa: E402

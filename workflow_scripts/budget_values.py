@@ -1,12 +1,12 @@
 """rule budget_values: results/{model}/select/{method}.values.json (a measured budget policy's per-width values)."""
 from pathlib import Path
 
-from statereduce.runtime import start
+from statereduce.core.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
-from statereduce.allocate import budget_values  # noqa: E402
-from statereduce.runtime import write_json  # noqa: E402
-from statereduce.settings import BudgetPlan  # noqa: E402
+from statereduce.stages.allocate import budget_values  # noqa: E402
+from statereduce.core.runtime import write_json  # noqa: E402
+from statereduce.common.settings import BudgetPlan  # noqa: E402
 
 inp, selector = snakemake.input, snakemake.params.selector
 doc = budget_values(

@@ -1,6 +1,6 @@
 """rule comparison_table: results/tables/comparison.{md,csv,html} from every targeted summary."""
-from statereduce import layout
-from statereduce.runtime import read_json, start  # noqa: E402
+from statereduce.common import layout
+from statereduce.core.runtime import read_json, start  # noqa: E402
 
 log = start(snakemake.log[0], torch_threads=False)
 from statereduce.analysis.figures import write_markdown_html  # noqa: E402

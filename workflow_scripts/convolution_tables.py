@@ -1,7 +1,7 @@
 """rule convolution_tables: results/tables/{shared,pca}_convolutions.{md,csv,html} (paper Tables 14, 15)."""
 from pathlib import Path
 
-from statereduce.runtime import read_json, start  # noqa: E402
+from statereduce.core.runtime import read_json, start  # noqa: E402
 
 log = start(snakemake.log[0], torch_threads=False)
 from statereduce.analysis.figures import write_markdown_html  # noqa: E402

@@ -1,5 +1,5 @@
 """rule figures: results/figures/{model}_{utilization,spectrum}_{pct}.png (paper Figs. 3 and 2/5, pre-RFT)."""
-from statereduce.runtime import read_json, start  # noqa: E402
+from statereduce.core.runtime import read_json, start  # noqa: E402
 
 log = start(snakemake.log[0], torch_threads=False)
 from statereduce.analysis.figures import spectrum_figure, utilization_histograms  # noqa: E402

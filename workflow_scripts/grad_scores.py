@@ -1,13 +1,13 @@
 """rule grad_scores: results/{model}/calib/{calib}/grad_scores.h5 (Grad saliency)."""
 from pathlib import Path
 
-from statereduce.runtime import start
+from statereduce.core.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
-from statereduce.capture import grad_scores  # noqa: E402
-from statereduce.data import load_split, token_blocks  # noqa: E402
-from statereduce.models import load_model  # noqa: E402
-from statereduce.settings import CalibrationSettings, GradSettings  # noqa: E402
+from statereduce.stages.capture import grad_scores  # noqa: E402
+from statereduce.core.data import load_split, token_blocks  # noqa: E402
+from statereduce.core.models import load_model  # noqa: E402
+from statereduce.common.settings import CalibrationSettings, GradSettings  # noqa: E402
 
 info, corpus = snakemake.params.info, snakemake.params.corpus
 cal = CalibrationSettings.from_dict(snakemake.params.calibration)

@@ -1,11 +1,11 @@
 """rule init_random: an untrained checkpoint of a given shape into results/{model}/base/."""
 from pathlib import Path
 
-from statereduce.runtime import start
+from statereduce.core.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
-from statereduce.pretrain import init_random  # noqa: E402
-from statereduce.settings import InitSettings  # noqa: E402
+from statereduce.stages.pretrain import init_random  # noqa: E402
+from statereduce.common.settings import InitSettings  # noqa: E402
 
 init, info = InitSettings.from_dict(snakemake.params.init), snakemake.params.info
 out_dir = Path(snakemake.output.marker).parent

@@ -1,11 +1,11 @@
 """rule pretrain: train an embedded tiny model into results/{model}/base/."""
 from pathlib import Path
 
-from statereduce.runtime import start
+from statereduce.core.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
-from statereduce.pretrain import pretrain  # noqa: E402
-from statereduce.settings import PretrainSettings  # noqa: E402
+from statereduce.stages.pretrain import pretrain  # noqa: E402
+from statereduce.common.settings import PretrainSettings  # noqa: E402
 
 p = PretrainSettings.from_dict(snakemake.params.pretrain)
 out_dir = Path(snakemake.output.marker).parent

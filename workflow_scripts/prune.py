@@ -1,14 +1,14 @@
 """rule prune: results/{model}/{method}_{pct}/pruned/ (HF checkpoint + prune_record.json + eval.json)."""
 from pathlib import Path
 
-from statereduce.runtime import start
+from statereduce.core.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
-from statereduce.models import load_model  # noqa: E402
-from statereduce.selection_file import read_selection  # noqa: E402
-from statereduce.prune import prune_model, save_pruned  # noqa: E402
+from statereduce.core.models import load_model  # noqa: E402
+from statereduce.core.selection_file import read_selection  # noqa: E402
+from statereduce.stages.prune import prune_model, save_pruned  # noqa: E402
 from statereduce.eval.run import evaluate_loaded  # noqa: E402
-from statereduce.settings import EvalSettings, PruneSettings  # noqa: E402
+from statereduce.common.settings import EvalSettings, PruneSettings  # noqa: E402
 
 info, wc = snakemake.params.info, snakemake.wildcards
 model, tokenizer = load_model(Path(snakemake.input.base).parent, dtype=info["dtype"], device="cpu")

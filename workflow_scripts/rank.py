@@ -2,11 +2,11 @@
 conditioning)."""
 from pathlib import Path
 
-from statereduce.runtime import start
+from statereduce.core.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
-from statereduce.analysis.rank import rank_analysis  # noqa: E402
-from statereduce.settings import RankSettings  # noqa: E402
+from statereduce.stages.rank import rank_analysis  # noqa: E402
+from statereduce.common.settings import RankSettings  # noqa: E402
 
 inp, wc = snakemake.input, snakemake.wildcards
 doc = rank_analysis(Path(inp.pruned).parent, RankSettings.from_dict(snakemake.params.rank), snakemake.params.info,

@@ -1,11 +1,11 @@
 """rule rank_baseline: results/{model}/baseline/rank.json (rank utilization and [Q; K] conditioning, unpruned)."""
 from pathlib import Path
 
-from statereduce.runtime import start
+from statereduce.core.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
-from statereduce.analysis.rank import rank_analysis  # noqa: E402
-from statereduce.settings import RankSettings  # noqa: E402
+from statereduce.stages.rank import rank_analysis  # noqa: E402
+from statereduce.common.settings import RankSettings  # noqa: E402
 
 doc = rank_analysis(Path(snakemake.input.base).parent, RankSettings.from_dict(snakemake.params.rank),
                     snakemake.params.info, snakemake.output[0], activations=snakemake.input.activations,

@@ -1,10 +1,10 @@
 """rule rank_tables: results/tables/{rank_utilization,conditioning,overlap}.{md,csv,html} (Tables 5, 6, App. C.2)."""
 from pathlib import Path
 
-from statereduce.runtime import read_json, start  # noqa: E402
+from statereduce.core.runtime import read_json, start  # noqa: E402
 
 log = start(snakemake.log[0], torch_threads=False)
-from statereduce.selection_file import read_selection  # noqa: E402
+from statereduce.core.selection_file import read_selection  # noqa: E402
 from statereduce.analysis.figures import write_markdown_html  # noqa: E402
 from statereduce.analysis.tables import write_rank_tables  # noqa: E402
 

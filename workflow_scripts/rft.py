@@ -1,11 +1,11 @@
 """rule rft: results/{model}/{method}_{pct}/rft/ (RFT checkpoint, rft_record.json, train_log.jsonl, eval.json)."""
 from pathlib import Path
 
-from statereduce.runtime import start
+from statereduce.core.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
-from statereduce.rft import run_rft  # noqa: E402
-from statereduce.settings import EvalSettings, RftPlan  # noqa: E402
+from statereduce.stages.rft import run_rft  # noqa: E402
+from statereduce.common.settings import EvalSettings, RftPlan  # noqa: E402
 
 wc, out = snakemake.wildcards, snakemake.output
 plan, ev = RftPlan.from_dict(snakemake.params.rft), EvalSettings.from_dict(snakemake.params.eval)

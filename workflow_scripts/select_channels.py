@@ -1,8 +1,8 @@
 """rule select_channels: results/{model}/select/{method}_{pct}.parquet (reads HDF5 artifacts only)."""
-from statereduce.runtime import start
+from statereduce.core.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads, torch_threads=False)
-from statereduce.select import select_channels, write_selection  # noqa: E402
+from statereduce.stages.select import select_channels, write_selection  # noqa: E402
 
 rows, meta = select_channels(
     snakemake.input.weights, snakemake.wildcards.method, float(snakemake.wildcards.pct),

@@ -1,10 +1,10 @@
 """rules speed / speed_baseline: results/{model}/.../speed.json (GPU; random weights of the model's shape)."""
 import sys
 
-from statereduce.runtime import start
+from statereduce.core.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
-from statereduce.settings import SpeedPlan  # noqa: E402
+from statereduce.common.settings import SpeedPlan  # noqa: E402
 from statereduce.speed.bench import check_kernels, require_cuda, run_speed  # noqa: E402
 
 try:

@@ -1,9 +1,9 @@
 """rule speed_table: results/tables/speed.md and results/figures/speedup.png from the baselines' speed.json."""
-from statereduce.runtime import start
+from statereduce.core.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads, torch_threads=False)
 from statereduce.analysis.figures import speedup_figure  # noqa: E402
-from statereduce.runtime import read_json, write_text_atomic  # noqa: E402
+from statereduce.core.runtime import read_json, write_text_atomic  # noqa: E402
 from statereduce.analysis.tables import speed_markdown  # noqa: E402
 
 docs = [read_json(p) for p in snakemake.input]

@@ -1,7 +1,7 @@
 """rule study_tables: results/tables/{calibration_study,scoring_ablation}.{md,csv,html} (paper Tables 2/7, 16)."""
 from pathlib import Path
 
-from statereduce.runtime import read_json, start  # noqa: E402
+from statereduce.core.runtime import read_json, start  # noqa: E402
 
 log = start(snakemake.log[0], torch_threads=False)
 from statereduce.analysis.figures import write_markdown_html  # noqa: E402

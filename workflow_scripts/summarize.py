@@ -1,5 +1,5 @@
 """rule summarize: results/{model}/{method}_{pct}/eval.json from the baseline, pruned and RFT evaluations."""
-from statereduce.runtime import read_json, start, write_json  # noqa: E402
+from statereduce.core.runtime import read_json, start, write_json  # noqa: E402
 
 log = start(snakemake.log[0], torch_threads=False)
 from statereduce.eval.documents import summarize  # noqa: E402

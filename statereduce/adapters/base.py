@@ -6,7 +6,7 @@ depthwise convolutions), how to capture K and Q as they enter the recurrence, ho
 config, which modules write into the residual stream and which norms read the config's eps (pruning with
 ``norm_eps="exact"``), which class loads the family's checkpoints and which PyTorch fallbacks run it on CPU. Nothing
 outside ``statereduce/adapters`` may branch on ``model_type``. Adapters are pure mapping: the slicing
-itself is done by the verb functions of :mod:`statereduce.prune`, driven by the rows and sizes an
+itself is done by the verb functions of :mod:`statereduce.stages.prune`, driven by the rows and sizes an
 adapter hands out.
 
 Everything that depends only on the config (``dims``, ``reduced_config``, ``mixer_layer_indices``,
@@ -107,7 +107,7 @@ class ChannelRows:
 @dataclass(frozen=True)
 class ScaledRows:
     """Rows of a module's weight (and bias) that pruning with ``norm_eps="exact"`` multiplies by c = sqrt(d_k/d_k')
-    (:func:`statereduce.prune.exact_norm_eps`): output features of an ``nn.Linear``, or the whole weight of an
+    (:func:`statereduce.stages.prune.exact_norm_eps`): output features of an ``nn.Linear``, or the whole weight of an
     ``nn.Embedding`` (``rows`` None: every row)."""
 
     name: str  # the module's qualified name in the model, for messages and the record
@@ -158,7 +158,7 @@ class LinearAttentionAdapter(FamilySpec):
         Projections come first (an ``nn.Linear`` whose output rows include q and/or k channels: fla's separate
         ``q_proj``/``k_proj``, or one fused ``in_proj``), then depthwise convolutions over the same channels.
         Pruning keeps every row that is not a dropped q/k channel, in the original order
-        (:func:`statereduce.slicing.slice_rows`), so fused layouts stay fused.
+        (:func:`statereduce.core.slicing.slice_rows`), so fused layouts stay fused.
         """
 
     @abstractmethod
@@ -249,7 +249,7 @@ class LinearAttentionAdapter(FamilySpec):
         by default)."""
         return sum(s.recurrent_elems for s in self.layer_state_shapes().values()) * int(dtype_bytes)
 
-    # ---- exact zero-masking through the norm eps (statereduce.prune, "Kernel scale") -----------------------
+    # ---- exact zero-masking through the norm eps (statereduce.stages.prune, "Kernel scale") -----------------------
     # After pruning, the stock delta-rule kernels scale q.k by 1/sqrt(d_k') instead of 1/sqrt(d_k): the mixer output
     # is c = sqrt(d_k/d_k') times that of zero-masking, and its per-head RMSNorm sees it with the config's eps.
     # norm_eps="exact" multiplies that eps (shared by every norm the field feeds) by c^2 and makes every other norm's
@@ -273,7 +273,7 @@ class LinearAttentionAdapter(FamilySpec):
     def mixer_output_norm_eps(self, mixer: nn.Module) -> list[EpsAttribute]:
         """The eps attributes of ``mixer``'s own output norm (the per-head RMSNorm that removes the kernel scale, and
         any copy the mixer keeps): what a checkpoint whose layers keep different key widths sets per layer, eps times
-        d_k/d_k'(layer), instead of the shared config eps (:func:`statereduce.slicing.shape_mixers`). The default:
+        d_k/d_k'(layer), instead of the shared config eps (:func:`statereduce.core.slicing.shape_mixers`). The default:
         none (no kernel scale)."""
         return []
 
@@ -305,7 +305,7 @@ class LinearAttentionAdapter(FamilySpec):
 
         ``"all"``: every decoder block and the decoder's final norm (the paper's RFT of DeltaNet / Gated
         DeltaNet). ``"recurrent"``: only the linear-attention mixers (:meth:`mixer_layers`). Embeddings and
-        the LM head are never included. :mod:`statereduce.rft` puts LoRA on the ``nn.Linear`` modules of
+        the LM head are never included. :mod:`statereduce.stages.rft` puts LoRA on the ``nn.Linear`` modules of
         these subtrees and trains their convolutions and norms fully.
         """
         if scope not in RFT_SCOPES:

@@ -10,8 +10,8 @@ convolution, so a rotation carries it over exactly.
 
 * :func:`conv_sharing` tells how a loaded layer's q/k filters are shared (exact equality);
 * :func:`model_conv_sharing` tells it for a whole model;
-* :func:`tie_qk_convs` ties them while a model trains (:func:`statereduce.pretrain.pretrain`'s ``share_conv``, and
-  recovery fine-tuning of a model whose filters are shared) and unties them into stock modules whose tied filters
+* :func:`tie_qk_convs` ties them while a model trains (:func:`statereduce.stages.pretrain.pretrain`'s ``share_conv``,
+  and recovery fine-tuning of a model whose filters are shared) and unties them into stock modules whose tied filters
   are exactly equal, so the saved checkpoint is a standard one; :func:`untie_convs` does the same for every tied
   conv of a model, including copies (peft's ``modules_to_save``);
 * :func:`statereduce.families.check_share_conv` validates the option against a family and its ``arch`` without

@@ -18,9 +18,9 @@ Layout of a Gated DeltaNet layer (Hk = ``linear_num_key_heads``, HV = ``linear_n
 Pruning sets ``linear_key_head_dim = d_k'``. Kernel scale: the stock kernels use ``1/sqrt(d_k')`` after pruning;
 the output goes through the per-head ``norm`` (``Qwen3_5RMSNormGated``), so the pruned model equals zeroing the
 dropped channels exactly when that norm's ``variance_epsilon`` is multiplied by d_k/d_k' (as for Gated DeltaNet,
-:mod:`statereduce.prune`). ``rms_norm_eps`` feeds every norm of the text model, so ``norm_eps="exact"`` multiplies it
-by d_k/d_k' and scales by sqrt(d_k/d_k') the residual stream (``embed_tokens``, each ``out_proj`` / ``o_proj`` and
-``down_proj``) and the query rows of the attention layers' ``q_proj`` and their ``k_proj``, which feed
+:mod:`statereduce.stages.prune`). ``rms_norm_eps`` feeds every norm of the text model, so ``norm_eps="exact"``
+multiplies it by d_k/d_k' and scales by sqrt(d_k/d_k') the residual stream (``embed_tokens``, each ``out_proj`` /
+``o_proj`` and ``down_proj``) and the query rows of the attention layers' ``q_proj`` and their ``k_proj``, which feed
 ``q_norm``/``k_norm`` (:meth:`Qwen35Adapter.residual_writers`, :meth:`Qwen35Adapter.norm_input_rows`); with the
 default ``"stock"`` everything outside the Gated DeltaNet layers' q/k rows stays as it was.
 

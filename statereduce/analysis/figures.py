@@ -7,7 +7,7 @@
 * :func:`markdown_html`: a standalone HTML page from one of the workflow's Markdown tables (the report shows
   HTML inline; Markdown only as a download).
 
-The figures read ``rank.json`` documents (:func:`statereduce.analysis.rank.rank_report`, also after a JSON round trip,
+The figures read ``rank.json`` documents (:func:`statereduce.stages.rank.rank_report`, also after a JSON round trip,
 where non-finite floats are strings). They use matplotlib's object API on an Agg canvas (no pyplot, no global
 backend state) and are written atomically: a temporary file next to the target, then ``os.replace``.
 """
@@ -25,8 +25,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FormatStrFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from statereduce.layout import format_pct
-from statereduce.runtime import atomic_file, json_number
+from statereduce.common.layout import format_pct
+from statereduce.core.runtime import atomic_file, json_number
 
 DPI = 150
 BASELINE_COLOR = "0.25"
@@ -343,7 +343,7 @@ def markdown_html(text: str, title: str | None = None) -> str:
 
 def write_markdown_html(md_path: str | Path, out_html: str | Path) -> Path:
     """Write :func:`markdown_html` of the Markdown file ``md_path`` to ``out_html`` (atomically)."""
-    from statereduce.runtime import write_text_atomic
+    from statereduce.core.runtime import write_text_atomic
 
     return write_text_atomic(out_html, markdown_html(Path(md_path).read_text(encoding="utf-8")))
 
@@ -427,8 +427,8 @@ def budget_allocations(allocations: Sequence[Mapping], out_png: str | Path) -> P
     the uniform cut's width dashed (the per-layer budgets of ``studies.budgets``).
 
     Args:
-        allocations: allocation documents (:mod:`statereduce.allocate`): ``model``, ``pct``, ``selector``, ``budget``,
-            ``key_dims``, ``uniform_width``, ``d_k``.
+        allocations: allocation documents (:mod:`statereduce.stages.allocate`): ``model``, ``pct``, ``selector``,
+            ``budget``, ``key_dims``, ``uniform_width``, ``d_k``.
         out_png: the PNG to write.
     """
     if not allocations:

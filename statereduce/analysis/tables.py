@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from statereduce.layout import format_pct
-from statereduce.runtime import json_number
-from statereduce.settings import CalibrationSettings
+from statereduce.common.layout import format_pct
+from statereduce.core.runtime import json_number
+from statereduce.common.settings import CalibrationSettings
 
 PRIMARY = ("heldout", "bits_per_byte")  # (task, metric) shown first when present
 # Metrics the Markdown table shows, when present: byte-level models on the embedded corpus are compared
@@ -381,10 +381,11 @@ def torch_cpu_capability() -> str | None:
 
 def made_on_line(summaries: list[dict], baselines: dict[str, dict]) -> str:
     """``Made on: <CPU kinds the documents record>[, torch CPU capability <X>].`` The capability is this process's,
-    given only when the documents name one CPU kind and it is this machine's (:func:`statereduce.runtime.cpu_kind`);
+    given only when the documents name one CPU kind and it is this machine's
+    (:func:`statereduce.core.runtime.cpu_kind`);
     torch, MKL and oneDNN pick their kernels by it, so the trained numbers depend on it (README, "The same numbers
     on another CPU")."""
-    from statereduce.runtime import cpu_kind
+    from statereduce.core.runtime import cpu_kind
 
     cpus = _doc_cpus(summaries, baselines)
     line = MADE_ON + ("; ".join(cpus) if cpus else "CPU not recorded")
@@ -442,7 +443,7 @@ def write_comparison(
     Returns:
         The frame of :func:`comparison_frame`.
     """
-    from statereduce.runtime import write_text_atomic
+    from statereduce.core.runtime import write_text_atomic
 
     df = comparison_frame(summaries, baselines)
     write_text_atomic(md_path, comparison_document(df, made_on_line(summaries, baselines)))
@@ -487,7 +488,7 @@ def overlap_frame(selections: dict[tuple[str, str, float], dict], d_k: dict[str,
 
     Args:
         selections: (model, method, pct) -> {layer: [H][d_k']} kept indices
-            (:func:`statereduce.selection_file.read_selection`); transform selections are left out.
+            (:func:`statereduce.core.selection_file.read_selection`); transform selections are left out.
         d_k: model -> head size before pruning.
 
     Returns:
@@ -549,7 +550,7 @@ def write_rank_tables(
     out_dir: str | Path,
 ) -> dict[str, pd.DataFrame]:
     """Write ``rank_utilization``, ``conditioning`` and ``overlap`` (``.md`` and ``.csv``) into ``out_dir``."""
-    from statereduce.runtime import write_text_atomic
+    from statereduce.core.runtime import write_text_atomic
 
     util, cond = rank_frames(ranks, baselines)
     d_k = {m: int(doc["model"]["d_k"]) for m, doc in baselines.items()}
@@ -809,7 +810,7 @@ def write_study_tables(
     Returns:
         Table name -> the frame of :func:`study_frame` (empty for a study not configured).
     """
-    from statereduce.runtime import write_text_atomic
+    from statereduce.core.runtime import write_text_atomic
 
     calibrations = calibrations or {}
     labels = {
@@ -1035,7 +1036,7 @@ def write_convolution_tables(baselines: dict[str, dict], pruned: dict[tuple[str,
                              out_dir: str | Path) -> dict[str, pd.DataFrame]:
     """Write ``shared_convolutions.{md,csv}`` (Table 14) and ``pca_convolutions.{md,csv}`` (Table 15) into
     ``out_dir``; returns the two frames by table name."""
-    from statereduce.runtime import write_text_atomic
+    from statereduce.core.runtime import write_text_atomic
 
     shared, pca = convolution_frames(baselines, pruned, study)
     out = {"shared_convolutions": (shared, shared_convolutions_markdown(shared, study)),
@@ -1163,7 +1164,7 @@ def budget_study_markdown(df: pd.DataFrame, study: dict) -> str:
 
 def write_budget_study(summaries: list[dict], study: dict, allocations: list[dict], out_dir: str | Path) -> pd.DataFrame:
     """Write ``budget_study.{md,csv}`` into ``out_dir`` (CSV: :func:`budget_frame`); returns the frame."""
-    from statereduce.runtime import write_text_atomic
+    from statereduce.core.runtime import write_text_atomic
 
     df = budget_frame(summaries, study, allocations)
     write_text_atomic(Path(out_dir) / "budget_study.md", budget_study_markdown(df, study))

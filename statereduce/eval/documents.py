@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from statereduce.runtime import jsonable, versions, write_json
+from statereduce.core.runtime import jsonable, versions, write_json
 
 if TYPE_CHECKING:
     from torch import nn

@@ -39,7 +39,7 @@ from torch import nn
 
 from statereduce.eval.documents import state_record, write_eval_json
 from statereduce.eval.tasks import HELDOUT, write_perplexity_task
-from statereduce.runtime import jsonable
+from statereduce.core.runtime import jsonable
 
 EVAL_CFG_KEYS = (
     "tasks",
@@ -368,13 +368,13 @@ def evaluate_and_write(
         include_path: more folders of already written local tasks.
         task_dir: folder for the local tasks, kept afterwards (default: a temporary folder, removed).
         checkpoint, model_id, extra_provenance: provenance fields; the model's ``base_checkpoint``
-            (:func:`statereduce.checkpoints.base_checkpoint`) is added when it has one.
+            (:func:`statereduce.core.checkpoints.base_checkpoint`) is added when it has one.
 
     Returns:
         The written document: :func:`statereduce.eval.documents.eval_record` plus ``suites``
         (``{suite: {summary: value or None}}``) when ``eval_cfg["suites"]`` is non-empty.
     """
-    from statereduce.checkpoints import base_checkpoint
+    from statereduce.core.checkpoints import base_checkpoint
     from statereduce.eval.suites import summarize_suites
 
     unknown = sorted(set(eval_cfg) - set(EVAL_CFG_KEYS))

@@ -34,7 +34,7 @@ Training documents: a tiny model trained only on source code has never seen the 
 asks for. :func:`recall_train_docs` generates documents of the same format (context lines, then
 every key queried once more with its answer, in shuffled order), and :func:`mix_recall_docs` inserts
 them among a corpus's training documents (``models.<m>.pretrain.recall_mix``,
-:func:`statereduce.pretrain.pretrain`); the held-out split is never mixed. Training and probe
+:func:`statereduce.stages.pretrain.pretrain`); the held-out split is never mixed. Training and probe
 documents come from separate random streams.
 """
 
@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from statereduce.eval.tasks import TASK_NAME_RE, write_multiple_choice_task
-from statereduce.settings import RECALL_MAX_PAIRS, RecallMixSettings, RecallProbeSettings
+from statereduce.common.settings import RECALL_MAX_PAIRS, RecallMixSettings, RecallProbeSettings
 
 if TYPE_CHECKING:
     from torch import nn
@@ -283,7 +283,7 @@ def mix_recall_docs(
 
     Args:
         corpus_docs: the corpus's training documents, in order.
-        fraction, n_pairs, seed: see :class:`~statereduce.settings.RecallMixSettings`.
+        fraction, n_pairs, seed: see :class:`~statereduce.common.settings.RecallMixSettings`.
 
     Returns:
         ``(docs, n_recall)``: the mixed document list and how many recall documents it holds.
@@ -364,7 +364,7 @@ def recall_probe_writer(
     """A local-task writer for :func:`statereduce.eval.harness.evaluate_and_write` (the ``recall_probe`` suite).
 
     Args:
-        settings: ``eval.recall_probe`` (:class:`~statereduce.settings.RecallProbeSettings`).
+        settings: ``eval.recall_probe`` (:class:`~statereduce.common.settings.RecallProbeSettings`).
         tokenizer, max_length: when both are given, the written documents are checked to fit the
             window (see :func:`check_recall_fits`).
 

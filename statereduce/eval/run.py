@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from statereduce.data import load_split
+from statereduce.core.data import load_split
 from statereduce.eval.tasks import HELDOUT
-from statereduce.settings import EvalSettings
+from statereduce.common.settings import EvalSettings
 
 
 def heldout_docs(corpus_spec: dict, max_docs: int | None, max_doc_bytes: int | None) -> list[str]:
@@ -32,7 +32,7 @@ def evaluate_checkpoint(checkpoint: str | Path, settings: EvalSettings, info: di
         out_path: the ``eval.json`` to write.
         extra: further provenance (e.g. the prune record's method and pct).
     """
-    from statereduce.models import load_model
+    from statereduce.core.models import load_model
 
     model, tokenizer = load_model(checkpoint, dtype=info["dtype"], device=info["device"])
     return evaluate_loaded(model, tokenizer, checkpoint, settings, info, out_path, extra)

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from statereduce.settings import EvalSettings
+from statereduce.common.settings import EvalSettings
 
 Item = tuple[str, str]
 """A ``(task, metric)`` pair of an ``eval.json`` ``metrics`` mapping."""
@@ -161,7 +161,7 @@ def expand_eval(settings: EvalSettings) -> EvalSettings:
 
     Adds every suite's lm-eval tasks to ``tasks`` (after the configured ones, each once), merges the
     suites' task ``metadata``, records each task's minimum window in ``task_max_length`` and fills
-    ``recall_probe`` (:class:`~statereduce.settings.RecallProbeSettings`' defaults) when that suite is selected.
+    ``recall_probe`` (:class:`~statereduce.common.settings.RecallProbeSettings`' defaults) when that suite is selected.
 
     Args:
         settings: the ``eval`` settings.

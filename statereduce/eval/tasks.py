@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from statereduce.runtime import write_text_atomic
+from statereduce.core.runtime import write_text_atomic
 
 HELDOUT = "heldout"
 """The held-out perplexity task on a corpus's held-out split: its name in a model's ``eval.tasks`` and the lm-eval

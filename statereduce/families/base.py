@@ -25,7 +25,8 @@ _FAMILIES: dict[str, type[FamilySpec]] = {}
 
 #: The config field of a checkpoint whose layers keep different key widths: per decoder layer, its d_k' (None for a
 #: layer without a linear-attention mixer). The config's own head sizes stay those of the unpruned model
-#: (:func:`statereduce.prune.prune_model` writes it, :func:`statereduce.slicing.shape_mixers` reads it on load).
+#: (:func:`statereduce.stages.prune.prune_model` writes it, :func:`statereduce.core.slicing.shape_mixers` reads it
+#: on load).
 KEY_DIMS_FIELD = "statereduce_key_dims"
 
 SHARE_CONV = ("none", "head", "all")
@@ -110,14 +111,14 @@ class FamilySpec(ABC):
     #: Hopper GPUs with Triton >= 3.4.0, < 3.7.1 (the adapter's ``backward_kernels`` then picks the torch fallbacks)
     fla_gated_backward: ClassVar[bool] = False
     #: whether the family's recurrence scales q.k by 1/sqrt(d_k) (delta-rule kernels; not Mamba-2's scan): pruning then
-    #: changes the scale (statereduce.prune, "Kernel scale")
+    #: changes the scale (statereduce.stages.prune, "Kernel scale")
     kernel_scale: ClassVar[bool] = True
     #: the config field of the RMSNorm eps that the per-head output norm of a delta-rule mixer shares with the block
     #: norms (fla: ``norm_eps``, Qwen3.5: ``rms_norm_eps``); pruning with ``norm_eps="exact"`` multiplies it by
-    #: d_k/d_k' (statereduce.prune, "Kernel scale"). None for a family without a kernel scale (nothing to change)
+    #: d_k/d_k' (statereduce.stages.prune, "Kernel scale"). None for a family without a kernel scale (nothing to change)
     norm_eps_field: ClassVar[str | None]
-    #: config fields every model of the family is built and loaded with (:func:`statereduce.models.load_model`,
-    #: :func:`statereduce.models.tiny_config`; an ``arch`` block may still set them)
+    #: config fields every model of the family is built and loaded with (:func:`statereduce.core.models.load_model`,
+    #: :func:`statereduce.core.models.tiny_config`; an ``arch`` block may still set them)
     config_overrides: ClassVar[dict[str, Any]] = {}
     #: whether q and k have short convolutions in modules of their own, whose filters can be shared
     #: (``pretrain.share_conv``, :mod:`statereduce.adapters.conv_sharing`)
@@ -245,9 +246,9 @@ class FamilySpec(ABC):
     def exact_norm_eps_refusal(cls, config) -> str | None:
         """Why ``norm_eps="exact"`` pruning cannot be stored for a model of ``config`` (one line), or None.
 
-        The construction (statereduce.prune, "Kernel scale") multiplies the input embedding by c = sqrt(d_k/d_k'):
-        with input and output embeddings tied that would multiply the logits by c. Families add what else their
-        configs allow that the construction does not cover."""
+        The construction (statereduce.stages.prune, "Kernel scale") multiplies the input embedding by c =
+        sqrt(d_k/d_k'): with input and output embeddings tied that would multiply the logits by c. Families add what
+        else their configs allow that the construction does not cover."""
         if getattr(config, "tie_word_embeddings", False):
             return ("the input and output embeddings are tied (tie_word_embeddings), so scaling the residual stream "
                     "would scale the logits")

@@ -2,7 +2,7 @@
 
 Importing this package registers every selector; each lives in its own module so that the workflow can
 make that file an input of its own jobs only. See :mod:`statereduce.selectors.registry` for the API, and
-:mod:`statereduce.layout` for the method-token grammar ``<selector>[-k|-q][.<calib>][@<budget>]`` that
+:mod:`statereduce.common.layout` for the method-token grammar ``<selector>[-k|-q][.<calib>][@<budget>]`` that
 :func:`parse_method` reads against the registered selectors.
 
 To add a selector: write ``selectors/<name>.py`` with a function decorated by
@@ -12,7 +12,7 @@ To add a selector: write ``selectors/<name>.py`` with a function decorated by
 from __future__ import annotations
 
 from statereduce.selectors import drrqr, grad, l1, pca, rand, swanda  # noqa: F401  (registration)
-from statereduce.layout import DEFAULT_CALIB, DEFAULT_VARIANT, VARIANTS, MethodSpec
+from statereduce.common.layout import DEFAULT_CALIB, DEFAULT_VARIANT, VARIANTS, MethodSpec
 from statereduce.selectors.registry import (
     NEEDS,
     HeadData,

@@ -56,7 +56,7 @@ def keep_overlap(keep_a, keep_b, d_k: int) -> dict:
 
     Args:
         keep_a, keep_b: per-head kept indices [H][d_k'] of one layer, or {layer: [H][d_k'(layer)]} (as
-            :func:`~statereduce.selection_file.read_selection` returns); both must cover the same layers and heads.
+            :func:`~statereduce.core.selection_file.read_selection` returns); both must cover the same layers and heads.
         d_k: channels per head before pruning.
     Returns:
         {"per_head": {(layer, head): {"shared", "fraction", "random_shared", "random_fraction"}}, "per_layer":

@@ -6,7 +6,7 @@ module (``rand.py``, ``l1.py``, ``swanda.py``, ``grad.py``, ``drrqr.py``) and re
 :func:`register_selector`; the workflow makes that module file an input of that selector's jobs only
 (``Selector.source_file``), so editing one selector recomputes only its own results.
 
-Method tokens (``<selector>[-k|-q][.<calib>][@<budget>]``, grammar in :mod:`statereduce.layout`) name a selection
+Method tokens (``<selector>[-k|-q][.<calib>][@<budget>]``, grammar in :mod:`statereduce.common.layout`) name a selection
 in result paths ``results/{model}/{method}_{pct}/``; :func:`parse_method` reads one against the registered selectors.
 
 Most selectors keep a subset of channels (an index selection). A selector may instead return a semi-orthogonal
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from statereduce import layout
-from statereduce.layout import DEFAULT_VARIANT, NAME_PATTERN, VARIANTS, MethodSpec, unknown_selector
+from statereduce.common import layout
+from statereduce.common.layout import DEFAULT_VARIANT, NAME_PATTERN, VARIANTS, MethodSpec, unknown_selector
 
 #: Data a selector may declare it needs (what the workflow must load for its jobs).
 NEEDS = frozenset({"weights", "activations", "xnorm", "grad"})
@@ -167,7 +167,7 @@ class Selector:
                          rng: np.random.Generator, **options: Any) -> dict[int, float]:
         """The share of the selector's own objective that its selection of each width captures, for one head.
 
-        The greedy per-layer budget (:func:`statereduce.budgets.greedy_values`) ranks widths by it. A selector with
+        The greedy per-layer budget (:func:`statereduce.core.budgets.greedy_values`) ranks widths by it. A selector with
         a registered objective (:func:`register_objective`, e.g. DRRQR's captured energy) uses that; otherwise the
         value of width w is the selector's score mass, the sum of its ``w`` largest channel scores over the sum of
         all (``n_keep = d_k``; e.g. Grad's saliency). Non-decreasing in w, 1.0 at ``d_k``.
@@ -266,13 +266,13 @@ def method_regex() -> str:
 
 
 def parse_method(token: str) -> MethodSpec:
-    """Parse a method token of a registered selector into a :class:`~statereduce.layout.MethodSpec`
-    (:func:`statereduce.layout.parse_method`)."""
+    """Parse a method token of a registered selector into a :class:`~statereduce.common.layout.MethodSpec`
+    (:func:`statereduce.common.layout.parse_method`)."""
     return layout.parse_method(token, _vocabulary())
 
 
 def format_method(spec: MethodSpec) -> str:
-    """The canonical method token of a :class:`~statereduce.layout.MethodSpec` of a registered selector."""
+    """The canonical method token of a :class:`~statereduce.common.layout.MethodSpec` of a registered selector."""
     return layout.format_method(spec, _vocabulary())
 
 

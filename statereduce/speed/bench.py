@@ -17,8 +17,8 @@ pruned checkpoint has. Every measurement of one run shares the device, so each s
   those bytes. Before timing, a few graph replays are checked against fla's own eager decoding.
 - **Per-layer key widths**: a named allocation (``key_dims``: one d_k' per layer, as a checkpoint pruned with a
   per-layer budget stores it) is built at the unpruned shape with each mixer shaped to its width
-  (:func:`statereduce.slicing.shape_mixers`, as :func:`statereduce.models.load_model` does) and timed like a ratio
-  (decode, prefill, profile); each cell is also compared with the uniform cut of the same total
+  (:func:`statereduce.core.slicing.shape_mixers`, as :func:`statereduce.core.models.load_model` does) and timed like
+  a ratio (decode, prefill, profile); each cell is also compared with the uniform cut of the same total
   (``ratios["key_dims"]``: ``vs_uniform`` = per-layer ms / uniform ms).
 - **Prefill** (Table 18): ``model(ids, use_cache=True, logits_to_keep=1)`` over a batch x length grid, captured in a
   CUDA graph and replayed (``graph``: eager, a forward of a 1.3B model at 1 x 2K waits on Python's kernel launches
@@ -50,7 +50,9 @@ from typing import Any
 
 import torch
 
-from statereduce.settings import DecodeSettings, MixerSettings, PrefillSettings, SpeedProfileSettings, SpeedSettings
+from statereduce.common.settings import (
+    DecodeSettings, MixerSettings, PrefillSettings, SpeedProfileSettings, SpeedSettings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,8 @@ DEFAULT_PARTS = ("decode", "prefill", "mixer")
 
 
 def speed_settings(overrides: Mapping[str, Any] | None = None) -> SpeedSettings:
-    """:class:`~statereduce.settings.SpeedSettings` (the paper's protocol, App. G.1) updated by ``overrides`` (the
-    parts' blocks key by key), each decode kernel checked (:func:`check_kernels`); unknown keys and bad values are
+    """:class:`~statereduce.common.settings.SpeedSettings` (the paper's protocol, App. G.1) updated by ``overrides``
+    (the parts' blocks key by key), each decode kernel checked (:func:`check_kernels`); unknown keys and bad values are
     one-line ValueErrors."""
     return check_kernels(SpeedSettings.from_dict(overrides))
 
@@ -113,12 +115,12 @@ def model_config(family: str, arch: Mapping[str, Any], pct: float = 0,
     """The HF config of ``family`` with ``arch`` and ``pct`` percent of key channels removed (0: baseline).
 
     With ``key_dims`` (a per-layer allocation, :func:`layer_key_dims`) the config keeps the unpruned head sizes and
-    records each layer's d_k' in :data:`statereduce.slicing.KEY_DIMS_FIELD`, as the config of a checkpoint pruned
+    records each layer's d_k' in :data:`statereduce.core.slicing.KEY_DIMS_FIELD`, as the config of a checkpoint pruned
     with a per-layer budget does; :func:`build_model` then shapes each mixer to its width. ``pct`` must be 0 then.
     """
     from statereduce.adapters import adapter_class
     from statereduce.selectors import n_keep_for
-    from statereduce.slicing import KEY_DIMS_FIELD
+    from statereduce.core.slicing import KEY_DIMS_FIELD
 
     adapter = adapter_class(family)
     adapter.check_arch(dict(arch))
@@ -133,7 +135,7 @@ def model_config(family: str, arch: Mapping[str, Any], pct: float = 0,
 
 
 def layer_key_dims(family: str, config, widths: Sequence[int | None]) -> list[int | None]:
-    """A per-layer allocation as :data:`statereduce.slicing.KEY_DIMS_FIELD` holds it: one d_k' per decoder layer of
+    """A per-layer allocation as :data:`statereduce.core.slicing.KEY_DIMS_FIELD` holds it: one d_k' per decoder layer of
     ``config`` (the unpruned config), None for a layer without a linear-attention mixer.
 
     Args:
@@ -178,7 +180,7 @@ def layer_key_dims(family: str, config, widths: Sequence[int | None]) -> list[in
 def layer_state_shapes(family: str, config) -> list:
     """The recurrent and conv state shape (:class:`~statereduce.families.base.StateShape`, per sequence) of every
     linear-attention layer of ``config``, in order: the config's one shape, or with
-    :data:`statereduce.slicing.KEY_DIMS_FIELD` each layer's own (the config's at that layer's d_k')."""
+    :data:`statereduce.core.slicing.KEY_DIMS_FIELD` each layer's own (the config's at that layer's d_k')."""
     from statereduce.adapters import adapter_class
 
     return list(adapter_class(family).config_layer_state_shapes(config).values())
@@ -187,10 +189,11 @@ def layer_state_shapes(family: str, config) -> list:
 def build_model(config, dtype: torch.dtype, device: str = "cuda"):
     """A randomly initialised causal LM of ``config`` on ``device`` in ``dtype``, in eval mode (the adapter's
     :meth:`~statereduce.adapters.base.LinearAttentionAdapter.build`). A config with per-layer widths
-    (:data:`statereduce.slicing.KEY_DIMS_FIELD`) is built at the unpruned shape and each mixer shaped to its width
-    (:func:`statereduce.slicing.shape_mixers`, as :func:`statereduce.models.load_model` loads such a checkpoint)."""
+    (:data:`statereduce.core.slicing.KEY_DIMS_FIELD`) is built at the unpruned shape and each mixer shaped to its width
+    (:func:`statereduce.core.slicing.shape_mixers`, as :func:`statereduce.core.models.load_model` loads such a
+    checkpoint)."""
     from statereduce.adapters import adapter_for_config
-    from statereduce.slicing import KEY_DIMS_FIELD, shape_mixers
+    from statereduce.core.slicing import KEY_DIMS_FIELD, shape_mixers
 
     adapter = adapter_for_config(config)
     adapter.install_fallbacks()  # on CUDA: calls at shapes stock fla mishandles are padded
@@ -573,7 +576,7 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out
     """
     from statereduce.adapters import adapter_class
     from statereduce.kernels.recurrent import pdl_supported, programmatic_launch
-    from statereduce.runtime import versions, write_json
+    from statereduce.core.runtime import versions, write_json
 
     require_cuda()
     parts = list(parts)
@@ -634,7 +637,7 @@ def key_dims_record(family: str, arch: Mapping[str, Any], widths: Sequence[int |
     """
     from statereduce.adapters import adapter_class
     from statereduce.selectors import n_keep_for
-    from statereduce.slicing import KEY_DIMS_FIELD
+    from statereduce.core.slicing import KEY_DIMS_FIELD
 
     adapter = adapter_class(family)
     config = model_config(family, arch, key_dims=widths)
@@ -793,7 +796,7 @@ def parse_key_dims(spec: str, index: int = 1) -> tuple[str, list[int | None]]:
     list, ``{"widths": [...]}`` (a per-layer budget's allocation) or ``{"statereduce_key_dims": [...]}`` (a pruned
     checkpoint's ``config.json``). The name defaults to the file's stem, else ``key_dims_<index>``.
     """
-    from statereduce.slicing import KEY_DIMS_FIELD
+    from statereduce.core.slicing import KEY_DIMS_FIELD
 
     name, sep, body = spec.partition("=")
     if not sep:

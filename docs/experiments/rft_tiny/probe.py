@@ -1,8 +1,8 @@
 """RFT settings of the tiny models, tried on the pruned checkpoints of a finished default run.
 
 For each cell (model, method at 50%) and each variant of the RFT settings, fine-tune the pruned checkpoint exactly as
-the ``rft`` rule does (:func:`statereduce.rft.fine_tune`, the model's ``rft`` block from ``config.yaml`` updated by
-the variant, ``keep: last``) and score the result on the held-out documents the ``heldout`` task reads (the first
+the ``rft`` rule does (:func:`statereduce.stages.rft.fine_tune`, the model's ``rft`` block from ``config.yaml`` updated
+by the variant, ``keep: last``) and score the result on the held-out documents the ``heldout`` task reads (the first
 ``max_docs`` held-out documents cut to ``max_doc_bytes``), at the evaluation's full context and in windows of the
 RFT sequence length. The validation curve of every variant is kept, so that one can see whether a validation pass
 would have picked the step that helps on held-out documents.
@@ -27,10 +27,10 @@ import torch
 import yaml
 
 from statereduce import config as srconfig
-from statereduce.data import load_split
+from statereduce.core.data import load_split
 from statereduce.eval.run import heldout_docs
-from statereduce.models import load_model
-from statereduce.rft import fine_tune
+from statereduce.core.models import load_model
+from statereduce.stages.rft import fine_tune
 
 
 @torch.no_grad()

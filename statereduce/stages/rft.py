@@ -22,7 +22,7 @@ folder, and a rerun with the same inputs and settings continues from there.
 
 Training runs through ``accelerate``: a single process by default; under ``torchrun`` with
 several GPUs each process trains on its share of every batch (DDP), and only the main process writes.
-Run it on its own with ``python -m statereduce.rft --help``.
+Run it on its own with ``python -m statereduce.stages.rft --help``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from torch import nn
 from tqdm import tqdm
 
 from statereduce.adapters.conv_sharing import model_conv_sharing, tie_qk_convs, untie_convs
-from statereduce.runtime import (
+from statereduce.core.runtime import (
     Schedule,
     atomic_dir,
     atomic_file,
@@ -54,7 +54,7 @@ from statereduce.runtime import (
     seed_everything,
     write_json,
 )
-from statereduce.settings import EvalSettings, RftPlan, RftSettings
+from statereduce.common.settings import EvalSettings, RftPlan, RftSettings
 
 RECORD_FILE = "rft_record.json"
 LOG_FILE = "train_log.jsonl"
@@ -122,7 +122,7 @@ def rft_blocks(
     validation scores documents from their start as the held-out evaluation does. The following documents, until
     they hold twice the tokens of the training blocks and number at least ``n_samples`` (so that the blocks come
     from many documents, not from the first long ones), are the training documents: ``n_samples`` distinct
-    ``seq_len``-token blocks are drawn from them as for calibration (:func:`statereduce.data.token_blocks`). With
+    ``seq_len``-token blocks are drawn from them as for calibration (:func:`statereduce.core.data.token_blocks`). With
     ``val_samples=0`` the training blocks are those of :func:`training_blocks`.
 
     Returns:
@@ -130,7 +130,7 @@ def rft_blocks(
         longest validation sequence ``L``, info: documents available, used for training and for validation,
         dropped, tokens; ``validation_hashes``: SHA-256 of the validation documents).
     """
-    from statereduce.data import token_blocks
+    from statereduce.core.data import token_blocks
 
     banned = {_doc_hash(d) for d in exclude}
     kept = [d for d in docs if d and _doc_hash(d) not in banned]
@@ -222,7 +222,7 @@ def rft_modules(model: nn.Module, scope: str = "auto") -> tuple[list[str], list[
 
 
 def attach_lora(model: nn.Module, cfg: RftSettings):
-    """Wrap ``model`` in a peft LoRA model per ``cfg`` (:class:`~statereduce.settings.RftSettings`: ``scope``,
+    """Wrap ``model`` in a peft LoRA model per ``cfg`` (:class:`~statereduce.common.settings.RftSettings`: ``scope``,
     ``lora``); only RFT parameters train.
 
     Returns:
@@ -338,13 +338,13 @@ def train(
     ``W`` takes every W-th of them, in micro-batches of ``micro_batch_size``, and gradients accumulate over
     its micro-batches (each micro-batch loss weighted by its share of the batch). AdamW on the trainable
     parameters; LR: linear warm-up over ``warmup_frac`` of the steps, then cosine to ``min_lr``
-    (:func:`statereduce.runtime.lr_at`); gradient-norm clipping.
+    (:func:`statereduce.core.runtime.lr_at`); gradient-norm clipping.
 
     Args:
         student: peft-wrapped pruned model (:func:`attach_lora`).
         teacher: the unpruned model (frozen; run without gradients).
         blocks: LongTensor ``[n_samples, seq_len]`` (:func:`training_blocks`).
-        cfg: the RFT settings (:class:`~statereduce.settings.RftSettings`).
+        cfg: the RFT settings (:class:`~statereduce.common.settings.RftSettings`).
         resume_dir: folder for ``resume.pt``; when it holds one, training continues from it.
         log_path: the JSONL log (rewritten from the resume state's lines, then appended).
         accelerator: an ``accelerate.Accelerator``; a default single-process one when None.
@@ -769,7 +769,7 @@ def fine_tune(
         pruned_dir: the pruned checkpoint (``results/{model}/{method}_{pct}/pruned``).
         base_dir: the unpruned model's base artifact (teacher).
         out_dir: the RFT checkpoint folder to create.
-        cfg: the RFT settings (:class:`~statereduce.settings.RftSettings`).
+        cfg: the RFT settings (:class:`~statereduce.common.settings.RftSettings`).
         corpus_spec: corpus of the training samples (its ``train`` split).
         exclude_docs: held-out evaluation documents, never trained on.
         dtype: dtype of the saved checkpoint (training keeps float32 weights; bf16 autocast on CUDA).
@@ -788,8 +788,8 @@ def fine_tune(
     """
     from accelerate import Accelerator
 
-    from statereduce.checkpoints import checkpoint_provenance
-    from statereduce.models import DTYPES
+    from statereduce.core.checkpoints import checkpoint_provenance
+    from statereduce.core.models import DTYPES
 
     out_dir = Path(out_dir)
     cpu = torch.device(device).type == "cpu"
@@ -848,7 +848,7 @@ def _load_pair(base_dir: str | Path, pruned_dir: str | Path, cfg: RftSettings, c
     bfloat16 on GPU, the student in float32. ``kernels`` is what the student's backward uses
     (the adapter's ``route_backward`` of ``cfg.kernels``: with ``torch`` fla's ops go to the torch fallbacks on
     CUDA too)."""
-    from statereduce.models import load_model
+    from statereduce.core.models import load_model
 
     here = "cpu" if cpu else acc.device  # under torchrun: this process's own GPU (cuda:LOCAL_RANK)
     teacher, tokenizer = load_model(base_dir, dtype="float32" if cpu else "bfloat16", device=here)
@@ -862,7 +862,7 @@ def _rft_data(tokenizer, corpus_spec: dict[str, Any], cfg: RftSettings,
               exclude_docs: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """The training and validation blocks of ``corpus_spec``'s ``train`` split (:func:`rft_blocks`) and their
     record."""
-    from statereduce.data import corpus_provenance, load_split
+    from statereduce.core.data import corpus_provenance, load_split
 
     corpus_spec = dict(corpus_spec)
     if corpus_spec.get("source") == "hf" and corpus_spec.get("max_bytes") is None:
@@ -901,7 +901,7 @@ def _write_checkpoint(tmp: Path, model: nn.Module, tokenizer, pruned_dir: str | 
                       log_path: str | Path | None) -> None:
     """Write the merged model, the tokenizer, ``prune_record.json`` (the pruned checkpoint's, with ``record`` as
     its ``rft`` section) and ``rft_record.json`` into ``tmp``; copy the training log to ``log_path``."""
-    from statereduce.models import save_checkpoint
+    from statereduce.core.models import save_checkpoint
 
     prune_record = read_json(Path(pruned_dir) / "prune_record.json")
     prune_record["rft"] = record
@@ -958,13 +958,13 @@ def launch(
     )
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(int(gpus)),
-        "-m", "statereduce.rft", "--pruned", str(pruned_dir), "--base", str(base_dir), "--out", str(out_dir),
+        "-m", "statereduce.stages.rft", "--pruned", str(pruned_dir), "--base", str(base_dir), "--out", str(out_dir),
         "--job", str(job),
     ]  # fmt: skip
     cmd += ["--resume-dir", str(resume_dir)] if resume_dir is not None else []
     cmd += ["--log", str(log_path)] if log_path is not None else []
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     try:
         subprocess.run(cmd, check=True, env=env)
@@ -973,9 +973,9 @@ def launch(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m statereduce.rft``: one RFT run (also under ``torchrun``, one process per GPU)."""
+    """``python -m statereduce.stages.rft``: one RFT run (also under ``torchrun``, one process per GPU)."""
     p = argparse.ArgumentParser(
-        prog="python -m statereduce.rft",
+        prog="python -m statereduce.stages.rft",
         description="One recovery fine-tuning run of a pruned checkpoint: LoRA plus distillation from the unpruned "
                     "model (also under torchrun, one process per GPU). The workflow's rft rule runs the same; "
                     "docs/rft.md describes it.",
@@ -1013,23 +1013,23 @@ def run_rft(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, p
             corpus_spec: dict, eval_settings: EvalSettings, info: dict[str, Any], eval_out: str | Path, *,
             resume_dir: str | Path | None = None, log_jsonl: str | Path | None = None,
             extra: dict[str, Any] | None = None) -> dict:
-    """The ``rft`` stage: fine-tune the pruned checkpoint (:mod:`statereduce.rft`), save it, evaluate it.
+    """The ``rft`` stage: fine-tune the pruned checkpoint (:mod:`statereduce.stages.rft`), save it, evaluate it.
 
     The held-out documents of the ``heldout`` evaluation task are excluded from the training data. With
     ``plan.gpus > 1`` training runs under ``torchrun`` (one process per GPU, DDP through accelerate) and the saved
     checkpoint is then loaded for evaluation; otherwise everything runs in this process and the merged model
-    is evaluated in memory. ``plan`` is the model's :class:`~statereduce.settings.RftPlan`, ``eval_settings`` its
-    :class:`~statereduce.settings.EvalSettings`. First the pruned
+    is evaluated in memory. ``plan`` is the model's :class:`~statereduce.common.settings.RftPlan`, ``eval_settings`` its
+    :class:`~statereduce.common.settings.EvalSettings`. First the pruned
     checkpoint's ``prune_record.json`` must have been written for this job: ``info``'s model and family, ``extra``'s
-    method and pct (:func:`statereduce.artifacts.check_prune_record`).
+    method and pct (:func:`statereduce.core.artifacts.check_prune_record`).
 
     Returns:
         The ``eval.json`` document of the RFT checkpoint.
     """
-    from statereduce.data import load_split
+    from statereduce.core.data import load_split
     from statereduce.eval.run import evaluate_checkpoint, evaluate_loaded
     from statereduce.eval.tasks import HELDOUT
-    from statereduce.artifacts import check_prune_record
+    from statereduce.core.artifacts import check_prune_record
 
     check_prune_record(pruned_dir, {**info, **(extra or {})})
     exclude = load_split(eval_settings.corpus_spec, "heldout") if HELDOUT in eval_settings.tasks else []

@@ -21,7 +21,7 @@ two choices (``norm_eps``, ``PruneSettings.valid("norm_eps")``):
 
 - ``"stock"``: the checkpoint keeps the stock eps and differs from zero-masking by that eps effect only; the record
   says so (``kernel_scale``).
-- ``"exact"`` (the default, :class:`~statereduce.settings.PruneSettings`'s, which the workflow's ``prune`` block
+- ``"exact"`` (the default, :class:`~statereduce.common.settings.PruneSettings`'s, which the workflow's ``prune`` block
   also starts from; :func:`exact_norm_eps`): the config's eps is multiplied by c^2, and every norm other than the
   mixers' output norms is made to see a c times larger input, which an RMSNorm ignores apart from its eps
   (``RMSNorm(c x; eps c^2) = RMSNorm(x; eps)``): the residual stream is multiplied by c (the input embedding and
@@ -57,13 +57,13 @@ from torch import nn
 from statereduce import __version__
 from statereduce.adapters import EpsAttribute, LinearAttentionAdapter, ScaledRows, get_adapter
 from statereduce.adapters.base import EPS_ATTRIBUTES
-from statereduce.artifacts import PRUNE_RECORD, check_prune_record  # noqa: F401  (check_prune_record re-exported)
-from statereduce.checkpoints import base_checkpoint
+from statereduce.core.artifacts import PRUNE_RECORD, check_prune_record  # noqa: F401  (check_prune_record re-exported)
+from statereduce.core.checkpoints import base_checkpoint
 from statereduce.kernels.shapes import record_note
-from statereduce.models import save_checkpoint
-from statereduce.runtime import atomic_dir, versions
-from statereduce.settings import PruneSettings
-from statereduce.slicing import (  # noqa: F401  (the slicing verbs re-exported)
+from statereduce.core.models import save_checkpoint
+from statereduce.core.runtime import atomic_dir, versions
+from statereduce.common.settings import PruneSettings
+from statereduce.core.slicing import (  # noqa: F401  (the slicing verbs re-exported)
     KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD, head_rows, kept_rows, mix_filters, set_mixer_dims, slice_mixer, slice_rows,
     transform_rows,
 )
@@ -87,7 +87,7 @@ class PruneRecord:
     after, the residual scale c; the eps field is then in ``config_changes`` too); ``fla_kernel_shapes`` whether
     stock fla's kernels are known to mishandle the pruned head shape on CUDA (:mod:`statereduce.kernels.shapes`).
     ``base_checkpoint`` names the hub or local checkpoint that was pruned (a local one with the SHA-256 of its files,
-    :func:`statereduce.checkpoints.checkpoint_provenance`); None for a model the workflow trained.
+    :func:`statereduce.core.checkpoints.checkpoint_provenance`); None for a model the workflow trained.
     """
 
     source_model: str
@@ -384,7 +384,7 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
             removed) fill the record's fields; ``family``, ``d_k``, ``d_k_new``, ``num_heads``, ``num_v_heads``
             and ``head_v_dim``, when present (e.g. a selection file's metadata), must agree with the model and
             ``keep``; every other JSON-serialisable entry goes to ``record.extra``.
-        norm_eps: ``"exact"`` (the default, :class:`~statereduce.settings.PruneSettings`'s, as in the workflow;
+        norm_eps: ``"exact"`` (the default, :class:`~statereduce.common.settings.PruneSettings`'s, as in the workflow;
             :func:`exact_norm_eps`): equal to zero-masking to float precision, still a stock checkpoint; the
             record's ``kernel_scale["norm_eps"]`` and ``config_changes`` hold the eps before and after; refused for
             tied input/output embeddings. ``"stock"`` keeps the config's norm eps: the checkpoint equals
@@ -488,10 +488,10 @@ def prune_mixed(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Tensor
                 meta: Mapping[str, Any], norm_eps: str) -> PruneRecord:
     """:func:`prune_model` for a selection whose layers keep different widths (per-layer key budgets).
 
-    The config keeps the unpruned head sizes and gains :data:`~statereduce.slicing.KEY_DIMS_FIELD` (each decoder
-    layer's d_k', None for other layers), which :func:`statereduce.models.load_model` reads to shape each mixer
+    The config keeps the unpruned head sizes and gains :data:`~statereduce.core.slicing.KEY_DIMS_FIELD` (each decoder
+    layer's d_k', None for other layers), which :func:`statereduce.core.models.load_model` reads to shape each mixer
     before loading the weights. With ``norm_eps="exact"`` each mixer's own output norm gets eps times
-    d_k/d_k'(layer) (:data:`~statereduce.slicing.OUTPUT_NORM_EPS_FIELD`): the checkpoint equals zero-masking to
+    d_k/d_k'(layer) (:data:`~statereduce.core.slicing.OUTPUT_NORM_EPS_FIELD`): the checkpoint equals zero-masking to
     float precision without touching the residual stream, so tied embeddings are no obstacle. The record's
     ``d_k_new`` is the widest layer's; ``keep`` holds every layer's channels and ``kernel_scale["per_layer"]`` each
     layer's scale."""

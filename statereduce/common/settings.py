@@ -338,12 +338,12 @@ class EvalSettings(Settings):
 # ---- pruning ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PruneSettings(Settings):
-    """Pruning (:func:`statereduce.prune.prune_model`): the top-level ``prune`` block updated by the model's.
+    """Pruning (:func:`statereduce.stages.prune.prune_model`): the top-level ``prune`` block updated by the model's.
 
     Args:
         norm_eps: ``exact`` (the workflow's default) stores a stock checkpoint equal to zero-masking to float
-            precision (:func:`statereduce.prune.exact_norm_eps`; refused for tied embeddings); ``stock`` keeps the
-            config's norm eps (the pruned model equals zero-masking up to the mixers' output-norm eps, as the
+            precision (:func:`statereduce.stages.prune.exact_norm_eps`; refused for tied embeddings); ``stock`` keeps
+            the config's norm eps (the pruned model equals zero-masking up to the mixers' output-norm eps, as the
             paper's checkpoints). docs/experiments/norm_eps measures both.
     """
 
@@ -355,9 +355,9 @@ class PruneSettings(Settings):
 # ---- per-layer key budgets ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BudgetSettings(Settings):
-    """``budgets.<name>``: a per-layer key budget (:mod:`statereduce.budgets`, :mod:`statereduce.allocate`), used by
-    method tokens ending in ``@<name>``. Every layer keeps its own d_k' (the same for its heads) so that the total of
-    kept key channels equals the uniform cut's at the same pct.
+    """``budgets.<name>``: a per-layer key budget (:mod:`statereduce.core.budgets`, :mod:`statereduce.stages.allocate`),
+    used by method tokens ending in ``@<name>``. Every layer keeps its own d_k' (the same for its heads) so that the
+    total of kept key channels equals the uniform cut's at the same pct.
 
     Args:
         policy: ``uniform`` (every layer the uniform cut's d_k': the plain method's checkpoint), ``spectrum`` (each
@@ -463,7 +463,7 @@ class RankSettings(Settings):
 # ---- pretraining --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TrainSettings(Settings):
-    """``pretrain.train``: training an embedded tiny model (:func:`statereduce.pretrain.pretrain`).
+    """``pretrain.train``: training an embedded tiny model (:func:`statereduce.stages.pretrain.pretrain`).
 
     The defaults suit the embedded tiny models (hidden 128, 4 layers, 2 heads, d_k = d_v = 64, ~1.1M parameters)
     on the embedded corpus: 700 steps x 4 x 128 = 358k tokens take ~150 s (DeltaNet) / ~165 s (Gated DeltaNet) on
@@ -617,7 +617,7 @@ class DistillSettings(Settings):
 
 @dataclass(frozen=True)
 class RftSettings(Settings):
-    """Recovery fine-tuning (:mod:`statereduce.rft`): the paper's defaults (App. A); the embedded tiny models
+    """Recovery fine-tuning (:mod:`statereduce.stages.rft`): the paper's defaults (App. A); the embedded tiny models
     override sizes and LR in config.yaml.
 
     Args:
@@ -626,8 +626,8 @@ class RftSettings(Settings):
         n_samples, seq_len: training sequences and their tokens (one pass).
         batch_size: the effective batch (sequences per optimizer step, over all processes).
         micro_batch_size: sequences per forward pass; ``batch_size / (micro_batch_size * processes)`` accumulate.
-            ``auto``: on a GPU the most that fit in its memory (``statereduce.rft.auto_micro_batch``), on a CPU 1.
-        lr, min_lr, warmup_frac: AdamW's peak learning rate, linear warm-up over ``warmup_frac`` of the steps, cosine
+            ``auto``: on a GPU the most that fit in its memory (``statereduce.stages.rft.auto_micro_batch``), on a CPU
+        1. lr, min_lr, warmup_frac: AdamW's peak learning rate, linear warm-up over ``warmup_frac`` of the steps, cosine
             to ``min_lr``.
         weight_decay, betas, grad_clip: AdamW's, and gradient-norm clipping.
         precision: ``auto`` (bf16 autocast on CUDA, fp32 on CPU), ``bf16`` or ``fp32``.

@@ -20,7 +20,7 @@ s_j = sum_i |W[j, i] * dL/dW[j, i]| for the full model's mean LM loss over the c
 (paper Sec. 3.4, "Grad").
 
 ``weights/qk.h5``: per layer the head rows of the q/k projections, so that selection jobs read
-weights without loading the model (:mod:`statereduce.h5files`).
+weights without loading the model (:mod:`statereduce.core.h5files`).
 
 :func:`activation_arrays`, :func:`grad_score_arrays` and :func:`qk_weight_arrays` compute the same per-layer arrays in
 memory (what the three writers store, and what :mod:`statereduce.api` hands to the selectors without files).
@@ -42,9 +42,9 @@ from tqdm import tqdm
 
 from statereduce import __version__
 from statereduce.adapters import get_adapter
-from statereduce.h5files import write_layers
-from statereduce.checkpoints import base_checkpoint
-from statereduce.settings import CalibrationSettings
+from statereduce.core.h5files import write_layers
+from statereduce.core.checkpoints import base_checkpoint
+from statereduce.common.settings import CalibrationSettings
 
 
 class BottomKReservoir:
@@ -326,7 +326,7 @@ def export_qk_weights(model: torch.nn.Module, out_path: str | Path, *, attrs: di
 
 def _meta(model: torch.nn.Module, layers: list[int]) -> dict:
     """Attributes every per-layer HDF5 artifact carries; ``base_checkpoint`` (JSON) for a hub or local model
-    (:func:`statereduce.checkpoints.base_checkpoint`)."""
+    (:func:`statereduce.core.checkpoints.base_checkpoint`)."""
     adapter = get_adapter(model)
     base = base_checkpoint(model)
     return {

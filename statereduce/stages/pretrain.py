@@ -2,7 +2,7 @@
 
 The workflow's default models are stock language models of each family (fla DeltaNet / Gated DeltaNet,
 transformers Mamba-2 / Qwen3.5) with a byte-level tokenizer, trained here on the ``train`` split of a
-corpus (by default the embedded Python-stdlib corpus, :mod:`statereduce.data`) so that every later stage
+corpus (by default the embedded Python-stdlib corpus, :mod:`statereduce.core.data`) so that every later stage
 (calibration, selection, slicing, recovery fine-tuning, evaluation) has a model that has actually learned
 something. On CPU the layers run through the family adapter's fallbacks (fla's through
 :mod:`statereduce.kernels.fla_fallback`).
@@ -25,11 +25,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from statereduce.data import corpus_provenance, load_split, token_stream
-from statereduce.models import build_random, save_checkpoint, tiny_config
-from statereduce.runtime import atomic_dir, lr_at, seed_everything, versions, write_json  # noqa: F401  (lr_at re-exported)
-from statereduce.settings import SHARE_CONV_DEFAULT, RecallMixSettings, TrainSettings
-from statereduce.tokenizer import byte_level_tokenizer
+from statereduce.core.data import corpus_provenance, load_split, token_stream
+from statereduce.core.models import build_random, save_checkpoint, tiny_config
+from statereduce.core.runtime import (  # noqa: F401  (lr_at re-exported)
+    atomic_dir, lr_at, seed_everything, versions, write_json,
+)
+from statereduce.common.settings import SHARE_CONV_DEFAULT, RecallMixSettings, TrainSettings
+from statereduce.core.tokenizer import byte_level_tokenizer
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -99,20 +101,20 @@ def pretrain(
     the saved checkpoint is a stock one whose tied filters are exactly equal.
 
     Args:
-        family: an adapter family, e.g. ``"delta_net"`` or ``"qwen3_5"`` (:func:`statereduce.models.tiny_config`).
+        family: an adapter family, e.g. ``"delta_net"`` or ``"qwen3_5"`` (:func:`statereduce.core.models.tiny_config`).
         arch: config fields of the family (hidden_size, num_hidden_layers, num_heads, expand_k / head_dim,
             expand_v, ...).
-        corpus_spec: a corpus spec (:func:`statereduce.data.load_split`); its ``train`` split is used for
+        corpus_spec: a corpus spec (:func:`statereduce.core.data.load_split`); its ``train`` split is used for
             training, a few ``calib`` / ``heldout`` blocks for the final losses.
-        train_cfg: the optimisation (:class:`~statereduce.settings.TrainSettings`: steps, batch_size, seq_len, lr,
-            min_lr, weight_decay, betas, warmup, grad_clip, seed, threads (``torch.set_num_threads``), log_every,
+        train_cfg: the optimisation (:class:`~statereduce.common.settings.TrainSettings`: steps, batch_size, seq_len,
+            lr, min_lr, weight_decay, betas, warmup, grad_clip, seed, threads (``torch.set_num_threads``), log_every,
             eval_blocks).
         out_dir: the checkpoint folder to create (replaced if it exists); written to a temporary sibling
             and renamed, so it is never half-written.
         log_path: optional extra JSONL file receiving the training log lines (the checkpoint always holds
             ``train_log.jsonl``).
-        recall_mix: recall documents mixed in (:class:`~statereduce.settings.RecallMixSettings`: fraction, n_pairs,
-            seed, pure_steps, pure_lr); ``None`` trains on the corpus alone.
+        recall_mix: recall documents mixed in (:class:`~statereduce.common.settings.RecallMixSettings`: fraction,
+            n_pairs, seed, pure_steps, pure_lr); ``None`` trains on the corpus alone.
         share_conv: ``"none"`` (stock convolutions), ``"head"`` or ``"all"``; only for families with q and k short
             convolutions in modules of their own (DeltaNet, Gated DeltaNet).
 
@@ -187,7 +189,7 @@ def init_random(
 
     Args:
         family: adapter family.
-        arch: keyword arguments of the family's config class (:func:`statereduce.models.tiny_config`; give
+        arch: keyword arguments of the family's config class (:func:`statereduce.core.models.tiny_config`; give
             ``vocab_size`` for a hub model's embedding size: the byte-level tokenizer uses only its first 257 ids).
         seed: seeds torch before the weights are drawn.
         dtype: float32, bfloat16 or float16: the dtype of the saved weights.

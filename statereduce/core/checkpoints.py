@@ -1,9 +1,10 @@
-"""Checkpoint folders: the files :func:`statereduce.models.load_model` reads, their SHA-256, and the provenance every
-artifact made from a model records.
+"""Checkpoint folders: the files :func:`statereduce.core.models.load_model` reads, their SHA-256, and the provenance
+every artifact made from a model records.
 
 A ``local:`` model's checkpoint lives outside ``results/``. The workflow makes these files inputs of every job that
 reads them (``rules/common.smk``, ``get_checkpoint_files``), so new weights rerun the base job and everything
-downstream, and the base job records their SHA-256 in ``source.json`` (:func:`statereduce.models.write_hub_source`).
+downstream, and the base job records their SHA-256 in ``source.json``
+(:func:`statereduce.core.models.write_hub_source`).
 The jobs that load the model copy the digests from there (:func:`checkpoint_provenance`, attached to the loaded model,
 :func:`base_checkpoint`) instead of hashing the weights again.
 
@@ -21,7 +22,7 @@ SOURCE_FILE = "source.json"
 """The base artifact of a hub or local model: what to load, never a copy of the weights."""
 
 BASE_ATTR = "statereduce_base_checkpoint"
-"""The attribute :func:`statereduce.models.load_model` sets on every model it loads: :func:`checkpoint_provenance`
+"""The attribute :func:`statereduce.core.models.load_model` sets on every model it loads: :func:`checkpoint_provenance`
 of its folder."""
 
 #: Weight files, in the names ``save_pretrained`` gives them (one file, or shards and their index).
@@ -89,13 +90,13 @@ def checkpoint_provenance(folder: str | Path) -> dict[str, Any] | None:
         src = json.loads((folder / SOURCE_FILE).read_text())
         out = {"checkpoint": src.get("hub_id"), "revision": src.get("revision"), "sha256": src.get("sha256")}
         return {k: v for k, v in out.items() if v is not None}
-    record = folder / "prune_record.json"  # statereduce.prune.RECORD_NAME
+    record = folder / "prune_record.json"  # statereduce.stages.prune.RECORD_NAME
     if record.is_file():
         return json.loads(record.read_text()).get("base_checkpoint")
     return None
 
 
 def base_checkpoint(model) -> dict[str, Any] | None:
-    """The ``base_checkpoint`` provenance of a model :func:`statereduce.models.load_model` loaded
+    """The ``base_checkpoint`` provenance of a model :func:`statereduce.core.models.load_model` loaded
     (:func:`checkpoint_provenance`), or None (a model built otherwise, or one the workflow trained)."""
     return getattr(model, BASE_ATTR, None)

@@ -221,7 +221,7 @@ def lr_at(step: int, schedule: Schedule) -> float:
     decay from ``lr`` to ``min_lr`` (default ``lr / 10``) at the last step.
 
     ``schedule`` is a :class:`Schedule`, or anything with those four attributes (the pretraining settings,
-    :class:`statereduce.settings.TrainSettings`)."""
+    :class:`statereduce.common.settings.TrainSettings`)."""
     lr, warmup, steps = float(schedule.lr), int(schedule.warmup), int(schedule.steps)
     if step < warmup:
         return lr * (step + 1) / warmup

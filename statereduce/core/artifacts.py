@@ -115,7 +115,7 @@ def check_provenance(path: str | os.PathLike, recorded: Mapping[str, Any], expec
 
 
 PRUNE_RECORD = "prune_record.json"
-"""The record a pruned (or RFT) checkpoint folder holds (:mod:`statereduce.prune`)."""
+"""The record a pruned (or RFT) checkpoint folder holds (:mod:`statereduce.stages.prune`)."""
 
 
 def read_json_artifact(path: str | os.PathLike, kind: str, fmt: int, key: str,
@@ -146,7 +146,7 @@ def check_prune_record(checkpoint: str | os.PathLike, expected: Mapping[str, Any
         checkpoint: the checkpoint folder.
         expected: what the reading job expects (``params.info`` with the ``method`` and ``pct`` of its path);
             the record's model (recorded in ``extra`` from the selection file), family, method and pct must agree
-            (:func:`statereduce.artifacts.check_provenance`).
+            (:func:`statereduce.core.artifacts.check_provenance`).
     Raises:
         ArtifactError: one line, for a record that is not JSON or was written for another job.
     """

@@ -15,9 +15,9 @@ meets the total exactly and maximizes the summed value, a multiple-choice knapsa
 programming over the total. :class:`Allocation` records the result (with its policy and values) for a JSON
 artifact.
 
-:func:`check_budget` checks a configured budget (``statereduce.settings.BudgetSettings``) against a selector and a
-model before any job runs, and :func:`read_allocation` reads the allocation artifact that rule ``allocate``
-(:mod:`statereduce.allocate`) writes.
+:func:`check_budget` checks a configured budget (``statereduce.common.settings.BudgetSettings``) against a selector and
+a model before any job runs, and :func:`read_allocation` reads the allocation artifact that rule ``allocate``
+(:mod:`statereduce.stages.allocate`) writes.
 
 NumPy only: no torch, no snakemake (selection jobs use it).
 """
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from statereduce.selectors.registry import get_selector, n_keep_for
-from statereduce.settings import BudgetSettings
+from statereduce.common.settings import BudgetSettings
 
 #: Allocations whose summed value is within this relative tolerance of the optimum count as tied (the
 #: tolerance is relative to ``sum_i max_w |values[i][w]|``); ties are broken toward the most uniform allocation.
@@ -555,7 +555,7 @@ class Allocation:
 # ----------------------------------------------------------------------------------------------------
 # Budgets of the workflow: checks before any job, and the allocation artifact
 
-#: Version of the allocation artifact's layout (:mod:`statereduce.allocate` writes it).
+#: Version of the allocation artifact's layout (:mod:`statereduce.stages.allocate` writes it).
 ALLOCATION_FORMAT = 1
 
 
@@ -631,7 +631,7 @@ def read_allocation(path: str | Path, expect: Mapping[str, Any] | None = None) -
     Raises:
         ArtifactError: one line naming the file and the rule that rebuilds it.
     """
-    from statereduce.artifacts import ArtifactError, read_json_artifact, remedy
+    from statereduce.core.artifacts import ArtifactError, read_json_artifact, remedy
 
     doc = read_json_artifact(path, "allocation", ALLOCATION_FORMAT, "key_dims", expect)
     widths = {int(k): int(v) for k, v in doc["key_dims"].items()}

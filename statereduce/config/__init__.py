@@ -5,8 +5,8 @@ errors) and then what a schema cannot express: known families and selectors, met
 and calibration references, and that every targeted (model, pct) leaves at least one channel and a
 representable head size. Every error is one line naming the bad value and the valid choices.
 
-The ``model_*`` helpers build each stage's typed settings (:mod:`statereduce.settings`) from the validated config;
-the defaults are those classes' fields.
+The ``model_*`` helpers build each stage's typed settings (:mod:`statereduce.common.settings`) from the validated
+config; the defaults are those classes' fields.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from statereduce import layout
-from statereduce.settings import (
+from statereduce.common import layout
+from statereduce.common.settings import (
     BudgetPlan,
     BudgetSettings,
     CalibrationSettings,
@@ -31,7 +31,7 @@ from statereduce.settings import (
     SpeedPlan,
 )
 
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
 
 
 class ConfigError(ValueError):
@@ -146,7 +146,7 @@ def corpus_spec(config: dict, name: str, basedir: str | Path) -> dict:
 
 
 def model_eval(config: dict, model: str) -> EvalSettings:
-    """The eval settings of ``model``: :class:`~statereduce.settings.EvalSettings` updated by
+    """The eval settings of ``model``: :class:`~statereduce.common.settings.EvalSettings` updated by
     ``models.<model>.eval``, suites expanded.
 
     ``suites`` (:mod:`statereduce.eval.suites`) add their lm-eval tasks to ``tasks`` and, where needed, task
@@ -197,7 +197,7 @@ def model_rft(config: dict, model: str) -> RftPlan:
     """The RFT plan of ``model``: top-level ``rft`` updated by ``models.<model>.rft``.
 
     Returns:
-        The :class:`~statereduce.settings.RftPlan`: ``activate``, ``corpus`` (default: the model's calibration
+        The :class:`~statereduce.common.settings.RftPlan`: ``activate``, ``corpus`` (default: the model's calibration
         corpus), ``gpus`` and ``settings``, the fine-tuning settings (their ``overrides()`` the keys as configured).
 
     Raises:
@@ -231,8 +231,8 @@ def check_rft(config: dict, model: str) -> RftPlan:
 
 
 def model_prune(config: dict, model: str) -> PruneSettings:
-    """Pruning settings of ``model``: :class:`~statereduce.settings.PruneSettings` updated by the top-level ``prune``
-    block, then by ``models.<model>.prune``."""
+    """Pruning settings of ``model``: :class:`~statereduce.common.settings.PruneSettings` updated by the top-level
+    ``prune`` block, then by ``models.<model>.prune``."""
     try:
         return PruneSettings.from_dict({**config.get("prune", {}), **config["models"][model].get("prune", {})})
     except ValueError as e:
@@ -240,7 +240,7 @@ def model_prune(config: dict, model: str) -> PruneSettings:
 
 
 def model_rank(config: dict, model: str) -> RankSettings:
-    """Rank-analysis settings of ``model``: :class:`~statereduce.settings.RankSettings` updated by the top-level
+    """Rank-analysis settings of ``model``: :class:`~statereduce.common.settings.RankSettings` updated by the top-level
     ``rank`` block, then by ``models.<model>.rank``.
 
     The corpus (whose ``heldout`` split is analysed) defaults to the evaluation's (:func:`model_eval_corpus`).
@@ -272,7 +272,7 @@ def model_speed(config: dict, model: str) -> SpeedPlan:
     ``arch`` (the family's config keywords) is ``models.<model>.speed.arch``, else the ``pretrain.arch`` or
     ``init.arch`` of a model the workflow makes; speed runs use random weights of that shape, so they need no
     checkpoint. ``settings`` are the top-level ``speed`` block updated by the model's own ``speed`` block (part
-    blocks key by key), which update :class:`~statereduce.settings.SpeedSettings` (checked here).
+    blocks key by key), which update :class:`~statereduce.common.settings.SpeedSettings` (checked here).
     """
     from statereduce.families import family_names, family_spec
 
@@ -393,7 +393,7 @@ def check_method(config: dict, method: str) -> None:
 
 
 def model_budget(config: dict, budget: str) -> BudgetSettings:
-    """The settings of ``budgets.<budget>`` (:class:`~statereduce.settings.BudgetSettings`)."""
+    """The settings of ``budgets.<budget>`` (:class:`~statereduce.common.settings.BudgetSettings`)."""
     budgets = config.get("budgets") or {}
     if budget not in budgets:
         raise ConfigError(f"unknown budget {budget!r} (method token suffix @{budget}); valid: "
@@ -430,8 +430,8 @@ def model_mixer_layers(config: dict, model: str) -> int | None:
 def check_budget_cell(config: dict, model: str, method: str, pct: float) -> None:
     """Check a method with ``@<budget>`` against the model at ``pct`` before any job: the selector can take the
     budget (index selections; scores or an objective for ``greedy``), the floor fits d_k and the allowed widths meet
-    the uniform cut's total (:func:`statereduce.budgets.check_budget`). A no-op for a method without a budget."""
-    from statereduce.budgets import check_budget, check_budget_selector
+    the uniform cut's total (:func:`statereduce.core.budgets.check_budget`). A no-op for a method without a budget."""
+    from statereduce.core.budgets import check_budget, check_budget_selector
     from statereduce.families import family_spec
     from statereduce.selectors import parse_method
 
@@ -459,7 +459,7 @@ def check_target(config: dict, target: str) -> None:
     ``results/{model}/...`` must name a configured model, ``calib/{calib}/...`` a calibration id of it, and
     ``select/{method}_{pct}.parquet`` and ``{method}_{pct}/...`` a valid method token (:func:`check_method`) and a
     pct the model can take (:func:`check_reduction`). Other paths (tables, figures, outside ``results/``) are
-    left to Snakemake. The layout is :mod:`statereduce.layout`'s.
+    left to Snakemake. The layout is :mod:`statereduce.common.layout`'s.
 
     Raises:
         ConfigError: one line: the target, its unknown or impossible part, and the valid choices.
@@ -649,7 +649,7 @@ def check_convolution_study(config: dict, study: dict) -> list[tuple[str, str, f
 def check_checkpoint_family(model: str, family: str, where: str, checkpoint: str, revision: str | None = None) -> None:
     """Check that the checkpoint ``checkpoint`` (a local folder or a hub id) is of ``family`` where its ``config.json``
     can be read without the network (a local folder, or a hub id in the Hugging Face cache); otherwise the base
-    job checks it when it resolves the hub id (:func:`statereduce.models.write_hub_source`).
+    job checks it when it resolves the hub id (:func:`statereduce.core.models.write_hub_source`).
 
     Raises:
         ConfigError: one line naming the model, the checkpoint, its ``model_type`` and the family's.
@@ -671,7 +671,7 @@ def check_local(model: str, path: str | None) -> None:
     """
     if path is None:
         return
-    from statereduce.checkpoints import weight_files
+    from statereduce.core.checkpoints import weight_files
 
     folder = Path(path).expanduser()
     if not folder.is_dir():
@@ -688,7 +688,8 @@ def check_local(model: str, path: str | None) -> None:
 
 def model_pretrain(config: dict, model: str) -> PretrainSettings:
     """The ``pretrain`` block of ``model`` (a model the workflow trains), typed: its ``train`` and ``recall_mix``
-    blocks update :class:`~statereduce.settings.TrainSettings` and :class:`~statereduce.settings.RecallMixSettings`.
+    blocks update :class:`~statereduce.common.settings.TrainSettings` and
+    :class:`~statereduce.common.settings.RecallMixSettings`.
     The pretrain rule's params stay the block as configured (defaults are filled in the job), so that a model
     without ``share_conv`` or ``recall_mix`` keeps the params it had.
 

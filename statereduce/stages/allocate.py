@@ -1,22 +1,23 @@
 """Per-layer key budgets in the workflow (rule ``allocate``): one kept width d_k' per layer at the uniform cut's total.
 
 A method token ending in ``@<budget>`` (``drrqr@energy_75``) names a budget of the config's ``budgets`` block
-(:class:`statereduce.settings.BudgetSettings`). Its allocation,
+(:class:`statereduce.common.settings.BudgetSettings`). Its allocation,
 ``results/{model}/select/{method}_{pct}.allocation.json``, holds each pruned layer's width, the policy's value of
 every candidate width, and the statistics behind them; the selection of the same token
-(:func:`statereduce.select.select_channels`) runs the selector with each layer's width, and pruning
-(:func:`statereduce.prune.prune_model`) writes a checkpoint whose layers keep different widths
-(``statereduce_key_dims`` in its config; :func:`statereduce.models.load_model` loads it).
+(:func:`statereduce.stages.select.select_channels`) runs the selector with each layer's width, and pruning
+(:func:`statereduce.stages.prune.prune_model`) writes a checkpoint whose layers keep different widths
+(``statereduce_key_dims`` in its config; :func:`statereduce.core.models.load_model` loads it).
 
 Every allocation keeps ``n_keep_for(d_k, pct) * layers`` channels per head position in all (every linear-attention
 layer has the same heads and d_v, so the state bytes equal the uniform cut's), with widths from
-:func:`statereduce.budgets.allowed_widths` (a floor, multiples of ``multiple`` or the full d_k, and widths the
-family's config can express). The policies (:mod:`statereduce.budgets` solves the exact knapsack over their values):
+:func:`statereduce.core.budgets.allowed_widths` (a floor, multiples of ``multiple`` or the full d_k, and widths the
+family's config can express). The policies (:mod:`statereduce.core.budgets` solves the exact knapsack over their
+values):
 
 * ``uniform``: the uniform width in every layer (the plain method's selection and checkpoint, byte for byte);
 * ``spectrum``: each layer's calibration second moment of [K; Q] (K or Q alone for ``-k``/``-q``), per head, with
   its sorted eigenvalues summed over the layer's heads: ``energy`` (the share of the trace in the top w) or
-  ``effective_rank`` (:func:`statereduce.budgets.spectrum_values`);
+  ``effective_rank`` (:func:`statereduce.core.budgets.spectrum_values`);
 * ``greedy``: per head the share of the selector's own objective its selection of each width captures
   (:meth:`statereduce.selectors.Selector.objective_values`: DRRQR's captured energy, Grad's score mass), averaged
   over the layer's heads, or its raw value (``normalize: false``);
@@ -41,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from statereduce import __version__
-from statereduce.budgets import (
+from statereduce.core.budgets import (
     ALLOCATION_FORMAT,
     Allocation,
     allowed_widths,
@@ -53,7 +54,7 @@ from statereduce.budgets import (
     spectrum_values,
 )
 from statereduce.selectors import HeadData, get_selector, head_rng, n_keep_for, parse_method
-from statereduce.settings import BudgetPlan, BudgetSettings
+from statereduce.common.settings import BudgetPlan, BudgetSettings
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ def sensitivity_losses(model, blocks, layers: Iterable[tuple[int, list[HeadData]
                        *, variant: str, seed: int, options: Mapping[str, Any], batch_size: int,
                        progress: bool = True) -> tuple[float, dict[int, dict[int, float]]]:
     """The calibration loss with one layer alone cut to each width (its heads' channels chosen by the selector at
-    that width, the dropped ones zeroed: :func:`statereduce.slicing.masked_channels`), the other layers whole.
+    that width, the dropped ones zeroed: :func:`statereduce.core.slicing.masked_channels`), the other layers whole.
 
     Returns:
         (the unpruned model's loss, {layer: {width: loss}}), the full width's loss being the unpruned one.
@@ -140,7 +141,7 @@ def sensitivity_losses(model, blocks, layers: Iterable[tuple[int, list[HeadData]
     from tqdm.auto import tqdm
 
     from statereduce.adapters import get_adapter
-    from statereduce.slicing import masked_channels
+    from statereduce.core.slicing import masked_channels
 
     adapter = get_adapter(model)
     mixers = dict(adapter.mixer_layers())
@@ -269,7 +270,7 @@ def _budget_inputs(weights: str | Path, method: str, plan: BudgetPlan, *, activa
     the provenance, the settings as recorded (``sensitivity``: with its batch size), and with ``load`` the model and
     calibration blocks of the sensitivity loss."""
     from statereduce.families import family_spec
-    from statereduce.h5files import H5Artifact, layer_head_data
+    from statereduce.core.h5files import H5Artifact, layer_head_data
 
     spec, settings, cal, head_v_dim = parse_method(method), plan.settings, plan.calibration, plan.head_v_dim
     wattrs = H5Artifact(weights).expect(expect)
@@ -294,8 +295,8 @@ def _budget_inputs(weights: str | Path, method: str, plan: BudgetPlan, *, activa
             raise ValueError("the sensitivity budget needs the base checkpoint, its calibration and corpus")
         n_samples, batch = settings.sizes(cal)
         if load:
-            from statereduce.data import load_split, token_blocks
-            from statereduce.models import load_model
+            from statereduce.core.data import load_split, token_blocks
+            from statereduce.core.models import load_model
 
             info = dict(expect or {})
             model, tokenizer = load_model(base, dtype=info.get("dtype"), device=info.get("device", "cpu"))
@@ -349,7 +350,7 @@ def read_values(path: str | Path, expect: Mapping[str, Any] | None = None) -> tu
     Raises:
         ArtifactError: one line naming the file and the rule that rebuilds it.
     """
-    from statereduce.artifacts import ArtifactError, read_json_artifact, remedy
+    from statereduce.core.artifacts import ArtifactError, read_json_artifact, remedy
 
     expect = dict(expect or {})
     doc = read_json_artifact(path, "budget values", VALUES_FORMAT, "values", expect)
@@ -369,7 +370,7 @@ def allocate_budget(weights: str | Path, method: str, pct: float, plan: BudgetPl
     Args:
         weights: the model's ``qk.h5`` (head sizes, pruned layers; the weights where the selector reads them).
         method, pct: the method token and percent of key channels removed.
-        plan: the token's budget (:class:`~statereduce.settings.BudgetPlan`: its id and settings, d_v, and the
+        plan: the token's budget (:class:`~statereduce.common.settings.BudgetPlan`: its id and settings, d_v, and the
             calibration and corpus spec of the sensitivity loss's sequences).
         activations, grads: the calibration artifacts the policy and the selector read.
         base: the base checkpoint folder (sensitivity: the model whose loss is measured).

@@ -26,7 +26,7 @@ Selector names are ``[a-z][a-z0-9]*`` words joined by dashes (``pca-adv``); none
 ``-k`` / ``-q`` score from the key / query side only (paper App. C.7, Table 16); no suffix scores from both (the
 default, "kq"). ``.<calib>`` (``[a-z0-9]+``) names a non-default calibration set (paper Tables 2 and 7); the default
 calibration has no suffix, so ``drrqr`` and ``drrqr.default`` are not both valid: only the plain token is.
-``@<budget>`` (``[a-z0-9]+``) names a per-layer key budget (:mod:`statereduce.budgets`): each layer keeps its own
+``@<budget>`` (``[a-z0-9]+``) names a per-layer key budget (:mod:`statereduce.core.budgets`): each layer keeps its own
 d_k' at the uniform cut's total; without it every layer keeps the same d_k'. Examples: ``drrqr``, ``l1-q``,
 ``grad-k``, ``pca-adv-k``, ``drrqr.prose``, ``grad-q.prose``, ``drrqr@energy``, ``grad.prose@sens``.
 

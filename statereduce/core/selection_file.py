@@ -5,8 +5,8 @@ and, where the selector has scores, their scores. The file's key/value metadata 
 (``d_k_new``: an int, or ``{"<layer>": width}`` for a per-layer budget, with its ``budget`` and ``allocation``),
 calibration id, seed, options and version. Reading validates the rows against the metadata (head count, d_k', sorted
 in-range indices, orthonormal transforms) and checks that the file was written for the reading job
-(:mod:`statereduce.artifacts`). Written by the selection stage (:mod:`statereduce.select`), read by pruning and the
-rank analysis.
+(:mod:`statereduce.core.artifacts`). Written by the selection stage (:mod:`statereduce.stages.select`), read by pruning
+and the rank analysis.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
+from statereduce.core.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
 from statereduce.selectors.registry import check_transform
 
 SELECTION_FORMAT = 2
@@ -62,7 +62,7 @@ def read_selection(path: str | Path,
     Args:
         path: the Parquet file :func:`write_selection` wrote.
         expect: what the reading job expects (e.g. ``params.info`` with the ``method`` and ``pct`` of its path);
-            the file must have been written for it (:func:`statereduce.artifacts.check_provenance`).
+            the file must have been written for it (:func:`statereduce.core.artifacts.check_provenance`).
 
     Raises:
         ArtifactError: one line naming the file and the rule that rebuilds it, for a file that is not a

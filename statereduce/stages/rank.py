@@ -30,9 +30,9 @@ from torch import nn
 from statereduce import __version__
 from statereduce.adapters import get_adapter
 from statereduce.eval.documents import layer_mean
-from statereduce.runtime import jsonable
+from statereduce.core.runtime import jsonable
 from statereduce.selectors.overlap import as_layers, head_keep, keep_overlap  # noqa: F401  (keep_overlap re-exported)
-from statereduce.settings import RankSettings
+from statereduce.common.settings import RankSettings
 
 HeadKey = tuple[int, int]  # (layer index, head index)
 
@@ -304,7 +304,7 @@ def selected_conditioning(K, Q, keep=None) -> dict:
         K, Q: calibration keys / queries as stored in ``activations.h5``, [H, N, d_k] for one layer, or
             {layer: [H, N, d_k]} for several.
         keep: the selection: per-head kept indices [H][d_k'] (one layer) or {layer: [H][d_k']}, or transforms
-            [H, d_k', d_k] / {layer: [H, d_k', d_k]} (as :func:`~statereduce.selection_file.read_selection`
+            [H, d_k', d_k] / {layer: [H, d_k', d_k]} (as :func:`~statereduce.core.selection_file.read_selection`
             returns); None keeps every channel (the baseline).
     Returns:
         {"per_head": {(layer, head): {"sigma_min", "sigma_max", "kappa"}}, "median": {"sigma_min",
@@ -347,7 +347,7 @@ def selected_conditioning(K, Q, keep=None) -> dict:
 
 
 def selection_widths(keep: Mapping[int, Any]) -> dict[int, int]:
-    """{layer: d_k'} of a selection as :func:`~statereduce.selection_file.read_selection` returns it (kept indices
+    """{layer: d_k'} of a selection as :func:`~statereduce.core.selection_file.read_selection` returns it (kept indices
     per head, or transforms [H, d_k', d_k]); each layer may keep its own width."""
     return {int(layer): int(np.asarray(heads[0]).shape[0]) for layer, heads in keep.items()}
 
@@ -394,7 +394,7 @@ def rank_report(
         spectrum_head: (layer, head) whose singular values are summarised per index (Figure 5), or None.
         baseline: the baseline model's report; when given, adds ``pearson_u`` over the common heads (Table 5).
     Returns:
-        A JSON-serialisable dict (non-finite floats as strings, see :func:`statereduce.runtime.jsonable`):
+        A JSON-serialisable dict (non-finite floats as strings, see :func:`statereduce.core.runtime.jsonable`):
         ``settings``, ``model`` (state sizes; ``key_dims``: {layer: d_k'} and ``d_k`` their mean), ``per_head`` (one
         record per (layer, head) with its layer's ``d_k`` and er/u mean and std), ``summary`` ({"u", "er"}:
         :func:`utilization_table` of the per-head means), optionally ``pearson_u`` and ``spectrum``.
@@ -449,28 +449,28 @@ def rank_analysis(checkpoint: str | Path, settings: RankSettings, info: dict[str
     """The ``rank.json`` of one checkpoint (paper Sec. 2.2, App. C.1, C.5; Tables 5 and 6).
 
     Rank utilization of the recurrent state of every head over ``n_samples`` held-out blocks of ``seq_len``
-    tokens (:func:`statereduce.analysis.rank.rank_report`: states from the model's own forward pass, positions before
+    tokens (:func:`statereduce.stages.rank.rank_report`: states from the model's own forward pass, positions before
     ``skip`` left out, one sample every ``stride`` tokens), the singular values of ``spectrum_head``, the
     Pearson correlation of per-head utilization with the baseline's ``rank.json`` when given, and the
     conditioning of the selected [Q; K] calibration columns when ``activations`` is given (every channel for
     the baseline, the ``selection``'s for a pruned model). ``settings`` are the model's rank settings
-    (:class:`~statereduce.settings.RankSettings`, with ``corpus_spec``).
+    (:class:`~statereduce.common.settings.RankSettings`, with ``corpus_spec``).
 
     Before the model is loaded, the artifacts must have been written for this job (``info``'s model and family,
     ``extra``'s method and pct): a pruned checkpoint's ``prune_record.json`` and the ``selection``, and the
-    ``activations`` for the selection's calibration id and head sizes (:mod:`statereduce.artifacts`).
+    ``activations`` for the selection's calibration id and head sizes (:mod:`statereduce.core.artifacts`).
     """
-    from statereduce.checkpoints import base_checkpoint
-    from statereduce.data import load_split, token_blocks
-    from statereduce.h5files import H5Artifact
-    from statereduce.models import load_model
-    from statereduce.runtime import jsonable, read_json, write_json
-    from statereduce.selection_file import read_selection
+    from statereduce.core.checkpoints import base_checkpoint
+    from statereduce.core.data import load_split, token_blocks
+    from statereduce.core.h5files import H5Artifact
+    from statereduce.core.models import load_model
+    from statereduce.core.runtime import jsonable, read_json, write_json
+    from statereduce.core.selection_file import read_selection
 
     expected = {**info, **(extra or {})}
     keep = None
     if selection is not None:
-        from statereduce.artifacts import check_prune_record
+        from statereduce.core.artifacts import check_prune_record
 
         check_prune_record(checkpoint, expected)
         keep, sel_meta = read_selection(selection, expect=expected)

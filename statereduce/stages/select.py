@@ -10,7 +10,7 @@ and, where the selector has scores, their scores. The file's key/value metadata 
 calibration id, seed, options and version. Reading validates the rows against the metadata (head count, d_k', sorted
 in-range indices, orthonormal transforms).
 
-Both ends check provenance (:mod:`statereduce.artifacts`): :func:`select_channels` that its HDF5 inputs were
+Both ends check provenance (:mod:`statereduce.core.artifacts`): :func:`select_channels` that its HDF5 inputs were
 written for the job's model and calibration (and agree on the head sizes), :func:`read_selection` that the
 selection was written for the reading job's model, method and pct.
 """
@@ -28,8 +28,10 @@ from typing import Any
 import numpy as np
 
 from statereduce import __version__
-from statereduce.h5files import H5Artifact, head_data, head_data_iter, layer_head_data  # noqa: F401  (re-exported)
-from statereduce.selection_file import SELECTION_FORMAT, read_selection, write_selection  # noqa: F401  (re-exported)
+from statereduce.core.h5files import H5Artifact, head_data, head_data_iter, layer_head_data  # noqa: F401  (re-exported)
+from statereduce.core.selection_file import (  # noqa: F401  (re-exported)
+    SELECTION_FORMAT, read_selection, write_selection,
+)
 from statereduce.selectors import HeadData, get_selector, n_keep_for, parse_method, select_heads
 
 #: Version of the selection file layout: 1 had only index selections (no ``transform`` column, no ``format`` key).
@@ -78,8 +80,8 @@ def select_channels(
         workers: heads selected in parallel (threads, single-threaded BLAS each).
         expect: what the job expects of its inputs (e.g. the rule's ``params.info``: ``model``, ``family``).
             ``weights`` must have been written for it, and ``activations``/``grads`` for it, for the method's
-            calibration id and for the weights' head sizes (:func:`statereduce.artifacts.check_provenance`).
-        allocation: for a method with ``@<budget>``, its allocation artifact (:mod:`statereduce.allocate`): each
+            calibration id and for the weights' head sizes (:func:`statereduce.core.artifacts.check_provenance`).
+        allocation: for a method with ``@<budget>``, its allocation artifact (:mod:`statereduce.stages.allocate`): each
             layer keeps its own width; the metadata's ``d_k_new`` is then ``{"<layer>": width}`` (an int when every
             layer keeps the same) and ``allocation`` summarises the policy.
 
@@ -118,7 +120,7 @@ def select_channels(
                   "base_checkpoint": json.loads(wattrs["base_checkpoint"]) if wattrs.get("base_checkpoint") else None}
     widths = None
     if allocation is not None:
-        from statereduce.budgets import read_allocation
+        from statereduce.core.budgets import read_allocation
 
         doc = read_allocation(allocation, {**(expect or {}), "method": method, "pct": pct})
         widths = {int(k): int(v) for k, v in doc["key_dims"].items()}

@@ -3,7 +3,7 @@
 A base model artifact ``results/{model}/base/`` is either
 
 - an HF checkpoint folder (``config.json`` + safetensors + tokenizer), as written by
-  :func:`statereduce.pretrain.pretrain` for the embedded tiny models or for any local model, or
+  :func:`statereduce.stages.pretrain.pretrain` for the embedded tiny models or for any local model, or
 - a folder holding only ``source.json`` (:func:`write_hub_source`) for hub models: the hub id, the
   revision (resolved to a commit sha when the hub was reachable) and the dtype; the weights stay in
   the Hugging Face cache and are never copied into ``results/``.
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from statereduce.checkpoints import BASE_ATTR, SOURCE_FILE, checkpoint_provenance, checkpoint_sha256
-from statereduce.runtime import write_json
-from statereduce.tokenizer import VOCAB_SIZE
+from statereduce.core.checkpoints import BASE_ATTR, SOURCE_FILE, checkpoint_provenance, checkpoint_sha256
+from statereduce.core.runtime import write_json
+from statereduce.core.tokenizer import VOCAB_SIZE
 
 WEIGHTS_FILE = "model.safetensors"
 """The weights of every checkpoint the workflow writes (pruned, fine-tuned): one file, which the rules name."""
@@ -131,8 +131,8 @@ def write_hub_source(
     Returns:
         The record written: ``hub_id``, ``revision``, ``requested_revision``, ``resolved``, ``dtype``,
         ``tokenizer`` (only when given) and, for a local checkpoint folder, ``sha256``: ``{file name: SHA-256}`` of
-        every file loading reads (:func:`statereduce.checkpoints.checkpoint_sha256`), which the jobs that load the
-        model copy into their artifacts' provenance (:func:`statereduce.checkpoints.base_checkpoint`).
+        every file loading reads (:func:`statereduce.core.checkpoints.checkpoint_sha256`), which the jobs that load the
+        model copy into their artifacts' provenance (:func:`statereduce.core.checkpoints.base_checkpoint`).
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
@@ -191,15 +191,15 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
 
     Always imports ``fla`` (which registers its models with the Auto classes) and applies the family's
     ``config_overrides`` (fla's: ``fuse_cross_entropy=False``; the fused loss is CUDA-only).
-    The model carries :func:`~statereduce.checkpoints.checkpoint_provenance` of ``base`` as
-    :data:`~statereduce.checkpoints.BASE_ATTR` (:func:`~statereduce.checkpoints.base_checkpoint`), which the artifacts
-    written from it record.
+    The model carries :func:`~statereduce.core.checkpoints.checkpoint_provenance` of ``base`` as
+    :data:`~statereduce.core.checkpoints.BASE_ATTR` (:func:`~statereduce.core.checkpoints.base_checkpoint`), which the
+    artifacts written from it record.
     """
     import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from statereduce.adapters import adapter_for_config
-    from statereduce.slicing import KEY_DIMS_FIELD
+    from statereduce.core.slicing import KEY_DIMS_FIELD
 
     base = Path(base)
     source_file = base / SOURCE_FILE
@@ -235,22 +235,23 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
 
 def load_mixed_widths(cls, folder: Path, config, dtype: torch.dtype, overrides: dict[str, Any]):
     """A checkpoint whose layers keep different key widths (``config.statereduce_key_dims``, written by
-    :func:`statereduce.prune.prune_model` for a per-layer allocation): the stock class built from the config (the
-    unpruned head sizes), each mixer shaped to its width and output-norm eps (:func:`statereduce.slicing.shape_mixers`),
+    :func:`statereduce.stages.prune.prune_model` for a per-layer allocation): the stock class built from the config (the
+    unpruned head sizes), each mixer shaped to its width and output-norm eps
+    (:func:`statereduce.core.slicing.shape_mixers`),
     then the weights of ``model.safetensors`` loaded strictly (tied output embeddings excepted).
 
     The stock ``from_pretrained`` cannot load it: its config describes one key width for every layer. Any other
     code gets the same model with::
 
         model = AutoModelForCausalLM.from_config(config)
-        statereduce.slicing.shape_mixers(statereduce.adapters.get_adapter(model), config.statereduce_key_dims,
+        statereduce.core.slicing.shape_mixers(statereduce.adapters.get_adapter(model), config.statereduce_key_dims,
                                          getattr(config, "statereduce_output_norm_eps", None))
         model.load_state_dict(safetensors.torch.load_file("model.safetensors"), strict=False)
     """
     from safetensors.torch import load_file
 
     from statereduce.adapters import get_adapter
-    from statereduce.slicing import KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD, shape_mixers
+    from statereduce.core.slicing import KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD, shape_mixers
 
     if not (folder / "model.safetensors").is_file():
         raise ValueError(f"{folder} holds a per-layer key-width checkpoint but no model.safetensors (a local "

@@ -5,7 +5,7 @@ needs. Files:
 
 * ``results/{model}/weights/qk.h5``: per layer ``W_q``/``W_k`` float32 [H, d_k, hidden] (the head rows
   of the q/k projections), attributes num_heads, head_k_dim, hidden_size, layers, family, source.
-* ``results/{model}/calib/{calib}/activations.h5`` and ``grad_scores.h5`` (see :mod:`statereduce.capture`).
+* ``results/{model}/calib/{calib}/activations.h5`` and ``grad_scores.h5`` (see :mod:`statereduce.stages.capture`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from statereduce.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
+from statereduce.core.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
 from statereduce.selectors.registry import HeadData
 
 
@@ -67,7 +67,7 @@ class H5Artifact:
     """Read access to a per-layer HDF5 artifact (weights, activations or gradient scores).
 
     A file that does not exist, is truncated or is not HDF5, or lacks a dataset that is read, fails in one line
-    naming the file and the rule that rebuilds it (:mod:`statereduce.artifacts`); :meth:`expect` checks its
+    naming the file and the rule that rebuilds it (:mod:`statereduce.core.artifacts`); :meth:`expect` checks its
     recorded provenance against what the reading job expects.
     """
 
@@ -95,7 +95,7 @@ class H5Artifact:
 
     def expect(self, expected: Mapping | None) -> dict:
         """The attributes, after checking that the file was written for a job expecting ``expected``
-        (:func:`statereduce.artifacts.check_provenance`: model, family, calibration, head sizes)."""
+        (:func:`statereduce.core.artifacts.check_provenance`: model, family, calibration, head sizes)."""
         attrs = self.attrs()
         check_provenance(self.path, attrs, expected)
         return attrs

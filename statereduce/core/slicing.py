@@ -1,6 +1,6 @@
 """Slicing the q/k channels out of a mixer's modules (:func:`slice_mixer`), shared by pruning
-(:mod:`statereduce.prune`) and by loading a checkpoint whose layers keep different key widths (:func:`shape_mixers`,
-:func:`statereduce.models.load_model`).
+(:mod:`statereduce.stages.prune`) and by loading a checkpoint whose layers keep different key widths
+(:func:`shape_mixers`, :func:`statereduce.core.models.load_model`).
 
 A mixer's q/k channels sit in rows of its projections and short convolutions (``adapter.channel_rows``: fused
 layouts included); slicing keeps every other row in order, so a head's kept channels stay in place. A transform
@@ -181,8 +181,8 @@ def slice_mixer(
 def shape_mixers(adapter: LinearAttentionAdapter, key_dims: Sequence[int | None],
                  output_norm_eps: Sequence[float | None] | None = None) -> None:
     """Give each linear-attention mixer the key width ``key_dims[layer]`` (its first d_k' channels per head: only
-    the shapes matter, the weights are loaded next) and its output norm's eps, as :func:`statereduce.prune.prune_model`
-    stored them for a mixed allocation.
+    the shapes matter, the weights are loaded next) and its output norm's eps, as
+    :func:`statereduce.stages.prune.prune_model` stored them for a mixed allocation.
 
     Raises:
         ValueError: one line, when ``key_dims`` does not name a width for exactly the mixer layers.
