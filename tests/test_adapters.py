@@ -512,3 +512,27 @@ class TestQwen35(AdapterContract):
         assert reloaded.config.linear_key_head_dim == 16
         with torch.no_grad():
             assert torch.equal(reloaded(inputs).logits, model(inputs).logits)
+
+
+# ---- one registry of families -------------------------------------------------------------------------------------
+def test_one_registry_holds_each_familys_spec_and_adapter():
+    from statereduce.families import family_names, family_spec
+    from statereduce.families.base import registered
+
+    for family in family_names():
+        entry = registered(family)
+        assert entry.spec is family_spec(family) and entry.adapter is adapter_class(family)
+        assert issubclass(entry.adapter, entry.spec)
+
+
+def test_an_adapter_registered_twice_or_outside_its_spec_is_refused():
+    from statereduce.adapters import register_adapter
+    from statereduce.adapters.deltanet import DeltaNetAdapter
+    from statereduce.adapters.mamba2 import Mamba2Adapter
+
+    with pytest.raises(ValueError, match=r"^adapter family 'delta_net' registered twice$"):
+        register_adapter(type("Again", (DeltaNetAdapter,), {}))
+    with pytest.raises(TypeError, match=r"^adapter Stray does not subclass the spec of family 'delta_net'$"):
+        register_adapter(type("Stray", (Mamba2Adapter,), {"family": "delta_net"}))
+    with pytest.raises(ValueError, match=r"^unknown model family 'rwkv'; valid: "):
+        adapter_class("rwkv")

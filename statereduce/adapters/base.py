@@ -35,37 +35,33 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from statereduce.families.base import Dims, FamilySpec, LazyImport, StateShape, family_spec  # noqa: F401  (re-exported)
-
-_ADAPTERS: dict[str, type[LinearAttentionAdapter]] = {}
+from statereduce.families.base import (  # noqa: F401  (re-exported)
+    Dims, FamilySpec, LazyImport, StateShape, attach_adapter, family_names, family_spec, registered,
+)
 
 
 def register_adapter(cls: type[LinearAttentionAdapter]) -> type[LinearAttentionAdapter]:
-    """Class decorator: register an adapter under its ``family`` name (a subclass of that family's spec)."""
-    if not issubclass(cls, family_spec(cls.family)):
-        raise TypeError(f"adapter {cls.__name__} does not subclass the spec of family {cls.family!r}")
-    if cls.family in _ADAPTERS:
-        raise ValueError(f"adapter family {cls.family!r} registered twice")
-    _ADAPTERS[cls.family] = cls
-    return cls
+    """Class decorator: record an adapter (a subclass of its family's spec) in the family registry
+    (:func:`statereduce.families.base.attach_adapter`)."""
+    return attach_adapter(cls)
 
 
 def adapter_families() -> list[str]:
-    return sorted(_ADAPTERS)
+    return [f for f in family_names() if registered(f).adapter is not None]
 
 
 def adapter_class(family: str) -> type[LinearAttentionAdapter]:
-    """The adapter class for a family name; an unknown name gets the spec registry's one-line error."""
-    family_spec(family)
-    return _ADAPTERS[family]
+    """The adapter class for a family name; an unknown name gets the registry's one-line error."""
+    return registered(family).adapter
 
 
 def adapter_for_config(config) -> type[LinearAttentionAdapter]:
     """The adapter class whose ``model_types`` contains ``config.model_type``."""
-    for cls in _ADAPTERS.values():
+    adapters = [adapter_class(f) for f in adapter_families()]
+    for cls in adapters:
         if config.model_type in cls.model_types:
             return cls
-    known = sorted(t for c in _ADAPTERS.values() for t in c.model_types)
+    known = sorted(t for c in adapters for t in c.model_types)
     raise ValueError(f"no adapter for model_type {config.model_type!r}; supported: {', '.join(known)}")
 
 

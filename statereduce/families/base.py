@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
-_FAMILIES: dict[str, type[FamilySpec]] = {}
+_FAMILIES: dict[str, Family] = {}
 
 #: The config field of a checkpoint whose layers keep different key widths: per decoder layer, its d_k' (None for a
 #: layer without a linear-attention mixer). The config's own head sizes stay those of the unpruned model
@@ -33,11 +33,39 @@ SHARE_CONV = ("none", "head", "all")
 """Values of ``share_conv``: a filter per channel (stock), one per head, one per layer (each of q and k)."""
 
 
+@dataclass
+class Family:
+    """A registered family: its spec (config facts, no torch) and, once :mod:`statereduce.adapters` is imported, its
+    adapter (the spec's subclass that reads and changes loaded models)."""
+
+    spec: type[FamilySpec]
+    adapter: type | None = None
+
+
 def register_family(cls: type[FamilySpec]) -> type[FamilySpec]:
     """Class decorator: register a family spec under its ``family`` name."""
     if cls.family in _FAMILIES:
         raise ValueError(f"model family {cls.family!r} registered twice")
-    _FAMILIES[cls.family] = cls
+    _FAMILIES[cls.family] = Family(cls)
+    return cls
+
+
+def registered(family: str) -> Family:
+    """The registry's entry of a family name, with a one-line error listing valid names."""
+    try:
+        return _FAMILIES[family]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown model family {family!r}; valid: {', '.join(family_names())}") from None
+
+
+def attach_adapter(cls: type) -> type:
+    """Record ``cls`` as the adapter of its family's entry (it must subclass that family's spec)."""
+    entry = registered(cls.family)
+    if not issubclass(cls, entry.spec):
+        raise TypeError(f"adapter {cls.__name__} does not subclass the spec of family {cls.family!r}")
+    if entry.adapter is not None:
+        raise ValueError(f"adapter family {cls.family!r} registered twice")
+    entry.adapter = cls
     return cls
 
 
@@ -47,10 +75,7 @@ def family_names() -> list[str]:
 
 def family_spec(family: str) -> type[FamilySpec]:
     """The spec class for a family name, with a one-line error listing valid names."""
-    try:
-        return _FAMILIES[family]
-    except KeyError:
-        raise ValueError(f"unknown model family {family!r}; valid: {', '.join(family_names())}") from None
+    return registered(family).spec
 
 
 class LazyImport:
