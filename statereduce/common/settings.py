@@ -554,9 +554,6 @@ class RecallMixSettings(Settings):
         self._set("n_pairs", list(n_pairs))
 
 
-SHARE_CONV_DEFAULT = "none"
-
-
 @dataclass(frozen=True)
 class PretrainSettings(Settings):
     """``models.<name>.pretrain``: an embedded tiny model the workflow trains (rule ``pretrain``).
@@ -577,7 +574,7 @@ class PretrainSettings(Settings):
     arch: dict = field(default_factory=dict)
     train: TrainSettings = field(default_factory=TrainSettings)
     recall_mix: RecallMixSettings | None = field(default=None, metadata=OPTIONAL)
-    share_conv: str = SHARE_CONV_DEFAULT
+    share_conv: str = choice("none", ("none", "head", "all"), label="share_conv")
 
 
 # ---- recovery fine-tuning -----------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
+from statereduce.common.settings import PretrainSettings
+
 _FAMILIES: dict[str, Family] = {}
 
 #: The config field of a checkpoint whose layers keep different key widths: per decoder layer, its d_k' (None for a
@@ -29,7 +31,7 @@ _FAMILIES: dict[str, Family] = {}
 #: on load).
 KEY_DIMS_FIELD = "statereduce_key_dims"
 
-SHARE_CONV = ("none", "head", "all")
+SHARE_CONV = PretrainSettings.valid("share_conv")
 """Values of ``share_conv``: a filter per channel (stock), one per head, one per layer (each of q and k)."""
 
 

@@ -30,7 +30,7 @@ from statereduce.core.models import build_random, save_checkpoint, tiny_config
 from statereduce.core.runtime import (  # noqa: F401  (lr_at re-exported)
     atomic_dir, lr_at, seed_everything, versions, write_json,
 )
-from statereduce.common.settings import SHARE_CONV_DEFAULT, RecallMixSettings, TrainSettings
+from statereduce.common.settings import PretrainSettings, RecallMixSettings, TrainSettings
 from statereduce.core.tokenizer import byte_level_tokenizer
 
 
@@ -80,7 +80,7 @@ def pretrain(
     out_dir: str | Path,
     log_path: str | Path | None = None,
     recall_mix: RecallMixSettings | None = None,
-    share_conv: str = SHARE_CONV_DEFAULT,
+    share_conv: str = PretrainSettings.share_conv,
 ) -> dict[str, Any]:
     """Train a tiny stock model of ``family`` from scratch and save it as an HF checkpoint folder.
 
