@@ -103,7 +103,8 @@ def figure(name: str) -> str:
 class ResultPath:
     """The parts of a path under ``results/{model}/``: ``folder`` is one of :data:`FOLDERS` or a stage
     ``<method>_<pct>``; ``stage`` is that stage, or a selection file's, split into ``method`` and ``pct`` (as written;
-    ``None`` where the path has none: a budget values file has a method and no pct); ``calib`` the calibration id of a ``calib/`` path; ``rest`` what follows."""
+    ``None`` where the path has none: a budget values file has a method and no pct); ``calib`` the calibration id of a
+    ``calib/`` path; ``rest`` what follows."""
 
     model: str
     folder: str

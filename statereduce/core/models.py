@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from statereduce.common.settings import DeviceSettings
 from statereduce.core.checkpoints import BASE_ATTR, SOURCE_FILE, checkpoint_provenance, checkpoint_sha256
 from statereduce.core.runtime import write_json
 from statereduce.core.tokenizer import VOCAB_SIZE
@@ -113,7 +114,7 @@ def resolve_revision(hub_id: str, revision: str | None) -> tuple[str | None, boo
 
 
 def write_hub_source(
-    out_dir: str | Path, hub_id: str, revision: str | None = None, dtype: str = "bfloat16",
+    out_dir: str | Path, hub_id: str, revision: str | None = None, dtype: str = DeviceSettings.dtype,
     tokenizer: str | None = None, family: str | None = None,
 ) -> dict[str, Any]:
     """Write ``out_dir/source.json`` for a hub model (atomically): what :func:`load_model` loads.
@@ -123,7 +124,7 @@ def write_hub_source(
         hub_id: Hugging Face model id (or a local checkpoint folder).
         revision: branch, tag or commit; resolved to a commit sha through ``HfApi().model_info`` when
             the hub answers. Offline, the given revision is kept and ``resolved`` is false.
-        dtype: one of float32, bfloat16, float16.
+        dtype: one of float32 (the default, a model's ``dtype`` in the workflow too), bfloat16, float16.
         tokenizer: a different tokenizer id, when the model repo has none.
         family: when given, the checkpoint's ``config.json`` (a local folder's, or the hub's when it answers) must be
             of that adapter family; a ValueError names both otherwise.

@@ -30,7 +30,9 @@ from statereduce.core.models import build_random, save_checkpoint, tiny_config
 from statereduce.core.runtime import (  # noqa: F401  (lr_at re-exported)
     atomic_dir, lr_at, seed_everything, versions, write_json,
 )
-from statereduce.common.settings import PretrainSettings, RecallMixSettings, TrainSettings
+from statereduce.common.settings import (
+    DeviceSettings, InitSettings, PretrainSettings, RecallMixSettings, TrainSettings,
+)
 from statereduce.core.tokenizer import byte_level_tokenizer
 
 
@@ -176,8 +178,8 @@ INIT_RECORD = "init.json"
 
 
 def init_random(
-    family: str, arch: dict[str, Any], out_dir: str | Path, *, seed: int = 0, dtype: str = "bfloat16",
-    device: str | torch.device = "cpu",
+    family: str, arch: dict[str, Any], out_dir: str | Path, *, seed: int = InitSettings.seed,
+    dtype: str = DeviceSettings.dtype, device: str | torch.device = DeviceSettings.device,
 ) -> dict[str, Any]:
     """Write an untrained checkpoint of ``family`` and shape ``arch`` (weights, config, byte-level tokenizer) and
     ``init.json`` into ``out_dir``, atomically.
@@ -192,7 +194,8 @@ def init_random(
         arch: keyword arguments of the family's config class (:func:`statereduce.core.models.tiny_config`; give
             ``vocab_size`` for a hub model's embedding size: the byte-level tokenizer uses only its first 257 ids).
         seed: seeds torch before the weights are drawn.
-        dtype: float32, bfloat16 or float16: the dtype of the saved weights.
+        dtype: float32 (the default, a model's ``dtype`` in the workflow too), bfloat16 or float16: the dtype of
+            the saved weights.
 
     Returns:
         The record written to ``init.json``: family, arch, seed, dtype, parameter count, seconds, versions.
