@@ -16,6 +16,9 @@ Every class has:
   Snakemake tracks a rule's params by their ``repr`` and ignores objects it cannot represent, so the workflow hands
   jobs ``to_dict()`` and each workflow script builds the object again with ``from_dict``; records and resume
   fingerprints store ``to_dict()`` too;
+* ``overrides()``: the block as configured (the mapping ``from_dict`` was given); a job's plan (:class:`RftPlan`,
+  :class:`SpeedPlan`) hands its nested settings to the rule's params so, so that a default changed here reruns no
+  job that did not set it;
 * ``replace(**changes)``: a copy with some fields changed, checked again.
 
 This module imports no torch and nothing else from the package: config validation (every dry run) builds these.
@@ -72,7 +75,8 @@ def _is_number(value: Any) -> bool:
 
 
 class Settings:
-    """What every settings dataclass shares: ``from_dict``, ``coerce``, ``to_dict``, ``replace``.
+    """What every settings dataclass shares: ``from_dict``, ``coerce``, ``to_dict``, ``overrides``, ``replace``,
+    ``valid`` and the check of its :func:`choice` fields.
 
     Class attributes of a subclass: ``section`` (the block's name in messages), ``unknown_message`` (the unknown-key
     error, formatted with ``section``, ``key`` (the first unknown key), ``bad`` (the unknown keys, sorted) and
