@@ -2,7 +2,7 @@
 is its folder's (the package root holds the api layer alone: a new top-level module, or a folder in no layer, fails),
 and it imports only from its own layer or lower ones (stages never from each other); the kernel layer imports nothing
 else from the package, the family specs only the common vocabulary and no torch (config validation reads them:
-planning a run imports no torch), the adapters only kernels and specs; code that drives models reads family facts from the adapters
+planning a run imports no torch), the adapters only kernels, specs and the common vocabulary; code that drives models reads family facts from the adapters
 (no fla layer modules of its own); and no two modules import each other, at top level or inside functions."""
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ def test_kernel_layer_imports_nothing_else_from_the_package(name):
 
 
 @pytest.mark.parametrize("name", [n for n in MODULES if _under(n, "statereduce.adapters")])
-def test_adapters_import_only_kernels_and_family_specs(name):
-    others = {m for m in _package_imports(name)
-              if not _under(m, "statereduce.kernels", "statereduce.families", "statereduce.adapters")}
+def test_adapters_import_only_kernels_family_specs_and_common(name):
+    others = {m for m in _package_imports(name) if not _under(m, "statereduce.kernels", "statereduce.families",
+                                                                "statereduce.adapters", "statereduce.common")}
     assert not others, f"{name} imports {sorted(others)}"
 
 

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from statereduce.common.settings import RftSettings
 from statereduce.families.base import (  # noqa: F401  (re-exported)
     Dims, FamilySpec, LazyImport, StateShape, attach_adapter, family_names, family_spec, registered,
 )
@@ -82,7 +83,9 @@ QKOfCall = Callable[[tuple, dict], tuple[torch.Tensor, torch.Tensor]]
 XCallback = Callable[[int, torch.Tensor], None]
 
 
-RFT_SCOPES = ("all", "recurrent")  # what recovery fine-tuning may train (LinearAttentionAdapter.rft_roots)
+RFT_SCOPES = tuple(s for s in RftSettings.valid("scope") if s != "auto")
+"""What recovery fine-tuning may train (:meth:`LinearAttentionAdapter.rft_roots`): ``rft.scope``'s values but
+``auto``, which each adapter resolves (``rft_default_scope``)."""
 
 
 @dataclass(frozen=True)
