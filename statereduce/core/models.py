@@ -29,7 +29,8 @@ from statereduce.core.tokenizer import VOCAB_SIZE
 WEIGHTS_FILE = "model.safetensors"
 """The weights of every checkpoint the workflow writes (pruned, fine-tuned): one file, which the rules name."""
 _ONE_SHARD = "1000TB"  # save_pretrained's max_shard_size: above any model, so the weights are never sharded
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DeviceSettings.valid("dtype")}
+"""A model's ``dtype`` setting -> the torch dtype (the names are ``DeviceSettings.valid("dtype")``)."""
 # Fields set for every tiny model unless the arch dict overrides them (byte-level tokenizer: EOS = BOS = 256).
 TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
