@@ -50,7 +50,7 @@ def captured_energy(data: HeadData, widths: list[int], *, variant: str = "kq", r
                     f: float = DEFAULT_F, reduction: str = "auto", rtol: float | None = None) -> dict[int, float]:
     """DRRQR's objective at each width: the share of ``||M||_F^2`` that the span of its kept columns captures,
     ``trace(G[:, S] G[S, S]^+ G[S, :]) / trace(G)`` with ``G = M^T M`` and S the strong-RRQR selection of that width
-    (the greedy per-layer budget, :mod:`statereduce.core.budgets`). 1.0 at full width; 0 for an all-zero M."""
+    (the greedy per-layer budget, :mod:`statereduce.budgets`). 1.0 at full width; 0 for an all-zero M."""
     mats = _blocks(data, variant)
     G = sum(np.asarray(m, dtype=np.float64).T @ np.asarray(m, dtype=np.float64) for m in mats)
     total = float(np.trace(G))

@@ -4,8 +4,8 @@ C.6, Table 15).
 Not an axis-aligned selection: the head's keys and queries become ``T k`` and ``T q`` with ``T`` [d_k', d_k] the
 principal directions of the calibration activations, which Proposition 3.1 allows for the recurrence (the same
 orthogonal map on keys and queries leaves ``q^T S`` unchanged) but the per-channel short convolutions do not. Pruning
-absorbs ``T`` into the q/k projection rows and mixes the conv filters (:func:`statereduce.core.slicing.mix_filters`,
-App. B.4), or carries them over exactly where they are shared across the head's channels (App. B.5).
+absorbs ``T`` into the q/k projection rows and mixes the conv filters (:func:`statereduce.slicing.mix_filters`, App.
+B.4), or carries them over exactly where they are shared across the head's channels (App. B.5).
 
 ``pca`` keeps the d_k' directions of largest second moment ("PCA (prop.)"), ``pca-adv`` those of smallest
 ("PCA (adv.)", the adversarial baseline that keeps the noise). Directions come from the uncentered second moment
