@@ -16,9 +16,9 @@ Every class has:
   Snakemake tracks a rule's params by their ``repr`` and ignores objects it cannot represent, so the workflow hands
   jobs ``to_dict()`` and each workflow script builds the object again with ``from_dict``; records and resume
   fingerprints store ``to_dict()`` too;
-* ``overrides()``: the block as configured (the mapping ``from_dict`` was given); a job's plan (:class:`RftPlan`,
-  :class:`SpeedPlan`) hands its nested settings to the rule's params so, so that a default changed here reruns no
-  job that did not set it;
+* ``overrides()``: the block as configured (the mapping ``from_dict`` was given). A job's plan (:class:`RftPlan`,
+  :class:`SpeedPlan`) gives the rule's params its nested settings in this form, so that a default changed here
+  reruns no job that did not set it;
 * ``replace(**changes)``: a copy with some fields changed, checked again.
 
 This module imports no torch and nothing else from the package: config validation (every dry run) builds these.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 
@@ -25,11 +26,14 @@ from statereduce.common.settings import (
     DeviceSettings,
     EvalSettings,
     PretrainSettings,
+    PruneSettings,
     RankSettings,
     RftPlan,
-    PruneSettings,
+    Settings,
     SpeedPlan,
 )
+
+S = TypeVar("S", bound=Settings)
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
 
@@ -193,6 +197,15 @@ def _merge_rft(base: dict, over: dict) -> dict:
     return out
 
 
+def _model_block(cls: type[S], model: str, block: str, d: dict) -> S:
+    """``cls.from_dict(d)``, ``d`` being the top-level ``block`` updated by ``models.<model>.<block>``; a bad key or
+    value is a one-line ConfigError naming both blocks."""
+    try:
+        return cls.from_dict(d)
+    except ValueError as e:
+        raise ConfigError(f"models.{model}.{block} (with the top-level {block} block): {e}") from None
+
+
 def model_rft(config: dict, model: str) -> RftPlan:
     """The RFT plan of ``model``: top-level ``rft`` updated by ``models.<model>.rft``.
 
@@ -205,10 +218,7 @@ def model_rft(config: dict, model: str) -> RftPlan:
     """
     merged = _merge_rft(config.get("rft", {}), config["models"][model].get("rft", {}))
     workflow = {key: merged.pop(key) for key in RftPlan.WORKFLOW_KEYS if key in merged}
-    try:
-        plan = RftPlan.from_dict({**workflow, "settings": canonical(merged)})
-    except ValueError as e:
-        raise ConfigError(f"models.{model}.rft (with the top-level rft block): {e}") from None
+    plan = _model_block(RftPlan, model, "rft", {**workflow, "settings": canonical(merged)})
     if plan.corpus is None:
         plan = plan.replace(corpus=config["models"][model].get("calibration", {}).get("corpus"))
     return plan
@@ -233,10 +243,8 @@ def check_rft(config: dict, model: str) -> RftPlan:
 def model_prune(config: dict, model: str) -> PruneSettings:
     """Pruning settings of ``model``: :class:`~statereduce.common.settings.PruneSettings` updated by the top-level
     ``prune`` block, then by ``models.<model>.prune``."""
-    try:
-        return PruneSettings.from_dict({**config.get("prune", {}), **config["models"][model].get("prune", {})})
-    except ValueError as e:
-        raise ConfigError(f"models.{model}.prune (with the top-level prune block): {e}") from None
+    return _model_block(PruneSettings, model, "prune",
+                        {**config.get("prune", {}), **config["models"][model].get("prune", {})})
 
 
 def model_rank(config: dict, model: str) -> RankSettings:
@@ -246,10 +254,7 @@ def model_rank(config: dict, model: str) -> RankSettings:
     The corpus (whose ``heldout`` split is analysed) defaults to the evaluation's (:func:`model_eval_corpus`).
     """
     m = config["models"][model]
-    try:
-        out = RankSettings.from_dict({**config.get("rank", {}), **m.get("rank", {})})
-    except ValueError as e:
-        raise ConfigError(f"models.{model}.rank (with the top-level rank block): {e}") from None
+    out = _model_block(RankSettings, model, "rank", {**config.get("rank", {}), **m.get("rank", {})})
     if out.corpus is None:
         out = out.replace(corpus=model_eval_corpus(config, model))
     if out.corpus is None:
@@ -298,10 +303,8 @@ def model_speed(config: dict, model: str) -> SpeedPlan:
         raise ConfigError(f"models.{model}.speed.models: 'models' belongs to the top-level speed block only")
     for key, value in own.items():
         settings[key] = {**settings.get(key, {}), **value} if isinstance(value, dict) else value
-    try:
-        return SpeedPlan.from_dict(canonical({"family": m["family"], "arch": arch, "settings": settings}))
-    except ValueError as e:
-        raise ConfigError(f"models.{model}.speed (with the top-level speed block): {e}") from None
+    return _model_block(SpeedPlan, model, "speed",
+                        canonical({"family": m["family"], "arch": arch, "settings": settings}))
 
 
 def model_dims(config: dict, model: str) -> dict | None:
