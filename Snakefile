@@ -22,6 +22,7 @@ include: "rules/prune.smk"
 include: "rules/rft.smk"
 include: "rules/evaluate.smk"
 include: "rules/analysis.smk"
+include: "rules/studies.smk"
 include: "rules/speed.smk"
 
 

@@ -15,6 +15,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake_interface_executor_plugins.settings import ExecMode
 
 from statereduce import config as srconfig
+from statereduce import studies as srstudies
 from statereduce.common import layout
 from statereduce.selectors import METHOD_REGEX, parse_method
 from statereduce.stages.select import selector_code_files
@@ -39,7 +40,7 @@ except srconfig.ConfigError as e:
 
 MODELS = CFG["models"]
 TARGETS = CFG["targets"]
-STUDIES = srconfig.check_studies(CFG)  # study -> [(model, method, pct)]; empty without a `studies` block
+STUDIES = srstudies.check_studies(CFG)  # study -> [(model, method, pct)]; empty without a `studies` block
 
 
 wildcard_constraints:
@@ -359,90 +360,6 @@ def figure_outputs():
     """The rank-analysis figures of every targeted (model, pct): utilization histograms and one head's spectrum."""
     return [layout.figure(f"{m}_{kind}_{layout.format_pct(pct)}") for m in TARGETS["models"]
             for pct in TARGETS["pcts"] for kind in ("utilization", "spectrum")]
-
-
-def study_summaries():
-    """The summary of every cell of the calibration and scoring studies (paper Tables 2/7 and 16), each once, in
-    table order."""
-    paths = [layout.path(layout.SUMMARY, model=m, method=method, pct=pct)
-             for name, cells in STUDIES.items() if name in ("calibration", "scoring") for m, method, pct in cells]
-    return list(dict.fromkeys(paths))
-
-
-def budget_study_cells():
-    """The budget study's cells ``(model, method, pct)``: per model, pct and selector the uniform cut, then each
-    budget (:func:`statereduce.config.check_budget_study`)."""
-    return STUDIES.get("budgets", [])
-
-
-def get_budget_study_summaries(wildcards):
-    return [layout.path(layout.SUMMARY, model=m, method=method, pct=pct) for m, method, pct in budget_study_cells()]
-
-
-def get_budget_study_allocations(wildcards):
-    """The allocation of every budget cell of the study (the uniform cells have none)."""
-    return [layout.path(layout.ALLOCATION, model=m, method=method, pct=pct)
-            for m, method, pct in budget_study_cells() if parse_method(method).budget is not None]
-
-
-def get_budget_study(wildcards):
-    return srconfig.canonical(CFG["studies"]["budgets"])
-
-
-def get_convolution_cells(wildcards):
-    """The convolution study's cells ``[model, method, pct]``, in the order of :func:`get_convolution_pruned`."""
-    return [list(cell) for cell in STUDIES.get("convolutions", [])]
-
-
-def get_convolution_models(wildcards):
-    """The convolution study's models, each once, in the order of :func:`get_convolution_baselines`."""
-    return list(dict.fromkeys(CFG.get("studies", {}).get("convolutions", {}).get("models", {}).values()))
-
-
-def get_convolution_pruned(wildcards):
-    """The convolution study's cells, read before RFT (paper Table 15): each pruned model's evaluation."""
-    return [layout.path(f"{layout.PRUNED}/eval.json", model=m, method=method, pct=pct)
-            for m, method, pct in get_convolution_cells(wildcards)]
-
-
-def get_convolution_baselines(wildcards):
-    """The unpruned evaluation of every model of the convolution study (paper Table 14, Table 15's 0% row)."""
-    return [layout.path(layout.BASELINE_EVAL, model=m) for m in get_convolution_models(wildcards)]
-
-
-def get_convolution_study(wildcards):
-    return srconfig.canonical(CFG["studies"]["convolutions"])
-
-
-def get_study_summaries(wildcards):
-    return study_summaries()
-
-
-def get_studies(wildcards):
-    """The ``studies`` block (table layout: models, selectors, variants, pct)."""
-    return CFG.get("studies", {})
-
-
-def get_study_calibrations(wildcards):
-    """model -> calibration variant -> its settings, for the calibration study's row labels."""
-    study = CFG.get("studies", {}).get("calibration")
-    if not study:
-        return {}
-    return srconfig.canonical({m: {v: srconfig.model_calibration(CFG, m, v).to_dict() for v in study["variants"]}
-                               for m in study["models"]})
-
-
-def study_outputs():
-    """The study tables (Markdown and their HTML pages) of the studies ``studies`` names."""
-    names = []
-    if set(STUDIES) & {"calibration", "scoring"}:
-        names += ["calibration_study", "scoring_ablation"]
-    if "convolutions" in STUDIES:
-        names += ["shared_convolutions", "pca_convolutions"]
-    if "budgets" in STUDIES:
-        names += ["budget_study"]
-    extra = [layout.figure("budget_allocations")] if "budgets" in STUDIES else []
-    return [layout.table(name, ext) for name in names for ext in ("md", "html")] + extra
 
 
 def get_paper_output():

@@ -9,17 +9,13 @@ CONDA_ENVS = {
 }
 
 
-#: The tables of results/tables/ in the Snakemake report: name -> its label (the caption is report/<name>.rst).
+#: The tables of results/tables/ in the Snakemake report: name -> its label (the caption is report/<name>.rst); the
+#: studies' tables are their modules' (rules/studies.smk).
 TABLES = {
     "comparison": "pruned vs. baseline (Tables 20, 21)",
     "rank_utilization": "rank utilization (Table 5)",
     "conditioning": "[Q; K] conditioning (Table 6)",
     "overlap": "kept-channel overlap (App. C.2)",
-    "calibration_study": "calibration sensitivity (Tables 2, 7)",
-    "scoring_ablation": "K / Q / K+Q scoring (Table 16)",
-    "shared_convolutions": "shared convolutions (Table 14)",
-    "pca_convolutions": "PCA and convolutions (Table 15)",
-    "budget_study": "per-layer key budgets vs. the uniform cut",
 }
 
 

@@ -27,7 +27,7 @@ LAYERS = [
     ("adapters", ["adapters"]),
     ("selectors", ["selectors"]),
     ("core", ["core"]),
-    ("services", ["eval", "analysis", "speed", "config"]),
+    ("services", ["eval", "analysis", "speed", "config", "studies"]),
     ("stages", ["stages"]),
 ]
 API = len(LAYERS)

@@ -316,15 +316,16 @@ def _summary(model, method, pct, pre, post, acc):
 
 
 def test_the_budget_study_table_compares_each_budget_with_its_uniform_cut(tmp_path):
-    from statereduce.analysis.figures import budget_allocations
-    from statereduce.analysis.tables import budget_wins, write_budget_study
+    from _study import write_study
+
+    from statereduce.studies.budgets import budget_wins
 
     study = {"models": ["a", "b"], "selectors": ["drrqr"], "budgets": ["energy"], "pcts": [75]}
     summaries = [_summary("a", "drrqr", 75, 3.0, 2.9, 0.5), _summary("a", "drrqr@energy", 75, 2.8, 2.95, 0.6),
                  _summary("b", "drrqr", 75, 3.0, 2.9, 0.5), _summary("b", "drrqr@energy", 75, 3.1, 2.9, 0.4)]
     alloc = [{"model": m, "method": "drrqr@energy", "pct": 75, "selector": "drrqr", "budget": "energy", "d_k": 64,
               "uniform_width": 16, "key_dims": {"0": 24, "1": 8}, "allocation": {"policy": "energy"}} for m in "ab"]
-    df = write_budget_study(summaries, study, alloc, tmp_path)
+    df = write_study(tmp_path, "budgets", {"summaries": summaries, "allocations": alloc}, study)["budget_study"]
     pre = df[(df["stage"] == "pruned") & (df["budget"] == "energy")].set_index("model")
     assert pre.loc["a", "d_bits_per_byte"] == pytest.approx(-0.2)
     assert pre.loc["b", "d_bits_per_byte"] == pytest.approx(0.1)
@@ -336,8 +337,8 @@ def test_the_budget_study_table_compares_each_budget_with_its_uniform_cut(tmp_pa
     md = (tmp_path / "budget_study.md").read_text()
     assert "| a | drrqr | energy | 24 8 | 2.800 → 2.950 | -0.200 | +0.050 |" in md
     assert "| 75 | drrqr | energy | 1 of 2: a |" in md
-    png = budget_allocations(alloc, tmp_path / "alloc.png")
-    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "budget_allocations.png").read_bytes()[:4] == b"\x89PNG"
+    assert "uniform cut, whose total every budget keeps" in (tmp_path / "budget_allocations.rst").read_text()
 
 
 def test_powers_of_two_keep_the_widths_the_kernels_tile_without_padding():

@@ -10,8 +10,8 @@ import yaml
 from _paths import ROOT
 from _snakemake import dry_run_outputs
 
-from statereduce.analysis.tables import convolution_frames, write_convolution_tables
 from statereduce.config import ConfigError, check_studies, validate_config
+from statereduce.studies.convolutions import convolution_frames
 
 STUDY = {"models": {"none": "tiny-dn", "head": "tiny-dn-shared", "all": "tiny-dn-shared-all"},
          "selectors": ["pca-adv", "pca", "grad"], "pcts": [75, 50]}
@@ -67,7 +67,13 @@ def test_tables_layout_and_missing_cells(tmp_path):
     assert shared["heldout/bits_per_byte"].tolist()[:2] == [3.5, 3.6]
     cell = pca[(pca.pct == 75.0) & (pca.method == "pca") & (pca.sharing == "head")]
     assert cell["heldout/bits_per_byte"].tolist() == [3.9]
-    frames = write_convolution_tables(baselines, pruned, STUDY, tmp_path)
+    from _study import write_study
+
+    cells = [list(c) for c in pruned]
+    frames = write_study(tmp_path, "convolutions", {"baselines": [baselines.get(m, {}) for m in
+                                                                  ("tiny-dn", "tiny-dn-shared", "tiny-dn-shared-all")],
+                                                    "pruned": list(pruned.values())},
+                         {"block": STUDY, "cells": cells})
     assert set(frames) == {"shared_convolutions", "pca_convolutions"}
     md14 = (tmp_path / "shared_convolutions.md").read_text()
     md15 = (tmp_path / "pca_convolutions.md").read_text()
@@ -86,7 +92,7 @@ def test_all_paper_plans_the_convolution_tables(tmp_path):
     cfg = _config()
     jobs = dry_run_outputs(tmp_path / "paper", "all_paper", "--resources", "gpu=1", cfg=cfg)
     assert set(jobs["convolution_tables"]) == {f"results/tables/{name}_convolutions.{ext}"
-                                               for name in ("shared", "pca") for ext in ("md", "csv", "html")}
+                                               for name in ("shared", "pca") for ext in ("md", "csv", "html", "rst")}
     pruned = {p for p in jobs["prune"] if p.endswith("/pruned/eval.json")}
     for model in ("tiny-dn", "tiny-dn-shared", "tiny-dn-shared-all"):
         for target in ("pca-adv_75", "pca_75", "grad_75", "pca-adv_50", "pca_50", "grad_50"):

@@ -332,7 +332,7 @@ SCORING_STUDY = {"models": ["m1", "m2"], "selectors": ["l1", "drrqr"], "pct": 75
 
 @pytest.fixture
 def studies_written(tmp_path):
-    from statereduce.analysis.tables import write_study_tables
+    from _study import write_study
 
     summaries = [
         _summary("m1", "grad", 75, 1.5, rft_bpb=1.25),
@@ -354,8 +354,9 @@ def studies_written(tmp_path):
             "n16": {"corpus": "embedded", "n_samples": 16, "seed": 0, "seq_len": 128, "batch_size": 4},
         }
     }
-    studies = {"calibration": CAL_STUDY, "scoring": SCORING_STUDY}
-    frames = write_study_tables(summaries, studies, tmp_path, calibrations)
+    frames = write_study(tmp_path, "calibration", {"summaries": summaries},
+                         {"block": CAL_STUDY, "calibrations": calibrations})
+    frames |= write_study(tmp_path, "scoring", {"summaries": summaries}, SCORING_STUDY)
     md = {n: (tmp_path / f"{n}.md").read_text() for n in ("calibration_study", "scoring_ablation")}
     csv = {n: pd.read_csv(tmp_path / f"{n}.csv") for n in ("calibration_study", "scoring_ablation")}
     return frames, md, csv
@@ -426,7 +427,7 @@ def test_study_csv_long_with_missing_cells(studies_written):
 
 def test_study_primary_metric_per_model(tmp_path):
     """Each model shows the comparison table's first metric it has (bits per byte, else WikiText-2 perplexity)."""
-    from statereduce.analysis.tables import write_study_tables
+    from _study import write_study
 
     hub = {
         "model": "hub",
@@ -440,15 +441,14 @@ def test_study_primary_metric_per_model(tmp_path):
     }
     tiny = _summary("tiny", "grad-q", 50, 1.5)
     study = {"models": ["tiny", "hub"], "selectors": ["grad"], "pct": 50}
-    write_study_tables([hub, tiny], {"scoring": study}, tmp_path)
+    write_study(tmp_path, "scoring", {"summaries": [hub, tiny]}, study)
     md = (tmp_path / "scoring_ablation.md").read_text()
     assert f"tiny: {BPB} (lower is better); hub: wikitext/word_perplexity (lower is better)" in md
     t = _tables(md)
     assert t[("pre-RFT", None)][1] == ["grad", "–", "–", "1.500", "–", "–", "19.500"]
     assert t[("pre-RFT", None)][2] == ["baseline", "1.000", "1.000", "1.000", "16.700", "16.700", "16.700"]
-    # a study that is not configured gets a one-line note and an empty CSV
-    assert "no calibration study configured" in (tmp_path / "calibration_study.md").read_text()
-    assert (tmp_path / "calibration_study.csv").read_text().strip() == ""
+    assert "Table 16" in (tmp_path / "scoring_ablation.rst").read_text()  # the report caption, from the module
+    assert "<table>" in (tmp_path / "scoring_ablation.html").read_text()
 
 
 def test_suite_averages_become_table_columns(tmp_path):

@@ -213,11 +213,8 @@ def test_all_paper_plans_study_tables(tmp_path):
     without ``studies`` plans no study table."""
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
     jobs = dry_run_outputs(tmp_path / "paper", "all_paper", "--resources", "gpu=1", cfg=cfg)
-    assert set(jobs["study_tables"]) == {
-        f"results/tables/{name}.{ext}"
-        for name in ("calibration_study", "scoring_ablation")
-        for ext in ("md", "csv", "html")
-    }
+    for rule, name in (("calibration_study", "calibration_study"), ("scoring_ablation", "scoring_ablation")):
+        assert set(jobs[rule]) == {f"results/tables/{name}.{ext}" for ext in ("md", "csv", "html", "rst")}
     summaries = set(jobs["summarize"])
     for cell in ("grad.prose", "drrqr.n16", "grad.seed1", "l1-k", "swanda-q", "drrqr-k", "grad-q"):
         for model in ("tiny-dn", "tiny-gdn"):
@@ -240,13 +237,20 @@ def test_all_paper_plans_study_tables(tmp_path):
     assert set(jobs["budget_values"]) == {f"results/{m}/select/{s}@{b}.values.json" for m in bud["models"]
                                           for s in bud["selectors"] for b in measured}
     assert set(jobs["budget_study"]) == {"results/tables/budget_study.md", "results/tables/budget_study.csv",
-                                         "results/tables/budget_study.html", "results/figures/budget_allocations.png"}
+                                         "results/tables/budget_study.html", "results/tables/budget_study.rst",
+                                         "results/figures/budget_allocations.png",
+                                         "results/figures/budget_allocations.rst"}
     calibrations = {p.split("/")[3] for p in jobs["calibrate"]}
     assert calibrations == {"default", "prose", "n16", "seed1"}
-    assert "study_tables" not in dry_run_outputs(tmp_path / "all", "all", "--resources", "gpu=1", cfg=cfg)
+    study_rules = {"calibration_study", "scoring_ablation", "budget_study", "convolution_tables"}
+    assert not study_rules & set(dry_run_outputs(tmp_path / "all", "all", "--resources", "gpu=1", cfg=cfg))
     del cfg["studies"]
     none = dry_run_outputs(tmp_path / "none", "all_paper", "--resources", "gpu=1", cfg=cfg)
-    assert "study_tables" not in none and "budget_study" not in none and "allocate" not in none
+    assert not study_rules & set(none) and "allocate" not in none
+    out = snakemake(tmp_path / "none", "results/tables/budget_study.md", "-n", cfg=cfg)  # by path: one line
+    assert out.returncode != 0
+    assert "study 'budgets' is not configured: add a studies.budgets block to the config to build budget_study" \
+        in out.stdout + out.stderr, (out.stdout + out.stderr)[-2000:]
 
 
 def test_all_speed_plans_gpu_jobs_only_there(tmp_path):

@@ -98,7 +98,7 @@ def _colors(labels) -> dict[str, str]:
     return {"baseline": BASELINE_COLOR, **{m: METHOD_COLORS[i % len(METHOD_COLORS)] for i, m in enumerate(methods)}}
 
 
-def _save(fig: Figure, out_png: str | Path) -> Path:
+def save_figure(fig: Figure, out_png: str | Path) -> Path:
     """Write ``fig`` as a PNG at :data:`DPI` to a temporary file next to ``out_png`` and rename it into place."""
     out = Path(out_png)
     with atomic_file(out, "wb") as fh:
@@ -106,7 +106,7 @@ def _save(fig: Figure, out_png: str | Path) -> Path:
     return out
 
 
-def _figure(width: float, height: float) -> Figure:
+def new_figure(width: float, height: float) -> Figure:
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)  # Agg canvas: no pyplot, no GUI backend
     return fig
@@ -145,7 +145,7 @@ def utilization_histograms(
     lo, hi = float(pooled.min()) / 1.15, float(pooled.max()) * 1.15
     bins = np.geomspace(lo, hi, 31)
     colors = _colors(docs)
-    fig = _figure(7.0, 1.1 + 1.4 * len(docs))
+    fig = new_figure(7.0, 1.1 + 1.4 * len(docs))
     axes = fig.subplots(len(docs), 1, sharex=True, squeeze=False)[:, 0]
     for ax, (label, doc) in zip(axes, docs.items()):
         u = values[label]
@@ -171,7 +171,7 @@ def utilization_histograms(
         f"{_title(baseline_doc, method_docs, model, pct)}\nrank utilization of the recurrent state per head (pre-RFT)",
         fontsize=10,
     )
-    return _save(fig, out_png)
+    return save_figure(fig, out_png)
 
 
 def _spectrum(label: str, doc: Mapping) -> dict[str, object]:
@@ -220,7 +220,7 @@ def spectrum_figure(
         raise ValueError(f"no finite singular value in any of the documents {list(docs)}")
     layer, head = heads["baseline"]
     colors = _colors(docs)
-    fig = _figure(7.0, 5.2)
+    fig = new_figure(7.0, 5.2)
     ax = fig.subplots()
     for label, s in spectra.items():
         text = _series_label(label, docs[label])
@@ -257,7 +257,7 @@ def spectrum_figure(
         f"{layer}, head {head} (pre-RFT{samples})",
         fontsize=10,
     )
-    return _save(fig, out_png)
+    return save_figure(fig, out_png)
 
 
 # ---- tables as HTML -------------------------------------------------------------------------------------------
@@ -359,7 +359,7 @@ def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
 
     has_prefill = any(doc.get("ratios", {}).get("prefill") for doc in docs)
     models = [doc for doc in docs if doc.get("ratios", {}).get("decode")] or list(docs[:1])
-    fig = _figure(max(5.0 * len(models), 10.0 if has_prefill else 5.0), 8.0 if has_prefill else 4.2)
+    fig = new_figure(max(5.0 * len(models), 10.0 if has_prefill else 5.0), 8.0 if has_prefill else 4.2)
     grid = fig.add_gridspec(2 if has_prefill else 1, len(models))
     axes_d = [fig.add_subplot(grid[0, j]) for j in range(len(models))]
     ax_p = fig.add_subplot(grid[1, :]) if has_prefill else None
@@ -397,7 +397,7 @@ def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
         if shown:
             ax_d.legend(handles=handles, fontsize=7, loc="upper left")
     if ax_p is None:
-        return _save(fig, out_png)
+        return save_figure(fig, out_png)
     # grouped bars: one group per batch x length cell, one bar per (model, ratio)
     series: dict[tuple, dict] = {}
     for doc in docs:
@@ -419,48 +419,4 @@ def speedup_figure(docs: Sequence[Mapping], out_png: str | Path) -> Path:
     ax_p.set_xlabel("batch × length")
     ax_p.set_ylabel("prefill speedup (×)")
     ax_p.set_title("prefill")
-    return _save(fig, out_png)
-
-
-def budget_allocations(allocations: Sequence[Mapping], out_png: str | Path) -> Path:
-    """Per-layer kept key widths of every budget, one panel per (model, pct), one line per (selector, budget), with
-    the uniform cut's width dashed (the per-layer budgets of ``studies.budgets``).
-
-    Args:
-        allocations: allocation documents (:mod:`statereduce.stages.allocate`): ``model``, ``pct``, ``selector``,
-            ``budget``, ``key_dims``, ``uniform_width``, ``d_k``.
-        out_png: the PNG to write.
-    """
-    if not allocations:
-        raise ValueError("no allocation to plot: the budget study has no cell")
-    panels: dict[tuple[str, float], list[Mapping]] = {}
-    for doc in allocations:
-        panels.setdefault((doc["model"], float(doc["pct"])), []).append(doc)
-    models = list(dict.fromkeys(m for m, _ in panels))
-    pcts = sorted({p for _, p in panels})
-    fig = _figure(3.2 * len(models), 2.6 * len(pcts))
-    axes = fig.subplots(len(pcts), len(models), squeeze=False, sharey="row")
-    series = list(dict.fromkeys(f"{d['selector']}@{d['budget']}" for d in allocations))
-    colors = {s: METHOD_COLORS[i % len(METHOD_COLORS)] for i, s in enumerate(series)}
-    markers = "osD^vP*X"
-    for r, pct in enumerate(pcts):
-        for c, model in enumerate(models):
-            ax = axes[r][c]
-            docs = panels.get((model, pct), [])
-            for doc in docs:
-                layers = [int(k) for k in doc["key_dims"]]
-                label = f"{doc['selector']}@{doc['budget']}"
-                ax.plot(layers, list(doc["key_dims"].values()), marker=markers[series.index(label) % len(markers)],
-                        color=colors[label], label=label, linewidth=1.2, markersize=4, alpha=0.85)
-            if docs:
-                ax.axhline(docs[0]["uniform_width"], color=BASELINE_COLOR, linestyle="--", linewidth=1, label="uniform")
-                ax.set_ylim(0, docs[0]["d_k"] + 4)
-                ax.xaxis.set_major_locator(FixedLocator([int(k) for k in docs[0]["key_dims"]]))
-            ax.set_title(f"{model}, {format_pct(pct)}% removed", fontsize=9)
-            ax.set_xlabel("layer", fontsize=8)
-            if c == 0:
-                ax.set_ylabel("kept key channels d_k'", fontsize=8)
-            ax.tick_params(labelsize=7)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 6), fontsize=7)
-    return _save(fig, out_png)
+    return save_figure(fig, out_png)

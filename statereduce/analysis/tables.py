@@ -17,7 +17,6 @@ import pandas as pd
 
 from statereduce.common.layout import format_pct
 from statereduce.core.runtime import json_number
-from statereduce.common.settings import CalibrationSettings
 
 PRIMARY = ("heldout", "bits_per_byte")  # (task, metric) shown first when present
 # Metrics the Markdown table shows, when present: byte-level models on the embedded corpus are compared
@@ -68,9 +67,9 @@ def comparison_frame(summaries: list[dict], baselines: dict[str, dict]) -> pd.Da
     rows = []
     for model, doc in baselines.items():
         row = {"model": model, "method": "baseline", "pct": 0, "stage": "unpruned"}
-        for (t, m), v in _flat(doc.get("metrics", {})).items():
+        for (t, m), v in flat_metrics(doc.get("metrics", {})).items():
             row[f"{t}/{m}"] = v
-        row.update(_suite_columns(doc.get("suites")))
+        row.update(suite_columns(doc.get("suites")))
         row.update(_suite_stderr_columns(doc.get("suites"), doc.get("metrics") or {}))
         row["state_bytes"] = doc.get("state", {}).get("state_bytes_per_sequence")
         rows.append(row)
@@ -80,10 +79,10 @@ def comparison_frame(summaries: list[dict], baselines: dict[str, dict]) -> pd.Da
             if metrics is None:
                 continue
             row = {"model": s["model"], "method": s["method"], "pct": s["pct"], "stage": stage}
-            for (t, m), v in _flat(metrics).items():
+            for (t, m), v in flat_metrics(metrics).items():
                 row[f"{t}/{m}"] = v
             suites = (s.get("suites") or {}).get(stage)
-            row.update(_suite_columns(suites))
+            row.update(suite_columns(suites))
             row.update(_suite_stderr_columns(suites, metrics))
             row["state_bytes"] = (s.get("state") or {}).get("bytes_after")
             if stage == "rft" and isinstance(s.get("rft"), dict):
@@ -102,7 +101,7 @@ def comparison_frame(summaries: list[dict], baselines: dict[str, dict]) -> pd.Da
     return df.sort_values(["model", "pct", "stage", "method"], kind="stable").reset_index(drop=True)
 
 
-def _suite_columns(suites: dict | None) -> dict[str, float]:
+def suite_columns(suites: dict | None) -> dict[str, float]:
     """``{suite: {summary: value}}`` as ``{"suite/summary": value}``; a None value (task not run) stays missing."""
     return {f"{suite}/{name}": float(v) for suite, block in (suites or {}).items() for name, v in (block or {}).items()
             if v is not None}
@@ -125,11 +124,11 @@ def _suite_stderr_columns(suites: dict | None, metrics: dict) -> dict[str, float
     return out
 
 
-def _flat(metrics: dict) -> dict[tuple[str, str], float]:
+def flat_metrics(metrics: dict) -> dict[tuple[str, str], float]:
     return {(t, m): v for t, ms in metrics.items() for m, v in ms.items()}
 
 
-def _direction(metric: str) -> str:
+def metric_direction(metric: str) -> str:
     """``"lower is better"``, ``"higher is better"`` or ``""`` (unknown) for a ``task/metric`` name."""
     name = metric.rsplit("/", 1)[-1]
     if name.endswith(LOWER_IS_BETTER):
@@ -227,7 +226,7 @@ def comparison_markdown(df: pd.DataFrame, metric: str = "/".join(PRIMARY)) -> st
     Returns:
         Markdown starting with a ``## metric`` heading; a one-line note if no row has ``metric``.
     """
-    direction = _direction(metric)
+    direction = metric_direction(metric)
     head = f"## {metric}" + (f" ({direction})" if direction else "") + "\n\n"
     if df.empty or metric not in df.columns or df[metric].isna().all():
         return head + f"_no results with metric `{metric}`_\n"
@@ -273,7 +272,7 @@ def overview_markdown(df: pd.DataFrame, pct: float, metrics: list[str] | None = 
     for metric in overview_metrics(df) if metrics is None else metrics:
         values, ses = _lookup(df, metric), _lookup(df, metric + STDERR)
         models, methods, _ = _layout(df, metric)
-        direction = _direction(metric)
+        direction = metric_direction(metric)
         label = METRIC_LABELS.get(metric, f"`{metric}`") + (" ± standard error" if ses else "")
         lines = [f"{label} ({direction + ', ' if direction else ''}pre-RFT → post-RFT):", "",
                  "| method | " + " | ".join(models) + " |", "|" + " --- |" * (len(models) + 1)]
@@ -327,21 +326,21 @@ def rft_markdown(df: pd.DataFrame, pct: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _fmt(v) -> str:
+def fmt(v) -> str:
     if v is None or pd.isna(v):
         return MISSING  # missing, never invented
     return f"{v:.3f}" if abs(v) < 1000 else f"{v:.1f}"
 
 
-def _fmt_delta(v) -> str:
-    """As :func:`_fmt`, with an explicit ``+`` on a positive difference."""
-    text = _fmt(v)
+def fmt_delta(v) -> str:
+    """As :func:`fmt`, with an explicit ``+`` on a positive difference."""
+    text = fmt(v)
     return f"+{text}" if v is not None and v > 0 else text
 
 
 def _cell(v, se=None, signed: bool = False) -> str:
-    """A value as :func:`_fmt` (:func:`_fmt_delta` if ``signed``), with ``± se`` when both are known."""
-    text = _fmt_delta(v) if signed else _fmt(v)
+    """A value as :func:`fmt` (:func:`fmt_delta` if ``signed``), with ``± se`` when both are known."""
+    text = fmt_delta(v) if signed else fmt(v)
     return text if text == MISSING or se is None or pd.isna(se) else f"{text} ± {se:.3f}"
 
 
@@ -536,7 +535,7 @@ def _md_table(df: pd.DataFrame, cols: list[str]) -> list[str]:
         cells = [
             str(r[c])
             if isinstance(r[c], str)
-            else (format_pct(r[c]) if c in ("pct", "d_k", "d_k_new") and not pd.isna(r[c]) else _fmt(r[c]))
+            else (format_pct(r[c]) if c in ("pct", "d_k", "d_k_new") and not pd.isna(r[c]) else fmt(r[c]))
             for c in cols
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -596,10 +595,84 @@ def write_rank_tables(
     return frames
 
 
-# ---- studies (paper Tables 2/7: calibration sensitivity; Table 16: keys only, queries only, both) ------------
-#: Scoring variants in Table 16's column order, with the paper's column labels.
-SCORING = (("kq", "K,Q"), ("k", "K"), ("q", "Q"))
+#: How the study tables name a summary stage
 STAGE_LABELS = {"pruned": "pre-RFT", "rft": "post-RFT"}
+
+
+def cells_frame(cells: list[dict], summaries: list[dict], models: list[str]) -> pd.DataFrame:
+    """Long frame of a study's cells: one row per (cell, stage) and one baseline row per model.
+
+    Args:
+        cells: the cells in table order, each a dict with ``model``, ``selector``, ``variant``, ``method`` and
+            ``pct``, and any label columns of the study (e.g. ``calibration``).
+        summaries: summary documents (``results/{model}/{method}_{pct}/eval.json``); any others are ignored.
+        models: the study's models (their baseline rows, in this order).
+
+    Returns:
+        Columns ``model, selector, variant, method, pct, stage``, the cells' label columns, then one
+        ``task/metric`` column per metric seen. Every cell has a ``pruned`` and an ``rft`` row; a cell without a
+        summary, or without RFT, keeps NaN metrics (shown as missing, never invented). Baseline rows (selector
+        ``baseline``, stage ``unpruned``, empty labels) take ``metrics.baseline`` of the model's first summary.
+    """
+    ids = ["model", "selector", "variant", "method", "pct", "stage"]
+    labels = [k for k in (cells[0] if cells else {}) if k not in ids]
+    wanted = {(c["model"], c["method"], c["pct"]) for c in cells}
+    docs = [s for s in summaries if (s["model"], s["method"], float(s["pct"])) in wanted]
+    baselines = {}
+    for s in summaries:
+        base = (s.get("metrics") or {}).get("baseline")
+        if s["model"] in models and base is not None:
+            baselines.setdefault(s["model"], {"metrics": base})
+    df = comparison_frame(docs, baselines)
+    metrics = [c for c in df.columns if "/" in c]
+    values = {}
+    for r in df.to_dict("records"):
+        values[(r["model"], r["method"], float(r["pct"]), r["stage"])] = {m: r[m] for m in metrics}
+    rows = []
+    for model in models:
+        rows.append({"model": model, "selector": "baseline", "variant": "", "method": "baseline", "pct": 0.0,
+                     "stage": "unpruned", **{k: "" for k in labels},
+                     **values.get((model, "baseline", 0.0, "unpruned"), {})})
+    for c in cells:
+        for stage in STAGES:
+            rows.append({**c, "stage": stage, **values.get((c["model"], c["method"], c["pct"], stage), {})})
+    out = pd.DataFrame(rows)
+    return out.reindex(columns=ids + labels + [m for m in metrics if m in out.columns])
+
+
+def metric_values(df: pd.DataFrame, model: str) -> tuple[str, dict]:
+    """(``metric (direction)`` text, (selector, variant, stage) -> value) of a model's :func:`primary_metric` in a
+    :func:`cells_frame`."""
+    metric = primary_metric(df, model)
+    direction = metric_direction(metric)
+    sub = df[df["model"] == model]
+    col = sub[metric] if metric in sub.columns else pd.Series([None] * len(sub), index=sub.index)
+    values = {(r.selector, r.variant, r.stage): v for r, v in zip(sub.itertuples(), col)}
+    return metric + (f" ({direction})" if direction else ""), values
+
+
+def recall_mean(metrics: dict) -> tuple[float, float]:
+    """(mean accuracy over the recall probe's levels, its standard error: sqrt(sum se^2) / levels), NaN if absent."""
+    levels = [v for k, v in sorted(metrics.items()) if k.startswith("recall_mqar_") and "acc" in v]
+    if not levels:
+        return math.nan, math.nan
+    mean = sum(v["acc"] for v in levels) / len(levels)
+    se = math.sqrt(sum(v.get("acc_stderr", math.nan) ** 2 for v in levels)) / len(levels)
+    return mean, se
+
+
+def eval_columns(doc: dict) -> dict[str, float]:
+    """An ``eval.json`` document's metrics and suite averages as ``{"task/metric": value}``."""
+    row = {f"{t}/{m}": v for (t, m), v in flat_metrics(doc.get("metrics") or {}).items() if isinstance(v, (int, float))}
+    row.update(suite_columns(doc.get("suites")))
+    return row
+
+
+def pm(v: float, se: float, signed: bool = False) -> str:
+    """``v ± se`` (three decimals; ``se`` left out when NaN); missing when ``v`` is."""
+    if v is None or pd.isna(v):
+        return MISSING
+    return (f"{v:+.3f}" if signed else f"{v:.3f}") + ("" if pd.isna(se) else f" ± {se:.3f}")
 
 
 def primary_metric(df: pd.DataFrame, model: str | None = None) -> str:
@@ -607,7 +680,7 @@ def primary_metric(df: pd.DataFrame, model: str | None = None) -> str:
     value for ``model`` (any model when None), else ``PRIMARY``.
 
     Args:
-        df: a frame with ``model`` and ``task/metric`` columns (:func:`comparison_frame`, :func:`study_frame`).
+        df: a frame with ``model`` and ``task/metric`` columns (:func:`comparison_frame`, :func:`cells_frame`).
         model: restrict to this model's rows.
     """
     sub = df if model is None or df.empty else df[df["model"] == model]
@@ -615,224 +688,6 @@ def primary_metric(df: pd.DataFrame, model: str | None = None) -> str:
         if metric in sub.columns and sub[metric].notna().any():
             return metric
     return "/".join(PRIMARY)
-
-
-def _study_cells(kind: str, study: dict) -> list[dict]:
-    """The cells of a study block in table order: model, selector, then variant (calibration id or scoring)."""
-    from statereduce.selectors import MethodSpec, format_method
-
-    if kind == "calibration":
-        specs = [(s, v, MethodSpec(s, calib=v)) for s in study["selectors"] for v in study["variants"]]
-    elif kind == "scoring":
-        specs = [(s, v, MethodSpec(s, variant=v)) for s in study["selectors"] for v, _ in SCORING]
-    else:
-        raise ValueError(f"unknown study {kind!r}; valid: calibration, scoring")
-    return [
-        {"model": m, "selector": s, "variant": v, "method": format_method(spec), "pct": float(study["pct"])}
-        for m in study["models"]
-        for s, v, spec in specs
-    ]
-
-
-def study_frame(kind: str, summaries: list[dict], study: dict, labels: dict | None = None) -> pd.DataFrame:
-    """Long frame of a study: one row per (cell, stage) and one baseline row per model.
-
-    Args:
-        kind: ``"calibration"`` (paper Tables 2/7) or ``"scoring"`` (Table 16).
-        summaries: summary documents (``results/{model}/{method}_{pct}/eval.json``); any others are ignored.
-        study: the ``studies.<kind>`` block: ``models``, ``selectors``, ``pct`` and (calibration) ``variants``.
-        labels: (calibration) model -> variant -> row label of that calibration (e.g. from
-            :func:`calibration_label`); the variant id where absent.
-
-    Returns:
-        Columns ``model, selector, variant, method, pct, stage`` (calibration: plus ``calibration``), then one
-        ``task/metric`` column per metric seen. Every cell has a ``pruned`` and an ``rft`` row; a cell without a
-        summary, or without RFT, keeps NaN metrics (shown as missing, never invented). Baseline rows (selector
-        ``baseline``, stage ``unpruned``) take ``metrics.baseline`` of the model's first summary.
-    """
-    cells = _study_cells(kind, study)
-    wanted = {(c["model"], c["method"], c["pct"]) for c in cells}
-    docs = [s for s in summaries if (s["model"], s["method"], float(s["pct"])) in wanted]
-    baselines = {}
-    for s in summaries:
-        base = (s.get("metrics") or {}).get("baseline")
-        if s["model"] in study["models"] and base is not None:
-            baselines.setdefault(s["model"], {"metrics": base})
-    df = comparison_frame(docs, baselines)
-    metrics = [c for c in df.columns if "/" in c]
-    values = {}
-    for r in df.to_dict("records"):
-        values[(r["model"], r["method"], float(r["pct"]), r["stage"])] = {m: r[m] for m in metrics}
-    labels = labels or {}
-    rows = []
-    for model in study["models"]:
-        rows.append(
-            {
-                "model": model,
-                "selector": "baseline",
-                "variant": "",
-                "method": "baseline",
-                "pct": 0.0,
-                "stage": "unpruned",
-                **values.get((model, "baseline", 0.0, "unpruned"), {}),
-            }
-        )
-    for c in cells:
-        extra = (
-            {"calibration": labels.get(c["model"], {}).get(c["variant"], c["variant"])} if kind == "calibration" else {}
-        )
-        for stage in STAGES:
-            rows.append({**c, **extra, "stage": stage, **values.get((c["model"], c["method"], c["pct"], stage), {})})
-    out = pd.DataFrame(rows)
-    if kind == "calibration":
-        out.loc[out["stage"] == "unpruned", "calibration"] = ""
-    cols = ["model", "selector", "variant", "method", "pct", "stage"] + (
-        ["calibration"] if kind == "calibration" else []
-    )
-    return out.reindex(columns=cols + [m for m in metrics if m in out.columns])
-
-
-def calibration_label(settings: CalibrationSettings | dict, default: CalibrationSettings | dict | None = None) -> str:
-    """Row label of a calibration as in the paper's Table 7: ``corpus, n=N, seed S``, plus ``key=value`` for any
-    other setting that differs from ``default`` (the model's own calibration).
-
-    Args:
-        settings: the calibration (:func:`statereduce.config.model_calibration`, or its ``to_dict()`` as the
-            study_tables rule's params carry it).
-        default: the model's default calibration, to show only what a variant changes beyond the three axes.
-    """
-    settings, default = (s.to_dict() if isinstance(s, CalibrationSettings) else s for s in (settings, default))
-    label = f"{settings.get('corpus')}, n={settings.get('n_samples')}, seed {settings.get('seed')}"
-    other = sorted(
-        k
-        for k in settings
-        if k not in ("corpus", "n_samples", "seed", "batch_size")
-        and default is not None
-        and settings[k] != default.get(k)
-    )
-    return label + "".join(f", {k}={settings[k]}" for k in other)
-
-
-def _metric_note(df: pd.DataFrame, model: str) -> tuple[str, dict]:
-    """(``metric (direction)`` text, (method, variant, stage) -> value) of a model's primary metric."""
-    metric = primary_metric(df, model)
-    direction = _direction(metric)
-    sub = df[df["model"] == model]
-    col = sub[metric] if metric in sub.columns else pd.Series([None] * len(sub), index=sub.index)
-    values = {(r.selector, r.variant, r.stage): v for r, v in zip(sub.itertuples(), col)}
-    return metric + (f" ({direction})" if direction else ""), values
-
-
-def calibration_study_markdown(df: pd.DataFrame, study: dict) -> str:
-    """Tables 2/7 layout per model: rows calibration variant, columns selector; a pre-RFT block (the paper's)
-    and a post-RFT block.
-
-    Args:
-        df: the frame of :func:`study_frame` (kind ``"calibration"``).
-        study: the ``studies.calibration`` block (row and column order).
-
-    Returns:
-        Markdown with a ``## model: metric`` section per model; ``–`` where a value was never computed.
-    """
-    pct = format_pct(study["pct"])
-    parts = [
-        "# Calibration sensitivity (paper Tables 2 and 7)\n\n",
-        (
-            f"Each selector at {pct}% of key channels removed, calibrated on each variant (corpus, sample count n, "
-            "seed; the model's own calibration is `default`). Pre-RFT is the paper's setting; post-RFT follows "
-            f"recovery fine-tuning. {MISSING} = not computed.\n"
-        ),
-    ]
-    for model in study["models"]:
-        note, values = _metric_note(df, model)
-        sub = df[(df["model"] == model) & (df["stage"] != "unpruned")]
-        label = dict(zip(sub["variant"], sub["calibration"]))
-        parts.append(f"\n## {model}: {note}\n\nbaseline (unpruned): {_fmt(values.get(('baseline', '', 'unpruned')))}\n")
-        for stage in STAGES:
-            lines = [
-                "| variant | calibration | " + " | ".join(study["selectors"]) + " |",
-                "|" + " --- |" * (len(study["selectors"]) + 2),
-            ]
-            for v in study["variants"]:
-                cells = [_fmt(values.get((s, v, stage))) for s in study["selectors"]]
-                lines.append(f"| {v} | {label.get(v, v)} | " + " | ".join(cells) + " |")
-            parts.append(f"\n### {STAGE_LABELS[stage]}\n\n" + "\n".join(lines) + "\n")
-    return "".join(parts)
-
-
-def scoring_ablation_markdown(df: pd.DataFrame, study: dict) -> str:
-    """Table 16 layout: rows selector (and the baseline), columns K,Q / K / Q per model; pre- and post-RFT blocks.
-
-    Args:
-        df: the frame of :func:`study_frame` (kind ``"scoring"``).
-        study: the ``studies.scoring`` block (row and column order).
-
-    Returns:
-        Markdown; the baseline row repeats the model's unpruned value in its three columns; ``–`` where a value
-        was never computed.
-    """
-    notes = {m: _metric_note(df, m) for m in study["models"]}
-    texts = [notes[m][0] for m in study["models"]]
-    metric_line = texts[0] if len(set(texts)) == 1 else "; ".join(f"{m}: {t}" for m, t in zip(study["models"], texts))
-    parts = [
-        "# Scoring from keys only, queries only, or both (paper Table 16)\n\n",
-        (
-            f"Channels selected at {format_pct(study['pct'])}% of key channels removed from scores of keys and queries "
-            "(K,Q; the default), keys only (K, method token `<selector>-k`) or queries only (Q, `<selector>-q`). "
-            f"Metric: {metric_line}. {MISSING} = not computed.\n"
-        ),
-    ]
-    head = "| method | " + " | ".join(f"{m} {label}" for m in study["models"] for _, label in SCORING) + " |"
-    sep = "|" + " --- |" * (1 + 3 * len(study["models"]))
-    for stage in STAGES:
-        lines = [head, sep]
-        for s in study["selectors"]:
-            cells = [_fmt(notes[m][1].get((s, v, stage))) for m in study["models"] for v, _ in SCORING]
-            lines.append(f"| {s} | " + " | ".join(cells) + " |")
-        base = [_fmt(notes[m][1].get(("baseline", "", "unpruned"))) for m in study["models"] for _ in SCORING]
-        lines.append("| baseline | " + " | ".join(base) + " |")
-        parts.append(f"\n## {STAGE_LABELS[stage]}\n\n" + "\n".join(lines) + "\n")
-    return "".join(parts)
-
-
-def write_study_tables(
-    summaries: list[dict], studies: dict, out_dir: str | Path, calibrations: dict | None = None
-) -> dict[str, pd.DataFrame]:
-    """Write ``calibration_study.{md,csv}`` (Tables 2/7) and ``scoring_ablation.{md,csv}`` (Table 16) into ``out_dir``.
-
-    Args:
-        summaries: summary documents of the study cells (others are ignored).
-        studies: the ``studies`` block; a study it lacks gets a one-line note and an empty CSV.
-        out_dir: the tables folder.
-        calibrations: model -> variant -> calibration settings (:func:`statereduce.config.model_calibration`),
-            for the row labels of the calibration study; the variant ids where absent.
-
-    Returns:
-        Table name -> the frame of :func:`study_frame` (empty for a study not configured).
-    """
-    from statereduce.core.runtime import write_text_atomic
-
-    calibrations = calibrations or {}
-    labels = {
-        model: {v: calibration_label(s, by_variant.get("default")) for v, s in by_variant.items()}
-        for model, by_variant in calibrations.items()
-    }
-    frames = {}
-    for kind, name, markdown in (
-        ("calibration", "calibration_study", calibration_study_markdown),
-        ("scoring", "scoring_ablation", scoring_ablation_markdown),
-    ):
-        study = studies.get(kind)
-        if study:
-            df = study_frame(kind, summaries, study, labels if kind == "calibration" else None)
-            md = markdown(df, study)
-        else:
-            df = pd.DataFrame()
-            md = f"_no {kind} study configured (config `studies.{kind}`)_\n"
-        write_text_atomic(Path(out_dir) / f"{name}.md", md)
-        write_text_atomic(Path(out_dir) / f"{name}.csv", df.to_csv(index=False))
-        frames[name] = df
-    return frames
 
 
 # ---------------------------------------------------------------------------------------------
@@ -864,10 +719,10 @@ def _decode_table(doc: dict, pcts: list, ratio: dict, suffix: str) -> list[str]:
     lines = [title + ":", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for b in batches:
         ref = base.get((b, fla))
-        row = [str(b), _fmt(ref["ms"]) if ref else MISSING, f"{100 * ref['floor_fraction']:.0f}" if ref else MISSING]
+        row = [str(b), fmt(ref["ms"]) if ref else MISSING, f"{100 * ref['floor_fraction']:.0f}" if ref else MISSING]
         if copy_:
             ref_c = base.get((b, copy_k))
-            row.append(_fmt(ref_c["ms"]) if ref_c else MISSING)
+            row.append(fmt(ref_c["ms"]) if ref_c else MISSING)
         for p in pcts:
             r_fla, r_ours = ratio.get(("decode", p, b, fla)), ratio.get(("decode", p, b, ours))
             if copy_:
@@ -913,9 +768,9 @@ def speed_markdown(docs: list[dict]) -> str:
                       "|" + " --- |" * len(head)]
             for b, t in cells:
                 ref = base_p.get((b, t), {})
-                row = [f"{b} × {t}", _fmt(ref["ms"]) if "ms" in ref else ref.get("skipped", MISSING)]
+                row = [f"{b} × {t}", fmt(ref["ms"]) if "ms" in ref else ref.get("skipped", MISSING)]
                 if dev:
-                    row.append(_fmt(ref["device_ms"]) if "device_ms" in ref else MISSING)
+                    row.append(fmt(ref["device_ms"]) if "device_ms" in ref else MISSING)
                 for p in pcts:
                     r = ratio.get(("prefill", p, b, t), {})
                     row += [_x(r.get("speedup")), *([_x(r.get("device_speedup"))] if dev else [])]
@@ -929,244 +784,10 @@ def speed_markdown(docs: list[dict]) -> str:
                       "|" + " --- |" * len(head)]
             for b, t in mix:
                 ref = base_m.get((b, t), {})
-                row = [str(b), str(t), _fmt(ref["ms"]) if "ms" in ref else MISSING]
+                row = [str(b), str(t), fmt(ref["ms"]) if "ms" in ref else MISSING]
                 for p in pcts:
                     r = ratio.get(("mixer", p, b, t), {})
                     row += [_x(r.get("speedup")), _x(r.get("memory_ratio"))]
                 lines.append("| " + " | ".join(row) + " |")
             lines.append("")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# shared convolutions and PCA (paper Tables 14 and 15)
-# ---------------------------------------------------------------------------------------------
-#: Table 14's notation for how q/k conv filters are shared: across heads, inside a head (× = no, ✓ = yes)
-SHARING_MARKS = {"none": "××", "head": "×✓", "all": "✓✓"}
-SHARING_LABELS = {"none": "non-shared", "head": "shared (in a head)", "all": "shared (in and across heads)"}
-#: Table 15's method names of the paper, by selector
-PCA_METHOD_LABELS = {"pca-adv": "PCA (adv.)", "pca": "PCA (prop.)", "grad": "Grad"}
-
-
-def _eval_columns(doc: dict) -> dict[str, float]:
-    """An ``eval.json`` document's metrics and suite averages as ``{"task/metric": value}``."""
-    row = {f"{t}/{m}": v for (t, m), v in _flat(doc.get("metrics") or {}).items() if isinstance(v, (int, float))}
-    row.update(_suite_columns(doc.get("suites")))
-    return row
-
-
-def convolution_frames(baselines: dict[str, dict], pruned: dict[tuple[str, str, float], dict], study: dict
-                       ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The frames of Tables 14 and 15 from the study's evaluation documents.
-
-    Args:
-        baselines: model -> its unpruned ``results/{model}/baseline/eval.json``.
-        pruned: (model, method, pct) -> the cell's pre-RFT ``results/{model}/{method}_{pct}/pruned/eval.json``;
-            documents of other cells are ignored.
-        study: the ``studies.convolutions`` block.
-
-    Returns:
-        (shared, pca): ``shared`` has a row per model (``sharing``, ``model``, then every metric column of its
-        baseline); ``pca`` a row per (pct, selector, sharing) plus pct 0 rows (the baselines), with ``model``,
-        ``method`` and every metric column. Missing documents leave NaN (shown as missing, never invented).
-    """
-    order = [k for k in SHARING_MARKS if k in study["models"]]
-    shared = pd.DataFrame([{"sharing": k, "model": study["models"][k],
-                            **_eval_columns(baselines.get(study["models"][k], {}))} for k in order])
-    by_cell = {(m, method, float(pct)): d for (m, method, pct), d in pruned.items()}
-    rows = []
-    for pct in study["pcts"]:
-        for sel in study["selectors"]:
-            for k in order:
-                model = study["models"][k]
-                doc = by_cell.get((model, sel, float(pct)), {})
-                rows.append({"pct": float(pct), "method": sel, "sharing": k, "model": model, **_eval_columns(doc)})
-    for k in order:
-        model = study["models"][k]
-        rows.append({"pct": 0.0, "method": "baseline", "sharing": k, "model": model,
-                     **_eval_columns(baselines.get(model, {}))})
-    return shared, pd.DataFrame(rows)
-
-
-def shared_convolutions_markdown(df: pd.DataFrame, study: dict) -> str:
-    """Table 14 layout: a row per sharing (the paper's ×× / ×✓ / ✓✓), the unpruned models' metrics as columns."""
-    metrics = [m for m in TABLE_METRICS if m in df.columns and df[m].notna().any()]
-    metrics += sorted(c for c in df.columns if c.startswith("recall_mqar") and c.endswith("/acc") and c not in metrics)
-    lines = [
-        "# Shared convolutions (paper Table 14)\n",
-        "The unpruned models: q/k short-convolution filters per channel (××), tied across the channels of each head "
-        "(×✓), or across every channel of the layer (✓✓) while training (`pretrain.share_conv`). "
-        f"{MISSING} = not computed.\n",
-        "| shared conv (heads, channels) | model | " + " | ".join(
-            f"{m} ({_direction(m).split()[0]})" if _direction(m) else m for m in metrics) + " |",
-        "|" + " --- |" * (len(metrics) + 2),
-    ]
-    for r in df.to_dict("records"):
-        lines.append(f"| {SHARING_MARKS[r['sharing']]} | {r['model']} | "
-                     + " | ".join(_fmt(r.get(m)) for m in metrics) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def pca_convolutions_markdown(df: pd.DataFrame, study: dict) -> str:
-    """Table 15 layout: rows compression × method (and the unpruned 0% row), a column per sharing; pre-RFT."""
-    order = [k for k in SHARING_MARKS if k in study["models"]]
-    metric = primary_metric(df)
-    direction = _direction(metric)
-    values = {(r["pct"], r["method"], r["sharing"]): r.get(metric) for r in df.to_dict("records")}
-    lines = [
-        "# PCA with shared and per-channel convolutions, before RFT (paper Table 15)\n",
-        "Each model pruned by each method, before recovery fine-tuning. PCA (prop.) keeps the principal directions "
-        "of largest second moment of the calibration keys and queries, PCA (adv.) those of smallest (`pca`, "
-        "`pca-adv`); their transform mixes the per-channel conv filters (paper App. B.4) and carries shared ones "
-        "over exactly (App. B.5). Grad keeps channels. "
-        f"Metric: {metric}{f' ({direction})' if direction else ''}. {MISSING} = not computed.\n",
-        "| comp. | method | " + " | ".join(f"{SHARING_LABELS[k]} ({study['models'][k]})" for k in order) + " |",
-        "|" + " --- |" * (len(order) + 2),
-    ]
-    for pct in sorted(study["pcts"], reverse=True):
-        for sel in study["selectors"]:
-            label = PCA_METHOD_LABELS.get(sel, sel)
-            lines.append(f"| {format_pct(pct)}% | {label} | "
-                         + " | ".join(_fmt(values.get((float(pct), sel, k))) for k in order) + " |")
-    lines.append("| 0% | – | " + " | ".join(_fmt(values.get((0.0, "baseline", k))) for k in order) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def write_convolution_tables(baselines: dict[str, dict], pruned: dict[tuple[str, str, float], dict], study: dict,
-                             out_dir: str | Path) -> dict[str, pd.DataFrame]:
-    """Write ``shared_convolutions.{md,csv}`` (Table 14) and ``pca_convolutions.{md,csv}`` (Table 15) into
-    ``out_dir``; returns the two frames by table name."""
-    from statereduce.core.runtime import write_text_atomic
-
-    shared, pca = convolution_frames(baselines, pruned, study)
-    out = {"shared_convolutions": (shared, shared_convolutions_markdown(shared, study)),
-           "pca_convolutions": (pca, pca_convolutions_markdown(pca, study))}
-    for name, (df, md) in out.items():
-        write_text_atomic(Path(out_dir) / f"{name}.md", md)
-        write_text_atomic(Path(out_dir) / f"{name}.csv", df.to_csv(index=False))
-    return {name: df for name, (df, _) in out.items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# per-layer key budgets against the uniform cut (studies.budgets)
-# ---------------------------------------------------------------------------------------------
-def _recall(metrics: dict) -> tuple[float, float]:
-    """(mean accuracy over the recall probe's levels, its standard error: sqrt(sum se^2) / levels), NaN if absent."""
-    levels = [v for k, v in sorted(metrics.items()) if k.startswith("recall_mqar_") and "acc" in v]
-    if not levels:
-        return math.nan, math.nan
-    mean = sum(v["acc"] for v in levels) / len(levels)
-    se = math.sqrt(sum(v.get("acc_stderr", math.nan) ** 2 for v in levels)) / len(levels)
-    return mean, se
-
-
-def budget_frame(summaries: list[dict], study: dict, allocations: list[dict]) -> pd.DataFrame:
-    """One row per (model, pct, selector, budget, stage) of ``studies.budgets``, ``budget`` ``uniform`` for the plain
-    method; with held-out bits/byte, the recall probe's mean accuracy and its standard error, and the change of
-    both against the uniform cut of the same selector, pct and stage; ``key_dims`` are the allocation's widths.
-
-    Args:
-        summaries: summary documents (others are ignored).
-        study: the ``studies.budgets`` block.
-        allocations: the allocation documents of the budget cells (others are ignored).
-    """
-    from statereduce.selectors import MethodSpec, format_method
-
-    by_cell = {(s["model"], s["method"], float(s["pct"])): s for s in summaries}
-    allocations = {(a["model"], a["method"], float(a["pct"])): a for a in allocations}
-    rows = []
-    for model in study["models"]:
-        for pct in map(float, study["pcts"]):
-            for sel in study["selectors"]:
-                for budget in ["uniform", *study["budgets"]]:
-                    method = format_method(MethodSpec(sel, budget=None if budget == "uniform" else budget))
-                    doc = by_cell.get((model, method, pct)) or {}
-                    alloc = allocations.get((model, method, pct))
-                    widths = list(alloc["key_dims"].values()) if alloc else None
-                    for stage in STAGES:
-                        m = (doc.get("metrics") or {}).get(stage) or {}
-                        recall, se = _recall(m)
-                        rows.append({
-                            "model": model, "pct": pct, "selector": sel, "budget": budget, "method": method,
-                            "policy": alloc["allocation"]["policy"] if alloc else "uniform", "stage": stage,
-                            "bits_per_byte": json_number((m.get("heldout") or {}).get("bits_per_byte")),
-                            "recall": recall, "recall_se": se,
-                            "key_dims": " ".join(map(str, widths)) if widths else "",
-                        })
-    df = pd.DataFrame(rows)
-    if df.empty:
-        return df
-    ref = df[df["budget"] == "uniform"].set_index(["model", "pct", "selector", "stage"])
-    keys = list(zip(df["model"], df["pct"], df["selector"], df["stage"]))
-    df["d_bits_per_byte"] = [b - ref["bits_per_byte"].get(k, math.nan) for b, k in zip(df["bits_per_byte"], keys)]
-    df["d_recall"] = [r - ref["recall"].get(k, math.nan) for r, k in zip(df["recall"], keys)]
-    df["d_recall_se"] = [math.hypot(s, ref["recall_se"].get(k, math.nan)) for s, k in zip(df["recall_se"], keys)]
-    return df
-
-
-def _pm(v: float, se: float, signed: bool = False) -> str:
-    if v is None or pd.isna(v):
-        return MISSING
-    return (f"{v:+.3f}" if signed else f"{v:.3f}") + ("" if pd.isna(se) else f" ± {se:.3f}")
-
-
-def budget_wins(df: pd.DataFrame, stage: str = "pruned") -> pd.DataFrame:
-    """Per (pct, selector, budget): the models on which the budget's bits/byte is below the uniform cut's at
-    ``stage``, and how many; ``any`` counts models on which at least one budget is."""
-    sub = df[(df["stage"] == stage) & (df["budget"] != "uniform")].dropna(subset=["d_bits_per_byte"])
-    rows = []
-    for (pct, sel), g in sub.groupby(["pct", "selector"], sort=False):
-        for budget, b in g.groupby("budget", sort=False):
-            better = b.loc[b["d_bits_per_byte"] < 0, "model"].tolist()
-            rows.append({"pct": pct, "selector": sel, "budget": budget, "models_better": len(better),
-                         "of": b["model"].nunique(), "which": ", ".join(better)})
-        any_better = sorted({m for m, d in zip(g["model"], g["d_bits_per_byte"]) if d < 0})
-        rows.append({"pct": pct, "selector": sel, "budget": "any", "models_better": len(any_better),
-                     "of": g["model"].nunique(), "which": ", ".join(any_better)})
-    return pd.DataFrame(rows)
-
-
-def budget_study_markdown(df: pd.DataFrame, study: dict) -> str:
-    """Per pct a table of every model, selector and budget: bits/byte pre- and post-RFT with the change against the
-    uniform cut, recall (mean ± standard error) pre- and post-RFT, and the per-layer widths; then the count of models
-    on which each budget beats the uniform cut before RFT."""
-    parts = [
-        "# Per-layer key budgets against the uniform cut\n\n",
-        ("Each budget keeps the uniform cut's total of key channels (the same state bytes) but gives each layer its "
-         "own d_k' (`key dims`, per linear-attention layer). bits/byte: held-out bits per byte (lower is better), Δ "
-         "against the uniform cut of the same selector; recall: the recall probe's mean accuracy over its levels ± "
-         f"standard error (Δ with the uniform cut's error included). {MISSING} = not computed.\n"),
-    ]
-    for pct in map(float, study["pcts"]):
-        sub = df[df["pct"] == pct]
-        lines = ["| model | selector | budget | key dims | bits/byte pre → post | Δ pre | Δ post | recall pre | "
-                 "recall post | Δ recall pre |", "|" + " --- |" * 10]
-        for (model, sel, budget), g in sub.groupby(["model", "selector", "budget"], sort=False):
-            pre = g[g["stage"] == "pruned"].iloc[0]
-            post = g[g["stage"] == "rft"].iloc[0]
-            uniform = budget == "uniform"
-            lines.append(
-                f"| {model} | {sel} | {budget} | {pre['key_dims'] or MISSING} | {_fmt(pre['bits_per_byte'])} → "
-                f"{_fmt(post['bits_per_byte'])} | {'' if uniform else _fmt_delta(pre['d_bits_per_byte'])} | "
-                f"{'' if uniform else _fmt_delta(post['d_bits_per_byte'])} | {_pm(pre['recall'], pre['recall_se'])} | "
-                f"{_pm(post['recall'], post['recall_se'])} | "
-                f"{'' if uniform else _pm(pre['d_recall'], pre['d_recall_se'], signed=True)} |")
-        parts.append(f"\n## {format_pct(pct)}% of key channels removed\n\n" + "\n".join(lines) + "\n")
-    wins = budget_wins(df)
-    if not wins.empty:
-        lines = ["| pct | selector | budget | models where bits/byte beats uniform (pre-RFT) |", "|" + " --- |" * 4]
-        for r in wins.itertuples():
-            lines.append(f"| {format_pct(r.pct)} | {r.selector} | {r.budget} | {r.models_better} of {r.of}"
-                         + (f": {r.which}" if r.which else "") + " |")
-        parts.append("\n## Where a budget beats the uniform cut\n\n" + "\n".join(lines) + "\n")
-    return "".join(parts)
-
-
-def write_budget_study(summaries: list[dict], study: dict, allocations: list[dict], out_dir: str | Path) -> pd.DataFrame:
-    """Write ``budget_study.{md,csv}`` into ``out_dir`` (CSV: :func:`budget_frame`); returns the frame."""
-    from statereduce.core.runtime import write_text_atomic
-
-    df = budget_frame(summaries, study, allocations)
-    write_text_atomic(Path(out_dir) / "budget_study.md", budget_study_markdown(df, study))
-    write_text_atomic(Path(out_dir) / "budget_study.csv", df.to_csv(index=False))
-    return df
