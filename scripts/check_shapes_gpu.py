@@ -97,7 +97,8 @@ def main() -> None:
                 "expand_v": heads * d_v / 256}
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(tiny_config(family, arch)).float()
-        assert (get_adapter(model).head_k_dim, get_adapter(model).head_v_dim) == (d_k, d_v)
+        dims = get_adapter(model).dims(model.config)
+        assert (dims.head_k_dim, dims.head_v_dim) == (d_k, d_v)
         record = prune_model(model, random_keep(model, keep, seed=1),
                              {"source": "random", "method": "rand", "pct": 100 * (1 - keep / d_k)}, norm_eps="stock")
         ckpt = work / f"{family}_{keep}x{d_v}"

@@ -64,7 +64,7 @@ class AdapterContract:
     def test_gives_every_member_its_spec_and_adapter_declare(self):
         """What a family must give: the abstract methods (ABC refuses the class without them) and the class attributes
         that FamilySpec and LinearAttentionAdapter declare without a value; the spec registered for the family is
-        the adapter's base, and the q/k conv-sharing fact agrees with the adapter's conv_sharing."""
+        the adapter's base, and the q/k conv-sharing fact agrees with the layout's own q/k convs."""
         from statereduce.families import family_spec
 
         cls = self.adapter_cls
@@ -74,7 +74,10 @@ class AdapterContract:
         missing = sorted(name for name in declared if not hasattr(cls, name))
         assert not missing, f"{cls.__name__} lacks {missing}"
         assert issubclass(cls, family_spec(self.family)) and family_spec(self.family).family == self.family
-        assert cls.qk_conv_modules == (cls.conv_sharing is not LinearAttentionAdapter.conv_sharing)
+        from statereduce.adapters.layout import MixerLayout
+
+        assert issubclass(cls.mixer_layout, MixerLayout)
+        assert cls.qk_conv_modules == (cls.mixer_layout.qk_convs is not MixerLayout.qk_convs)
 
     def test_sized_arch_has_the_head_sizes_asked_for(self):
         arch = self.adapter_cls.sized_arch(128, 3, 2, 16, 32)
@@ -86,9 +89,11 @@ class AdapterContract:
         h, hv, d_k, d_v = self.adapter_cls.dims(config)
         assert (h, hv, d_k, d_v) == self.expected_dims
         adapter = get_adapter(model)
-        assert (adapter.num_heads, adapter.num_v_heads, adapter.head_k_dim, adapter.head_v_dim) == (h, hv, d_k, d_v)
-        for _, mixer in adapter.mixer_layers():
-            wq, wk = adapter.qk_weights(mixer)
+        assert (adapter.num_heads, adapter.head_k_dim) == (h, d_k)
+        for layout in adapter.layouts():
+            mixer = layout.mixer
+            assert layout.key_dim == d_k and adapter.layout(mixer).layer == layout.layer
+            wq, wk = layout.qk_weights()
             assert wq.shape == wk.shape == (h * d_k, config.hidden_size)
             ref_q, ref_k = self.reference_qk_weights(mixer)
             assert torch.equal(wq, ref_q) and torch.equal(wk, ref_k)
@@ -118,7 +123,9 @@ class AdapterContract:
         layers = adapter.mixer_layers()
         assert [i for i, _ in layers] == self.adapter_cls.mixer_layer_indices(config) == [0, 1]
         assert all(mixer is self.block_mixer(model, i) for i, mixer in layers)
-        assert adapter.num_mixer_layers() == 2
+        assert [lay.layer for lay in adapter.layouts()] == [0, 1]
+        with pytest.raises(ValueError, match="is not a linear-attention mixer of this"):
+            adapter.layout(model.get_input_embeddings())
 
     def test_state_shape_matches_cache(self, model):
         adapter = get_adapter(model)
@@ -168,7 +175,7 @@ class AdapterContract:
 
     def test_instance_conveniences(self, model):
         adapter = get_adapter(model)
-        assert tuple(self.adapter_cls.dims(adapter.pruned_config(8)))[2] == 8
+        assert tuple(self.adapter_cls.dims(adapter.reduced_config(adapter.config, 8)))[2] == 8
         assert adapter.config is model.config
 
     # ---- capture --------------------------------------------------------------------------------

@@ -187,13 +187,14 @@ def test_validating_the_default_config_imports_no_torch():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-OWN_FLA = ("statereduce.adapters", "statereduce.families", "statereduce.kernels")
+OWN_FLA = ("statereduce.adapters", "statereduce.families", "statereduce.kernels", "statereduce.speed.fla_decode")
 
 
 @pytest.mark.parametrize("name", [n for n in MODULES if not _under(n, *OWN_FLA)])
 def test_only_adapters_specs_and_kernels_name_fla_layer_modules(name):
-    """Code outside the adapters, family specs and kernels asks them for every family fact: it imports no fla layer
-    or model module (importing ``fla`` itself to register its models, or its utilities, is fine)."""
+    """Code outside the adapters, family specs, kernels and fla's decode routes (speed/fla_decode.py, which patches
+    fla's layers for in-place decoding) asks them for every family fact: it imports no fla layer or model module
+    (importing ``fla`` itself to register its models, or its utilities, is fine)."""
     bad = {m for m in _imports(MODULES[name]) if _under(m, "fla.layers", "fla.models") and m != "fla.models"}
     assert not bad, f"{name} imports {sorted(bad)}"
 

@@ -96,7 +96,7 @@ def test_grad_scores_match_autograd(tmp_path, family):
     h, dk = adapter.num_heads, adapter.head_k_dim
     for (i, mixer), (_, ref_mixer) in zip(adapter.mixer_layers(), get_adapter(ref).mixer_layers()):
         got = art.read(i, ["grad_q", "grad_k"])
-        for name, (w, rows) in zip(("grad_q", "grad_k"), get_adapter(ref).qk_weight_rows(ref_mixer)):
+        for name, (w, rows) in zip(("grad_q", "grad_k"), get_adapter(ref).layout(ref_mixer).qk_weight_rows()):
             flat = rows.reshape(-1)  # fused projections (Mamba-2, Qwen3.5): the q or k rows of the shared weight
             expect = (w.detach()[flat].double() * w.grad[flat].double()).abs().sum(1).reshape(h, dk).numpy()
             np.testing.assert_allclose(got[name], expect, rtol=1e-4, atol=1e-10)
@@ -134,7 +134,7 @@ def test_selection_from_artifacts_prunes_the_model(tmp_path, family):
     adapter = get_adapter(model)
     blocks = tiny_inputs(batch=2, length=32)
     wpath = export_qk_weights(model, tmp_path / "qk.h5")
-    wq, wk = adapter.qk_weights(adapter.mixer_layers()[0][1])
+    wq, wk = adapter.layouts()[0].qk_weights()
     with h5py.File(wpath) as f:
         np.testing.assert_array_equal(f["layer_000/W_q"][()].reshape(wq.shape), wq.detach().numpy())
         np.testing.assert_array_equal(f["layer_000/W_k"][()].reshape(wk.shape), wk.detach().numpy())

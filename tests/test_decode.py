@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from statereduce.adapters import fla_layers
+from statereduce.speed import fla_decode
 from statereduce.kernels import conv, fla_fallback, recurrent
 from statereduce.speed import inplace
 
@@ -212,7 +212,7 @@ def _check_fused_model_decode(family):
             for layer in model.model.layers:
                 packed = layer.attn._statereduce_packed["proj"]
                 assert layer.attn.q_proj.weight.data_ptr() == packed.data_ptr()
-                assert packed.shape[0] % fla_layers.PROJ_ALIGN == 0 and not packed[-1].any()  # zero padding rows
+                assert packed.shape[0] % fla_decode.PROJ_ALIGN == 0 and not packed[-1].any()  # zero padding rows
                 assert layer.mlp.up_proj.weight.data_ptr() > layer.mlp.gate_proj.weight.data_ptr()
                 assert "gate_up" in layer.mlp._statereduce_packed
     finally:

@@ -149,7 +149,7 @@ def test_shared_filters_of_a_mixed_checkpoint_tie_per_layer(family):
                 w = conv.weight.view(adapter.num_heads, 32, *conv.weight.shape[1:])
                 w.copy_(w[:, :1].expand_as(w))
     prune_model(model, mixed_selection(model), {"method": "test"})
-    assert {adapter.conv_sharing(m) for _, m in adapter.mixer_layers()} == {"head"}
+    assert {layout.conv_sharing() for layout in adapter.layouts()} == {"head"}
     ids = tiny_inputs(batch=1, length=12)
     with torch.no_grad():
         before = model(ids).logits
@@ -157,7 +157,7 @@ def test_shared_filters_of_a_mixed_checkpoint_tie_per_layer(family):
         tied = model(ids).logits
     untie()
     torch.testing.assert_close(tied, before, rtol=0, atol=0)
-    assert {adapter.conv_sharing(m) for _, m in adapter.mixer_layers()} == {"head"}
+    assert {layout.conv_sharing() for layout in adapter.layouts()} == {"head"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

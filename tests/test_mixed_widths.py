@@ -42,7 +42,7 @@ def zero_masked(model, keep):
     ad = get_adapter(ref)
     with torch.no_grad():
         for layer, mixer in ad.mixer_layers():
-            for entry in ad.channel_rows(mixer):
+            for entry in ad.layout(mixer).channel_rows():
                 for side in ("q", "k"):
                     rows = getattr(entry, side)
                     if rows is None:
@@ -166,7 +166,7 @@ def test_a_mixed_checkpoint_names_each_layers_own_channel_rows(family):
     prune_model(model, keep, {"method": "test"})
     ad = get_adapter(model)
     for layer, mixer in ad.mixer_layers():
-        for entry in ad.channel_rows(mixer):
+        for entry in ad.layout(mixer).channel_rows():
             for rows in (entry.q, entry.k):
                 if rows is not None:
                     assert tuple(rows.shape) == tuple(keep[layer].shape), (layer, entry.name)

@@ -241,7 +241,7 @@ def test_stock_is_todays_checkpoint(case, tmp_path):
 
     adapter = get_adapter(default)
     sliced = {f"{n}.{p}" for n, m in default.named_modules() for p in ("weight", "bias")
-              if any(m is e.module for _, mixer in adapter.mixer_layers() for e in adapter.channel_rows(mixer))}
+              if any(m is e.module for layout in adapter.layouts() for e in layout.channel_rows())}
     before, after = model.state_dict(), default.state_dict()
     assert before.keys() == after.keys()
     assert all(torch.equal(after[k], before[k]) for k in before if k not in sliced)
@@ -356,9 +356,9 @@ def test_an_eps_the_adapter_does_not_list_is_refused(monkeypatch):
     """A module that holds the config's eps in an attribute the adapter does not list is a layout the construction
     was not made for (its norm's input would not be scaled): refused, nothing changed."""
     model = model_of("gdn")
-    adapter_cls = type(get_adapter(model))
-    listed = adapter_cls.config_eps_attributes
-    monkeypatch.setattr(adapter_cls, "config_eps_attributes", lambda self: listed(self)[1:])
+    norms_cls = type(get_adapter(model)).exact_norms
+    listed = norms_cls.config_eps_attributes
+    monkeypatch.setattr(norms_cls, "config_eps_attributes", lambda self: listed(self)[1:])
     state = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"model\.layers\.0\.attn_norm\.eps holds the config's norm_eps but the "
                                          r"gated_deltanet adapter does not scale its input"):

@@ -287,7 +287,8 @@ def test_rank_report_is_json(model):
     report = rank_report(model, ids, skip=4, stride=4, spectrum_head=(0, 0))
     again = rank_report(model, ids, skip=4, stride=4, baseline=json.loads(json.dumps(report)))
     doc = json.loads(json.dumps(again, allow_nan=False))
-    hv = get_adapter(model).num_v_heads
+    adapter = get_adapter(model)
+    hv = adapter.dims(adapter.config).num_v_heads
     assert len(doc["per_head"]) == 2 * hv and doc["settings"]["positions"] == [7, 11]
     assert doc["pearson_u"] == pytest.approx(1.0)
     u = per_head_utilization(doc)

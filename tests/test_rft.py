@@ -298,7 +298,7 @@ def test_shared_filters_stay_shared(family, share, tmp_path):
     record = prune_model(model, random_keep(model, 4, seed=3), {"source": str(base), "method": "rand", "pct": 87.5})
     pruned = save_pruned(model, tok, record, tmp_path / "pruned")
     adapter = get_adapter(load_model(pruned)[0])
-    assert {adapter.conv_sharing(m) for _, m in adapter.mixer_layers()} == {share}
+    assert {layout.conv_sharing() for layout in adapter.layouts()} == {share}
     out, last = tmp_path / "rft", {"keep": "last"}  # the last step's filters: they moved, whatever validation says
     with pytest.raises(ft._Stop):  # the tied filters resume exactly, too
         _run((base, pruned), out, stop_after=5, cfg=last)
@@ -312,7 +312,7 @@ def test_shared_filters_stay_shared(family, share, tmp_path):
     convs = [k for k in before if k.endswith(("q_conv1d.weight", "k_conv1d.weight"))]
     assert convs and all(not torch.equal(before[k], after[k]) for k in convs)
     adapter = get_adapter(load_model(out)[0])
-    assert {adapter.conv_sharing(m) for _, m in adapter.mixer_layers()} == {share}
+    assert {layout.conv_sharing() for layout in adapter.layouts()} == {share}
 
 
 def test_rft_checkpoint_reloads_in_fresh_process(pairs, tmp_path):

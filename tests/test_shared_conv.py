@@ -31,7 +31,7 @@ QK_CONVS = ("q_conv1d", "k_conv1d")
 
 def _qk_convs(model) -> list[torch.nn.Module]:
     adapter = get_adapter(model)
-    return [c for _, m in adapter.mixer_layers() for c in (adapter.q_conv(m), adapter.k_conv(m))]
+    return [c for layout in adapter.layouts() for c in layout.qk_convs()]
 
 
 def _tied(weight: torch.Tensor, groups: int) -> bool:
@@ -65,7 +65,7 @@ def test_tied_filters_train_and_stay_tied(family, share, tmp_path):
     model.eval()
     for conv, start in zip(convs, tied_start):
         assert _tied(conv.weight, groups) and not torch.equal(conv.weight, start)
-    assert {adapter.conv_sharing(m) for _, m in adapter.mixer_layers()} == {share}
+    assert {layout.conv_sharing() for layout in adapter.layouts()} == {share}
 
     x = tiny_inputs()
     with torch.no_grad():
@@ -97,24 +97,24 @@ def test_conv_sharing_detects_exact_ties():
     adapter = get_adapter(model)
     h, d_k = adapter.num_heads, adapter.head_k_dim
     _, mixer = adapter.mixer_layers()[0]
-    assert adapter.conv_sharing(mixer) == "none"  # stock: a filter per channel
+    assert adapter.layout(mixer).conv_sharing() == "none"  # stock: a filter per channel
     with torch.no_grad():
         for name in QK_CONVS:
             w = getattr(mixer, name).weight
             w.copy_(w.reshape(h, d_k, 1, -1)[:, :1].expand(h, d_k, 1, w.shape[-1]).reshape(w.shape))
-    assert adapter.conv_sharing(mixer) == "head" == conv_sharing(mixer, h, d_k)
+    assert adapter.layout(mixer).conv_sharing() == "head" == conv_sharing(mixer, h, d_k)
     with torch.no_grad():
         mixer.k_conv1d.weight[d_k + 1, 0, 0] += 1e-6  # one channel of k's second head off by a hair
-    assert adapter.conv_sharing(mixer) == "none"
+    assert adapter.layout(mixer).conv_sharing() == "none"
     with torch.no_grad():
         for name in QK_CONVS:
             w = getattr(mixer, name).weight
             w.copy_(w[:1].expand_as(w))
         mixer.k_conv1d.weight.mul_(2.0)  # q's and k's shared filters may differ
-    assert adapter.conv_sharing(mixer) == "all"
+    assert adapter.layout(mixer).conv_sharing() == "all"
     with torch.no_grad():
         mixer.q_conv1d.weight[:d_k] *= 3.0  # q tied per head only: the layer is "head"
-    assert adapter.conv_sharing(mixer) == "head"
+    assert adapter.layout(mixer).conv_sharing() == "head"
     mixer.use_short_conv = False
     assert conv_sharing(mixer, h, d_k) == "none"
 
@@ -124,7 +124,7 @@ def test_ordinary_models_share_nothing(family):
     """Stock initialisations have a filter per channel; families without separate q/k convolutions answer the base
     class's "none"."""
     adapter = get_adapter(tiny_model(family))
-    assert {adapter.conv_sharing(m) for _, m in adapter.mixer_layers()} == {"none"}
+    assert {layout.conv_sharing() for layout in adapter.layouts()} == {"none"}
     assert model_conv_sharing(adapter) == "none"
 
 
@@ -142,7 +142,7 @@ def test_model_conv_sharing_is_what_every_layer_has():
     h, d_k = adapter.num_heads, adapter.head_k_dim
     with torch.no_grad():
         second.q_conv1d.weight[:d_k] *= 3.0  # the second layer's q tied per head only
-    assert [adapter.conv_sharing(m) for m in (first, second)] == ["all", "head"]
+    assert [adapter.layout(m).conv_sharing() for m in (first, second)] == ["all", "head"]
     assert model_conv_sharing(adapter) == "head"
     with torch.no_grad():
         first.k_conv1d.weight[h * d_k - 1] += 1.0
@@ -202,7 +202,7 @@ for path in sys.argv[2:]:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([list(b"def f(x):\\n    return x + 1\\n")])).logits
     out[path] = {"logits": logits, "info": {k: list(v) for k, v in info.items()}, "class": type(model).__name__,
-                 "sharing": [adapter.conv_sharing(m) for _, m in adapter.mixer_layers()]}
+                 "sharing": [layout.conv_sharing() for layout in adapter.layouts()]}
 torch.save(out, sys.argv[1])
 """
 

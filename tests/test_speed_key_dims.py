@@ -52,7 +52,9 @@ def test_per_layer_model_has_each_width_and_the_uniform_bytes(family):
     ids = tiny_inputs(batch=3, length=9)
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values
-    tensors = get_adapter(model).cache_tensors(cache)
+    from statereduce.speed.inplace import cache_tensors
+
+    tensors = cache_tensors(model, cache)
     assert 2 * sum(t.numel() * 4 for t in tensors) == speed.step_bytes(model, config, family, 3)["state"]
     recurrent = [cache[i]["recurrent_state"] for i, _ in mixers]
     k_axis = -1 if ad.cache_state_v_first else -2

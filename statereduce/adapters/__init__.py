@@ -1,6 +1,7 @@
 """Model-family adapters; importing this package registers every family.
 
-See :mod:`statereduce.adapters.base` for the interface and how to add a family.
+See :mod:`statereduce.adapters.base` for the interface and how to add a family, :mod:`statereduce.adapters.layout` for
+the parts an adapter is composed of.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from statereduce.adapters.base import (
     ChannelRows,
     Dims,
     EpsAttribute,
+    ExactNorms,
     LinearAttentionAdapter,
+    MixerLayout,
     QKCallback,
     ScaledRows,
     StateShape,
@@ -33,9 +36,11 @@ __all__ = [
     "DeltaNetAdapter",
     "Dims",
     "EpsAttribute",
+    "ExactNorms",
     "GatedDeltaNetAdapter",
     "LinearAttentionAdapter",
     "Mamba2Adapter",
+    "MixerLayout",
     "QKCallback",
     "Qwen35Adapter",
     "ScaledRows",

@@ -68,8 +68,8 @@ def conv_sharing(mixer: nn.Module, num_heads: int, head_k_dim: int) -> str:
 def model_conv_sharing(adapter: LinearAttentionAdapter) -> str:
     """How the q/k filters of every linear-attention layer of ``adapter.model`` are shared: ``"all"`` when every
     layer shares them across the layer, else ``"head"`` when every layer shares them at least within each head, else
-    ``"none"`` (also for families whose adapter does not tell, :meth:`LinearAttentionAdapter.conv_sharing`)."""
-    found = {adapter.conv_sharing(mixer) for _, mixer in adapter.mixer_layers()}
+    ``"none"`` (also for families whose layout does not tell, :meth:`~statereduce.adapters.layout.MixerLayout.conv_sharing`)."""
+    found = {layout.conv_sharing() for layout in adapter.layouts()}
     if found == {"all"}:
         return "all"
     return "head" if found and found <= {"all", "head"} else "none"
@@ -117,11 +117,12 @@ def tie_qk_convs(adapter: LinearAttentionAdapter, share: str) -> Callable[[], No
         return lambda: None
     h = adapter.num_heads
     convs = []
-    for layer, mixer in adapter.mixer_layers():
-        pair = (adapter.q_conv(mixer), adapter.k_conv(mixer))
+    for layout in adapter.layouts():
+        pair = layout.qk_convs()
         if any(c is None for c in pair):
-            raise ValueError(f"share_conv {share!r}: layer {layer} has no q/k short convolutions (use_short_conv off)")
-        d_k = adapter.mixer_key_dim(mixer)  # the layer's own width (per-layer-width checkpoints)
+            raise ValueError(f"share_conv {share!r}: layer {layout.layer} has no q/k short convolutions (use_short_conv "
+                             "off)")
+        d_k = layout.key_dim  # the layer's own width (per-layer-width checkpoints)
         convs.extend((conv, (h, d_k) if share == "head" else (1, h * d_k)) for conv in pair)
     for conv, (groups, size) in convs:
         parametrize.register_parametrization(conv, "weight", SharedRows(groups, size))

@@ -23,6 +23,8 @@ Capture: q = C and k = B ``[b, T, G, N]`` where they enter ``mamba2_chunk_scan``
 no cache the layer first tries the fused ``mamba2_split_conv1d_scan_combined`` kernel (mamba_ssm, GPU), which
 bypasses both: calibration and Grad scores run the model in ``eval()``.
 
+RFT trains ``in_proj`` (LoRA), ``conv1d`` and the norms; ``out_proj`` stays frozen (:data:`statereduce.stages.rft.RFT_TARGETS`).
+
 Loading: fla registers its own ``mamba2`` model with the Auto classes once imported, so checkpoints load through
 transformers' ``Mamba2ForCausalLM`` explicitly (:attr:`causal_lm_class`). Its forward takes a cache as
 ``cache=`` and silently ignores ``past_key_values=`` (:attr:`cache_argument`).
@@ -33,14 +35,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from statereduce.adapters.base import (
-    ChannelRows,
-    LazyImport,
-    TransformersAdapter,
-    decoder_layers,
-    head_major_rows,
-    register_adapter,
-)
+from statereduce.adapters.base import LazyImport, TransformersAdapter, decoder_layers, register_adapter
+from statereduce.adapters.layout import ChannelRows, MixerLayout, head_major_rows
 from statereduce.families.mamba2 import Mamba2Family
 
 LAYER_MODULE = "transformers.models.mamba2.modeling_mamba2"
@@ -61,6 +57,23 @@ def _step_qk(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return c.unsqueeze(1), b.unsqueeze(1)
 
 
+class Mamba2Layout(MixerLayout):
+    """A Mamba-2 mixer: B (keys) and C (queries) of each group in the fused ``in_proj`` and the ``conv1d`` over
+    ``[x | B | C]``."""
+
+    key_dim_attr = "ssm_state_size"  # N of the layer's B/C groups
+
+    def channel_rows(self) -> list[ChannelRows]:
+        mixer = self.mixer
+        i, g, n = mixer.intermediate_size, mixer.n_groups, mixer.ssm_state_size
+        b_rows, c_rows = head_major_rows(g, n, offset=i), head_major_rows(g, n, offset=i + g * n)  # in [x | B | C]
+        return [ChannelRows("in_proj", mixer.in_proj, q=c_rows + i, k=b_rows + i),
+                ChannelRows("conv1d", mixer.conv1d, q=c_rows, k=b_rows)]
+
+    def projection_input(self) -> nn.Module:
+        return self.mixer.in_proj
+
+
 @register_adapter
 class Mamba2Adapter(Mamba2Family, TransformersAdapter):
     """transformers Mamba-2: ``state_size`` carries d_k (N), one B/C selection per group (paper App. C.3)."""
@@ -69,18 +82,7 @@ class Mamba2Adapter(Mamba2Family, TransformersAdapter):
     layer_module = LAYER_MODULE
     qk_readers = {CHUNK: _scan_qk, STEP: _step_qk}
     cache_state_v_first = True  # the cache holds [B, num_heads, head_dim, N]
-    # the fused training kernel (mamba_ssm) reads out_proj.weight directly, so a LoRA on it would never run; peft
-    # refuses LoRA on a Mamba out_proj for that reason. RFT trains in_proj (LoRA), conv1d and the norms.
-    lora_excluded = ("out_proj",)
-    mixer_key_dim_attr = "ssm_state_size"  # N of the layer's B/C groups
+    mixer_layout = Mamba2Layout
+
     def mixer_layers(self) -> list[tuple[int, nn.Module]]:
         return [(i, block.mixer) for i, block in enumerate(decoder_layers(self.model))]
-
-    def channel_rows(self, mixer: nn.Module) -> list[ChannelRows]:
-        i, g, n = mixer.intermediate_size, mixer.n_groups, mixer.ssm_state_size
-        b_rows, c_rows = head_major_rows(g, n, offset=i), head_major_rows(g, n, offset=i + g * n)  # in [x | B | C]
-        return [ChannelRows("in_proj", mixer.in_proj, q=c_rows + i, k=b_rows + i),
-                ChannelRows("conv1d", mixer.conv1d, q=c_rows, k=b_rows)]
-
-    def projection_input(self, mixer: nn.Module) -> nn.Module:
-        return mixer.in_proj

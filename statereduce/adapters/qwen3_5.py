@@ -2,7 +2,7 @@
 
 Qwen3.5 interleaves Gated DeltaNet layers (``Qwen3_5GatedDeltaNet``, ``linear_attn`` of a decoder layer) with
 softmax-attention layers (``self_attn``; ``layer_types``, by default every fourth layer). Only the Gated DeltaNet
-layers are pruned and fine-tuned; the attention layers, MLPs, embeddings and norms outside the mixers never change
+layers are pruned and fine-tuned (``rft.scope: auto`` is ``recurrent`` here, :data:`statereduce.stages.rft.RFT_TARGETS`); the attention layers, MLPs, embeddings and norms outside the mixers never change
 (apart from the scaling of ``norm_eps="exact"``, below).
 
 Layout of a Gated DeltaNet layer (Hk = ``linear_num_key_heads``, HV = ``linear_num_value_heads``, d_k =
@@ -21,7 +21,7 @@ dropped channels exactly when that norm's ``variance_epsilon`` is multiplied by 
 :mod:`statereduce.stages.prune`). ``rms_norm_eps`` feeds every norm of the text model, so ``norm_eps="exact"``
 multiplies it by d_k/d_k' and scales by sqrt(d_k/d_k') the residual stream (``embed_tokens``, each ``out_proj`` /
 ``o_proj`` and ``down_proj``) and the query rows of the attention layers' ``q_proj`` and their ``k_proj``, which feed
-``q_norm``/``k_norm`` (:meth:`Qwen35Adapter.residual_writers`, :meth:`Qwen35Adapter.norm_input_rows`); with the
+``q_norm``/``k_norm`` (:meth:`Qwen35Norms.residual_writers`, :meth:`Qwen35Norms.norm_input_rows`); with the
 default ``"stock"`` everything outside the Gated DeltaNet layers' q/k rows stays as it was.
 
 Capture: q and k ``[B, T, Hk, d_k]`` where they enter ``torch_chunk_gated_delta_rule`` /
@@ -43,14 +43,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from statereduce.adapters.base import (
-    ChannelRows,
-    EpsAttribute,
-    ScaledRows,
-    TransformersAdapter,
-    decoder_layers,
-    head_major_rows,
-    register_adapter,
+from statereduce.adapters.base import TransformersAdapter, decoder_layers, register_adapter
+from statereduce.adapters.layout import (
+    ChannelRows, EpsAttribute, ExactNorms, MixerLayout, ScaledRows, head_major_rows, module_names,
 )
 from statereduce.families.qwen3_5 import Qwen35Family, text_config
 
@@ -75,46 +70,43 @@ def _device_dispatch(stock: Callable, reference: Callable, device_types: tuple[s
     return dispatch
 
 
-@register_adapter
-class Qwen35Adapter(Qwen35Family, TransformersAdapter):
-    """Qwen3.5: ``linear_key_head_dim`` carries d_k of the Gated DeltaNet layers; attention layers stay."""
+class Qwen35Layout(MixerLayout):
+    """A Qwen3.5 Gated DeltaNet layer: queries then keys in the fused ``in_proj_qkv`` and the same rows of ``conv1d``."""
 
-    layer_module = LAYER_MODULE
-    qk_readers = dict.fromkeys(KERNELS, _qk_of_call)
-    rft_default_scope = "recurrent"  # paper Table 4: only the recurrent components are fine-tuned
-    @property
-    def config(self):
-        return text_config(self.model.config)
-
-    def mixer_layers(self) -> list[tuple[int, nn.Module]]:
-        return [(i, layer.linear_attn) for i, layer in enumerate(decoder_layers(self.model))
-                if hasattr(layer, "linear_attn")]
-
-    def channel_rows(self, mixer: nn.Module) -> list[ChannelRows]:
+    def channel_rows(self) -> list[ChannelRows]:
+        mixer = self.mixer
         h, d_k = mixer.num_k_heads, mixer.head_k_dim
         q, k = head_major_rows(h, d_k), head_major_rows(h, d_k, offset=h * d_k)
         return [ChannelRows("in_proj_qkv", mixer.in_proj_qkv, q=q, k=k), ChannelRows("conv1d", mixer.conv1d, q=q, k=k)]
 
-    def projection_input(self, mixer: nn.Module) -> nn.Module:
-        return mixer.in_proj_qkv
+    def projection_input(self) -> nn.Module:
+        return self.mixer.in_proj_qkv
 
-    # ---- exact zero-masking through the norm eps (LinearAttentionAdapter) ----------------------------------
+    def output_norm_eps(self) -> list[EpsAttribute]:
+        """``variance_epsilon`` of the Gated DeltaNet's ``norm`` and the layer's copy (``layer_norm_epsilon``)."""
+        names = module_names(self.adapter.model)
+        return [EpsAttribute(names[id(self.mixer.norm)], self.mixer.norm, "variance_epsilon"),
+                EpsAttribute(names[id(self.mixer)], self.mixer, "layer_norm_epsilon")]
+
+
+class Qwen35Norms(ExactNorms):
+    """``norm_eps="exact"`` in Qwen3.5: ``rms_norm_eps`` feeds every norm of the text model."""
+
     def residual_writers(self) -> list[ScaledRows]:
         """``embed_tokens``; per decoder layer (``h + mixer(input_layernorm(h))`` then ``h +
         mlp(post_attention_layernorm(h))``) the Gated DeltaNet's ``out_proj`` or the attention's ``o_proj`` (with its
         bias under ``attention_bias``) and the MLP's ``down_proj``."""
-        names = self.qualified_names()
         modules = [self.model.get_input_embeddings()]
         for layer in decoder_layers(self.model):
             mixer = layer.linear_attn.out_proj if hasattr(layer, "linear_attn") else layer.self_attn.o_proj
             modules += [mixer, layer.mlp.down_proj]
-        return [ScaledRows(names[id(m)], m) for m in modules]
+        return [self.scaled(m) for m in modules]
 
     def norm_input_rows(self) -> list[ScaledRows]:
         """The attention layers' ``q_norm`` and ``k_norm`` read the query and key projections of the normalised
         hidden state: the query rows of ``q_proj`` (per head ``[query (head_dim) | output gate (head_dim)]``; the gate
         rows stay) and all of ``k_proj``."""
-        names, out = self.qualified_names(), []
+        out = []
         for layer in decoder_layers(self.model):
             attn = getattr(layer, "self_attn", None)
             if attn is None:
@@ -122,36 +114,41 @@ class Qwen35Adapter(Qwen35Family, TransformersAdapter):
             d = attn.head_dim
             heads = attn.q_proj.out_features // (2 * d)
             query = (torch.arange(heads)[:, None] * 2 * d + torch.arange(d)).reshape(-1)
-            out += [ScaledRows(names[id(attn.q_proj)], attn.q_proj, query), ScaledRows(names[id(attn.k_proj)],
-                                                                                      attn.k_proj)]
+            out += [self.scaled(attn.q_proj, query), self.scaled(attn.k_proj)]
         return out
-
-    def mixer_output_norm_eps(self, mixer: nn.Module) -> list[EpsAttribute]:
-        """``variance_epsilon`` of the Gated DeltaNet's ``norm`` and the layer's copy (``layer_norm_epsilon``)."""
-        names = self.qualified_names()
-        return [EpsAttribute(names[id(mixer.norm)], mixer.norm, "variance_epsilon"),
-                EpsAttribute(names[id(mixer)], mixer, "layer_norm_epsilon")]
 
     def config_eps_attributes(self) -> list[EpsAttribute]:
         """``eps`` of every ``Qwen3_5RMSNorm`` (each layer's ``input_layernorm`` and ``post_attention_layernorm``, the
         attention layers' ``q_norm`` and ``k_norm``, the final ``norm``), ``variance_epsilon`` of each Gated DeltaNet's
         ``norm`` (``Qwen3_5RMSNormGated``) and the copy the Gated DeltaNet layer keeps (``layer_norm_epsilon``)."""
-        names, out = self.qualified_names(), []
-
-        def add(module: nn.Module, attr: str = "eps") -> None:
-            out.append(EpsAttribute(names[id(module)], module, attr))
-
+        out = []
         for layer in decoder_layers(self.model):
-            add(layer.input_layernorm)
-            add(layer.post_attention_layernorm)
+            out += [self.eps(layer.input_layernorm), self.eps(layer.post_attention_layernorm)]
             if hasattr(layer, "linear_attn"):
-                add(layer.linear_attn.norm, "variance_epsilon")
-                add(layer.linear_attn, "layer_norm_epsilon")
+                out += [self.eps(layer.linear_attn.norm, "variance_epsilon"),
+                        self.eps(layer.linear_attn, "layer_norm_epsilon")]
             else:
-                add(layer.self_attn.q_norm)
-                add(layer.self_attn.k_norm)
-        add(self.model.get_decoder().norm)
+                out += [self.eps(layer.self_attn.q_norm), self.eps(layer.self_attn.k_norm)]
+        out.append(self.eps(self.model.get_decoder().norm))
         return out
+
+
+@register_adapter
+class Qwen35Adapter(Qwen35Family, TransformersAdapter):
+    """Qwen3.5: ``linear_key_head_dim`` carries d_k of the Gated DeltaNet layers; attention layers stay."""
+
+    layer_module = LAYER_MODULE
+    qk_readers = dict.fromkeys(KERNELS, _qk_of_call)
+    mixer_layout = Qwen35Layout
+    exact_norms = Qwen35Norms
+
+    @property
+    def config(self):
+        return text_config(self.model.config)
+
+    def mixer_layers(self) -> list[tuple[int, nn.Module]]:
+        return [(i, layer.linear_attn) for i, layer in enumerate(decoder_layers(self.model))
+                if hasattr(layer, "linear_attn")]
 
     @classmethod
     def install_fallbacks(cls, torch_device_types: tuple[str, ...] = ("cpu",)) -> None:

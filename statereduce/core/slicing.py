@@ -69,7 +69,7 @@ def kept_rows(n_rows: int, entry: ChannelRows, keep: torch.Tensor) -> torch.Tens
 def slice_rows(module: nn.Module, rows: torch.Tensor, what: str, conv_attrs: tuple[str, ...] = ()) -> None:
     """Keep ``rows`` of an ``nn.Linear`` (output features: weight and bias rows, ``out_features``) or a depthwise
     ``nn.Conv1d`` (channels: weight, bias, ``in_channels``/``out_channels``/``groups``, and ``conv_attrs``, the
-    adapter's ``conv_channel_attrs``)."""
+    layout's ``conv_channel_attrs``)."""
     depthwise = module.groups == module.in_channels == module.out_channels if isinstance(module, nn.Conv1d) else True
     if not depthwise:
         raise ValueError(
@@ -167,13 +167,14 @@ def slice_mixer(
     each head (:func:`transform_rows`), and ``keep`` must be ``0..d_k'-1`` per head. Returns the conv filter counts
     of :func:`transform_rows` (zeros for an index selection)."""
     counts = {"mixed": 0, "shared": 0}
-    entries = adapter.channel_rows(mixer)  # all row maps are read before any module changes
+    layout = adapter.layout(mixer)
+    entries = layout.channel_rows()  # all row maps are read before any module changes
     plans = [(entry, kept_rows(entry.module.weight.shape[0], entry, keep)) for entry in entries]
     for entry, rows in plans:
         if transform is not None:
             for key, n in transform_rows(entry.module, entry, transform, entry.name).items():
                 counts[key] += n
-        slice_rows(entry.module, rows, entry.name, adapter.conv_channel_attrs)
+        slice_rows(entry.module, rows, entry.name, layout.conv_channel_attrs)
     set_mixer_dims(mixer, updates)
     return counts
 
@@ -198,7 +199,7 @@ def shape_mixers(adapter: LinearAttentionAdapter, key_dims: Sequence[int | None]
                     adapter.mixer_updates(adapter.config, width))
         eps = None if output_norm_eps is None else output_norm_eps[layer]
         if eps is not None:
-            for attr in adapter.mixer_output_norm_eps(mixer):
+            for attr in adapter.layout(mixer).output_norm_eps():
                 setattr(attr.module, attr.attr, float(eps))
 
 
@@ -218,7 +219,7 @@ def masked_channels(adapter: LinearAttentionAdapter, mixer: nn.Module, keep: tor
     """
     saved = []
     with torch.no_grad():
-        for entry in adapter.channel_rows(mixer):
+        for entry in adapter.layout(mixer).channel_rows():
             module = entry.module
             n_rows = module.weight.shape[0]
             dropped = torch.ones(n_rows, dtype=torch.bool)

@@ -9,7 +9,7 @@ pruned checkpoint has. Every measurement of one run shares the device, so each s
 - **Decode** (Table 17): a prompt of ``prompt`` tokens is prefilled, then the one-token step is captured in a CUDA
   graph over static buffers (the recurrent state is updated in place by :mod:`statereduce.speed.inplace`, with fla's own
   kernel or ours, or, as ``fla_copy``, by fla's unmodified function plus a copy back; each also as ``+fused``, with
-  the adapters' leaner one-token layer step around it) and replayed: ``warmup``
+  the decode routes' leaner one-token layer step around it) and replayed: ``warmup``
   replays, then ``trials`` x ``steps`` timed replays; the median trial gives ms/token and tokens/s. Each cell
   records peak memory and its *byte floor*: the bytes one step must move (every weight once, the embedding rows of
   the batch, the recurrent state (float32) and conv state read and written per sequence, the logits written) over
@@ -302,12 +302,11 @@ class GraphDecoder:
         model: an fla causal LM in eval mode on CUDA.
         batch, prompt: sequences and prompt tokens prefilled before capture.
         kernel: the in-place recurrent step (:data:`statereduce.speed.inplace.KERNELS`), ``+fused`` for the leaner layer
-            step of the family's adapter around it (its packed weights are laid out before capture).
+            step of the family's decode route around it (its packed weights are laid out before capture).
     """
 
     def __init__(self, model, batch: int, prompt: int, kernel: str, seed: int = 0):
-        from statereduce.adapters import get_adapter
-        from statereduce.speed.inplace import FUSED, inplace_decode, pack_for_decode
+        from statereduce.speed.inplace import FUSED, cache_tensors, inplace_decode, pack_for_decode
 
         self.model, self.kernel = model, kernel
         vocab = model.config.vocab_size
@@ -320,7 +319,7 @@ class GraphDecoder:
             pack_for_decode(model)
         with torch.no_grad(), self._decode:
             self.cache = model(self.prompt_ids, use_cache=True, logits_to_keep=1).past_key_values
-            self.states = get_adapter(model).cache_tensors(self.cache)
+            self.states = cache_tensors(model, self.cache)
             snapshot = [t.clone() for t in self.states]
 
             def forward():  # the captured call's logits stay in the graph's static output buffer

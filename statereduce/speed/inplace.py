@@ -15,8 +15,8 @@ steps and leaves every other call alone:
 - ``kernel="statereduce"``: :func:`statereduce.kernels.recurrent.recurrent_step`, our Triton kernel for ``T = 1``,
   which streams small-``d_k`` states in wide coalesced rows.
 
-Which functions are routed, and how, is each family's adapter's business (``decode_patches``, ``fused_patches``);
-this module only applies the patches.
+Which functions are routed, and how, is each family's decode route (:mod:`statereduce.speed.routes`, registered per
+family: fla's in :mod:`statereduce.speed.fla_decode`); this module only applies the patches.
 """
 
 
@@ -28,7 +28,9 @@ from typing import Any
 
 from torch import nn
 
-from statereduce.adapters import adapter_class, adapter_families, get_adapter
+from statereduce.adapters import adapter_families, get_adapter
+from statereduce.speed import fla_decode  # noqa: F401  (registers fla's decode routes)
+from statereduce.speed.routes import registered_route
 
 KERNELS = ("fla", "statereduce", "fla_copy")
 """Recurrent steps of :func:`inplace_decode`: fla's kernel in place, ours in place, and fla's public function
@@ -70,24 +72,24 @@ def patched(patches: list[tuple[Any, str, Callable]]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def inplace_decode(kernel: str = "statereduce", device_types: tuple[str, ...] = ("cuda",)) -> Iterator[None]:
-    """Within the block, the stock layers of every family whose adapter routes them (``decode_patches``: fla's
+    """Within the block, the stock layers of every family with a decode route (:mod:`statereduce.speed.routes`: fla's
     DeltaNet and Gated DeltaNet) decode with in-place state updates.
 
     Args:
         kernel: ``"statereduce"`` (:func:`statereduce.kernels.recurrent.recurrent_step`), ``"fla"`` (fla's own
             kernels, in place) or ``"fla_copy"`` (fla's functions unmodified, the new state copied back into the
-            cache's tensor); with ``"+fused"`` appended, the layers also take their adapter's leaner one-token step
-            around that state update (``fused_patches``; for fla's layers :mod:`statereduce.adapters.fla_layers`:
+            cache's tensor); with ``"+fused"`` appended, the layers also take their route's leaner one-token step
+            around that state update (``fused_patches``; for fla's layers :mod:`statereduce.speed.fla_decode`:
             packed projections, one conv launch, the residual added by the down projection).
         device_types: devices whose one-token calls are routed; ``("cpu",)`` only makes sense for
             ``"statereduce"`` under ``TRITON_INTERPRET=1`` (tests).
     """
     kernel, fused = parse_kernel(kernel)
     device_types = tuple(device_types)
-    adapters = [adapter_class(f) for f in adapter_families()]
-    patches = [p for a in adapters for p in a.decode_patches(kernel, device_types)]
+    routes = [registered_route(f) for f in adapter_families()]
+    patches = [p for r in routes for p in r.patches(kernel, device_types)]
     if fused:
-        patches += [p for a in adapters for p in a.fused_patches(kernel, device_types)]
+        patches += [p for r in routes for p in r.fused_patches(kernel, device_types)]
     with patched(patches):
         yield
 
@@ -97,4 +99,10 @@ def pack_for_decode(model: nn.Module) -> int:
     SwiGLU MLP's gate and up, packed into one tensor per group with the stock parameters rebound as views; values
     unchanged). The fused step also packs on first use; calling this first keeps the allocation out of a timed or
     captured region. Returns the number of modules packed."""
-    return get_adapter(model).pack_for_decode()
+    return registered_route(get_adapter(model).family).pack(model)
+
+
+def cache_tensors(model: nn.Module, cache) -> list:
+    """Every state tensor (recurrent and conv) of ``model``'s decoding cache ``cache``, for static CUDA-graph buffers
+    (:meth:`statereduce.speed.routes.DecodeRoute.cache_tensors`)."""
+    return registered_route(get_adapter(model).family).cache_tensors(cache)

@@ -249,8 +249,7 @@ def grad_score_arrays(
     """
     adapter = get_adapter(model)
     adapter.route_backward()  # the torch kernels on a GPU where fla refuses the family's backward
-    mixers = adapter.mixer_layers()
-    weights = {i: adapter.qk_weight_rows(m) for i, m in mixers}  # {layer: ((W, rows_q), (W, rows_k))}
+    weights = {lay.layer: lay.qk_weight_rows() for lay in adapter.layouts()}  # {layer: ((W, rows_q), (W, rows_k))}
     targets = {id(w) for pair in weights.values() for w, _ in pair}
     for p in model.parameters():
         p.requires_grad_(id(p) in targets)
@@ -311,9 +310,9 @@ def qk_weight_arrays(model: torch.nn.Module) -> dict[int, dict[str, np.ndarray]]
     adapter = get_adapter(model)
     h, d = adapter.num_heads, adapter.head_k_dim
     arrays = {}
-    for i, mixer in adapter.mixer_layers():
-        wq, wk = adapter.qk_weights(mixer)
-        arrays[i] = {"W_q": wq.detach().float().cpu().numpy().reshape(h, d, -1),
+    for layout in adapter.layouts():
+        wq, wk = layout.qk_weights()
+        arrays[layout.layer] = {"W_q": wq.detach().float().cpu().numpy().reshape(h, d, -1),
                      "W_k": wk.detach().float().cpu().numpy().reshape(h, d, -1)}
     return arrays
 

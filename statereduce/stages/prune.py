@@ -56,7 +56,7 @@ from torch import nn
 
 from statereduce import __version__
 from statereduce.adapters import EpsAttribute, LinearAttentionAdapter, ScaledRows, get_adapter
-from statereduce.adapters.base import EPS_ATTRIBUTES
+from statereduce.adapters.layout import EPS_ATTRIBUTES
 from statereduce.core.artifacts import PRUNE_RECORD, check_prune_record  # noqa: F401  (check_prune_record re-exported)
 from statereduce.core.checkpoints import base_checkpoint
 from statereduce.kernels.shapes import record_note
@@ -199,19 +199,20 @@ def plan_exact_norm_eps(adapter: LinearAttentionAdapter) -> EpsPlan:
     """What :func:`exact_norm_eps` will change in ``adapter.model``, checked before anything changes.
 
     Returns:
-        (``adapter.residual_writers() + adapter.norm_input_rows()``, the weights to scale by c;
-        ``adapter.config_eps_attributes()``, the live eps attributes to set).
+        (``residual_writers() + norm_input_rows()`` of ``adapter.norms()``, the weights to scale by c; its
+        ``config_eps_attributes()``, the live eps attributes to set).
     Raises:
         ValueError: one line, when the construction cannot be stored for the model
-            (:meth:`~statereduce.adapters.base.LinearAttentionAdapter.check_exact_norm_eps`: tied embeddings, the
+            (:meth:`~statereduce.adapters.layout.ExactNorms.check`: tied embeddings, the
             spec's ``exact_norm_eps_refusal``), when a listed eps attribute does not hold the config's eps, when a
             module holds the config's eps in an attribute the adapter does not list (a layout the construction was
             not made for: that norm's input would not be scaled), or when a weight is listed twice.
     """
-    adapter.check_exact_norm_eps()
+    norms = adapter.norms()
+    norms.check()
     field_name = adapter.norm_eps_field
     eps = getattr(adapter.config, field_name)
-    attributes = adapter.config_eps_attributes()
+    attributes = norms.config_eps_attributes()
     listed = set()
     for a in attributes:
         value = getattr(a.module, a.attr)
@@ -226,7 +227,7 @@ def plan_exact_norm_eps(adapter: LinearAttentionAdapter) -> EpsPlan:
                 raise ValueError(f"norm_eps='exact': {name or 'the model'}.{attr} holds the config's {field_name} but "
                                  f"the {adapter.family} adapter does not scale its input; use norm_eps='stock' "
                                  "(in the workflow: prune: {norm_eps: stock})")
-    scaled = adapter.residual_writers() + adapter.norm_input_rows()
+    scaled = norms.residual_writers() + norms.norm_input_rows()
     seen = set()
     for entry in scaled:
         if not isinstance(entry.module, (nn.Linear, nn.Embedding)):
@@ -511,7 +512,7 @@ def prune_mixed(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Tensor
     for layer, mixer in adapter.mixer_layers():
         slice_mixer(adapter, mixer, keep[layer], adapter.mixer_updates(config, widths[layer]))
         if output_eps[layer] is not None:
-            for attr in adapter.mixer_output_norm_eps(mixer):
+            for attr in adapter.layout(mixer).output_norm_eps():
                 setattr(attr.module, attr.attr, output_eps[layer])
     setattr(config, KEY_DIMS_FIELD, key_dims)
     changes = {KEY_DIMS_FIELD: [None, key_dims]}

@@ -10,8 +10,8 @@ times T^2 (Hinton et al., 2015), optionally plus the language-modelling cross en
 32k sequences of 2048 tokens, effective batch 16, AdamW, LR 1e-4 -> 1e-5 cosine with 5% warm-up, bf16.
 Afterwards LoRA is merged, and the result is a plain HF checkpoint of the pruned shapes.
 
-Which subtrees may train is the adapter's decision (:meth:`LinearAttentionAdapter.rft_roots`): all decoder
-blocks for DeltaNet / Gated DeltaNet, only the recurrent mixers for hybrids such as Qwen3.5.
+Which subtrees may train is registered per family (:data:`RFT_TARGETS`, :func:`rft_roots`): all decoder blocks for
+DeltaNet / Gated DeltaNet and Mamba-2, only the recurrent mixers for hybrids such as Qwen3.5.
 
 Data: ``n_samples`` non-overlapping blocks of ``seq_len`` tokens of a corpus's ``train`` split (the same
 corpus sources as calibration), drawn with a seeded generator; documents equal to a held-out evaluation
@@ -35,6 +35,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -191,28 +192,106 @@ def training_blocks(
     return blocks, {k: v for k, v in info.items() if k not in ("validation", "validation_hashes")}
 
 
+# ---- what fine-tuning trains, per family -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RftTargets:
+    """What recovery fine-tuning trains in one family's models (:data:`RFT_TARGETS`)."""
+
+    #: the scope of ``rft.scope: auto``. Hybrids (Qwen3.5) set "recurrent": only their linear-attention components
+    #: train, their softmax layers and MLPs stay frozen (paper Table 4)
+    default_scope: str = "all"
+    #: names (last component) of ``nn.Linear`` modules inside :func:`rft_roots` that get no LoRA and stay frozen
+    lora_excluded: tuple[str, ...] = ()
+
+
+RFT_TARGETS: dict[str, RftTargets] = {
+    # the fused training kernel (mamba_ssm) reads out_proj.weight directly, so a LoRA on it would never run; peft
+    # refuses LoRA on a Mamba out_proj for that reason. RFT trains in_proj (LoRA), conv1d and the norms.
+    "mamba2": RftTargets(lora_excluded=("out_proj",)),
+    "qwen3_5": RftTargets(default_scope="recurrent"),  # paper Table 4: only the recurrent components are fine-tuned
+}
+"""Family name -> its :class:`RftTargets`; a family not listed trains every decoder block (the defaults)."""
+
+RFT_SCOPES = tuple(s for s in RftSettings.valid("scope") if s != "auto")
+"""What recovery fine-tuning may train (:func:`rft_roots`): ``rft.scope``'s values but ``auto``, which each family
+resolves (:attr:`RftTargets.default_scope`)."""
+
+
+def rft_targets(family: str) -> RftTargets:
+    return RFT_TARGETS.get(family, RftTargets())
+
+
+def rft_roots(adapter, scope: str) -> list[tuple[str, nn.Module]]:
+    """The (qualified name, module) subtrees whose modules recovery fine-tuning may train.
+
+    ``"all"``: every decoder block and the decoder's final norm (the paper's RFT of DeltaNet / Gated DeltaNet).
+    ``"recurrent"``: only the linear-attention mixers (``adapter.mixer_layers()``). Embeddings and the LM head are
+    never included. :func:`attach_lora` puts LoRA on the ``nn.Linear`` modules of these subtrees and trains their
+    convolutions and norms fully.
+    """
+    from statereduce.adapters import decoder_layers
+
+    if scope not in RFT_SCOPES:
+        raise ValueError(f"unknown RFT scope {scope!r}; valid: {', '.join(RFT_SCOPES)}")
+    model = adapter.model
+    names = {id(m): n for n, m in model.named_modules()}
+    if scope == "recurrent":
+        roots = [mixer for _, mixer in adapter.mixer_layers()]
+    else:
+        roots = list(decoder_layers(model))
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        norms = [getattr(decoder, n, None) for n in ("norm", "norm_f")]  # fla, Qwen3.5: norm; Mamba-2: norm_f
+        roots.extend(n for n in norms if isinstance(n, nn.Module))
+    return [(names[id(m)], m) for m in roots]
+
+
+def trains_fully(module: nn.Module) -> bool:
+    """Whether recovery fine-tuning trains ``module`` (inside :func:`rft_roots`) fully rather than through LoRA:
+    convolutions (LoRA on a depthwise conv could not be merged) and norms (a class name ending in ``Norm`` or
+    ``NormGated``, as fla's and transformers' norm modules are named)."""
+    return isinstance(module, nn.Conv1d) or type(module).__name__.endswith(("Norm", "NormGated"))
+
+
+def unfuse_for_lora(model: nn.Module) -> Callable[[], None]:
+    """Make every LoRA target go through its own ``forward`` during RFT; return a function that undoes it.
+
+    fla's ``GatedMLP`` with ``fuse_swiglu`` (the default) hands ``down_proj.weight`` straight to a fused SwiGLU-linear
+    kernel, so a LoRA wrapper on ``down_proj`` would never run (and its merge would add an update that training never
+    saw). Unfused, the MLP computes the same ``down_proj(swiglu(g, u))``. Models without such modules are left as
+    they are.
+    """
+    touched = [m for m in model.modules() if getattr(m, "fuse_swiglu", False) and hasattr(m, "down_proj")]
+    for m in touched:
+        m.fuse_swiglu = False
+
+    def undo() -> None:
+        for m in touched:
+            m.fuse_swiglu = True
+
+    return undo
+
+
 # ---- model ------------------------------------------------------------------------------------------
 def rft_modules(model: nn.Module, scope: str = "auto") -> tuple[list[str], list[str], str]:
     """Which modules RFT touches: (LoRA targets, fully trained modules, resolved scope).
 
-    LoRA goes on every ``nn.Linear`` inside the adapter's RFT subtrees
-    (:meth:`~statereduce.adapters.base.LinearAttentionAdapter.rft_roots`) except the adapter's ``lora_excluded``
-    (Mamba-2's ``out_proj``, which stays frozen); the modules there that the adapter
-    trains fully (:meth:`~statereduce.adapters.base.LinearAttentionAdapter.rft_trains_fully`: convolutions and
-    norms) train fully. Names are full module names of ``model``.
+    LoRA goes on every ``nn.Linear`` inside the family's RFT subtrees (:func:`rft_roots`) except its
+    ``lora_excluded`` (Mamba-2's ``out_proj``, which stays frozen); the modules there that train fully
+    (:func:`trains_fully`: convolutions and norms) train fully. Names are full module names of ``model``.
     """
     from statereduce.adapters import get_adapter
 
     adapter = get_adapter(model)
-    scope = adapter.rft_default_scope if scope == "auto" else scope
+    targets = rft_targets(adapter.family)
+    scope = targets.default_scope if scope == "auto" else scope
     lora, full = [], []
-    for root_name, root in adapter.rft_roots(scope):
+    for root_name, root in rft_roots(adapter, scope):
         for name, module in root.named_modules():
             full_name = f"{root_name}.{name}" if name else root_name
             if isinstance(module, nn.Linear):
-                if full_name.rsplit(".", 1)[-1] not in adapter.lora_excluded:
+                if full_name.rsplit(".", 1)[-1] not in targets.lora_excluded:
                     lora.append(full_name)
-            elif adapter.rft_trains_fully(module):
+            elif trains_fully(module):
                 full.append(full_name)
     # a norm/conv inside another fully trained module is covered by it
     full = [n for n in full if not any(n.startswith(p + ".") for p in full)]
@@ -236,7 +315,7 @@ def attach_lora(model: nn.Module, cfg: RftSettings):
 
     lora_targets, full, scope = rft_modules(model, cfg.scope)
     adapter = get_adapter(model)
-    model._statereduce_refuse = adapter.unfuse_for_lora()  # merge() restores the fused kernels
+    model._statereduce_refuse = unfuse_for_lora(model)  # merge() restores the fused kernels
     # shared q/k filters (pretrain.share_conv) stay tied while they train; merge() unties them
     share = model_conv_sharing(adapter)
     tie_qk_convs(adapter, share)
