@@ -102,8 +102,8 @@ def tie_qk_convs(adapter: LinearAttentionAdapter, share: str) -> Callable[[], No
     replaces; the optimizer then trains those filters. ``"none"`` touches nothing.
 
     Args:
-        adapter: the adapter of the model to train (``mixer_layers``, ``q_conv``, ``k_conv``, ``num_heads`` and each
-            layer's ``mixer_key_dim``).
+        adapter: the adapter of the model to train (``num_heads``, and each layer's ``qk_convs`` and ``key_dim``:
+            :class:`~statereduce.adapters.layout.MixerLayout`).
         share: one of :data:`~statereduce.families.base.SHARE_CONV`.
     Returns:
         ``untie()``: :func:`untie_convs` of the model, leaving every conv a stock module whose weight is a plain

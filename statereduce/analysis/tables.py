@@ -715,7 +715,7 @@ def _decode_table(doc: dict, pcts: list, ratio: dict, suffix: str) -> list[str]:
              f"{doc.get('settings', {}).get('decode', {}).get('prompt')})")
     if suffix:
         title += ("; fused layers: packed projections and one conv launch per layer around the same state update "
-                  "(statereduce.adapters.fla_layers)")
+                  "(statereduce.speed.fla_decode)")
     lines = [title + ":", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for b in batches:
         ref = base.get((b, fla))

@@ -2,7 +2,7 @@
 (:mod:`statereduce.stages.prune`) and by loading a checkpoint whose layers keep different key widths
 (:func:`shape_mixers`, :func:`statereduce.core.models.load_model`).
 
-A mixer's q/k channels sit in rows of its projections and short convolutions (``adapter.channel_rows``: fused
+A mixer's q/k channels sit in rows of its projections and short convolutions (``adapter.layout(mixer).channel_rows()``: fused
 layouts included); slicing keeps every other row in order, so a head's kept channels stay in place. A transform
 selection first rotates each head's channels into its first d_k' rows (:func:`transform_rows`).
 """
@@ -161,7 +161,7 @@ def slice_mixer(
     adapter: LinearAttentionAdapter, mixer: nn.Module, keep: torch.Tensor, updates: Mapping[str, Any],
     transform: torch.Tensor | None = None,
 ) -> dict[str, int]:
-    """Slice every module of the mixer that holds q/k channels (``adapter.channel_rows``), then set its sizes.
+    """Slice every module of the mixer that holds q/k channels (its layout's ``channel_rows``), then set its sizes.
 
     With ``transform`` ([H, d_k', d_k]) each module's q/k channels are first rotated into the first d_k' rows of
     each head (:func:`transform_rows`), and ``keep`` must be ``0..d_k'-1`` per head. Returns the conv filter counts

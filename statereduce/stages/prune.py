@@ -4,7 +4,7 @@ Per head h, a selector keeps an index set I_h of d_k' of the d_k key/query chann
 indices apply to the query and the key channels wherever they sit: fla's separate ``q_proj``/``k_proj``
 and q/k short convs, or the fused input projection and convolution of Mamba-2 (B and C per group) and
 Qwen3.5 (``in_proj_qkv``, ``conv1d``). The adapter names those modules and rows
-(:meth:`~statereduce.adapters.base.LinearAttentionAdapter.channel_rows`); two small verbs (:func:`slice_rows`,
+(:meth:`~statereduce.adapters.layout.MixerLayout.channel_rows`); two small verbs (:func:`slice_rows`,
 :func:`set_mixer_dims`) change weights and shape metadata together, driven by one orchestrator,
 :func:`prune_model`, which also rewrites ``model.config`` through the adapter and returns a
 :class:`PruneRecord` of every decision. :func:`save_pruned` writes the stock HF checkpoint, the tokenizer
@@ -25,13 +25,13 @@ two choices (``norm_eps``, ``PruneSettings.valid("norm_eps")``):
   also starts from; :func:`exact_norm_eps`): the config's eps is multiplied by c^2, and every norm other than the
   mixers' output norms is made to see a c times larger input, which an RMSNorm ignores apart from its eps
   (``RMSNorm(c x; eps c^2) = RMSNorm(x; eps)``): the residual stream is multiplied by c (the input embedding and
-  every module that adds into it, ``adapter.residual_writers``), and so are the projections that feed norms off
-  the residual stream (Qwen3.5's attention q_norm/k_norm, ``adapter.norm_input_rows``). Every block norm then sees
+  every module that adds into it, ``adapter.norms().residual_writers``), and so are the projections that feed norms off
+  the residual stream (Qwen3.5's attention q_norm/k_norm, ``norm_input_rows``). Every block norm then sees
   ``c h`` with ``eps c^2``, every mixer output norm ``c o`` with ``eps c^2``, every residual writer adds c times
   what it added under zero-masking, and the final norm sees ``c h``: the logits equal zero-masking up to float
   rounding of the scaled weights (in bfloat16 a relative 2^-9 per weight where c is not a power of two; none at
   c = 2, i.e. 75%). Only weights and the eps field change, so the checkpoint loads with the stock classes; the
-  live modules get the new eps too (``adapter.config_eps_attributes``), so the model in memory equals the one
+  live modules get the new eps too (``config_eps_attributes``), so the model in memory equals the one
   reloaded. Refused (one line, before any change): tied input/output embeddings (scaling the embedding would
   scale the logits) and what the spec's ``exact_norm_eps_refusal`` names.
 
