@@ -230,11 +230,12 @@ def rft_roots(adapter, scope: str) -> list[tuple[str, nn.Module]]:
     convolutions and norms fully.
     """
     from statereduce.adapters import decoder_layers
+    from statereduce.adapters.layout import module_names
 
     if scope not in RFT_SCOPES:
         raise ValueError(f"unknown RFT scope {scope!r}; valid: {', '.join(RFT_SCOPES)}")
     model = adapter.model
-    names = {id(m): n for n, m in model.named_modules()}
+    names = module_names(model)
     if scope == "recurrent":
         roots = [mixer for _, mixer in adapter.mixer_layers()]
     else:

@@ -80,7 +80,19 @@ class Study:
         """Draw :attr:`figures` to ``outputs[figure.name]`` (PNG)."""
 
 
-# ---- checks and paths the studies share -----------------------------------------------------------------------
+# ---- schemas, checks and paths the studies share ---------------------------------------------------------------
+def unique_list(items: dict | None = None, description: str | None = None) -> dict:
+    """JSON schema of a non-empty list of distinct ``items`` (default: strings), e.g. a study's models or pcts."""
+    out = {"type": "array", "items": items or {"type": "string"}, "minItems": 1, "uniqueItems": True}
+    return out | ({"description": description} if description else {})
+
+
+#: a study block's list of percentages (``$defs/pct`` of schemas/config.schema.yaml)
+PCTS = unique_list({"$ref": "#/$defs/pct"})
+#: a list of config keys (budgets, calibration variants): the key pattern of the config
+KEY = {"type": "string", "pattern": "^[a-z0-9]+$"}
+
+
 def known_models(config: dict, where: str, models) -> None:
     """Raise ConfigError (one line) for the first of ``models`` that ``config`` does not define."""
     for model in models:

@@ -11,7 +11,9 @@ from pathlib import Path
 from statereduce.common import layout
 from statereduce.common.layout import MethodSpec, format_method, format_pct, parse_method
 from statereduce.config.blocks import ConfigError, check_budget_cell, check_reduction, model_budget
-from statereduce.studies.base import Figure, Study, Table, known_models, known_selectors, register, summary_paths
+from statereduce.studies.base import (
+    KEY, PCTS, Figure, Study, Table, known_models, known_selectors, register, summary_paths, unique_list,
+)
 
 
 @register
@@ -26,12 +28,10 @@ class BudgetStudy(Study):
         "description": "per-layer key budgets against the uniform cut at the same total state, pre- and post-RFT",
         "required": ["models", "selectors", "budgets", "pcts"],
         "properties": {
-            "models": {"type": "array", "items": {"type": "string"}, "minItems": 1, "uniqueItems": True},
-            "selectors": {"type": "array", "items": {"type": "string"}, "minItems": 1, "uniqueItems": True,
-                          "description": "index selectors"},
-            "budgets": {"type": "array", "items": {"type": "string", "pattern": "^[a-z0-9]+$"}, "minItems": 1,
-                        "uniqueItems": True, "description": "keys of budgets"},
-            "pcts": {"type": "array", "items": {"$ref": "#/$defs/pct"}, "minItems": 1, "uniqueItems": True},
+            "models": unique_list(),
+            "selectors": unique_list(description="index selectors"),
+            "budgets": unique_list(KEY, "keys of budgets"),
+            "pcts": PCTS,
         },
     }
     tables = (Table("budget_study", "per-layer key budgets vs. the uniform cut", """

@@ -7,7 +7,9 @@ from __future__ import annotations
 from statereduce.common.layout import MethodSpec, format_method, format_pct
 from statereduce.common.settings import CalibrationSettings
 from statereduce.config.blocks import ConfigError, check_reduction, model_calibration
-from statereduce.studies.base import Study, Table, known_models, known_selectors, register, summary_paths
+from statereduce.studies.base import (
+    KEY, Study, Table, known_models, known_selectors, register, summary_paths, unique_list,
+)
 
 #: Selector needs that depend on the calibration data (a selector needing none of them ignores the calibration).
 CALIBRATION_NEEDS = frozenset({"activations", "xnorm", "grad"})
@@ -41,12 +43,9 @@ class CalibrationStudy(Study):
         "description": "paper Tables 2/7: each selector under each calibration variant",
         "required": ["models", "selectors", "variants", "pct"],
         "properties": {
-            "models": {"type": "array", "items": {"type": "string"}, "minItems": 1, "uniqueItems": True},
-            "selectors": {"type": "array", "items": {"type": "string"}, "minItems": 1, "uniqueItems": True,
-                          "description": "selectors that read calibration data"},
-            "variants": {"type": "array", "items": {"type": "string", "pattern": "^[a-z0-9]+$"}, "minItems": 1,
-                         "uniqueItems": True,
-                         "description": "'default' (the model's own calibration) or keys of calibrations"},
+            "models": unique_list(),
+            "selectors": unique_list(description="selectors that read calibration data"),
+            "variants": unique_list(KEY, "'default' (the model's own calibration) or keys of calibrations"),
             "pct": {"$ref": "#/$defs/pct"},
         },
     }

@@ -8,7 +8,8 @@ from __future__ import annotations
 from statereduce.common import layout
 from statereduce.common.layout import MethodSpec, format_method, format_pct
 from statereduce.config.blocks import ConfigError, check_reduction, model_pretrain
-from statereduce.studies.base import Study, Table, known_selectors, register
+from statereduce.families import SHARE_CONV  # Table 14's rows, in the paper's order
+from statereduce.studies.base import PCTS, Study, Table, known_selectors, register, unique_list
 
 #: Table 14's notation for how q/k conv filters are shared: across heads, inside a head (× = no, ✓ = yes)
 SHARING_MARKS = {"none": "××", "head": "×✓", "all": "✓✓"}
@@ -19,8 +20,6 @@ PCA_METHOD_LABELS = {"pca-adv": "PCA (adv.)", "pca": "PCA (prop.)", "grad": "Gra
 
 def _models(block: dict) -> list[str]:
     """The study's models, each once, in Table 14's row order (``none``, ``head``, ``all``)."""
-    from statereduce.families import SHARE_CONV
-
     return list(dict.fromkeys(block["models"][k] for k in SHARE_CONV if k in block["models"]))
 
 
@@ -41,8 +40,8 @@ class ConvolutionStudy(Study):
                        "description": "share_conv (none, head, all) -> the model trained with it",
                        "properties": {"none": {"type": "string"}, "head": {"type": "string"},
                                       "all": {"type": "string"}}},
-            "selectors": {"type": "array", "items": {"type": "string"}, "minItems": 1, "uniqueItems": True},
-            "pcts": {"type": "array", "items": {"$ref": "#/$defs/pct"}, "minItems": 1, "uniqueItems": True},
+            "selectors": unique_list(),
+            "pcts": PCTS,
         },
     }
     tables = (
@@ -80,8 +79,6 @@ was not computed. The long CSV is ``results/tables/pca_convolutions.csv``.
                     check_reduction(config, model, pct)
                 except ConfigError as e:
                     raise ConfigError(f"{where}: {e}") from None
-        from statereduce.families import SHARE_CONV
-
         ordered = [block["models"][k] for k in SHARE_CONV if k in block["models"]]
         return [(m, format_method(MethodSpec(sel)), float(pct)) for m in ordered for pct in block["pcts"]
                 for sel in block["selectors"]]

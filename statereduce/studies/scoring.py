@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from statereduce.common.layout import MethodSpec, format_method, format_pct
 from statereduce.config.blocks import ConfigError, check_reduction
-from statereduce.studies.base import Study, Table, known_models, known_selectors, register, summary_paths
+from statereduce.studies.base import Study, Table, known_models, known_selectors, register, summary_paths, unique_list
 
 #: Scoring variants in Table 16's column order, with the paper's column labels.
 SCORING = (("kq", "K,Q"), ("k", "K"), ("q", "Q"))
@@ -24,9 +24,8 @@ class ScoringStudy(Study):
         "description": "paper Table 16: scores from keys and queries, keys only, queries only",
         "required": ["models", "selectors", "pct"],
         "properties": {
-            "models": {"type": "array", "items": {"type": "string"}, "minItems": 1, "uniqueItems": True},
-            "selectors": {"type": "array", "items": {"type": "string"}, "minItems": 1, "uniqueItems": True,
-                          "description": "selectors with -k/-q variants"},
+            "models": unique_list(),
+            "selectors": unique_list(description="selectors with -k/-q variants"),
             "pct": {"$ref": "#/$defs/pct"},
         },
     }
