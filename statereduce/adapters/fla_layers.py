@@ -16,7 +16,7 @@ from torch import nn
 
 from statereduce.adapters.base import LinearAttentionAdapter, decoder_layers
 from statereduce.adapters.layout import (
-    ChannelRows, EpsAttribute, ExactNorms, MixerLayout, ScaledRows, head_major_rows, module_names,
+    ChannelRows, EpsAttribute, ExactNorms, MixerLayout, ScaledRows, ValueChannels, head_major_rows, module_names,
 )
 
 
@@ -40,6 +40,25 @@ class FlaMixerLayout(MixerLayout):
     def output_norm_eps(self) -> list[EpsAttribute]:
         """``eps`` of the mixer's ``o_norm``."""
         return [EpsAttribute(module_names(self.adapter.model)[id(self.mixer.o_norm)], self.mixer.o_norm, "eps")]
+
+    def value_channels(self) -> list[ValueChannels]:
+        """``v_proj`` rows and ``v_conv1d`` channels (``[HV*d_v]``, head-major), ``g_proj`` rows (the output gate, with
+        ``use_gate``), ``o_norm.weight`` (``[d_v]``, shared by the heads) and ``o_proj`` columns."""
+        mixer = self.mixer
+        hv = mixer.value_dim // self.value_dim
+        rows = head_major_rows(hv, self.value_dim)
+        out = [ValueChannels("v_proj", mixer.v_proj, rows, "out")]
+        if mixer.use_short_conv:
+            out.append(ValueChannels("v_conv1d", mixer.v_conv1d, rows, "out"))
+        if getattr(mixer, "use_gate", False):
+            out.append(ValueChannels("g_proj", mixer.g_proj, rows, "out"))
+        out += [ValueChannels("o_norm", mixer.o_norm, rows[:1] - rows[0, 0], "norm"),
+                ValueChannels("o_proj", mixer.o_proj, rows, "in")]
+        return out
+
+    def value_updates(self, d_v_new: int) -> dict[str, int]:
+        hv = self.mixer.value_dim // self.value_dim
+        return {"head_v_dim": int(d_v_new), "value_dim": hv * int(d_v_new), "o_norm.hidden_size": int(d_v_new)}
 
     def qk_convs(self) -> tuple[nn.Conv1d | None, nn.Conv1d | None]:
         return (self.mixer.q_conv1d, self.mixer.k_conv1d) if self.mixer.use_short_conv else (None, None)

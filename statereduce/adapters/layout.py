@@ -54,6 +54,22 @@ class EpsAttribute:
     attr: str
 
 
+@dataclass(frozen=True)
+class ValueChannels:
+    """Where the value channels sit in one module of a mixer.
+
+    ``index[h, j]`` is the position of value channel j of value head h along ``axis``: ``"out"``, a row of an
+    ``nn.Linear`` (output feature) or a channel of a depthwise ``nn.Conv1d``; ``"in"``, a column (input feature) of the
+    mixer's output projection; ``"norm"``, an entry of the output norm's weight. A norm weight that all heads share (fla,
+    Qwen3.5: ``[d_v]``) has one row, ``[1, d_v]``: its heads can only drop the same channels.
+    """
+
+    name: str  # the module's name inside the mixer, for messages
+    module: nn.Module
+    index: torch.Tensor
+    axis: str
+
+
 #: the attribute names under which the stock norm modules (and layers) of the supported families keep an eps
 EPS_ATTRIBUTES = ("eps", "variance_epsilon", "layer_norm_epsilon", "norm_eps")
 
@@ -123,6 +139,31 @@ class MixerLayout:
         """The depthwise short convs of the queries and of the keys when each has one of its own (``[H * d_k, 1, W]``,
         the channel order of the projections), which ``pretrain.share_conv`` can tie; the default: none."""
         return None, None
+
+    # ---- the value side (each head's d_v channels: the rows of its state) ----
+    #: the attribute of the live mixer that holds its value width d_v
+    value_dim_attr: ClassVar[str] = "head_v_dim"
+
+    @property
+    def value_dim(self) -> int:
+        """The mixer's value width d_v (per value head)."""
+        return int(getattr(self.mixer, self.value_dim_attr))
+
+    def value_channels(self) -> list[ValueChannels]:
+        """Every module of the mixer that holds value channels, with the position of channel (h, j) in it: the value
+        projection rows and their short conv, the output gate's rows, the output norm's weight and the output
+        projection's columns (:func:`statereduce.core.slicing.slice_values` keeps the rest in order)."""
+        raise NotImplementedError(f"{type(self).__name__}.value_channels")
+
+    def value_updates(self, d_v_new: int) -> dict[str, int]:
+        """The mixer's size attributes after keeping ``d_v_new`` value channels per head (``"sub.attr"`` names an
+        attribute of a submodule)."""
+        raise NotImplementedError(f"{type(self).__name__}.value_updates")
+
+    def shared_value_selection(self) -> bool:
+        """Whether the value heads of this mixer must keep the same channels: its output norm's weight has one entry
+        per channel that all heads share."""
+        return any(e.axis == "norm" and e.index.shape[0] == 1 for e in self.value_channels())
 
     def qk_weight_rows(self) -> tuple[WeightRows, WeightRows]:
         """((W, rows_q), (W, rows_k)): the projection weight parameters holding the query and the key channels (the

@@ -36,7 +36,9 @@ import torch
 from torch import nn
 
 from statereduce.adapters.base import LazyImport, TransformersAdapter, decoder_layers, register_adapter
-from statereduce.adapters.layout import ChannelRows, MixerLayout, head_major_rows
+from statereduce.adapters.layout import (
+    ChannelRows, EpsAttribute, ExactNorms, MixerLayout, ScaledRows, ValueChannels, head_major_rows,
+)
 from statereduce.families.mamba2 import Mamba2Family
 
 LAYER_MODULE = "transformers.models.mamba2.modeling_mamba2"
@@ -73,6 +75,48 @@ class Mamba2Layout(MixerLayout):
     def projection_input(self) -> nn.Module:
         return self.mixer.in_proj
 
+    value_dim_attr = "head_dim"
+
+    def value_channels(self) -> list[ValueChannels]:
+        """Per Mamba head (``[num_heads, head_dim]``, head-major): the z rows (the gate, ``[0, I)``) and x rows (``[I,
+        2I)``) of ``in_proj``, the x channels of ``conv1d`` (``[0, I)``, weight and bias), the gated norm's weight (one
+        entry per channel) and the ``out_proj`` columns."""
+        mixer = self.mixer
+        rows = head_major_rows(mixer.num_heads, mixer.head_dim)
+        return [ValueChannels("in_proj", mixer.in_proj, torch.stack([rows, rows + mixer.intermediate_size], -1),
+                               "out"),
+                ValueChannels("conv1d", mixer.conv1d, rows, "out"),
+                ValueChannels("norm", mixer.norm, rows, "norm"),
+                ValueChannels("out_proj", mixer.out_proj, rows, "in")]
+
+    def value_updates(self, d_v_new: int) -> dict[str, int]:
+        mixer = self.mixer
+        inner = mixer.num_heads * int(d_v_new)
+        return {"head_dim": int(d_v_new), "intermediate_size": inner,
+                "conv_dim": inner + 2 * mixer.n_groups * mixer.ssm_state_size, "norm.group_size": inner // mixer.n_groups}
+
+
+class Mamba2Norms(ExactNorms):
+    """What keeping fewer value channels with ``norm_eps="exact"`` changes in Mamba-2: ``layer_norm_epsilon`` feeds
+    the blocks' norms, each mixer's gated norm and the final norm (B/C pruning has no kernel scale and changes
+    none of them)."""
+
+    def residual_writers(self) -> list[ScaledRows]:
+        """``embeddings`` and each block's ``mixer.out_proj`` (a Mamba-2 block is ``h + mixer(norm(h))``)."""
+        modules = [self.model.get_input_embeddings()]
+        modules += [block.mixer.out_proj for block in decoder_layers(self.model)]
+        return [self.scaled(m) for m in modules]
+
+    def config_eps_attributes(self) -> list[EpsAttribute]:
+        """``variance_epsilon`` of each block's ``norm``, each mixer's gated ``norm`` and the final ``norm_f``, and the
+        copy each mixer keeps (``layer_norm_epsilon``)."""
+        out = []
+        for block in decoder_layers(self.model):
+            out += [self.eps(block.norm, "variance_epsilon"), self.eps(block.mixer.norm, "variance_epsilon"),
+                    self.eps(block.mixer, "layer_norm_epsilon")]
+        out.append(self.eps(self.model.get_decoder().norm_f, "variance_epsilon"))
+        return out
+
 
 @register_adapter
 class Mamba2Adapter(Mamba2Family, TransformersAdapter):
@@ -83,6 +127,7 @@ class Mamba2Adapter(Mamba2Family, TransformersAdapter):
     qk_readers = {CHUNK: _scan_qk, STEP: _step_qk}
     cache_state_v_first = True  # the cache holds [B, num_heads, head_dim, N]
     mixer_layout = Mamba2Layout
+    exact_norms = Mamba2Norms
 
     def mixer_layers(self) -> list[tuple[int, nn.Module]]:
         return [(i, block.mixer) for i, block in enumerate(decoder_layers(self.model))]

@@ -46,7 +46,7 @@ from torch import nn
 
 from statereduce.adapters.base import TransformersAdapter, decoder_layers, register_adapter
 from statereduce.adapters.layout import (
-    ChannelRows, EpsAttribute, ExactNorms, MixerLayout, ScaledRows, head_major_rows, module_names,
+    ChannelRows, EpsAttribute, ExactNorms, MixerLayout, ScaledRows, ValueChannels, head_major_rows, module_names,
 )
 from statereduce.families.qwen3_5 import Qwen35Family, text_config
 
@@ -82,6 +82,23 @@ class Qwen35Layout(MixerLayout):
 
     def projection_input(self) -> nn.Module:
         return self.mixer.in_proj_qkv
+
+    def value_channels(self) -> list[ValueChannels]:
+        """The value rows of ``in_proj_qkv`` and ``conv1d`` (after the queries and keys), ``in_proj_z`` rows (the
+        output gate), ``norm.weight`` (``[d_v]``, shared by the value heads) and ``out_proj`` columns."""
+        mixer = self.mixer
+        rows = head_major_rows(mixer.num_v_heads, mixer.head_v_dim)
+        offset = 2 * mixer.num_k_heads * mixer.head_k_dim
+        return [ValueChannels("in_proj_qkv", mixer.in_proj_qkv, rows + offset, "out"),
+                ValueChannels("conv1d", mixer.conv1d, rows + offset, "out"),
+                ValueChannels("in_proj_z", mixer.in_proj_z, rows, "out"),
+                ValueChannels("norm", mixer.norm, rows[:1], "norm"),
+                ValueChannels("out_proj", mixer.out_proj, rows, "in")]
+
+    def value_updates(self, d_v_new: int) -> dict[str, int]:
+        mixer = self.mixer
+        value_dim = mixer.num_v_heads * int(d_v_new)
+        return {"head_v_dim": int(d_v_new), "value_dim": value_dim, "conv_dim": 2 * mixer.key_dim + value_dim}
 
     def output_norm_eps(self) -> list[EpsAttribute]:
         """``variance_epsilon`` of the Gated DeltaNet's ``norm`` and the layer's copy (``layer_norm_epsilon``)."""

@@ -201,7 +201,7 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from statereduce.adapters import adapter_for_config
-    from statereduce.core.slicing import KEY_DIMS_FIELD
+    from statereduce.core.slicing import KEY_DIMS_FIELD, VALUE_DIMS_FIELD
 
     base = Path(base)
     source_file = base / SOURCE_FILE
@@ -224,7 +224,7 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     adapter = adapter_for_config(config)
     adapter.install_fallbacks()  # CPU tensors to the torch kernels; CUDA calls at shapes fla mishandles padded
     kwargs: dict[str, Any] = {"revision": revision, "dtype": DTYPES[dtype], **adapter.config_overrides}
-    if getattr(config, KEY_DIMS_FIELD, None) is not None:
+    if getattr(config, KEY_DIMS_FIELD, None) is not None or getattr(config, VALUE_DIMS_FIELD, None) is not None:
         model = load_mixed_widths(adapter.causal_lm_class or AutoModelForCausalLM, Path(model_id), config,
                                   DTYPES[dtype], adapter.config_overrides)
     else:
@@ -236,27 +236,32 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
 
 
 def load_mixed_widths(cls, folder: Path, config, dtype: torch.dtype, overrides: dict[str, Any]):
-    """A checkpoint whose layers keep different key widths (``config.statereduce_key_dims``, written by
-    :func:`statereduce.stages.prune.prune_model` for a per-layer allocation): the stock class built from the config (the
-    unpruned head sizes), each mixer shaped to its width and output-norm eps
-    (:func:`statereduce.core.slicing.shape_mixers`),
-    then the weights of ``model.safetensors`` loaded strictly (tied output embeddings excepted).
+    """A checkpoint whose widths its stock config cannot describe, written by
+    :func:`statereduce.stages.prune.prune_model`: layers that keep different key widths (``config.statereduce_key_dims``,
+    a per-layer allocation) or value widths the config has no field for (``config.statereduce_value_dims``,
+    Mamba-2). The stock class is built from the config (the unpruned head sizes), each mixer shaped to its key width
+    and output-norm eps (:func:`statereduce.core.slicing.shape_mixers`) and to its value width
+    (:func:`statereduce.core.slicing.shape_values`), then the weights of ``model.safetensors`` are loaded strictly
+    (tied output embeddings excepted).
 
-    The stock ``from_pretrained`` cannot load it: its config describes one key width for every layer. Any other
-    code gets the same model with::
+    The stock ``from_pretrained`` cannot load it. Any other code gets the same model with::
 
         model = AutoModelForCausalLM.from_config(config)
-        statereduce.core.slicing.shape_mixers(statereduce.adapters.get_adapter(model), config.statereduce_key_dims,
-                                         getattr(config, "statereduce_output_norm_eps", None))
+        adapter = statereduce.adapters.get_adapter(model)
+        statereduce.core.slicing.shape_mixers(adapter, config.statereduce_key_dims,
+                                              getattr(config, "statereduce_output_norm_eps", None))  # if key dims
+        statereduce.core.slicing.shape_values(adapter, config.statereduce_value_dims)  # if value dims
         model.load_state_dict(safetensors.torch.load_file("model.safetensors"), strict=False)
     """
     from safetensors.torch import load_file
 
     from statereduce.adapters import get_adapter
-    from statereduce.core.slicing import KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD, shape_mixers
+    from statereduce.core.slicing import (
+        KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD, VALUE_DIMS_FIELD, shape_mixers, shape_values,
+    )
 
     if not (folder / "model.safetensors").is_file():
-        raise ValueError(f"{folder} holds a per-layer key-width checkpoint but no model.safetensors (a local "
+        raise ValueError(f"{folder} holds a checkpoint with per-layer widths but no model.safetensors (a local "
                          "checkpoint folder is needed)")
     if getattr(cls, "config_class", None) is not None:  # the model class's own config class (fla registers its
         config = cls.config_class.from_pretrained(folder)  # own mamba2 config with the Auto classes)
@@ -264,12 +269,15 @@ def load_mixed_widths(cls, folder: Path, config, dtype: torch.dtype, overrides: 
         setattr(config, name, value)
     build = getattr(cls, "from_config", None) or cls._from_config  # an Auto class, or the model class itself
     model = build(config, dtype=dtype)
-    shape_mixers(get_adapter(model), getattr(config, KEY_DIMS_FIELD),
-                 getattr(config, OUTPUT_NORM_EPS_FIELD, None))
+    adapter = get_adapter(model)
+    if getattr(config, KEY_DIMS_FIELD, None) is not None:
+        shape_mixers(adapter, getattr(config, KEY_DIMS_FIELD), getattr(config, OUTPUT_NORM_EPS_FIELD, None))
+    if getattr(config, VALUE_DIMS_FIELD, None) is not None:
+        shape_values(adapter, getattr(config, VALUE_DIMS_FIELD))
     missing, unexpected = model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:
-        raise ValueError(f"{folder}: weights do not match the per-layer key widths: missing "
+        raise ValueError(f"{folder}: weights do not match the per-layer widths: missing "
                          f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
     if tied:
         model.tie_weights()

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from statereduce.adapters import ChannelRows, LinearAttentionAdapter
+from statereduce.adapters.layout import ValueChannels
 from statereduce.adapters.conv_sharing import filters_equal
-from statereduce.families.base import KEY_DIMS_FIELD  # noqa: F401  (re-exported: the field this module shapes from)
+from statereduce.families.base import KEY_DIMS_FIELD, VALUE_DIMS_FIELD  # noqa: F401  (the fields shaped from)
 
 #: Per decoder layer, the eps of the mixer's output norm (None where unchanged or absent), set after shaping.
 OUTPUT_NORM_EPS_FIELD = "statereduce_output_norm_eps"
@@ -224,6 +225,127 @@ def masked_channels(adapter: LinearAttentionAdapter, mixer: nn.Module, keep: tor
             n_rows = module.weight.shape[0]
             dropped = torch.ones(n_rows, dtype=torch.bool)
             dropped[kept_rows(n_rows, entry, keep.to(torch.long))] = False
+            rows = dropped.nonzero().squeeze(1).to(module.weight.device)
+            for param in (module.weight, module.bias):
+                if param is not None:
+                    saved.append((param, rows, param[rows].clone()))
+                    param[rows] = 0
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for param, rows, value in saved:
+                param[rows] = value
+
+
+# ---- the value side -----------------------------------------------------------------------------
+def value_positions(entry: ValueChannels, keep_v: torch.Tensor, n: int) -> torch.Tensor:
+    """The positions of ``entry.module`` along its axis that keeping ``keep_v`` leaves: every position except the
+    dropped value channels, in order (a fused projection keeps its other rows in place).
+
+    Args:
+        entry: where the module's value channels sit (``index`` [HV, d_v], [1, d_v] for a shared norm weight, or
+            [HV, d_v, P] for a module holding P rows per channel).
+        keep_v: [HV, d_v'] kept value channels per value head, sorted (a shared entry reads row 0), or [d_v'] for
+            every head.
+        n: the module's size along the axis.
+    """
+    index = entry.index
+    if keep_v.ndim == 1:
+        keep_v = keep_v[None].expand(index.shape[0], -1)
+    keep = keep_v[:1] if index.shape[0] == 1 else keep_v
+    if keep.shape[0] != index.shape[0]:
+        raise ValueError(f"{entry.name} has {index.shape[0]} value heads; keep_v {tuple(keep_v.shape)} has "
+                         f"{keep_v.shape[0]}")
+    if keep.numel() and int(keep.max()) >= index.shape[1]:
+        raise ValueError(f"{entry.name}: value index {int(keep.max())} out of range for d_v={index.shape[1]}")
+    dropped = torch.ones(index.shape[:2], dtype=torch.bool)
+    dropped.scatter_(1, keep.cpu(), False)
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[index[dropped]] = False  # a [HV, d_v, P] index: every position of the channel's P parts
+    return mask.nonzero().squeeze(1)
+
+
+def _axis_size(entry: ValueChannels) -> int:
+    weight = entry.module.weight
+    return weight.shape[1] if entry.axis == "in" else weight.shape[0]
+
+
+def slice_values(adapter: LinearAttentionAdapter, mixer: nn.Module, keep_v: torch.Tensor) -> None:
+    """Keep the value channels ``keep_v`` ([HV, d_v'] per value head, sorted) of one mixer: rows of its value
+    projections and convs, entries of its output norm's weight, columns of its output projection (its layout's
+    ``value_channels``), then set its sizes (``value_updates``). Weights only: rescaling the norm is the caller's
+    (:func:`statereduce.stages.prune.prune_model`)."""
+    layout = adapter.layout(mixer)
+    entries = layout.value_channels()  # every position map is read before any module changes
+    updates = layout.value_updates(int(keep_v.shape[1]))
+    plans = [(entry, value_positions(entry, keep_v, _axis_size(entry))) for entry in entries]
+    for entry, kept in plans:
+        module = entry.module
+        if entry.axis == "out":
+            slice_rows(module, kept, entry.name, layout.conv_channel_attrs)
+        elif entry.axis == "in":
+            if not isinstance(module, nn.Linear):
+                raise ValueError(f"{entry.name} is a {type(module).__name__}; only nn.Linear columns can be sliced")
+            kept = kept.to(module.weight.device)
+            module.weight = nn.Parameter(module.weight.data[:, kept].clone(), requires_grad=module.weight.requires_grad)
+            module.in_features = kept.numel()
+        elif entry.axis == "norm":
+            kept = kept.to(module.weight.device)
+            module.weight = nn.Parameter(module.weight.data[kept].clone(), requires_grad=module.weight.requires_grad)
+            if getattr(module, "bias", None) is not None:
+                module.bias = nn.Parameter(module.bias.data[kept].clone(), requires_grad=module.bias.requires_grad)
+        else:
+            raise ValueError(f"{entry.name}: unknown value axis {entry.axis!r}; valid: out, in, norm")
+    for name, value in updates.items():
+        owner, _, attr = name.rpartition(".")
+        set_mixer_dims(mixer.get_submodule(owner) if owner else mixer, {attr: value})
+
+
+def output_norms(adapter: LinearAttentionAdapter, mixer: nn.Module) -> list[nn.Module]:
+    """The mixer's output norm modules (the ``"norm"`` entries of its value channels)."""
+    return [e.module for e in adapter.layout(mixer).value_channels() if e.axis == "norm"]
+
+
+def shape_values(adapter: LinearAttentionAdapter, value_dims: Sequence[int | None]) -> None:
+    """Give each linear-attention mixer ``value_dims[layer]`` value channels per head (its first d_v': only the shapes
+    matter, the weights are loaded next), as :func:`statereduce.stages.prune.prune_model` stored them in
+    :data:`VALUE_DIMS_FIELD` for a family whose config cannot hold d_v'.
+
+    Raises:
+        ValueError: one line, when ``value_dims`` does not name a width for exactly the mixer layers.
+    """
+    layers = dict(adapter.mixer_layers())
+    named = {i for i, w in enumerate(value_dims) if w is not None}
+    if named != set(layers):
+        raise ValueError(f"{VALUE_DIMS_FIELD} names widths for layers {sorted(named)}; the model's linear-attention "
+                         f"layers are {sorted(layers)}")
+    for layer, mixer in layers.items():
+        layout = adapter.layout(mixer)
+        hv = max(e.index.shape[0] for e in layout.value_channels())
+        slice_values(adapter, mixer, torch.arange(int(value_dims[layer])).expand(hv, -1))
+
+
+@contextmanager
+def masked_values(adapter: LinearAttentionAdapter, mixer: nn.Module, keep_v: torch.Tensor) -> Iterator[None]:
+    """Zero the dropped value channels of one mixer for the duration of the block (the rows of its value projections
+    and convs, weight and bias: a dropped channel's value is zero after the conv and activation, so is its row of the
+    state and its output), then restore them.
+
+    Args:
+        adapter: the model's adapter.
+        mixer: one of ``adapter.mixer_layers()``'s mixers.
+        keep_v: [HV, d_v'] kept value channels per value head.
+    """
+    saved = []
+    with torch.no_grad():
+        for entry in adapter.layout(mixer).value_channels():
+            if entry.axis != "out" or entry.index.shape[0] == 1:
+                continue
+            module = entry.module
+            n = module.weight.shape[0]
+            dropped = torch.ones(n, dtype=torch.bool)
+            dropped[value_positions(entry, keep_v.to(torch.long), n)] = False
             rows = dropped.nonzero().squeeze(1).to(module.weight.device)
             for param in (module.weight, module.bias):
                 if param is not None:

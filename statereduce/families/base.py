@@ -30,6 +30,9 @@ _FAMILIES: dict[str, Family] = {}
 #: (:func:`statereduce.stages.prune.prune_model` writes it, :func:`statereduce.core.slicing.shape_mixers` reads it
 #: on load).
 KEY_DIMS_FIELD = "statereduce_key_dims"
+#: config field of a checkpoint whose value width the stock config cannot express (Mamba-2): per decoder layer, the
+#: mixer's d_v' (None for other layers); :func:`statereduce.core.models.load_model` shapes the mixers from it
+VALUE_DIMS_FIELD = "statereduce_value_dims"
 
 SHARE_CONV = PretrainSettings.valid("share_conv")
 """Values of ``share_conv``: a filter per channel (stock), one per head, one per layer (each of q and k)."""
@@ -280,6 +283,23 @@ class FamilySpec(ABC):
             return ("the input and output embeddings are tied (tie_word_embeddings), so scaling the residual stream "
                     "would scale the logits")
         return None
+
+    @classmethod
+    def value_config_updates(cls, config, d_v_new: int) -> dict[str, Any] | None:
+        """Config fields (name -> new value) that describe d_v = d_v_new per value head in every linear-attention
+        layer, everything else unchanged; None when the family's stock config cannot express it (the checkpoint then
+        names each layer's d_v' in :data:`VALUE_DIMS_FIELD`, which only :func:`statereduce.core.models.load_model`
+        reads). Raises ValueError (one line) for a d_v' outside ``[1, d_v]``."""
+        cls.check_value_reduction(cls.dims(config).head_v_dim, d_v_new)
+        return None
+
+    @classmethod
+    def check_value_reduction(cls, head_v_dim: int, d_v_new: int) -> None:
+        """Raise a one-line ValueError unless d_v = head_v_dim can shrink to d_v_new (``1 <= d_v' <= d_v``)."""
+        if isinstance(d_v_new, bool) or not isinstance(d_v_new, numbers.Integral) or not 1 <= d_v_new <= head_v_dim:
+            raise ValueError(
+                f"d_v'={d_v_new!r} is invalid for {cls.family}; valid: an integer in [1, d_v={head_v_dim}]"
+            )
 
     @classmethod
     def check_reduction(cls, head_k_dim: int, head_v_dim: int, d_k_new: int) -> None:

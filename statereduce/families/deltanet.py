@@ -60,6 +60,17 @@ class DeltaNetFamily(FlaFamily):
         return {"expand_k": expand_k}
 
     @classmethod
+    def value_config_updates(cls, config, d_v_new: int) -> dict[str, Any]:
+        """``expand_v = H * d_v' / hidden_size``, checked to give back exactly ``H * d_v'``."""
+        cls.check_value_reduction(cls.dims(config).head_v_dim, d_v_new)
+        value_dim = config.num_heads * int(d_v_new)
+        expand_v = value_dim / config.hidden_size
+        if round(config.hidden_size * expand_v) != value_dim:
+            raise ValueError(f"DeltaNet cannot express d_v'={d_v_new}: expand_v={expand_v!r} gives "
+                             f"round(hidden_size={config.hidden_size} * expand_v) != num_heads * d_v' = {value_dim}")
+        return {"expand_v": expand_v}
+
+    @classmethod
     def mixer_updates(cls, config, d_k_new: int) -> dict[str, Any]:
         expand_k = cls.config_updates(config, d_k_new)["expand_k"]
         return {"expand_k": expand_k, "key_dim": config.num_heads * int(d_k_new), "head_k_dim": int(d_k_new)}

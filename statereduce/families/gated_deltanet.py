@@ -49,6 +49,17 @@ class GatedDeltaNetFamily(FlaFamily):
         return {"head_dim": int(d_k_new), "expand_v": d.head_v_dim / int(d_k_new)}
 
     @classmethod
+    def value_config_updates(cls, config, d_v_new: int) -> dict[str, Any]:
+        """``expand_v = d_v' / head_dim``, checked to give back exactly d_v' (fla: ``int(head_dim * expand_v)``)."""
+        d = cls.dims(config)
+        cls.check_value_reduction(d.head_v_dim, d_v_new)
+        expand_v = int(d_v_new) / d.head_k_dim
+        if int(d.head_k_dim * expand_v) != d_v_new:
+            raise ValueError(f"Gated DeltaNet cannot express d_v'={d_v_new} with d_k={d.head_k_dim}: expand_v={expand_v!r} "
+                             f"gives int(d_k * expand_v)={int(d.head_k_dim * expand_v)}; choose another d_v'")
+        return {"expand_v": expand_v}
+
+    @classmethod
     def check_reduction(cls, head_k_dim: int, head_v_dim: int, d_k_new: int) -> None:
         """Also require ``int(d_k' * (d_v / d_k')) == d_v``: fla derives ``head_v_dim = int(head_dim * expand_v)``,
         and the float quotient truncates for some pairs (e.g. d_v=128, d_k'=49; multiples of 16 are safe)."""

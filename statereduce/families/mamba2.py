@@ -15,7 +15,9 @@ class Mamba2Family(FamilySpec):
     model_types = ("mamba2",)
     config_class = LazyImport("transformers:Mamba2Config")
     kernel_scale = False
-    norm_eps_field = None  # no kernel scale: pruning with norm_eps="exact" changes nothing
+    # no kernel scale: B/C pruning with norm_eps="exact" changes nothing; keeping fewer value channels (head_dim)
+    # changes the gated norm's group size, which the eps of this field compensates
+    norm_eps_field = "layer_norm_epsilon"
     # transformers 5.24 Mamba2Config.__init__ keywords and defaults (pinned by tests/test_config.py)
     # fmt: off
     config_defaults: ClassVar[dict[str, Any]] = {

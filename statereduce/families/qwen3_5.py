@@ -72,6 +72,12 @@ class Qwen35Family(FamilySpec):
         return {"linear_key_head_dim": int(d_k_new)}
 
     @classmethod
+    def value_config_updates(cls, config, d_v_new: int) -> dict[str, Any]:
+        """``linear_value_head_dim = d_v'`` (of the text config)."""
+        cls.check_value_reduction(cls.dims(config).head_v_dim, d_v_new)
+        return {"linear_value_head_dim": int(d_v_new)}
+
+    @classmethod
     def exact_norm_eps_refusal(cls, config) -> str | None:
         """Of the text config, or of the vision-language config around it (either may say the embeddings are tied)."""
         return super().exact_norm_eps_refusal(config) or super().exact_norm_eps_refusal(text_config(config))

@@ -108,11 +108,15 @@ class PruneRecord:
     versions: dict[str, str | None] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     base_checkpoint: dict[str, Any] | None = None
+    values: dict[str, Any] = field(default_factory=dict)  # value channels kept (prune_model's values): value_note
     format: int = RECORD_FORMAT
 
     def to_json(self) -> str:
-        """Indented JSON with each list of numbers on one line (one line per head of ``keep``)."""
+        """Indented JSON with each list of numbers on one line (one line per head of ``keep``); a record that keeps
+        every value channel has no ``values`` entry."""
         d = asdict(self)
+        if not self.values:
+            del d["values"]
         d["keep"] = {str(layer): rows for layer, rows in sorted(self.keep.items())}
         text = json.dumps(d, indent=2, sort_keys=True)
         # only indentation puts newlines inside a list (JSON strings cannot hold raw newlines)
@@ -253,7 +257,8 @@ def scale_rows(entry: ScaledRows, factor: float) -> None:
                 p[rows] = p[rows] * factor
 
 
-def exact_norm_eps(adapter: LinearAttentionAdapter, factor: float, plan: EpsPlan | None = None) -> dict[str, Any]:
+def exact_norm_eps(adapter: LinearAttentionAdapter, factor: float, plan: EpsPlan | None = None, *,
+                   values: bool = False) -> dict[str, Any]:
     """Make the stock model equal zero-masking (module docstring, "Kernel scale"), in place: the config's norm eps
     and every live eps attribute times ``factor`` = c^2 = d_k/d_k', the residual writers and norm inputs times c.
 
@@ -261,12 +266,14 @@ def exact_norm_eps(adapter: LinearAttentionAdapter, factor: float, plan: EpsPlan
         adapter: the pruned model's adapter.
         factor: d_k/d_k' (1: nothing changes). A family without a kernel scale (Mamba-2) changes nothing.
         plan: :func:`plan_exact_norm_eps`'s result, made before pruning changed anything (made here when None).
+        values: the pruning also keeps fewer value channels (``factor`` then includes d_v/d_v'): the output norms
+            average over fewer channels, so the eps changes in a family without a kernel scale too.
     Returns:
         the record's ``kernel_scale["norm_eps"]``: ``choice`` "exact", ``field`` (the config field), ``factor`` c^2,
         ``before`` and ``after`` (the eps), ``residual_scale`` c, and how many weights (``scaled_weights``) and live
         eps attributes (``eps_attributes``) changed.
     """
-    field_name = adapter.norm_eps_field if adapter.kernel_scale else None
+    field_name = adapter.norm_eps_field if (adapter.kernel_scale or values) else None
     if field_name is None:
         return {"choice": "exact", "field": None, "factor": 1.0, "before": None, "after": None, "residual_scale": 1.0,
                 "scaled_weights": 0, "eps_attributes": 0, "note": "the scan has no q/k scale: nothing to change"}
@@ -364,8 +371,119 @@ def check_keep(adapter: LinearAttentionAdapter, keep: Mapping[int, Any], *,
     return out, (d_k_new if len(set(widths.values())) == 1 else widths)
 
 
+# ---- value channels -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ValuePlan:
+    """A checked value selection (:func:`check_values`): per layer [HV, d_v'] sorted kept value channels, d_v', whether
+    the heads of a layer share them, and the config fields that hold d_v' (None: :data:`VALUE_DIMS_FIELD`)."""
+
+    keep: dict[int, torch.Tensor]
+    d_v: int
+    d_v_new: int
+    shared: bool
+    config_updates: dict[str, Any] | None
+
+
+def check_values(adapter: LinearAttentionAdapter, values: Mapping[int, Any], reduced_config=None) -> ValuePlan:
+    """Validate a value selection against the model (:func:`prune_model`'s ``values``).
+
+    Args:
+        adapter: the model's adapter.
+        values: {layer: [HV, d_v'] or [d_v'] kept value channels} covering exactly the linear-attention layers.
+        reduced_config: the config after the key cut (the value fields are written on top of it); None: the model's.
+    Raises:
+        ValueError: one line naming the bad value: layers, shape, range, repeats, widths that differ, heads of a layer
+            that keep different channels where the output norm's weight is shared, a d_v' the config cannot hold.
+    """
+    config = adapter.config if reduced_config is None else reduced_config
+    layouts = {layer: adapter.layout(mixer) for layer, mixer in adapter.mixer_layers()}
+    if sorted(int(k) for k in values) != sorted(layouts):
+        raise ValueError(f"values cover layers {sorted(int(k) for k in values)}; the model's linear-attention layers "
+                         f"are {sorted(layouts)}")
+    out, widths, shared = {}, set(), False
+    d_v = adapter.dims(adapter.config).head_v_dim
+    for layer, layout in layouts.items():
+        try:
+            idx = torch.as_tensor(values[layer] if layer in values else values[str(layer)], dtype=torch.long)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"layer {layer}: values must be [HV, d_v'] or [d_v'] integer indices: {err}") from None
+        hv = max(e.index.shape[0] for e in layout.value_channels())
+        layer_shared = layout.shared_value_selection()
+        shared = shared or layer_shared
+        if idx.ndim == 1:
+            idx = idx.expand(hv, -1)
+        if idx.ndim != 2 or idx.shape[0] != hv or idx.shape[1] == 0:
+            raise ValueError(f"layer {layer}: values has shape {tuple(idx.shape)}; expected [num_v_heads={hv}, d_v'>0] "
+                             "or [d_v']")
+        if int(idx.min()) < 0 or int(idx.max()) >= layout.value_dim:
+            raise ValueError(f"layer {layer}: value indices span [{int(idx.min())}, {int(idx.max())}]; valid: "
+                             f"[0, d_v={layout.value_dim})")
+        idx = idx.sort(dim=1).values
+        if bool((idx[:, 1:] == idx[:, :-1]).any()):
+            raise ValueError(f"layer {layer}: values repeat a channel within a head")
+        if layer_shared and bool((idx != idx[:1]).any()):
+            raise ValueError(f"layer {layer}: value heads keep different channels, but the {adapter.family} output "
+                             f"norm's weight ([d_v]) is shared by the heads; give one selection per layer ([d_v'])")
+        widths.add(int(idx.shape[1]))
+        out[layer] = idx.contiguous()
+    if len(widths) != 1:
+        raise ValueError(f"layers keep {sorted(widths)} value channels per head; d_v' must be the same in every layer")
+    d_v_new = widths.pop()
+    updates = adapter.value_config_updates(config, d_v_new)  # raises for a d_v' outside [1, d_v]
+    return ValuePlan(out, d_v, d_v_new, shared, updates)
+
+
+def apply_values(adapter: LinearAttentionAdapter, plan: ValuePlan, changes: dict[str, list[Any]]) -> dict[str, Any]:
+    """Slice ``plan``'s value channels out of every mixer, multiply each output norm's weight by sqrt(d_v/d_v'), and
+    write d_v' into the config (its fields, else :data:`VALUE_DIMS_FIELD`; both recorded in ``changes``).
+    Returns the record's ``values`` entry (without ``norm_eps``)."""
+    from statereduce.core.slicing import VALUE_DIMS_FIELD, output_norms, slice_values
+
+    config = adapter.config
+    scale = math.sqrt(plan.d_v / plan.d_v_new)
+    for layer, mixer in adapter.mixer_layers():
+        slice_values(adapter, mixer, plan.keep[layer])
+        if scale != 1:
+            with torch.no_grad():
+                for norm in output_norms(adapter, mixer):
+                    norm.weight.mul_(scale)
+    if plan.config_updates is not None:
+        for name, value in plan.config_updates.items():
+            changes[name] = [getattr(config, name), value]
+            setattr(config, name, value)
+    else:
+        n_layers = max(1 + max(plan.keep), getattr(config, "num_hidden_layers", 0))
+        dims = [plan.d_v_new if i in plan.keep else None for i in range(n_layers)]
+        setattr(config, VALUE_DIMS_FIELD, dims)
+        changes[VALUE_DIMS_FIELD] = [None, dims]
+    return {
+        "d_v": plan.d_v,
+        "d_v_new": plan.d_v_new,
+        "selection": "layer" if plan.shared else "head",
+        "keep": {str(layer): (idx[0].tolist() if plan.shared else idx.tolist())
+                 for layer, idx in sorted(plan.keep.items())},
+        "output_norm_weight_scale": scale,
+        "stock_loadable": plan.config_updates is not None,
+    }
+
+
+def value_eps_note(norm_eps: str, eps_note: Mapping[str, Any] | None, d_v: int, d_v_new: int) -> dict[str, Any]:
+    """The record's ``values["norm_eps"]``: what the choice does on the value side."""
+    s = d_v / d_v_new
+    if norm_eps == "exact":
+        return {"choice": "exact", "value_factor": s, "factor": eps_note["factor"], "residual_scale":
+                eps_note["residual_scale"],
+                "note": f"output norms average over d_v'={d_v_new} of d_v={d_v} channels: their weight times "
+                        f"sqrt({s:g}); the config's eps and the residual stream carry the factor {s:g} (with the key "
+                        "cut's), so the checkpoint equals zero-masking the dropped value channels"}
+    return {"choice": "stock", "value_factor": s,
+            "note": f"output norms average over d_v'={d_v_new} of d_v={d_v} channels: their weight times sqrt({s:g}); "
+                    f"the eps is the config's, so the checkpoint equals zero-masking only up to the output norms' eps "
+                    f"(exact with eps * {s:g})"}
+
+
 def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, Any] | None = None, *,
-                norm_eps: str = PruneSettings.norm_eps) -> PruneRecord:
+                norm_eps: str = PruneSettings.norm_eps, values: Mapping[int, Any] | None = None) -> PruneRecord:
     """Slice the kept key/query channels out of every linear-attention layer, in place (paper Sec. 3.3).
 
     Validates everything (selection, reduced config, ``norm_eps``) before touching any weight, slices each mixer,
@@ -392,12 +510,29 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
             zero-masking up to the output norms' eps (the record's ``kernel_scale`` names the factor that would make
             it exact), as the paper's checkpoints. A no-op for Mamba-2 (no kernel scale) and when every channel is
             kept.
+        values: value channels to keep as well ("Value channels" below): {layer: [HV, d_v'] kept value channels per
+            value head, or [d_v'] for all heads of the layer}, the same d_v' in every linear-attention layer; None
+            keeps them all.
     Returns:
         the :class:`PruneRecord`.
     Raises:
         ValueError: one line, before any weight changes, for a bad selection, meta or ``norm_eps``, a d_k' the
             family's config cannot express, or a model that ``norm_eps="exact"`` cannot be stored for
             (:func:`plan_exact_norm_eps`: e.g. tied input/output embeddings).
+
+    Value channels: each head's state is d_v x d_k; keeping d_v' of its d_v value channels slices the rows of the
+    value projections and their convs, of the output gate, the entries of the output norm's weight and the columns
+    of the output projection (the layout's ``value_channels``). A dropped value channel is a zero row of the state
+    and a zero output channel, so the pruned mixer's output equals zero-masking's except that its per-head output
+    norm averages over d_v' channels instead of d_v: ``RMSNorm(o'; eps s) = RMSNorm(o; eps) / sqrt(s)`` with
+    s = d_v/d_v'. The norm's weight is multiplied by sqrt(s) (both choices of ``norm_eps``); ``"exact"`` also
+    multiplies the config's eps by s (by c^2 s with keys cut too) and the residual stream by sqrt(s) (sqrt(c^2 s)), as
+    for the kernel scale, so the checkpoint equals zero-masking to float precision; ``"stock"`` differs through the
+    eps only. Where the output norm's weight has d_v entries shared by the heads (fla, Qwen3.5) all heads of a
+    layer keep the same channels; Mamba-2's gated norm has one entry per channel, so its heads choose their own,
+    but its strict config cannot hold d_v' (``expand`` is an integer): the checkpoint then keeps the unpruned sizes
+    and names each layer's d_v' in :data:`~statereduce.families.base.VALUE_DIMS_FIELD`, which
+    :func:`statereduce.core.models.load_model` reads (the stock ``from_pretrained`` refuses its weights' shapes).
     """
     meta = dict(meta or {})
     norm_eps = PruneSettings(norm_eps=norm_eps).norm_eps  # a one-line ValueError for a bad value
@@ -409,6 +544,9 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
     else:
         keep_t, d_k_new = check_keep(adapter, keep, mixed=True)
         if isinstance(d_k_new, dict):
+            if values is not None:
+                raise ValueError("value channels cannot be pruned together with per-layer key widths; keep one d_k' "
+                                 "in every layer or keep every value channel")
             return prune_mixed(adapter, keep_t, d_k_new, meta, norm_eps)
     config = adapter.config  # the text config of a multimodal checkpoint
     h, hv, d_k, d_v = adapter.dims(config)
@@ -418,8 +556,12 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
              "head_v_dim": d_v}
     meta, extra, source, base = record_meta(adapter, meta, facts)
     eps_factor = d_k / d_k_new
+    value_plan = None
+    if values is not None:  # checked against the key-pruned config, before any weight changes
+        value_plan = check_values(adapter, values, adapter.reduced_config(config, d_k_new))
+        eps_factor = (eps_factor if adapter.kernel_scale else 1.0) * d_v / value_plan.d_v_new
     eps_plan = None
-    if norm_eps == "exact" and adapter.kernel_scale and eps_factor != 1:
+    if norm_eps == "exact" and (adapter.kernel_scale or value_plan is not None) and eps_factor != 1:
         eps_plan = plan_exact_norm_eps(adapter)  # raises before any weight changes
 
     counts = {"mixed": 0, "shared": 0}
@@ -430,11 +572,17 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
     changes = {name: [getattr(config, name), value] for name, value in config_updates.items()}
     for name, value in config_updates.items():
         setattr(config, name, value)
+    value_entry = {}
+    if value_plan is not None:
+        value_entry = apply_values(adapter, value_plan, changes)
     eps_note = None
     if norm_eps == "exact":
-        eps_note = exact_norm_eps(adapter, eps_factor, eps_plan)
+        eps_note = exact_norm_eps(adapter, eps_factor, eps_plan, values=value_plan is not None)
         if eps_note["before"] != eps_note["after"]:
             changes[eps_note["field"]] = [eps_note["before"], eps_note["after"]]
+    kernel_scale = kernel_scale_note(d_k, d_k_new, adapter.kernel_scale, eps_note)
+    if value_plan is not None:
+        value_entry["norm_eps"] = value_eps_note(norm_eps, eps_note, d_v, value_plan.d_v_new)
 
     return PruneRecord(
         source_model=str(source),
@@ -449,11 +597,13 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
         keep={} if transforms is not None else {layer: idx.tolist() for layer, idx in keep_t.items()},
         transform=transform_note(transforms, counts) if transforms is not None else {},
         config_changes=changes,
-        kernel_scale=kernel_scale_note(d_k, d_k_new, adapter.kernel_scale, eps_note),
-        fla_kernel_shapes=record_note(tuple(adapter.padded_kernels), d_k_new, d_v),
+        kernel_scale=kernel_scale,
+        fla_kernel_shapes=record_note(tuple(adapter.padded_kernels), d_k_new,
+                                      d_v if value_plan is None else value_plan.d_v_new),
         versions=versions(),
         extra=extra,
         base_checkpoint=base,
+        values=value_entry,
     )
 
 
