@@ -79,6 +79,10 @@ QKCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 QKOfCall = Callable[[tuple, dict], tuple[torch.Tensor, torch.Tensor]]
 # An input callback receives (layer_idx, x) with x [B, T, hidden], the input of the q/k projections.
 XCallback = Callable[[int, torch.Tensor], None]
+#: ``on_v(layer, v)``: the values [B, T, HV, d_v] as they enter the recurrence.
+VCallback = Callable[[int, torch.Tensor], None]
+#: Reads the values [B, T, HV, d_v] from the (args, kwargs) of a kernel call.
+VOfCall = Callable[[tuple, dict], torch.Tensor]
 
 
 class LinearAttentionAdapter(FamilySpec):
@@ -162,17 +166,22 @@ class LinearAttentionAdapter(FamilySpec):
     layer_module: ClassVar[str]
     #: those globals (chunked prefill and one-token decode) -> the reader of (q, k) from a call's (args, kwargs)
     qk_readers: ClassVar[dict[str, QKOfCall]]
+    #: the same globals -> the reader of the values v [B, T, HV, d_v] from a call's (args, kwargs)
+    v_readers: ClassVar[dict[str, VOfCall]] = {}
 
     @contextlib.contextmanager
-    def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None) -> Iterator[None]:
+    def capture(self, on_qk: QKCallback | None = None, on_x: XCallback | None = None,
+                on_v: VCallback | None = None) -> Iterator[None]:
         """Within the context, every forward pass calls ``on_qk(layer, q, k)`` with q, k [B,T,H,d_k]
-        as they enter the kernel, and ``on_x(layer, x)`` with the q/k projection input [B,T,hidden].
+        as they enter the kernel, ``on_v(layer, v)`` with the values v [B,T,HV,d_v] there (``v_readers``), and
+        ``on_x(layer, x)`` with the q/k projection input [B,T,hidden].
 
         The kernel globals ``qk_readers`` of ``layer_module`` are wrapped (:func:`capture_kernel_calls`), so fused
         paths whose conv or projection modules never run are covered too."""
         module = importlib.import_module(self.layer_module)
         inputs = {id(layout.mixer): layout.projection_input() for layout in self.layouts()}
-        with capture_kernel_calls(self.mixer_layers(), module, self.qk_readers, lambda m: inputs[id(m)], on_qk, on_x):
+        with capture_kernel_calls(self.mixer_layers(), module, self.qk_readers, lambda m: inputs[id(m)], on_qk, on_x,
+                                  self.v_readers, on_v):
             yield
 
     # ---- recurrent state ----------------------------------------------------------------------
@@ -311,6 +320,8 @@ def capture_kernel_calls(
     x_input: Callable[[nn.Module], nn.Module],
     on_qk: QKCallback | None,
     on_x: XCallback | None,
+    v_readers: Mapping[str, VOfCall] | None = None,
+    on_v: VCallback | None = None,
 ) -> Iterator[None]:
     """Capture q/k at the recurrence kernel and x at the q projection, for the given mixers.
 
@@ -328,11 +339,16 @@ def capture_kernel_calls(
             kwargs) of a call (``fla_qk_of_call`` for fla's functions).
         x_input: mixer -> the module whose forward input is the q/k projection input (for ``on_x``).
         on_qk, on_x: the callbacks (see ``QKCallback`` / ``XCallback``); either may be None.
+        v_readers, on_v: the reader of the values of each kernel global and their callback (``VCallback``);
+            ``on_v`` needs a reader for every global of ``readers``.
     """
     tracker = _LayerTracker()
     handles = []
     originals = {name: getattr(kernel_module, name) for name in readers}
-    wrappers = {name: _kernel_wrapper(fn, tracker, on_qk, readers[name]) for name, fn in originals.items()}
+    if on_v is not None and set(readers) - set(v_readers or {}):
+        raise ValueError(f"no value reader for the kernels {sorted(set(readers) - set(v_readers or {}))}")
+    wrappers = {name: _kernel_wrapper(fn, tracker, on_qk, readers[name], on_v, (v_readers or {}).get(name))
+                for name, fn in originals.items()}
     try:
         for layer_idx, mixer in mixers:
             handles.append(mixer.register_forward_pre_hook(_push_hook(tracker, layer_idx)))
@@ -358,12 +374,20 @@ def fla_qk_of_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tenso
     return q, k
 
 
-def _kernel_wrapper(fn: Callable, tracker: _LayerTracker, on_qk: QKCallback | None, qk_of_call: QKOfCall) -> Callable:
+def fla_v_of_call(args: tuple, kwargs: dict) -> torch.Tensor:
+    """v of a call of one of fla's kernel functions: the third positional argument, or the keyword."""
+    return kwargs["v"] if "v" in kwargs else args[2]
+
+
+def _kernel_wrapper(fn: Callable, tracker: _LayerTracker, on_qk: QKCallback | None, qk_of_call: QKOfCall,
+                    on_v: VCallback | None = None, v_of_call: VOfCall | None = None) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         layer_idx = tracker.current
         if layer_idx is not None and on_qk is not None:
             on_qk(layer_idx, *qk_of_call(args, kwargs))
+        if layer_idx is not None and on_v is not None:
+            on_v(layer_idx, v_of_call(args, kwargs))
         return fn(*args, **kwargs)
 
     return wrapper

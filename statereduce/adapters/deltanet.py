@@ -13,7 +13,7 @@ L2 norm; with ``qk_norm='sum'`` the L1 sum-norm runs in the layer, so q/k arrive
 
 from __future__ import annotations
 
-from statereduce.adapters.base import LazyImport, fla_qk_of_call, register_adapter
+from statereduce.adapters.base import LazyImport, fla_qk_of_call, fla_v_of_call, register_adapter
 from statereduce.adapters.fla_layers import FlaAdapter
 from statereduce.families.deltanet import DeltaNetFamily
 
@@ -26,5 +26,6 @@ class DeltaNetAdapter(DeltaNetFamily, FlaAdapter):
 
     layer_module = "fla.layers.delta_net"
     qk_readers = dict.fromkeys(KERNELS, fla_qk_of_call)  # q, k first or as keywords
+    v_readers = dict.fromkeys(KERNELS, fla_v_of_call)
     padded_kernels = KERNELS  # statereduce.kernels.shapes: zero-padded at shapes stock fla mishandles
     mixer_class = LazyImport("fla.layers.delta_net:DeltaNet")

@@ -17,7 +17,7 @@ head mapping), which covers the fused and the cached paths alike.
 
 from __future__ import annotations
 
-from statereduce.adapters.base import LazyImport, fla_qk_of_call, register_adapter
+from statereduce.adapters.base import LazyImport, fla_qk_of_call, fla_v_of_call, register_adapter
 from statereduce.adapters.fla_layers import FlaAdapter
 from statereduce.families.gated_deltanet import GatedDeltaNetFamily
 
@@ -31,5 +31,6 @@ class GatedDeltaNetAdapter(GatedDeltaNetFamily, FlaAdapter):
     cache_state_v_first = True  # fla's GatedDeltaNet calls its kernels with state_v_first=True
     layer_module = "fla.layers.gated_deltanet"
     qk_readers = dict.fromkeys(KERNELS, fla_qk_of_call)  # q, k first or as keywords
+    v_readers = dict.fromkeys(KERNELS, fla_v_of_call)
     padded_kernels = KERNELS  # statereduce.kernels.shapes: zero-padded at shapes stock fla mishandles
     mixer_class = LazyImport("fla.layers.gated_deltanet:GatedDeltaNet")

@@ -160,6 +160,25 @@ class MixerLayout:
         attribute of a submodule)."""
         raise NotImplementedError(f"{type(self).__name__}.value_updates")
 
+    def value_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(W_v, W_o, w): copies of the value projection's rows [HV, d_v, hidden] (the first ``"out"`` entry of
+        :meth:`value_channels`, its first part where a channel has several), the output projection's columns as rows
+        [HV, d_v, hidden] and the output norm's weight [1 or HV, d_v] (None without one)."""
+        entries = self.value_channels()
+        proj = next(e for e in entries if e.axis == "out" and isinstance(e.module, nn.Linear))
+        out = next(e for e in entries if e.axis == "in")
+        norm = next((e for e in entries if e.axis == "norm"), None)
+        rows = proj.index[..., 0] if proj.index.ndim == 3 else proj.index
+        w = proj.module.weight.detach()
+        w_v = w[rows.reshape(-1).to(w.device)].reshape(*rows.shape, -1)
+        wo = out.module.weight.detach()
+        w_o = wo[:, out.index.reshape(-1).to(wo.device)].T.reshape(*out.index.shape, -1)
+        w_n = None
+        if norm is not None:
+            wn = norm.module.weight.detach()
+            w_n = wn[norm.index.reshape(-1).to(wn.device)].reshape(norm.index.shape)
+        return w_v.clone(), w_o.clone(), None if w_n is None else w_n.clone()
+
     def shared_value_selection(self) -> bool:
         """Whether the value heads of this mixer must keep the same channels: its output norm's weight has one entry
         per channel that all heads share."""

@@ -59,6 +59,16 @@ def _step_qk(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return c.unsqueeze(1), b.unsqueeze(1)
 
 
+def _scan_v(args: tuple, kwargs: dict) -> torch.Tensor:
+    """x [b, T, num_heads, head_dim] of a ``mamba2_chunk_scan(hidden_states, ...)`` call (the values)."""
+    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+
+def _step_v(args: tuple, kwargs: dict) -> torch.Tensor:
+    """x [b, 1, num_heads, head_dim] of a ``mamba2_selective_state_update(state, hidden_states, ...)`` call."""
+    return (kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]).unsqueeze(1)
+
+
 class Mamba2Layout(MixerLayout):
     """A Mamba-2 mixer: B (keys) and C (queries) of each group in the fused ``in_proj`` and the ``conv1d`` over
     ``[x | B | C]``."""
@@ -78,12 +88,12 @@ class Mamba2Layout(MixerLayout):
     value_dim_attr = "head_dim"
 
     def value_channels(self) -> list[ValueChannels]:
-        """Per Mamba head (``[num_heads, head_dim]``, head-major): the z rows (the gate, ``[0, I)``) and x rows (``[I,
-        2I)``) of ``in_proj``, the x channels of ``conv1d`` (``[0, I)``, weight and bias), the gated norm's weight (one
+        """Per Mamba head (``[num_heads, head_dim]``, head-major): the x rows (``[I, 2I)``, the values) and z rows (the
+        gate, ``[0, I)``) of ``in_proj``, the x channels of ``conv1d`` (``[0, I)``, weight and bias), the gated norm's weight (one
         entry per channel) and the ``out_proj`` columns."""
         mixer = self.mixer
         rows = head_major_rows(mixer.num_heads, mixer.head_dim)
-        return [ValueChannels("in_proj", mixer.in_proj, torch.stack([rows, rows + mixer.intermediate_size], -1),
+        return [ValueChannels("in_proj", mixer.in_proj, torch.stack([rows + mixer.intermediate_size, rows], -1),
                                "out"),
                 ValueChannels("conv1d", mixer.conv1d, rows, "out"),
                 ValueChannels("norm", mixer.norm, rows, "norm"),
@@ -125,6 +135,7 @@ class Mamba2Adapter(Mamba2Family, TransformersAdapter):
     causal_lm_class = LazyImport("transformers:Mamba2ForCausalLM")
     layer_module = LAYER_MODULE
     qk_readers = {CHUNK: _scan_qk, STEP: _step_qk}
+    v_readers = {CHUNK: _scan_v, STEP: _step_v}
     cache_state_v_first = True  # the cache holds [B, num_heads, head_dim, N]
     mixer_layout = Mamba2Layout
     exact_norms = Mamba2Norms

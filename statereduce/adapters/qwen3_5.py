@@ -58,6 +58,10 @@ def _qk_of_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return q, k
 
 
+def _v_of_call(args: tuple, kwargs: dict) -> torch.Tensor:
+    return kwargs["value"] if "value" in kwargs else args[2]
+
+
 def _device_dispatch(stock: Callable, reference: Callable, device_types: tuple[str, ...]) -> Callable:
     """``stock`` (whatever transformers bound), except for queries on ``device_types``: ``reference`` (its PyTorch
     implementation)."""
@@ -157,6 +161,7 @@ class Qwen35Adapter(Qwen35Family, TransformersAdapter):
 
     layer_module = LAYER_MODULE
     qk_readers = dict.fromkeys(KERNELS, _qk_of_call)
+    v_readers = dict.fromkeys(KERNELS, _v_of_call)
     mixer_layout = Qwen35Layout
     exact_norms = Qwen35Norms
 

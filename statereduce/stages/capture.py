@@ -12,6 +12,7 @@ Layout::
     /layer_000/K      float32 [H, rows, d_k]   (same token positions for K and Q)
     /layer_000/Q      float32 [H, rows, d_k]
     /layer_000/xnorm  float64 [hidden]
+    /layer_000/V      float32 [HV, rows, d_v]  (the values as they enter the recurrence, same positions)
     attrs: model, revision, corpus, n_samples, seq_len, seed, rows_per_head, n_tokens, num_heads,
            head_k_dim, hidden_size, layers, dtype, package_version, created
 
@@ -95,6 +96,7 @@ class BottomKReservoir:
 @dataclass
 class _LayerStats:
     reservoir: BottomKReservoir
+    values: BottomKReservoir  # the same priorities as ``reservoir``: V rows at the token positions of K and Q
     xsq: np.ndarray | None = None  # running sum of squares of X columns (float64)
     shape: tuple[int, int] | None = None  # (H, d_k)
 
@@ -117,15 +119,16 @@ def activation_arrays(
         batch_size: sequences per forward pass.
 
     Returns:
-        ({layer: {"K": float32 [H, rows, d_k], "Q": float32 [H, rows, d_k], "xnorm": float64 [hidden]}}, tokens seen),
-        the layers in the adapter's order.
+        ({layer: {"K": float32 [H, rows, d_k], "Q": float32 [H, rows, d_k], "xnorm": float64 [hidden],
+        "V": float32 [HV, rows, d_v]}}, tokens seen), the layers in the adapter's order; V holds the values as they
+        enter the recurrence at the token positions of K and Q.
     """
     adapter = get_adapter(model)
     layers = [i for i, _ in adapter.mixer_layers()]
     rng = np.random.default_rng(seed)
-    stats = {
-        i: _LayerStats(BottomKReservoir(rows_per_head, np.random.default_rng(rng.integers(1 << 63)))) for i in layers
-    }
+    seeds = {i: rng.integers(1 << 63) for i in layers}
+    stats = {i: _LayerStats(BottomKReservoir(rows_per_head, np.random.default_rng(seeds[i])),
+                            BottomKReservoir(rows_per_head, np.random.default_rng(seeds[i]))) for i in layers}
 
     def on_qk(layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
         st = stats[layer]
@@ -134,6 +137,10 @@ def activation_arrays(
         # rows = tokens; each row holds all heads' K and Q so K and Q share token positions
         st.reservoir.add(torch.stack([k, q], dim=2).reshape(b * t, 2, h, d))
 
+    def on_v(layer: int, v: torch.Tensor) -> None:
+        b, t = v.shape[:2]
+        stats[layer].values.add(v.reshape(b * t, *v.shape[2:]))
+
     def on_x(layer: int, x: torch.Tensor) -> None:
         st = stats[layer]
         sq = x.detach().float().pow(2).sum(dim=(0, 1)).double().cpu().numpy()
@@ -141,7 +148,7 @@ def activation_arrays(
 
     device = next(model.parameters()).device
     n_tokens = 0
-    with torch.no_grad(), adapter.capture(on_qk=on_qk, on_x=on_x):
+    with torch.no_grad(), adapter.capture(on_qk=on_qk, on_x=on_x, on_v=on_v):
         for start in tqdm(range(0, blocks.shape[0], batch_size), desc="calibration", unit="batch"):
             batch = blocks[start : start + batch_size].to(device)
             model(input_ids=batch, use_cache=False)
@@ -157,6 +164,7 @@ def activation_arrays(
             "K": np.ascontiguousarray(rows[:, 0].transpose(1, 0, 2), dtype=np.float32),
             "Q": np.ascontiguousarray(rows[:, 1].transpose(1, 0, 2), dtype=np.float32),
             "xnorm": np.sqrt(st.xsq),
+            "V": np.ascontiguousarray(st.values.result().transpose(1, 0, 2), dtype=np.float32),
         }
     return arrays, n_tokens
 
@@ -229,6 +237,7 @@ def grad_score_arrays(
     *,
     batch_size: int = CalibrationSettings.batch_size,
     recompute: bool | None = None,
+    values: bool = True,
 ) -> dict[int, dict[str, np.ndarray]]:
     """Grad saliency of every q/k channel from the full model's LM loss; the scores ``grad_scores.h5`` holds.
 
@@ -244,13 +253,20 @@ def grad_score_arrays(
             (:func:`recomputed_layers`); None: on CUDA only, where memory is the limit (the CPU results stay as
             they were).
 
+        values: also the Grad saliency of every value channel, ``grad_v`` [HV, d_v]: the value projection's rows
+            plus the output projection's columns, s_v[h, j] = sum_i |W_v[hj, i] dL/dW_v[hj, i]| + sum_i |W_o[i, hj]
+            dL/dW_o[i, hj]| (the q/k scores are the same either way).
+
     Returns:
-        {layer: {"grad_q": float64 [H, d_k], "grad_k": float64 [H, d_k]}}, the layers in the adapter's order.
+        {layer: {"grad_q": float64 [H, d_k], "grad_k": float64 [H, d_k], "grad_v": float64 [HV, d_v]}}, the layers
+        in the adapter's order.
     """
     adapter = get_adapter(model)
     adapter.route_backward()  # the torch kernels on a GPU where fla refuses the family's backward
     weights = {lay.layer: lay.qk_weight_rows() for lay in adapter.layouts()}  # {layer: ((W, rows_q), (W, rows_k))}
+    value_weights = {lay.layer: _value_weight_positions(lay) for lay in adapter.layouts()} if values else {}
     targets = {id(w) for pair in weights.values() for w, _ in pair}
+    targets |= {id(w) for pair in value_weights.values() for w, _ in pair}
     for p in model.parameters():
         p.requires_grad_(id(p) in targets)
         p.grad = None
@@ -275,9 +291,28 @@ def grad_score_arrays(
             flat = rows.reshape(-1).to(w.device)
             s = (w.detach()[flat].double() * w.grad[flat].double()).abs().sum(dim=1).reshape(h, d)
             arrays[i][name] = s.cpu().numpy()
+        if i in value_weights:
+            (w_v, rows_v), (w_o, cols_o) = value_weights[i]
+            if w_v.grad is None or w_o.grad is None:
+                raise RuntimeError(f"layer {i}: no gradient reached the value or output projection")
+            flat = rows_v.reshape(-1).to(w_v.device)
+            s_v = (w_v.detach()[flat].double() * w_v.grad[flat].double()).abs().sum(dim=1)
+            flat = cols_o.reshape(-1).to(w_o.device)
+            s_o = (w_o.detach()[:, flat].double() * w_o.grad[:, flat].double()).abs().sum(dim=0)
+            arrays[i]["grad_v"] = (s_v + s_o).reshape(rows_v.shape).cpu().numpy()
     for p in model.parameters():
         p.grad = None
     return arrays
+
+
+def _value_weight_positions(layout) -> tuple[tuple[torch.nn.Parameter, torch.Tensor],
+                                                  tuple[torch.nn.Parameter, torch.Tensor]]:
+    """((W, rows [HV, d_v]) of the value projection, (W, columns [HV, d_v]) of the output projection) of a mixer."""
+    entries = layout.value_channels()
+    proj = next(e for e in entries if e.axis == "out" and isinstance(e.module, torch.nn.Linear))
+    out = next(e for e in entries if e.axis == "in")
+    rows = proj.index[..., 0] if proj.index.ndim == 3 else proj.index
+    return (proj.module.weight, rows), (out.module.weight, out.index)
 
 
 def grad_scores(
@@ -306,14 +341,19 @@ def grad_scores(
 
 
 def qk_weight_arrays(model: torch.nn.Module) -> dict[int, dict[str, np.ndarray]]:
-    """The head rows of every layer's q/k projections: {layer: {"W_q", "W_k": float32 [H, d_k, hidden]}}."""
+    """The head rows of every layer's q/k projections and its value weights: {layer: {"W_q", "W_k": float32 [H, d_k,
+    hidden], "W_v": [HV, d_v, hidden] (value projection rows), "W_o": [HV, d_v, hidden] (output projection columns),
+    "w_norm": [1 or HV, d_v] (output norm weight: one row where the heads share it)}}."""
     adapter = get_adapter(model)
     h, d = adapter.num_heads, adapter.head_k_dim
     arrays = {}
     for layout in adapter.layouts():
         wq, wk = layout.qk_weights()
+        w_v, w_o, w_n = layout.value_weights()
         arrays[layout.layer] = {"W_q": wq.detach().float().cpu().numpy().reshape(h, d, -1),
-                     "W_k": wk.detach().float().cpu().numpy().reshape(h, d, -1)}
+                                "W_k": wk.detach().float().cpu().numpy().reshape(h, d, -1),
+                                "W_v": w_v.float().cpu().numpy(), "W_o": w_o.float().cpu().numpy(),
+                                **({} if w_n is None else {"w_norm": w_n.float().cpu().numpy()})}
     return arrays
 
 
@@ -333,6 +373,8 @@ def _meta(model: torch.nn.Module, layers: list[int]) -> dict:
         "family": adapter.family,
         "num_heads": adapter.num_heads,
         "head_k_dim": adapter.head_k_dim,
+        "num_v_heads": adapter.dims(adapter.config).num_v_heads,
+        "head_v_dim": adapter.dims(adapter.config).head_v_dim,
         "hidden_size": int(model.config.hidden_size),
         "layers": np.asarray(layers, dtype=np.int64),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
