@@ -3,7 +3,10 @@
 * the rule in ``FAULTY`` agrees with every case of the recorded GPU sweep (docs/results/fla_shapes_h200.json):
   faulty exactly where stock fla was wrong or faulted, and the padded calls the sweep ran were right;
 * the zero-padded call equals the unpadded one (output, final state, every gradient) for all four delta-rule kernels,
-  and the float64 per-step recurrence (statereduce.kernels.reference, as in the sweep script);
+  and the float64 per-step recurrence (statereduce.kernels.reference, as in the sweep script), with q and k padded,
+  v padded, or both (grouped value heads and the value-first state layout too);
+* the sweep script's values grid (value cuts of the ratio grid and the joint cuts), its padding specs, its padded
+  follow-up cases and its status of fla's refusals, and one case of each kind run on the torch kernels;
 * the guard sends faulty shapes (and only those) through the padded call, leaves calls that fla_fallback routes to
   torch alone, and the DeltaNet / Gated DeltaNet adapters install it when a model is loaded;
 * prune_record.json says whether the pruned shape is one stock fla mishandles.
@@ -43,10 +46,20 @@ def test_sweep_covers_the_ratio_grid():
     assert tuple(doc["d_v"]) == shapes.SWEPT_D_V
     stock = {(c["family"], c["kernel"], c["d_k"], c["d_v"]) for c in doc["cases"] if not c["padded"]}
     assert stock == {(f, k, dk, dv) for (f, k) in KERNEL_OF for dk in widths for dv in doc["d_v"]}
+    # the script's default (keys) grid is the recorded one: its stock and padded cases
+    meta, cases, padded = sweep_fla_shapes.keys_grid_cases(sweep_fla_shapes.parser().parse_args(["out.json"]))
+    assert meta == {k: doc[k] for k in ("d_k", "pcts", "key_widths", "d_v")}
+    assert {c[:4] for c in cases} == stock and not any(c[4] for c in cases)
+    assert {c[:4] for c in padded} == {c[:4] for c in _recorded(doc, padded=True)} and all(c[4] for c in padded)
+
+
+def _recorded(doc: dict, padded: bool) -> list[tuple]:
+    return [(c["family"], c["kernel"], c["d_k"], c["d_v"]) for c in doc["cases"] if c["padded"] == padded]
 
 
 def _failed(c: dict, tol: float) -> set[str]:
-    """The passes in which stock fla failed in sweep case ``c`` (wrong beyond ``tol``, raised, or the process died)."""
+    """The passes in which stock fla failed in sweep case ``c`` (wrong beyond ``tol``, raised other than by one of its
+    refusals, or the process died)."""
     if c["status"] == "crash":
         return {"forward", "backward"}
     out = set()
@@ -67,8 +80,9 @@ def test_faulty_rule_matches_the_sweep():
             continue
         name = KERNEL_OF[c["family"], c["kernel"]]
         failed = _failed(c, doc["tol"])
-        if c["family"] == "gated_deltanet":
-            assert failed <= {"backward"} and c["status"] == "error", c  # refused backward, right forward
+        if c["family"] == "gated_deltanet":  # refused backward, right forward (recorded before the status "refused")
+            assert failed <= {"backward"} and c["status"] in ("error", "refused"), c
+            assert sweep_fla_shapes.refused(c["message"]), c
             failed = set()
         rule = shapes.FAULTY.get(name)
         ruled = set(rule(c["d_k"], c["d_v"])) if rule else set()
@@ -91,6 +105,85 @@ def test_padded_calls_of_the_sweep_were_right():
             assert width == (shapes.PAD_TO if dk <= 32 and dv < 256 else None)
             inference = shapes.padded_width("chunk_delta_rule", dk, dv, backward=False)
             assert inference == (shapes.PAD_TO if dk <= 32 and dv < 256 and dv != 128 else None)
+
+
+def test_the_sweep_calls_the_recorded_refusals_refused():
+    """fla's refusals by design (the Gated DeltaNet chunk backward on Hopper with this Triton, the fused-recurrent
+    Gated DeltaNet backward) are status ``refused``; the DeltaNet illegal memory access stays an error."""
+    doc = _sweep()
+    seen = set()
+    for c in doc["cases"]:
+        if c["status"] != "error":
+            continue
+        got = sweep_fla_shapes.classify(dict(c), doc["tol"])["status"]
+        seen.add((c["family"], got))
+        assert got == ("refused" if c["family"] == "gated_deltanet" else "error"), c
+    assert seen == {("gated_deltanet", "refused"), ("delta_net", "error")}
+    fresh = {"family": "gated_deltanet", "forward": {"o": 4e-3}, "backward_error": "NotImplementedError: Backward"}
+    assert sweep_fla_shapes.classify(fresh, 0.05)["status"] == "refused"
+    wrong = {"forward": {"o": 3.0}, "backward_error": "NotImplementedError: Backward"}
+    assert sweep_fla_shapes.classify(wrong, 0.05)["status"] == "wrong"  # a wrong forward is wrong, refused or not
+
+
+def test_values_grid_covers_the_value_cuts_and_the_joint_cuts():
+    widths, grid = sweep_fla_shapes.value_grid_shapes([64, 128, 256, 512], [25, 50, 75, 87.5],
+                                                      list(sweep_fla_shapes.VALUE_GRID_KEY_WIDTHS),
+                                                      list(sweep_fla_shapes.JOINT))
+    # every d_v' that removing 25-87.5 % of d_v in {64, ..., 512} gives, less the d_v the keys grid ran
+    assert widths == [8, 16, 32, 48, 96, 192, 384]
+    assert set(widths) | set(shapes.SWEPT_D_V) == set(sweep_fla_shapes.value_widths([64, 128, 256, 512],
+                                                                                     [25, 50, 75, 87.5]))
+    assert {(dk, dv) for dk in (64, 128, 256) for dv in widths} <= set(grid)  # value-only cuts of every d_k
+    assert {(16, 16), (32, 32), (48, 48)} <= set(grid)  # joint cuts at 75 % and the small tiles
+    for dk, dv in sweep_fla_shapes.JOINT:  # about half the state with both sides cut, in multiples of 8
+        full = 256 * 512 if dv > 256 else min(d for d in (64, 128, 256) if d >= dk) ** 2
+        assert dk % 8 == 0 and dv % 8 == 0 and 0.47 < dk * dv / full < 0.57 and (dk, dv) in grid
+    assert len(grid) == len(set(grid)) == 6 * 7 + 6
+
+
+@pytest.mark.parametrize("spec,want", [("0", (None, None)), ("1", (64, None)), ("k64", (64, None)),
+                                       ("v64", (None, 64)), ("k64v128", (64, 128))])
+def test_padding_specs_round_trip(spec, want):
+    assert sweep_fla_shapes.parse_pad(spec, 16) == want
+    if spec not in ("0", "1"):
+        assert sweep_fla_shapes.pad_spec(*want) == spec
+    with pytest.raises(ValueError, match="give 0, 1, k<W>, v<W> or k<W>v<W>"):
+        sweep_fla_shapes.parse_pad("x64", 16)
+
+
+def test_padded_followups_pad_keys_where_the_rule_does_and_values_where_stock_failed():
+    def case(family, kernel, dk, dv, status):
+        return {"family": family, "kernel": kernel, "d_k": dk, "d_v": dv, "padded": False, "status": status}
+
+    results = [case("delta_net", "chunk", 16, 48, "ok"), case("delta_net", "chunk", 16, 32, "crash"),
+               case("delta_net", "chunk", 64, 48, "wrong"), case("delta_net", "chunk", 64, 96, "error"),
+               case("delta_net", "chunk", 128, 32, "ok"), case("delta_net", "fused_recurrent", 64, 48, "wrong"),
+               case("gated_deltanet", "chunk", 64, 48, "refused"), case("gated_deltanet", "chunk", 64, 32, "wrong")]
+    assert sweep_fla_shapes.padded_followups(results) == [
+        ("delta_net", "chunk", 16, 48, "k64"),  # the rule pads keys there: is that still right at this d_v'?
+        ("delta_net", "chunk", 16, 32, "k64"), ("delta_net", "chunk", 16, 32, "k64v64"),
+        ("delta_net", "chunk", 64, 48, "v64"),
+        ("delta_net", "chunk", 64, 96, "v128"),
+        ("gated_deltanet", "chunk", 64, 32, "v64"),
+    ]
+
+
+@pytest.mark.parametrize("case", ["delta_net,chunk,16,24,0", "delta_net,chunk,16,24,k64v64",
+                                  "gated_deltanet,chunk,48,40,v64", "gated_deltanet,fused_recurrent,24,8,k32v16"])
+def test_sweep_case_runs_on_the_torch_kernels(case):
+    """One case of the sweep end to end on the CPU (``--device cpu``: fla_fallback's kernels instead of fla's):
+    the record names its padding, and padded and unpadded calls agree with the float64 recurrence alike."""
+    family, kernel, dk, dv, pad = case.split(",")
+    doc = sweep_fla_shapes.classify(sweep_fla_shapes.run_case(family, kernel, int(dk), int(dv), pad, T=40,
+                                                              device="cpu"), 0.05)
+    assert doc["status"] == "ok" and doc["max_rel_error"] < 1e-2, doc
+    assert doc["padded"] == (pad != "0")
+    if pad != "0":
+        assert (doc["pad_k"], doc["pad_v"]) == sweep_fla_shapes.parse_pad(pad, int(dk))
+    else:
+        assert "pad_v" not in doc
+    names = {"dq", "dk", "dv", "dbeta", "dh0"} | ({"dg"} if family == "gated_deltanet" else set())
+    assert set(doc["backward"]) == names
 
 
 def test_routed_models_recorded_right_and_stock_faulting():
@@ -143,6 +236,62 @@ def test_padded_call_equals_unpadded_and_reference(name, d_k):
     o_ref, s_ref = delta_rule(F.normalize(x["q"], dim=-1), F.normalize(x["k"], dim=-1), x["v"], x["beta"], x.get("g"),
                               scale=d_k**-0.5, initial_state=x["initial_state"])
     assert _rel(o1, o_ref.detach()) < 1e-5 and _rel(s1, s_ref.detach()) < 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(sweep_fla_shapes.KERNELS.values()))
+@pytest.mark.parametrize("d_k,d_v,width,value_width", [(48, 24, None, 64), (16, 40, 64, 64), (32, 8, 64, 16)],
+                         ids=["values", "both", "both-narrow"])
+def test_value_padded_call_equals_unpadded_and_reference(name, d_k, d_v, width, value_width):
+    """v zero-padded (and q, k too): a zero value channel is a zero row of the state and a zero output channel, and
+    takes no part in the other rows or any gradient; the Gated DeltaNet kernels with grouped value heads (HV = 2H)."""
+    family = "gated_deltanet" if "gated" in name else "delta_net"
+    fn = getattr(fla_fallback, name)
+    kw = {"output_final_state": True, "use_qk_l2norm_in_kernel": True}
+    hv = 4 if family == "gated_deltanet" else 2
+
+    def inputs():
+        x = _inputs(family, d_k, d_v, seed=3)
+        if hv != 2:  # grouped value heads: v, beta, g and the state per value head
+            g = torch.Generator().manual_seed(5)
+            x["v"] = torch.randn(2, 70, hv, d_v, generator=g, dtype=torch.float64)
+            x["beta"] = torch.rand(2, 70, hv, generator=g, dtype=torch.float64)
+            x["g"] = F.logsigmoid(torch.randn(2, 70, hv, generator=g, dtype=torch.float64) + 3)
+            x["initial_state"] = 0.1 * torch.randn(2, hv, d_k, d_v, generator=g, dtype=torch.float64)
+            x = {n: t.requires_grad_() for n, t in x.items()}
+        return x
+
+    runs = []
+    for padded in (False, True):
+        x = inputs()
+        if padded:
+            o, s = shapes.call_padded(fn, width, **x, value_width=value_width, **kw)
+        else:
+            o, s = fn(**x, **kw)
+        assert o.shape == x["v"].shape and s.shape == x["initial_state"].shape
+        ((o * o.detach().sin()).sum() + (s * s.detach().cos()).sum()).backward()
+        runs.append((o.detach(), s.detach(), {n: t.grad for n, t in x.items()}))
+    (o0, s0, g0), (o1, s1, g1) = runs
+    for what, a, b in [("o", o1, o0), ("final state", s1, s0), *((f"d{n}", g1[n], g0[n]) for n in g0)]:
+        assert _rel(a, b) < 1e-5, f"{what}: padded vs unpadded relative error {_rel(a, b):.2e}"
+    x = inputs()
+    o_ref, s_ref = delta_rule(F.normalize(x["q"], dim=-1), F.normalize(x["k"], dim=-1), x["v"], x["beta"], x.get("g"),
+                              scale=d_k**-0.5, initial_state=x["initial_state"])
+    assert _rel(o1, o_ref.detach()) < 1e-5 and _rel(s1, s_ref.detach()) < 1e-5
+
+
+def test_value_padded_call_with_value_first_state_and_channel_beta():
+    """The value-first state layout ([N, HV, V, K]) and a beta per value channel ([B, T, HV, V]) are padded on their
+    value axes (the torch fused-recurrent Gated DeltaNet kernel takes both)."""
+    fn = fla_fallback.fused_recurrent_gated_delta_rule
+    x = _inputs("gated_deltanet", 16, 24)
+    x["initial_state"] = x["initial_state"].detach().transpose(-1, -2).contiguous().requires_grad_()
+    x["beta"] = torch.rand(2, 70, 2, 24, dtype=torch.float64).requires_grad_()
+    ref = fn(**x, output_final_state=True, state_v_first=True)
+    for width in (None, 64):
+        got = shapes.call_padded(fn, width, **x, value_width=64, output_final_state=True, state_v_first=True)
+        assert got[0].shape == ref[0].shape and got[1].shape == x["initial_state"].shape
+        torch.testing.assert_close(got[0], ref[0])
+        torch.testing.assert_close(got[1], ref[1])
 
 
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["state-kv", "state-vk"])

@@ -10,6 +10,11 @@ the width the sweep found right (:data:`PAD_TO`), passes the unpadded scale, and
 result is exact: a zero key channel adds nothing to ``S k`` or to ``S``'s other columns, a zero query channel nothing
 to ``S q``, and zeros leave the L2 norms of q and k unchanged; only the kernel's work is that of the padded width.
 
+Value cuts give value widths outside :data:`SWEPT_D_V` (8 to 384) at every key width. ``scripts/sweep_fla_shapes.py
+--grid values`` sweeps them, with the key padding of :data:`FAULTY` and, where a stock call fails, v zero-padded by
+:func:`call_padded`'s ``value_width`` (exact as well). No such sweep is recorded: the rule is the keys sweep's (unswept
+value widths below 256 count as faulty at the failing key tiles, and nowhere else), and the guard pads no v.
+
 The adapter of a family names the kernels to guard (``padded_kernels``); the guard sits around whatever the layer
 module binds (fla's kernel, or the CPU dispatcher of :mod:`statereduce.kernels.fla_fallback`), so capture hooks
 installed later still see the unpadded q and k.
@@ -91,28 +96,51 @@ def faulty_shapes(kernels: tuple[str, ...], d_k: int, d_v: int) -> dict[str, dic
     return out
 
 
-def call_padded(fn: Callable[..., Any], width: int, *args: Any, **kwargs: Any) -> Any:
+def call_padded(fn: Callable[..., Any], width: int | None, *args: Any, value_width: int | None = None,
+                **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` (a delta-rule kernel with fla's signature) with q and k zero-padded to ``width`` key
-    channels; returns ``(o, final_state)`` with the final state sliced back to the call's key width."""
+    channels and, with ``value_width``, v zero-padded to ``value_width`` value channels; returns ``(o, final_state)``
+    with the output and the final state sliced back to the call's widths (a width at or below the call's own pads
+    nothing; ``width=None`` pads no key channel).
+
+    Both paddings are exact. Keys: a zero key channel adds nothing to ``S k`` or to ``S``'s other columns, a zero
+    query channel nothing to ``S q``, and zeros leave the L2 norms of q and k unchanged (the unpadded scale is
+    passed). Values: each value channel is one row of the state, updated from its own value entry alone
+    (``S_i <- S_i + beta (v_i - S_i k) k^T``, times the decay for Gated DeltaNet), so a zero value channel with a zero
+    initial row keeps a zero row, gives a zero output channel, and takes no part in the other rows or in any
+    gradient (its output and final-state cotangents are zero after the slice)."""
     bound = inspect.signature(fn).bind(*args, **kwargs)
     a = bound.arguments
     extra = a.pop("kwargs", {}) if "kwargs" in a and isinstance(a.get("kwargs"), dict) else {}
-    d_k = a["q"].shape[-1]
-    pad = width - d_k
-    if pad <= 0:
+    d_k, d_v = a["q"].shape[-1], a["v"].shape[-1]
+    pad = max((width or 0) - d_k, 0)
+    pad_v = max((value_width or 0) - d_v, 0)
+    if pad <= 0 and pad_v <= 0:
         return fn(*args, **kwargs)
-    a["q"], a["k"] = F.pad(a["q"], (0, pad)), F.pad(a["k"], (0, pad))
-    if a.get("gk") is not None:  # log-space key gate: 0 on the padded channels (their state columns stay 0)
-        a["gk"] = F.pad(a["gk"], (0, pad))
-    if a.get("scale") is None:
-        a["scale"] = d_k**-0.5
     v_first = bool(a.get("state_v_first", False))
-    h0 = a.get("initial_state")
-    if h0 is not None:  # [N, H, K, V] (or [N, H, V, K] with state_v_first)
-        a["initial_state"] = F.pad(h0, (0, pad)) if v_first else F.pad(h0, (0, 0, 0, pad))
+    h0 = a.get("initial_state")  # [N, H, K, V] (or [N, H, V, K] with state_v_first)
+    if pad > 0:
+        a["q"], a["k"] = F.pad(a["q"], (0, pad)), F.pad(a["k"], (0, pad))
+        if a.get("gk") is not None:  # log-space key gate: 0 on the padded channels (their state columns stay 0)
+            a["gk"] = F.pad(a["gk"], (0, pad))
+        if a.get("scale") is None:
+            a["scale"] = d_k**-0.5
+        if h0 is not None:
+            h0 = F.pad(h0, (0, pad)) if v_first else F.pad(h0, (0, 0, 0, pad))
+    if pad_v > 0:
+        a["v"] = F.pad(a["v"], (0, pad_v))
+        beta = a.get("beta")
+        if isinstance(beta, torch.Tensor) and beta.ndim == a["v"].ndim:  # one beta per value channel
+            a["beta"] = F.pad(beta, (0, pad_v))
+        if h0 is not None:
+            h0 = F.pad(h0, (0, 0, 0, pad_v)) if v_first else F.pad(h0, (0, pad_v))
+    if h0 is not None:
+        a["initial_state"] = h0
     o, state = fn(**a, **extra)
+    if pad_v > 0:
+        o = o[..., :d_v]
     if state is not None:
-        state = state[..., :d_k] if v_first else state[..., :d_k, :]
+        state = state[..., :d_v, :d_k] if v_first else state[..., :d_k, :d_v]
     return o, state
 
 
