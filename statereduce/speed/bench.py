@@ -20,6 +20,11 @@ pruned checkpoint has. Every measurement of one run shares the device, so each s
   (:func:`statereduce.core.slicing.shape_mixers`, as :func:`statereduce.core.models.load_model` does) and timed like
   a ratio (decode, prefill, profile); each cell is also compared with the uniform cut of the same total
   (``ratios["key_dims"]``: ``vs_uniform`` = per-layer ms / uniform ms).
+- **Head shapes**: a named uniform cut of both sides of the state (``head_shapes``: d_k' x d_v' per head in every
+  layer, e.g. values only, or keys and values together) is built from the config with both widths
+  (:func:`head_shape_config`: the adapter's reduced config for d_k', its ``value_config_updates`` for d_v', the
+  fields a stock checkpoint with that cut has) and timed like a ratio after them (decode, prefill, profile); the
+  document records each shape's state fraction and ``ratios["head_shapes"]`` its cells against the baseline.
 - **Prefill** (Table 18): ``model(ids, use_cache=True, logits_to_keep=1)`` over a batch x length grid, captured in a
   CUDA graph and replayed (``graph``: eager, a forward of a 1.3B model at 1 x 2K waits on Python's kernel launches
   for most of its time); ``device_ms`` (``profile``) is the kernels' summed device time of one eager call. Cells that
@@ -131,6 +136,39 @@ def model_config(family: str, arch: Mapping[str, Any], pct: float = 0,
         setattr(config, KEY_DIMS_FIELD, layer_key_dims(family, config, key_dims))
     elif pct:
         config = adapter.reduced_config(config, n_keep_for(adapter.dims(config).head_k_dim, float(pct)))
+    return config
+
+
+def head_shape_config(family: str, arch: Mapping[str, Any], d_k: int, d_v: int):
+    """The HF config of ``family`` with ``arch`` and every linear-attention head cut to ``d_k x d_v`` (d_k' key
+    channels per q/k head, d_v' value channels per value head; a width equal to the unpruned one leaves that side
+    alone): the adapter's :meth:`reduced_config` for the keys, then its ``value_config_updates`` for the values, the
+    config fields a stock checkpoint with that cut has.
+
+    Raises:
+        ValueError: one line, for a width the family cannot express, or a family whose config cannot hold d_v'
+            (Mamba-2 names it per layer in :data:`statereduce.core.slicing.VALUE_DIMS_FIELD`, which the speed
+            benchmark does not build).
+    """
+    from statereduce.adapters import adapter_class
+
+    adapter = adapter_class(family)
+    adapter.check_arch(dict(arch))
+    config = adapter.config_class(**arch)
+    dims = adapter.dims(config)
+    if int(d_k) != dims.head_k_dim:
+        config = adapter.reduced_config(config, int(d_k))
+    if int(d_v) != dims.head_v_dim:
+        updates = adapter.value_config_updates(config, d_v)
+        if updates is None:
+            raise ValueError(f"{family}'s config cannot hold d_v'={d_v} (it names value widths per layer, which the "
+                             "speed benchmark does not build); time value cuts of the fla families")
+        config = copy.deepcopy(config)
+        for name, value in updates.items():
+            setattr(config, name, value)
+    got = adapter.dims(config)
+    if (got.head_k_dim, got.head_v_dim) != (int(d_k), int(d_v)):
+        raise ValueError(f"{family}: the config for {d_k}x{d_v} describes {got.head_k_dim}x{got.head_v_dim}")
     return config
 
 
@@ -551,9 +589,10 @@ def profile_cells(model, settings: SpeedProfileSettings, kernels: Iterable[str],
 def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out_path: str | Path, *,
               model_name: str | None = None, parts: Iterable[str] = DEFAULT_PARTS,
               extra: Mapping[str, Any] | None = None,
-              key_dims: Mapping[str, Sequence[int | None]] | None = None) -> dict:
-    """Measure the baseline (pct 0) and every ``settings.pcts`` ratio, and every per-layer allocation of
-    ``key_dims``; write ``out_path`` after every cell.
+              key_dims: Mapping[str, Sequence[int | None]] | None = None,
+              head_shapes: Mapping[str, tuple[int, int]] | None = None) -> dict:
+    """Measure the baseline (pct 0) and every ``settings.pcts`` ratio, every per-layer allocation of
+    ``key_dims`` and every head shape of ``head_shapes``; write ``out_path`` after every cell.
 
     Args:
         family: adapter family (``delta_net``, ``gated_deltanet``).
@@ -565,13 +604,17 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out
         key_dims: named per-layer allocations (name -> widths, :func:`layer_key_dims`), each measured like one more
             ratio right after the uniform cut of the same total (after every ratio if none has it): decode, prefill
             and profile (the mixer part times one layer of one width and leaves them out).
+        head_shapes: named uniform cuts of keys and values (name -> (d_k', d_v'), :func:`head_shape_config`), each
+            measured like one more ratio after the ratios and allocations: decode, prefill and profile.
 
     Returns:
         The document: ``configs`` (d_k, state bytes per pct), ``decode`` / ``prefill`` / ``mixer`` cells (each with
         ``pct``), ``ratios`` (pruned over baseline of the same cell; decode also against fla's baseline kernel),
         the measured copy bandwidth, device and versions. With ``key_dims``: ``key_dims`` (per allocation its widths,
         total, the equal-total pct and state bytes, and its cells) and ``ratios["key_dims"]`` (each cell against the
-        baseline and against the uniform cut of the same total, :func:`speed_ratios`).
+        baseline and against the uniform cut of the same total, :func:`speed_ratios`). With ``head_shapes``:
+        ``head_shapes`` (per shape its widths, state bytes and state fraction, and its cells) and
+        ``ratios["head_shapes"]``.
     """
     from statereduce.adapters import adapter_class
     from statereduce.kernels.recurrent import pdl_supported, programmatic_launch
@@ -586,6 +629,7 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out
     pcts = speed_pcts(settings)
     adapter = adapter_class(family)
     allocations = {name: key_dims_record(family, arch, widths, pcts) for name, widths in (key_dims or {}).items()}
+    shaped = {name: head_shape_record(family, arch, *shape) for name, shape in (head_shapes or {}).items()}
     doc: dict[str, Any] = {
         "model": model_name, "family": family, "arch": dict(arch), "settings": settings.to_dict(),
         "parts": parts,
@@ -595,6 +639,8 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out
     }
     if allocations:
         doc["key_dims"] = allocations
+    if shaped:
+        doc["head_shapes"] = shaped
     if settings.blas:
         torch.backends.cuda.preferred_blas_library(settings.blas)
     doc["blas_library"] = str(torch.backends.cuda.preferred_blas_library())
@@ -622,6 +668,9 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out
         for name, record in allocations.items():
             if record["uniform_pct"] is None:
                 allocation(name, record)
+        for name, record in shaped.items():
+            config = head_shape_config(family, arch, record["d_k"], record["d_v"])
+            _model_cells(config, family, settings, parts, dtype, record, {}, f"head_shape={name}", doc, save)
     save()
     return doc
 
@@ -649,6 +698,26 @@ def key_dims_record(family: str, arch: Mapping[str, Any], widths: Sequence[int |
     return {"widths": kept, "d_k": d_k, "heads": h, "layers": len(layers), "total_channels": total,
             "pct": round(100 * (1 - total / (h * d_k * len(layers))), 4), "uniform_pct": uniform[0] if uniform else None,
             "state_bytes_per_sequence": sum(s.recurrent_elems for s in shapes) * 4,
+            "decode": [], "prefill": [], "profile": []}
+
+
+def head_shape_record(family: str, arch: Mapping[str, Any], d_k: int, d_v: int) -> dict:
+    """What a speed document records of a head shape before its cells: d_k' and d_v', the unpruned d_k and d_v, the
+    heads and layers, the recurrent state bytes per sequence and their fraction of the unpruned state's.
+
+    Raises:
+        ValueError: one line, for widths :func:`head_shape_config` refuses.
+    """
+    from statereduce.adapters import adapter_class
+
+    adapter = adapter_class(family)
+    full = adapter.config_state_shape(adapter.config_class(**arch))
+    shape = adapter.config_state_shape(head_shape_config(family, arch, d_k, d_v))
+    layers = len(adapter.mixer_layer_indices(adapter.config_class(**arch)))
+    return {"d_k": shape.d_k, "d_v": shape.d_v, "full_d_k": full.d_k, "full_d_v": full.d_v,
+            "heads": shape.num_heads, "layers": layers,
+            "state_bytes_per_sequence": shape.recurrent_elems * 4 * layers,
+            "state_fraction": shape.recurrent_elems / full.recurrent_elems,
             "decode": [], "prefill": [], "profile": []}
 
 
@@ -728,7 +797,30 @@ def speed_ratios(doc: Mapping[str, Any]) -> dict[str, list[dict]]:
             out[part].append(row)
     if doc.get("key_dims"):
         out["key_dims"] = _key_dims_ratios(doc)
+    if doc.get("head_shapes"):
+        out["head_shapes"] = _head_shape_ratios(doc)
     return out
+
+
+def _head_shape_ratios(doc: Mapping[str, Any]) -> list[dict]:
+    """:func:`speed_ratios`' rows of the head shapes: each cell against the baseline cell of the same key."""
+    rows = []
+    for name, record in doc["head_shapes"].items():
+        for part in ("decode", "prefill"):
+            key = _RATIO_KEYS[part]
+            base = {tuple(c[k] for k in key): c for c in doc.get(part, []) if c["pct"] == 0 and "ms" in c}
+            for cell in record.get(part, []):
+                if "ms" not in cell:
+                    continue
+                k = tuple(cell[x] for x in key)
+                row = {"head_shape": name, "part": part, "d_k": record["d_k"], "d_v": record["d_v"],
+                       "state_fraction": record["state_fraction"], **dict(zip(key, k)), "ms": cell["ms"]}
+                if k in base:
+                    row["speedup"] = base[k]["ms"] / cell["ms"]
+                    if part == "decode":
+                        row["ideal_speedup"] = base[k]["bytes"]["total"] / cell["bytes"]["total"]
+                rows.append(row)
+    return rows
 
 
 def _key_dims_ratios(doc: Mapping[str, Any]) -> list[dict]:
@@ -785,9 +877,57 @@ def key_dims_markdown(doc: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def head_shapes_markdown(doc: Mapping[str, Any]) -> str:
+    """The decode cells of the baseline, the key-only ratios and the head shapes of a speed document side by side:
+    per batch and kernel, by state fraction (largest first), d_k' x d_v', ms per token, speedup over the baseline of
+    the same run and the byte floor's ideal speedup."""
+    head = ["cut", "d_k' × d_v'", "state", "B", "kernel", "ms/token", "speedup", "ideal"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    base_state = doc["configs"]["0"]["state_bytes_per_sequence"]
+    kernels = list(dict.fromkeys(c["kernel"] for c in doc["decode"]))
+    rows = []  # (batch, kernel index, -state fraction, order, cells)
+    for c in doc["decode"]:
+        if "ms" not in c:
+            continue
+        cfg = doc["configs"][str(c["pct"])]
+        cut = "baseline" if c["pct"] == 0 else f"keys {c['pct']:g} %"
+        rows.append((c["batch"], kernels.index(c["kernel"]), -cfg["state_bytes_per_sequence"] / base_state, 0,
+                     [cut, cfg["d_k"], cfg["d_v"], cfg["state_bytes_per_sequence"] / base_state, c, c["pct"]]))
+    ratios = {(r["pct"], r["batch"], r["kernel"]): r for r in speed_ratios(doc)["decode"]}
+    shaped = {(r["head_shape"], r["batch"], r["kernel"]): r for r in speed_ratios(doc).get("head_shapes", [])
+              if r["part"] == "decode"}
+    for order, (name, record) in enumerate(doc.get("head_shapes", {}).items(), 1):
+        for c in record["decode"]:
+            if "ms" in c:
+                rows.append((c["batch"], kernels.index(c["kernel"]), -record["state_fraction"], order,
+                             [name, record["d_k"], record["d_v"], record["state_fraction"], c, name]))
+    for *_, (cut, dk, dv, frac, c, key) in sorted(rows, key=lambda r: r[:4]):
+        r = (shaped if isinstance(key, str) else ratios).get((key, c["batch"], c["kernel"]), {})
+        speedup, ideal = (1.0, 1.0) if key == 0 else (r.get("speedup"), r.get("ideal_speedup"))
+        lines.append("| " + " | ".join([
+            cut, f"{dk} × {dv}", f"{100 * frac:.1f} %", str(c["batch"]), c["kernel"], f"{c['ms']:.3f}",
+            f"{speedup:.2f}×" if speedup is not None else "–",
+            f"{ideal:.2f}×" if ideal is not None else "–"]) + " |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
+def parse_head_shape(spec: str, index: int = 1) -> tuple[str, tuple[int, int]]:
+    """``--head-shape``'s ``[NAME=]DKxDV`` as (name, (d_k', d_v')); the name defaults to ``head_shape_<index>``."""
+    name, sep, body = spec.partition("=")
+    if not sep:
+        name, body = "", spec
+    parts = body.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--head-shape {spec!r}: give [NAME=]DKxDV, d_k' and d_v' per head, e.g. values50=128x64")
+    name = name or f"head_shape_{index}"
+    if not all(c.isalnum() or c in "_-." for c in name):
+        raise ValueError(f"--head-shape name {name!r} may hold only letters, digits, '_', '-' and '.'")
+    return name, (int(parts[0]), int(parts[1]))
+
+
 def parse_key_dims(spec: str, index: int = 1) -> tuple[str, list[int | None]]:
     """``--key-dims``' ``[NAME=]WIDTHS`` as (name, widths).
 
@@ -844,6 +984,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a per-layer allocation timed after the ratios and against the uniform cut of the same total: "
                         "comma-separated d_k' per layer (e.g. 16,48,16,48,...) or a JSON file with "
                         '{"widths": [...]} or a pruned checkpoint\'s config.json; repeatable')
+    p.add_argument("--head-shape", action="append", default=[], metavar="[NAME=]DKxDV",
+                   help="a uniform cut of keys and values, d_k' x d_v' per head in every layer (e.g. values50=128x64, "
+                        "joint50=88x96), timed after the ratios against the same baseline; repeatable")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
@@ -853,6 +996,12 @@ def main(argv: list[str] | None = None) -> int:
             if name in key_dims:
                 raise ValueError(f"--key-dims name {name!r} given twice")
             key_dims[name] = widths
+        head_shapes: dict[str, tuple[int, int]] = {}
+        for i, spec in enumerate(args.head_shape, 1):
+            name, shape = parse_head_shape(spec, i)
+            if name in head_shapes:
+                raise ValueError(f"--head-shape name {name!r} given twice")
+            head_shapes[name] = shape
         if args.model:
             family, arch, settings = workflow_model(args.model, args.config, args.settings)
         else:
@@ -860,11 +1009,15 @@ def main(argv: list[str] | None = None) -> int:
             settings = speed_settings(args.settings)
         for widths in key_dims.values():  # before the GPU check: a bad allocation fails in one line anywhere
             key_dims_record(family, arch, widths)
+        for shape in head_shapes.values():
+            head_shape_record(family, arch, *shape)
         require_cuda()
         doc = run_speed(family, arch, settings, args.out, model_name=args.model, parts=args.parts.split(","),
-                        key_dims=key_dims)
+                        key_dims=key_dims, head_shapes=head_shapes)
         if key_dims:
             print(key_dims_markdown(doc))
+        if head_shapes and doc["decode"]:
+            print(head_shapes_markdown(doc))
     except (RuntimeError, ValueError) as e:
         if isinstance(e, torch.cuda.OutOfMemoryError):
             raise
