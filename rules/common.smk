@@ -174,13 +174,13 @@ def here_relative(path):
 @checked
 def get_select_inputs(wildcards):
     srconfig.check_method(CFG, wildcards.method)
-    srconfig.check_reduction(CFG, wildcards.model, float(wildcards.pct))
+    srconfig.check_reduction(CFG, wildcards.model, float(wildcards.pct), wildcards.method)
     spec = parse_method(wildcards.method)
-    from statereduce.selectors import get_selector
+    from statereduce.stages.select import cut_code_files, cut_needs
 
-    needs = set(get_selector(spec.selector).needs)
+    needs = cut_needs(wildcards.method)
     inputs = {"weights": layout.path(layout.QK_WEIGHTS, model=wildcards.model),
-              "code": [here_relative(f) for f in selector_code_files(spec.selector)]}
+              "code": [here_relative(f) for f in cut_code_files(wildcards.method)]}
     if needs & {"activations", "xnorm"}:
         inputs["activations"] = layout.path(layout.ACTIVATIONS, model=wildcards.model, calib=spec.calib)
     if "grad" in needs:

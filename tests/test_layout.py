@@ -124,7 +124,7 @@ def test_the_grammar_alone_reads_what_the_registry_reads(token):
 
 @pytest.mark.parametrize("token", BAD)
 def test_the_grammar_alone_refuses_a_bad_token_in_one_line(token):
-    with pytest.raises(ValueError, match=r"^[^\n]*expected <selector>\[-k\|-q\]\[\.<calib>\]\[@<budget>\][^\n]*$"):
+    with pytest.raises(ValueError, match=r"^[^\n]*expected <selector>\[-k\|-q\|-v\|-kv\]\[\.<calib>\]\[@<budget>\][^\n]*$"):
         layout.parse_method(token)
 
 

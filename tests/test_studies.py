@@ -17,7 +17,7 @@ from _snakemake import copy_workflow, job_outputs, snakemake
 from statereduce.config import ConfigError, full_schema, validate_config
 from statereduce.studies import get_study, outputs, registered
 
-SHIPPED = ("budgets", "calibration", "convolutions", "scoring")
+SHIPPED = ("budgets", "calibration", "convolutions", "scoring", "values")
 
 
 def _config() -> dict:
@@ -28,13 +28,13 @@ def test_the_registry_finds_every_study_module():
     studies = registered()
     assert tuple(studies) == SHIPPED
     assert {s.rule for s in studies.values()} == {"budget_study", "calibration_study", "convolution_tables",
-                                                 "scoring_ablation"}
+                                                 "scoring_ablation", "value_study"}
     for study in studies.values():
         assert full_schema()["properties"]["studies"]["properties"][study.name] == study.schema
         assert set(outputs(study)) >= {t.name for t in study.tables} | {f.name for f in study.figures}
         assert all(t.caption.strip() and t.label for t in study.tables)
     with pytest.raises(ValueError, match=r"^unknown study 'pruning'; valid: budgets, calibration, convolutions, "
-                                         r"scoring$"):
+                                         r"scoring, values$"):
         get_study("pruning")
 
 

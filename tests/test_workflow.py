@@ -229,7 +229,11 @@ def test_all_paper_plans_study_tables(tmp_path):
     bud = cfg["studies"]["budgets"]
     budget_cells = {f"results/{m}/{s}{b}_{p}/eval.json" for m in bud["models"] for s in bud["selectors"]
                     for b in ["", *(f"@{b}" for b in bud["budgets"])] for p in bud["pcts"]}
-    assert summaries == targets | cells | budget_cells  # every target and every study cell, each once
+    val = cfg["studies"]["values"]
+    value_cells = {f"results/{m}/{s}{c}_{p}/eval.json" for m in val["models"] for s in val["selectors"]
+                   for c in ("", "-v", "-kv") for p in val["pcts"]}
+    value_cells |= {f"results/{m}/{val['recipe']}_{p}/eval.json" for m in val["models"] for p in val["pcts"]}
+    assert summaries == targets | cells | budget_cells | value_cells  # every target and every study cell, each once
     assert set(jobs["allocate"]) == {p.replace(f"/{p.split('/')[2]}/eval.json", "/select/") + p.split("/")[2]
                                      + ".allocation.json" for p in budget_cells if "@" in p}
     measured = [b for b in bud["budgets"] if cfg["budgets"][b]["policy"] in ("greedy", "sensitivity")]

@@ -140,10 +140,15 @@ class LinearAttentionAdapter(FamilySpec):
 
     def layer_state_shapes(self) -> dict[int, StateShape]:
         """{layer: per-sequence recurrent/conv state shape} of every linear-attention layer at its own key width
-        (:meth:`layer_key_dims`; :meth:`~statereduce.families.base.FamilySpec.width_state_shape`)."""
+        (:meth:`layer_key_dims`; :meth:`~statereduce.families.base.FamilySpec.width_state_shape`) and its own value
+        width (the live mixer's, which a value cut changes)."""
         widths = self.layer_key_dims()
         shapes = {w: self.width_state_shape(self.config, w) for w in set(widths.values())}
-        return {layer: shapes[w] for layer, w in widths.items()}
+        out = {}
+        for layout in self.layouts():
+            shape = shapes[widths[layout.layer]]
+            out[layout.layer] = shape.with_value_dim(layout.value_dim)
+        return out
 
     def state_shape(self) -> StateShape:
         """The per-layer, per-sequence recurrent/conv state shape that every linear-attention layer has.

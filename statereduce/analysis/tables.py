@@ -233,7 +233,7 @@ def comparison_markdown(df: pd.DataFrame, metric: str = "/".join(PRIMARY)) -> st
     models, _, pcts = _layout(df, metric)
     parts = [head]
     for pct in pcts:
-        parts.append(f"### {format_pct(pct)}% of key channels removed\n\n{stage_markdown(df, metric, pct)}\n")
+        parts.append(f"### {removed_label(df, pct)}\n\n{stage_markdown(df, metric, pct)}\n")
     if len(pcts) > 1:  # with one ratio the block per model would repeat the one above
         for model in models:
             parts.append(f"### {model}, every ratio\n\n{ratios_markdown(df, metric, model)}\n")
@@ -247,6 +247,24 @@ METRIC_LABELS = {
     "lm/lm_avg": "Mean zero-shot accuracy (the paper's LM Evals avg)",
     "recall_probe/recall_mqar_avg": "Recall probe: mean accuracy over its levels",
 }
+def removed_label(df, pct: float) -> str:
+    """What a pct removes in the rows of ``df`` at it: ``"50% of key channels removed"`` where every method cuts keys;
+    with value (``-v``) or joint (``-kv``) cuts among them, what each removes."""
+    from statereduce.common.layout import parse_method
+
+    methods = set(df.loc[df["pct"] == pct, "method"]) if {"pct", "method"} <= set(df.columns) else set()
+    cuts = set()
+    for m in methods:
+        try:
+            cuts.add(parse_method(str(m)).cut)
+        except ValueError:  # the baseline's row
+            pass
+    if cuts <= {"keys"}:
+        return f"{format_pct(pct)}% of key channels removed"
+    return (f"{format_pct(pct)}% removed (of the key channels; -v: of the value channels; -kv: of the state, split "
+            "between keys and values)")
+
+
 OVERVIEW = "Overview"  # heading of the overview sections: ``## Overview: N% of key channels removed``
 
 
@@ -421,7 +439,7 @@ def comparison_document(df: pd.DataFrame, made_on: str | None = None) -> str:
     if present:
         _, _, pcts = _layout(df, present[0])
         for pct in pcts:
-            parts.append(f"## {OVERVIEW}: {format_pct(pct)}% of key channels removed\n\n"
+            parts.append(f"## {OVERVIEW}: {removed_label(df, pct)}\n\n"
                          f"{overview_markdown(df, pct)}\n")
     parts.append("\n".join(comparison_markdown(df, m).rstrip("\n") + "\n" for m in present or ["/".join(PRIMARY)]))
     return "".join(parts)

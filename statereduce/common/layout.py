@@ -20,15 +20,20 @@ input use it, so that the layout is written down here only.
 
 Method tokens name a selection in these paths (``{method}``)::
 
-    <selector>[-k|-q][.<calib>][@<budget>]
+    <selector>[-k|-q|-v|-kv][.<calib>][@<budget>]
 
-Selector names are ``[a-z][a-z0-9]*`` words joined by dashes (``pca-adv``); none ends in ``-k`` or ``-q``.
-``-k`` / ``-q`` score from the key / query side only (paper App. C.7, Table 16); no suffix scores from both (the
-default, "kq"). ``.<calib>`` (``[a-z0-9]+``) names a non-default calibration set (paper Tables 2 and 7); the default
+Selector names are ``[a-z][a-z0-9]*`` words joined by dashes (``pca-adv``); none ends in ``-k``, ``-q``, ``-v`` or
+``-kv``. ``-k`` / ``-q`` score from the key / query side only (paper App. C.7, Table 16); no suffix scores from both
+(the default, "kq"). These cut key channels, and ``{pct}`` is the percent of key channels removed. ``-v`` cuts value
+channels instead (each head's state rows; ``{pct}``: percent of value channels removed, the same percent of the
+state), ``-kv`` both (``{pct}``: percent of the state removed, split equally: d_k'/d_k and d_v'/d_v near
+sqrt(1 - pct/100); :func:`statereduce.core.cuts.joint_widths`), each side scored by the selector's value or key
+side (:mod:`statereduce.selectors.values`). ``.<calib>`` (``[a-z0-9]+``) names a non-default calibration set (paper Tables 2 and 7); the default
 calibration has no suffix, so ``drrqr`` and ``drrqr.default`` are not both valid: only the plain token is.
 ``@<budget>`` (``[a-z0-9]+``) names a per-layer key budget (:mod:`statereduce.core.budgets`): each layer keeps its own
 d_k' at the uniform cut's total; without it every layer keeps the same d_k'. Examples: ``drrqr``, ``l1-q``,
-``grad-k``, ``pca-adv-k``, ``drrqr.prose``, ``grad-q.prose``, ``drrqr@energy``, ``grad.prose@sens``.
+``grad-k``, ``pca-adv-k``, ``drrqr.prose``, ``grad-q.prose``, ``drrqr@energy``, ``grad.prose@sens``, ``drrqr-v``,
+``grad-kv``. A budget (``@``) shares key widths between layers, so it takes no ``-v`` or ``-kv``.
 
 :func:`parse_method` reads a token against a vocabulary (selector name -> its variants): the selector registry passes
 its own (:func:`statereduce.selectors.parse_method`); without one only the grammar is checked.
@@ -168,6 +173,10 @@ def with_pct(target: str, pct: str) -> str:
 # ---- method tokens ----------------------------------------------------------------------------------------------
 VARIANTS = ("kq", "k", "q")
 DEFAULT_VARIANT = "kq"
+#: What a method cuts: key channels (the default: no suffix), value channels (``-v``) or both (``-kv``).
+CUTS = ("keys", "values", "joint")
+DEFAULT_CUT = "keys"
+CUT_SUFFIXES = {"values": "v", "joint": "kv"}
 DEFAULT_CALIB = "default"
 CALIB_PATTERN = r"[a-z0-9]+"
 BUDGET_PATTERN = r"[a-z0-9]+"
@@ -175,23 +184,30 @@ NAME_PATTERN = r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*"
 """Selector names: lowercase words joined by dashes; none may end in ``-k`` or ``-q`` (the variant suffixes)."""
 
 Vocabulary = Mapping[str, tuple[str, ...]]
-"""Selector name -> the variants it scores (``kq`` always among them)."""
+"""Selector name -> the variants it scores (``kq`` always among them) and the suffixes of the cuts it makes besides
+keys (``v``, ``kv``: a selector with a value side)."""
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A parsed method token: selector name, scoring variant ("kq", "k", "q"), calibration id and per-layer key
-    budget (None: every layer keeps the same d_k')."""
+    """A parsed method token: selector name, scoring variant ("kq", "k", "q"), calibration id, per-layer key
+    budget (None: every layer keeps the same d_k') and cut ("keys", "values", "joint")."""
 
     selector: str
     variant: str = DEFAULT_VARIANT
     calib: str = DEFAULT_CALIB
     budget: str | None = None
+    cut: str = DEFAULT_CUT
 
     @property
     def uniform(self) -> MethodSpec:
         """The same selection without a per-layer budget (the uniform cut it is compared with)."""
-        return MethodSpec(self.selector, self.variant, self.calib)
+        return MethodSpec(self.selector, self.variant, self.calib, cut=self.cut)
+
+    @property
+    def keys(self) -> MethodSpec:
+        """The key cut of the same selector and calibration (the key side of a joint cut)."""
+        return MethodSpec(self.selector, self.variant, self.calib, self.budget)
 
 
 def unknown_selector(name: str, vocabulary: Vocabulary, context: str = "") -> ValueError:
@@ -203,13 +219,15 @@ def unknown_selector(name: str, vocabulary: Vocabulary, context: str = "") -> Va
 
 def _token_help(vocabulary: Vocabulary | None) -> str:
     if vocabulary is None:
-        return (f"expected <selector>[-k|-q][.<calib>][@<budget>] with selector matching {NAME_PATTERN}, calib "
+        return (f"expected <selector>[-k|-q|-v|-kv][.<calib>][@<budget>] with selector matching {NAME_PATTERN}, calib "
                 f"matching {CALIB_PATTERN} (omit it for the default calibration), budget matching {BUDGET_PATTERN} "
                 "(omit it for the uniform cut)")
-    with_kq = [n for n, v in sorted(vocabulary.items()) if [x for x in v if x != DEFAULT_VARIANT]]
+    with_kq = [n for n, v in sorted(vocabulary.items()) if set(v) & {"k", "q"}]
+    with_v = [n for n, v in sorted(vocabulary.items()) if set(v) & set(CUT_SUFFIXES.values())]
     return (
-        f"expected <selector>[-k|-q][.<calib>][@<budget>] with selector in {{{', '.join(sorted(vocabulary))}}}, "
-        f"-k/-q only for {{{', '.join(with_kq)}}}, calib matching {CALIB_PATTERN} (omit it for the default "
+        f"expected <selector>[-k|-q|-v|-kv][.<calib>][@<budget>] with selector in "
+        f"{{{', '.join(sorted(vocabulary))}}}, -k/-q only for {{{', '.join(with_kq)}}}, -v/-kv only for "
+        f"{{{', '.join(with_v)}}} and without @<budget>, calib matching {CALIB_PATTERN} (omit it for the default "
         f"calibration), budget matching {BUDGET_PATTERN} (omit it for the uniform cut)"
     )
 
@@ -236,27 +254,37 @@ def parse_method(token: str, vocabulary: Vocabulary | None = None) -> MethodSpec
     else:
         calib = DEFAULT_CALIB
     name, dash, variant = head.rpartition("-")
-    if vocabulary is None:  # the grammar alone: a trailing -k or -q is the variant (no selector name ends in one)
-        if re.fullmatch(NAME_PATTERN, head) and not re.search(r"-[kq]$", head):
+    suffixes = ("k", "q", *CUT_SUFFIXES.values())
+    if vocabulary is None:  # the grammar alone: a trailing suffix is one (no selector name ends in one)
+        if re.fullmatch(NAME_PATTERN, head) and not re.search(r"-(?:k|q|v|kv)$", head):
             name, variant = head, DEFAULT_VARIANT
-        elif not (dash and variant in ("k", "q") and re.fullmatch(NAME_PATTERN, name)):
+        elif not (dash and variant in suffixes and re.fullmatch(NAME_PATTERN, name)):
             raise ValueError(f"bad selector {head!r} in method token {token!r}; {_token_help(vocabulary)}")
     elif head in vocabulary:  # a selector name (dashes included), no variant suffix
         name, variant = head, DEFAULT_VARIANT
     elif not dash or name not in vocabulary:
-        raise unknown_selector(name if dash and variant in VARIANTS else head, vocabulary,
+        raise unknown_selector(name if dash and variant in (*VARIANTS, *suffixes) else head, vocabulary,
                                f" in method token {token!r}")
-    elif variant not in VARIANTS or variant == DEFAULT_VARIANT:
+    elif variant not in suffixes:
         raise ValueError(f"bad variant suffix {'-' + variant!r} in method token {token!r}; {_token_help(vocabulary)}")
     elif variant not in vocabulary[name]:
-        raise ValueError(f"selector {name!r} in method token {token!r} has no variant {variant!r}; "
+        what = "variant" if variant in VARIANTS else "value side for the cut"
+        raise ValueError(f"selector {name!r} in method token {token!r} has no {what} {variant!r}; "
                          f"{_token_help(vocabulary)}")
-    return MethodSpec(selector=name, variant=variant, calib=calib, budget=budget if at else None)
+    cut = next((c for c, suffix in CUT_SUFFIXES.items() if suffix == variant), DEFAULT_CUT)
+    if cut != DEFAULT_CUT:
+        variant = DEFAULT_VARIANT
+        if at:
+            raise ValueError(f"method token {token!r}: a per-layer key budget (@{budget}) cuts keys only; drop "
+                             f"@{budget} or the -{CUT_SUFFIXES[cut]} suffix")
+    return MethodSpec(selector=name, variant=variant, calib=calib, budget=budget if at else None, cut=cut)
 
 
 def format_method(spec: MethodSpec, vocabulary: Vocabulary | None = None) -> str:
     """The canonical method token of a :class:`MethodSpec` (inverse of :func:`parse_method`)."""
     suffix = "" if spec.variant == DEFAULT_VARIANT else f"-{spec.variant}"
+    if spec.cut != DEFAULT_CUT:
+        suffix = f"-{CUT_SUFFIXES.get(spec.cut, spec.cut)}" + ("" if spec.variant == DEFAULT_VARIANT else "?")
     calib = "" if spec.calib == DEFAULT_CALIB else f".{spec.calib}"
     budget = "" if spec.budget is None else f"@{spec.budget}"
     token = f"{spec.selector}{suffix}{calib}{budget}"

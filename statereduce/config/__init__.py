@@ -113,6 +113,7 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
         for pct in t["pcts"]:
             check_reduction(cfg, model, pct)
             for method in t["methods"]:
+                check_reduction(cfg, model, pct, method)
                 check_budget_cell(cfg, model, method, pct)
     check_studies(cfg)
     for name in cfg.get("speed", {}).get("models", []):

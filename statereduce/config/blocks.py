@@ -383,31 +383,40 @@ def check_has_checkpoint(config: dict, model: str) -> None:
         raise ConfigError(f"model {model!r} has no checkpoint: set models.{model}.local (or hub)")
 
 
-def check_reduction(config: dict, model: str, pct: float) -> int:
-    """Check that removing ``pct`` percent of ``model``'s key channels is possible; return d_k'.
+def check_reduction(config: dict, model: str, pct: float, method: str | None = None) -> int:
+    """Check that ``method``'s cut at ``pct`` is possible for ``model`` (None or a key cut: removing ``pct`` percent
+    of its key channels; ``-v``: of its value channels; ``-kv``: of its state, :mod:`statereduce.core.cuts`); return
+    d_k'.
 
     The head sizes come from :func:`model_dims`; a model whose sizes the config cannot give (no checkpoint yet, a
     ``local`` checkpoint whose config.json the family cannot read, ``dims`` without ``head_k_dim``) is refused in one
     line, so that no job is planned for a ratio that may keep no channel."""
+    from statereduce.core.cuts import cut_widths
     from statereduce.families import family_spec
-    from statereduce.selectors import n_keep_for
+    from statereduce.selectors import parse_method
 
+    cut = "keys" if method is None else parse_method(method).cut
     if not 0 < pct < 100:
-        raise ConfigError(f"pct {pct} is outside (0, 100): it is the percent of key channels removed")
+        what = {"keys": "key channels", "values": "value channels", "joint": "the state"}[cut]
+        raise ConfigError(f"pct {pct} is outside (0, 100): it is the percent of {what} removed")
     dims = model_dims(config, model)
-    if dims is None or "head_k_dim" not in dims:
+    if dims is None or "head_k_dim" not in dims or (cut != "keys" and "head_v_dim" not in dims):
         check_has_checkpoint(config, model)
         raise ConfigError(f"model {model!r}: its head sizes are unknown (no models.{model}.dims, and its checkpoint's "
                           f"config.json gives none); add dims: {{num_heads, head_k_dim, head_v_dim}}")
-    try:
-        n_keep = n_keep_for(dims["head_k_dim"], pct)
+    spec = family_spec(config["models"][model]["family"])
+
+    def check(d_k_new: int, d_v_new: int) -> None:
         if "head_v_dim" in dims:
-            family_spec(config["models"][model]["family"]).check_reduction(
-                dims["head_k_dim"], dims["head_v_dim"], n_keep
-            )
+            spec.check_reduction(dims["head_k_dim"], d_v_new, d_k_new)
+            spec.check_value_reduction(dims["head_v_dim"], d_v_new)
+
+    try:
+        d_k_new, d_v_new = cut_widths(cut, dims["head_k_dim"], dims.get("head_v_dim", 1), pct, check)
+        check(d_k_new, d_v_new)
     except ValueError as e:
         raise ConfigError(f"model {model!r} at pct {pct}: {e}") from None
-    return n_keep
+    return d_k_new
 
 
 def check_method(config: dict, method: str) -> None:
@@ -525,7 +534,7 @@ def check_target(config: dict, target: str) -> None:
                 )
             raise ConfigError(f"pct {found.pct!r} is written {pct!r} in paths (one spelling per ratio): "
                               f"{layout.with_pct(target, pct)}")
-        check_reduction(config, found.model, float(found.pct))
+        check_reduction(config, found.model, float(found.pct), found.method)
         check_budget_cell(config, found.model, found.method, float(found.pct))
     except ConfigError as e:
         raise ConfigError(f"{target}: {e}") from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +27,12 @@ SELECTION_FORMAT = 2
 
 
 def write_selection(path: str | Path, rows, meta: dict) -> Path:
-    """Write the selection Parquet file atomically (temp file + rename)."""
+    """Write the selection Parquet file atomically (temp file + rename). Rows are (layer, head, HeadSelection), or
+    (layer, unit, HeadSelection, side) for a value or joint cut, whose ``side`` ("k" or "v") becomes a column."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    with_side = bool(rows) and len(rows[0]) > 3
+    side = {"side": pa.array([r[3] for r in rows], pa.string())} if with_side else {}
     table = pa.table(
         {
             "layer": pa.array([r[0] for r in rows], pa.int32()),
@@ -41,6 +45,7 @@ def write_selection(path: str | Path, rows, meta: dict) -> Path:
                 [None if r[2].scores is None else np.asarray(r[2].scores, np.float64).tolist() for r in rows],
                 pa.list_(pa.float64()),
             ),
+            **side,
         }
     )
     table = table.replace_schema_metadata({"statereduce": json.dumps(meta, sort_keys=True)})
@@ -55,9 +60,10 @@ def write_selection(path: str | Path, rows, meta: dict) -> Path:
 
 
 def read_selection(path: str | Path,
-                   expect: dict | None = None) -> tuple[dict[int, list[list[int]] | np.ndarray], dict]:
+                   expect: dict | None = None) -> tuple[dict[int, list[list[int]] | np.ndarray] | CutSelection, dict]:
     """Read a selection file: ({layer: [kept indices of head 0, head 1, ...]}, metadata) for an index selection,
-    ({layer: float64 [H, d_k', d_k] transforms}, metadata) for a transform selection (``meta["kind"]``).
+    ({layer: float64 [H, d_k', d_k] transforms}, metadata) for a transform selection (``meta["kind"]``), and
+    (:class:`CutSelection`, metadata) for a value or joint cut (``meta["cut"]``).
 
     Args:
         path: the Parquet file :func:`write_selection` wrote.
@@ -89,6 +95,53 @@ def read_selection(path: str | Path,
                             f"(index) or {SELECTION_FORMAT} (index or transform); {remedy(path)}")
     df = table.to_pydict()
     check_provenance(path, meta, expect)
+    cut = meta.get("cut", "keys")
+    if cut != "keys":
+        values = _value_rows(path, df, meta)
+        keys = None
+        if cut == "joint":
+            keys, _ = _key_rows(path, {name: [x for x, side in zip(col, df["side"]) if side == "k"]
+                                       for name, col in df.items()}, meta, kind)
+        return CutSelection(keys, values), meta
+    return _key_rows(path, df, meta, kind)
+
+
+@dataclass(frozen=True)
+class CutSelection:
+    """What :func:`read_selection` returns for a value (``-v``) or joint (``-kv``) cut, and
+    :func:`statereduce.stages.prune.prune_model` takes: the key selection (None for a value cut: every key channel
+    stays) and {layer: int64 [units, d_v']} kept value channels, one row per value head or, where the heads share the
+    output norm (``meta["value_selection"] == "layer"``), one [d_v'] row for the layer."""
+
+    keys: dict | None
+    values: dict[int, np.ndarray]
+
+
+def _value_rows(path, df: dict, meta: dict) -> dict[int, np.ndarray]:
+    if "side" not in df:
+        raise ArtifactError(f"{path} is a {meta.get('cut')} cut without a 'side' column; {remedy(path)}")
+    by_layer: dict[int, dict[int, list]] = {}
+    for layer, unit, value, side in zip(df["layer"], df["head"], df["keep"], df["side"]):
+        if side == "v":
+            by_layer.setdefault(layer, {})[unit] = value
+    units, d_v, d_new = meta.get("value_units"), meta.get("d_v"), meta.get("d_v_new")
+    values = {}
+    for layer, rows in sorted(by_layer.items()):
+        if units is not None and sorted(rows) != list(range(int(units))):
+            raise ArtifactError(f"{path}: layer {layer} has value units {sorted(rows)} where the metadata says "
+                                f"value_units={units}; {remedy(path)}")
+        arr = np.asarray([rows[u] for u in sorted(rows)], dtype=np.int64)
+        if arr.ndim != 2 or d_new is None or d_v is None or arr.shape[1] != int(d_new) or \
+                np.any(np.diff(arr, axis=1) <= 0) or arr.min() < 0 or arr.max() >= int(d_v):
+            raise ArtifactError(f"{path}: layer {layer}: kept value channels are not {d_new} sorted channels of "
+                                f"d_v={d_v}; {remedy(path)}")
+        values[layer] = arr[0] if meta.get("value_selection") == "layer" else arr
+    if not values:
+        raise ArtifactError(f"{path} holds no value rows; {remedy(path)}")
+    return values
+
+
+def _key_rows(path, df: dict, meta: dict, kind: str):
     column = "transform" if kind == "transform" else "keep"
     if column not in df:
         raise ArtifactError(f"{path} is a {kind} selection without a {column!r} column; {remedy(path)}")
@@ -122,3 +175,4 @@ def _check_heads(heads: dict[int, list], kind: str, meta: dict) -> list[list[int
         return rows
     return np.stack([check_transform(np.asarray(t if t is not None else [], np.float64).reshape(int(d_new), int(d_k)),
                                      int(d_new), int(d_k), f"head {h}") for h, t in enumerate(rows)])
+

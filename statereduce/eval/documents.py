@@ -189,6 +189,8 @@ def summarize(
                 "d_k_before": baseline_eval["state"].get("d_k"),
                 "d_k_after": pruned_eval["state"].get("d_k"),
                 **({"key_dims_after": pruned_eval["state"]["key_dims"]} if "key_dims" in pruned_eval["state"] else {}),
+                **({"d_v_before": baseline_eval["state"]["d_v"], "d_v_after": pruned_eval["state"]["d_v"]}
+                   if baseline_eval["state"].get("d_v") != pruned_eval["state"].get("d_v") else {}),
             },
             "rft": _rft_brief(rft_record),
             "provenance": provenance,

@@ -115,6 +115,13 @@ class StateShape:
     def conv_elems(self) -> int:
         return self.conv_channels * self.conv_width
 
+    def with_value_dim(self, d_v: int) -> StateShape:
+        """The same layer keeping ``d_v`` value channels per head (its value conv, where it has one, too)."""
+        if int(d_v) == self.d_v:
+            return self
+        conv = self.conv_channels - self.num_heads * (self.d_v - int(d_v)) if self.conv_channels else 0
+        return StateShape(self.num_heads, self.d_k, int(d_v), conv, self.conv_width)
+
 
 class Dims(NamedTuple):
     """Head sizes (H, HV, d_k, d_v) of a family's linear-attention layers, read from a config."""
@@ -246,10 +253,13 @@ class FamilySpec(ABC):
 
     @classmethod
     def config_layer_state_shapes(cls, config) -> dict[int, StateShape]:
-        """{layer: state shape} of every linear-attention layer, each at its own width (:meth:`config_key_dims`)."""
+        """{layer: state shape} of every linear-attention layer, each at its own width (:meth:`config_key_dims`) and
+        value width (:data:`VALUE_DIMS_FIELD` where the config has it)."""
         widths = cls.config_key_dims(config)
         shapes = {w: cls.width_state_shape(config, w) for w in set(widths.values())}
-        return {layer: shapes[w] for layer, w in widths.items()}
+        value_dims = getattr(config, VALUE_DIMS_FIELD, None)  # a value cut the stock config cannot hold
+        return {layer: shapes[w] if value_dims is None else shapes[w].with_value_dim(value_dims[layer])
+                for layer, w in widths.items()}
 
     @classmethod
     def config_state_bytes(cls, config, dtype_bytes: int = 4) -> int:

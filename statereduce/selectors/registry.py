@@ -243,9 +243,34 @@ def selector_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+#: selector name -> its value side (:mod:`statereduce.selectors.values`): what ``-v`` / ``-kv`` tokens cut with
+_VALUE_SIDES: dict[str, Callable[..., HeadSelection]] = {}
+
+
+def register_value_side(name: str) -> Callable[[Callable[..., HeadSelection]], Callable[..., HeadSelection]]:
+    """Decorator registering ``fn(data: ValueData, n_keep, *, rng, **options) -> HeadSelection`` as the value side of
+    the registered selector ``name``: its method tokens then take ``-v`` and ``-kv``."""
+
+    def decorator(fn):
+        if name not in _REGISTRY:
+            raise ValueError(f"value side for unknown selector {name!r}; valid: {', '.join(sorted(_REGISTRY))}")
+        _VALUE_SIDES[name] = fn
+        return fn
+
+    return decorator
+
+
+def value_side(name: str) -> Callable[..., HeadSelection]:
+    """The value side of selector ``name``; one line naming the selectors that have one otherwise."""
+    if name not in _VALUE_SIDES:
+        raise ValueError(f"selector {name!r} has no value side; valid: {', '.join(sorted(_VALUE_SIDES))}")
+    return _VALUE_SIDES[name]
+
+
 def _vocabulary() -> dict[str, tuple[str, ...]]:
-    """The registered selectors and their variants, the vocabulary of method tokens."""
-    return {name: sel.variants for name, sel in _REGISTRY.items()}
+    """The registered selectors and their variants (with ``v`` and ``kv`` where a selector has a value side), the
+    vocabulary of method tokens."""
+    return {name: sel.variants + (("v", "kv") if name in _VALUE_SIDES else ()) for name, sel in _REGISTRY.items()}
 
 
 def get_selector(name: str) -> Selector:

@@ -59,6 +59,7 @@ from statereduce.adapters import EpsAttribute, LinearAttentionAdapter, ScaledRow
 from statereduce.adapters.layout import EPS_ATTRIBUTES
 from statereduce.core.artifacts import PRUNE_RECORD, check_prune_record  # noqa: F401  (check_prune_record re-exported)
 from statereduce.core.checkpoints import base_checkpoint
+from statereduce.core.selection_file import CutSelection
 from statereduce.kernels.shapes import record_note
 from statereduce.core.models import save_checkpoint
 from statereduce.core.runtime import atomic_dir, versions
@@ -482,7 +483,7 @@ def value_eps_note(norm_eps: str, eps_note: Mapping[str, Any] | None, d_v: int, 
                     f"(exact with eps * {s:g})"}
 
 
-def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, Any] | None = None, *,
+def prune_model(model: nn.Module, keep: Mapping[int, Any] | None, meta: Mapping[str, Any] | None = None, *,
                 norm_eps: str = PruneSettings.norm_eps, values: Mapping[int, Any] | None = None) -> PruneRecord:
     """Slice the kept key/query channels out of every linear-attention layer, in place (paper Sec. 3.3).
 
@@ -495,7 +496,9 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
     Args:
         model: a loaded causal LM with an adapter.
         keep: {layer: LongTensor [H, d_k']} kept channel indices per q/k head (the same for q and k); the
-            rows are sorted here, since channel order does not change the model. Or a transform selection,
+            rows are sorted here, since channel order does not change the model. None keeps every key channel (a
+            value cut). A :class:`~statereduce.core.selection_file.CutSelection` (a value or joint cut's selection
+            file) gives both ``keep`` and ``values``. Or a transform selection,
             {layer: float [H, d_k', d_k]} with orthonormal rows per head (``pca``): the q and k projection rows
             become ``T_h W_h``, the q/k conv filters are mixed (App. B.4) or, where a head's filters are all equal,
             carried over exactly (App. B.5) (:func:`transform_rows`); the record's ``transform`` says how many.
@@ -538,6 +541,13 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any], meta: Mapping[str, An
     norm_eps = PruneSettings(norm_eps=norm_eps).norm_eps  # a one-line ValueError for a bad value
     adapter = get_adapter(model)
     transforms = None
+    if isinstance(keep, CutSelection):  # a value or joint cut's selection file
+        if values is not None:
+            raise ValueError("values are given twice: in the CutSelection and as values=")
+        keep, values = keep.keys, keep.values
+    if keep is None:
+        keep = {layer: torch.arange(adapter.head_k_dim).expand(adapter.num_heads, -1)
+                for layer, _ in adapter.mixer_layers()}
     if is_transform_selection(keep):
         transforms, d_k_new = check_transforms(adapter, keep)
         keep_t = {layer: torch.arange(d_k_new).expand(adapter.num_heads, -1) for layer in transforms}

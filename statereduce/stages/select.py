@@ -71,8 +71,9 @@ def select_channels(
 
     Args:
         weights: the model's ``qk.h5`` (head rows of the q/k projections; also gives H, d_k, layers).
-        method: method token, e.g. ``drrqr``, ``l1-q``, ``grad.prose`` (see ``parse_method``).
-        pct: percent of key channels removed.
+        method: method token, e.g. ``drrqr``, ``l1-q``, ``grad.prose`` (see ``parse_method``); a value or joint cut
+            (``drrqr-v``, ``grad-kv``) goes to :func:`select_cut`.
+        pct: percent of key channels removed (of a value or joint cut: :mod:`statereduce.core.cuts`).
         activations: ``activations.h5`` (needed by activation/xnorm-based selectors).
         grads: ``grad_scores.h5`` (needed by ``grad``).
         seed: selection seed (``rand``; tie-breaking elsewhere is deterministic).
@@ -93,6 +94,9 @@ def select_channels(
             one that cannot be read.
     """
     spec = parse_method(method)
+    if spec.cut != "keys":
+        return select_cut(weights, method, pct, activations=activations, grads=grads, seed=seed, options=options,
+                          workers=workers, expect=expect)
     if (spec.budget is None) != (allocation is None):
         raise ValueError(f"method {method!r} " + ("has no @<budget>: give no allocation" if spec.budget is None
                                                   else "names a budget: give its allocation (rule allocate)"))
@@ -188,3 +192,187 @@ def run_selector(
         "package_version": __version__,
     }
     return rows, meta
+
+
+# ---- value and joint cuts (``-v``, ``-kv``) ---------------------------------------------------------------------
+def cut_needs(method: str) -> set[str]:
+    """What a method's selection reads: "weights", "activations", "xnorm", "grad" (its key selector's needs for a key
+    or joint cut, its value side's for a value or joint cut)."""
+    from statereduce.selectors.values import NEEDS as VALUE_NEEDS
+
+    spec = parse_method(method)
+    needs = set(get_selector(spec.selector).needs) if spec.cut != "values" else {"weights"}
+    if spec.cut != "keys":
+        needs |= VALUE_NEEDS[spec.selector] | {"weights"}
+    return needs
+
+
+def cut_code_files(method: str) -> list[str]:
+    """:func:`selector_code_files` of the method's selector, with the value sides' module for a value or joint cut."""
+    files = selector_code_files(parse_method(method).selector)
+    if parse_method(method).cut != "keys":
+        from statereduce.selectors import values
+
+        files = sorted({*files, os.path.abspath(values.__file__)})
+    return files
+
+
+def value_units(layers: Iterable[tuple[int, Mapping[str, np.ndarray]]]):
+    """Yield (layer, unit, ValueData) from per-layer arrays (``W_v``, ``W_o`` [HV, d_v, hidden], ``w_norm`` [1 or HV,
+    d_v], ``V`` [HV, rows, d_v], ``grad_v`` [HV, d_v]; absent ones stay None). Where ``w_norm`` has one row the layer's
+    heads share their output norm and the layer is one unit (heads pooled: V stacked, weights side by side, Grad
+    summed); otherwise each value head is one."""
+    from statereduce.selectors.values import ValueData
+
+    for layer, a in layers:
+        hv = next(a[n].shape[0] for n in ("W_v", "W_o", "V", "grad_v") if n in a)
+        shared = "w_norm" in a and a["w_norm"].shape[0] == 1
+        if shared:
+            yield layer, 0, ValueData(
+                W_v=np.concatenate(list(a["W_v"]), axis=1) if "W_v" in a else None,
+                W_o=np.concatenate(list(a["W_o"]), axis=1) if "W_o" in a else None,
+                w_norm=a["w_norm"][0],
+                V=np.concatenate(list(a["V"]), axis=0) if "V" in a else None,
+                grad_v=a["grad_v"].sum(axis=0) if "grad_v" in a else None)
+            continue
+        for h in range(hv):
+            yield layer, h, ValueData(**{n: a[n][h] for n in ("W_v", "W_o", "V", "grad_v") if n in a},
+                                      w_norm=a["w_norm"][h] if "w_norm" in a else None)
+
+
+def select_cut(
+    weights: str | Path,
+    method: str,
+    pct: float,
+    *,
+    activations: str | Path | None = None,
+    grads: str | Path | None = None,
+    seed: int = 0,
+    options: dict | None = None,
+    workers: int = 1,
+    expect: dict | None = None,
+) -> tuple[list[tuple[int, int, object, str]], dict]:
+    """The selection of a value cut (``-v``: the value side of its selector, :mod:`statereduce.selectors.values`, at
+    d_v' per unit) or a joint cut (``-kv``: both sides, at the widths :func:`statereduce.core.cuts.joint_widths`
+    gives). Arguments as :func:`select_channels`.
+
+    Returns:
+        (rows, meta): rows of (layer, unit or head, HeadSelection, side "k" or "v") and the file metadata (``cut``;
+        ``d_v``, ``d_v_new``, ``value_units``, ``value_selection`` "layer" or "head", ``state_fraction`` kept).
+
+    Raises:
+        ArtifactError: one line, as :func:`select_channels`, or for artifacts written before value channels were
+            captured (no ``W_v``/``V``/``grad_v``).
+    """
+    from statereduce.core.artifacts import ArtifactError, remedy
+    from statereduce.core.cuts import cut_widths
+    from statereduce.families import family_spec
+    from statereduce.selectors.registry import head_rng, value_side
+
+    spec = parse_method(method)
+    if spec.cut == "keys":
+        raise ValueError(f"method {method!r} cuts keys: select it with select_channels")
+    wattrs = H5Artifact(weights).expect(expect)
+    if "head_v_dim" not in wattrs:
+        raise ArtifactError(f"{weights} has no value weights (written before value channels were exported); "
+                            f"{remedy(Path(weights))}")
+    d_k, d_v, family = int(wattrs["head_k_dim"]), int(wattrs["head_v_dim"]), wattrs.get("family")
+    fspec = family_spec(family) if family else None
+
+    def check(k: int, v: int) -> None:
+        if fspec is not None:
+            fspec.check_reduction(d_k, v, k)
+            fspec.check_value_reduction(d_v, v)
+
+    d_k_new, d_v_new = cut_widths(spec.cut, d_k, d_v, pct, check)
+    check(d_k_new, d_v_new)
+    needs = cut_needs(method)
+    calib_expect = {**(expect or {}), "calibration": spec.calib, "num_heads": wattrs["num_heads"], "head_k_dim": d_k}
+    acts = H5Artifact(activations) if activations is not None and needs & {"activations", "xnorm"} else None
+    grad = H5Artifact(grads) if grads is not None and "grad" in needs else None
+    for art in (acts, grad):
+        if art is not None:
+            art.expect(calib_expect)
+    from statereduce.selectors.values import NEEDS as VALUE_NEEDS
+
+    vneeds = VALUE_NEEDS[spec.selector]
+    if "activations" in vneeds and acts is None:
+        raise ValueError(f"the value side of {spec.selector!r} needs calibration activations (activations.h5)")
+    if "grad" in vneeds and grad is None:
+        raise ValueError(f"the value side of {spec.selector!r} needs gradient scores (grad_scores.h5)")
+    w = H5Artifact(weights)
+    shared_layers = set()
+
+    def layers():
+        for layer in w.layers():
+            names = ["W_v", "W_o"] + (["w_norm"] if "w_norm" in _datasets(w, layer) else [])
+            arrays = w.read(layer, names)
+            if "w_norm" in arrays and arrays["w_norm"].shape[0] == 1:
+                shared_layers.add(layer)
+            if acts is not None and "activations" in vneeds:
+                arrays |= acts.read(layer, ["V"])
+            if grad is not None and "grad" in vneeds:
+                arrays |= grad.read(layer, ["grad_v"])
+            yield layer, arrays
+
+    fn = value_side(spec.selector)
+    opts = dict(options or {}) if spec.selector == "drrqr" else {}
+    rows, units = [], {}
+    for layer, unit, data in value_units(layers()):
+        sel = fn(data, d_v_new, rng=head_rng(seed, layer, unit), **opts)
+        rows.append((layer, unit, sel, "v"))
+        units[layer] = units.get(layer, 0) + 1
+    provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": family,
+                  "base_checkpoint": json.loads(wattrs["base_checkpoint"]) if wattrs.get("base_checkpoint") else None}
+    meta_keys = {}
+    if spec.cut == "joint":
+        key_pct = 100.0 * (d_k - d_k_new) / d_k
+        heads = head_data_iter(Path(weights), set(get_selector(spec.selector).needs),
+                               Path(activations) if activations else None, Path(grads) if grads else None)
+        key_rows, meta_keys = run_selector(heads, format_method_keys(spec), key_pct, d_k=d_k,
+                                           num_heads=int(wattrs["num_heads"]), seed=seed, options=options,
+                                           workers=workers, provenance=provenance,
+                                           widths={layer: d_k_new for layer in w.layers()})
+        rows = [(*row, "k") for row in key_rows] + rows
+    meta = {
+        "format": SELECTION_FORMAT,
+        "kind": "index",
+        **{k: v for k, v in provenance.items() if v is not None},
+        "method": method,
+        "selector": spec.selector,
+        "variant": spec.variant,
+        "calibration": spec.calib,
+        "budget": None,
+        "cut": spec.cut,
+        "pct": pct,
+        "d_k": d_k,
+        "d_k_new": d_k_new,
+        "num_heads": int(wattrs["num_heads"]),
+        "d_v": d_v,
+        "d_v_new": d_v_new,
+        "value_units": max(units.values()),
+        "value_selection": "layer" if shared_layers else "head",
+        "state_fraction": d_k_new * d_v_new / (d_k * d_v),
+        "seed": seed,
+        "options": options or {},
+        "package_version": __version__,
+    }
+    if meta_keys:
+        meta["key_pct"] = meta_keys["pct"]
+    return rows, meta
+
+
+def format_method_keys(spec) -> str:
+    """The key cut's token of a joint cut's spec (same selector, variant and calibration)."""
+    from statereduce.selectors import format_method
+
+    return format_method(spec.keys)
+
+
+def _datasets(artifact: H5Artifact, layer: int) -> set[str]:
+    import h5py
+
+    from statereduce.core.h5files import layer_group
+
+    with h5py.File(artifact.path, "r") as f:
+        return set(f[layer_group(layer)])

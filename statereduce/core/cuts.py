@@ -1,0 +1,63 @@
+"""What a method cuts and to which widths: key channels (d_k'), value channels (d_v') or both at a pct.
+
+``{pct}`` of a key cut is the percent of key channels removed (d_k' = :func:`~statereduce.selectors.n_keep_for`
+(d_k, pct)); of a value cut (d_v' = ``n_keep_for(d_v, pct)``) (``-v``), the percent of value channels removed, which is the same percent of every
+head's d_v x d_k state; of a joint cut (``-kv``), the percent of the state removed, split equally between the two
+sides (:func:`joint_widths`). :func:`cut_widths` gives (d_k', d_v') for any cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from statereduce.common.layout import CUTS
+from statereduce.selectors.registry import n_keep_for
+
+
+#: how far (a fraction of the full state) a joint cut's state may be from the pct's for a more equal split
+STATE_TOLERANCE = 0.01
+
+
+def joint_widths(d_k: int, d_v: int, pct: float,
+                 check: Callable[[int, int], None] | None = None) -> tuple[int, int]:
+    """(d_k', d_v') that remove ``pct`` percent of the d_v x d_k state with the two sides cut alike.
+
+    Among the pairs whose state d_k' d_v' lies within :data:`STATE_TOLERANCE` of the full state from (1 - pct/100)
+    d_k d_v, the one with the most equal kept fractions d_k'/d_k and d_v'/d_v, then the closest state, then the larger
+    d_k' (with no pair that close: the closest state). ``check(d_k', d_v')`` may refuse a pair (a family whose config
+    cannot hold it) by raising ValueError; the next best is taken.
+
+    Raises:
+        ValueError: one line, for a pct outside (0, 100) or when no pair passes ``check``.
+    """
+    if not 0 < pct < 100:
+        raise ValueError(f"pct={pct!r} is invalid for a joint cut; valid: a percent of the state in (0, 100)")
+    full = d_k * d_v
+    target = (1 - pct / 100) * full
+    candidates = set()
+    for k in range(1, d_k + 1):
+        for v in (int(target // k), int(target // k) + 1):
+            if 1 <= v <= d_v:
+                err = abs(k * v - target) / full
+                candidates.add((err > STATE_TOLERANCE, 0.0 if err > STATE_TOLERANCE else abs(k / d_k - v / d_v),
+                                err, -k, k, v))
+    for *_, k, v in sorted(candidates):
+        try:
+            if check is not None:
+                check(k, v)
+        except ValueError:
+            continue
+        return k, v
+    raise ValueError(f"no key and value widths of d_k={d_k}, d_v={d_v} remove {pct}% of the state")
+
+
+def cut_widths(cut: str, d_k: int, d_v: int, pct: float,
+               check: Callable[[int, int], None] | None = None) -> tuple[int, int]:
+    """(d_k', d_v') of a cut (:data:`~statereduce.common.layout.CUTS`) at ``pct``."""
+    if cut == "keys":
+        return n_keep_for(d_k, pct), d_v
+    if cut == "values":
+        return d_k, n_keep_for(d_v, pct)
+    if cut == "joint":
+        return joint_widths(d_k, d_v, pct, check)
+    raise ValueError(f"unknown cut {cut!r}; valid: {', '.join(CUTS)}")
