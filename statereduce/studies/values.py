@@ -75,13 +75,17 @@ and selector of ``studies.values`` (lower is better).
         return cells
 
     def inputs(self, config, block, cells):
-        return {"summaries": summary_paths(cells)}
+        from statereduce.common import layout
+
+        return {"summaries": summary_paths(cells),
+                "activations": [layout.path(layout.ACTIVATIONS, model=m, calib="default") for m in block["models"]]}
 
     def frames(self, inputs, params):
         from statereduce.core.runtime import read_json
 
         df = value_frame([read_json(p) for p in inputs["summaries"]], params)
-        return {"value_study": (df, markdown(df, params))}
+        use = utilisation_frame(dict(zip(params["models"], inputs["activations"])))
+        return {"value_study": (df, markdown(df, params, use))}
 
     def draw(self, inputs, params, outputs):
         from statereduce.core.runtime import read_json
@@ -143,6 +147,30 @@ def value_frame(summaries: list[dict], block: dict):
     return df
 
 
+def utilisation_frame(activations: dict[str, str]):
+    """Per model and linear-attention layer, how much of each side of the state the calibration activations use:
+    the effective rank (:func:`statereduce.core.budgets.effective_rank`) of the second moment of [K; Q] (keys and
+    queries, summed over the q/k heads) over d_k, and of V (summed over the value heads) over d_v. A side used at
+    low rank loses little when it is cut."""
+    import numpy as np
+    import pandas as pd
+
+    from statereduce.core.budgets import effective_rank
+    from statereduce.core.h5files import H5Artifact
+
+    rows = []
+    for model, path in activations.items():
+        art = H5Artifact(path)
+        for layer in art.layers():
+            a = art.read(layer, ["K", "Q", "V"])
+            kq = sum(np.linalg.eigvalsh(m.T @ m / m.shape[0]) for m in
+                     (np.concatenate([k, q]).astype(np.float64) for k, q in zip(a["K"], a["Q"])))
+            vv = sum(np.linalg.eigvalsh(v.astype(np.float64).T @ v.astype(np.float64) / v.shape[0]) for v in a["V"])
+            rows.append({"model": model, "layer": layer, "d_k": kq.size, "d_v": vv.size,
+                         "key_use": effective_rank(kq) / kq.size, "value_use": effective_rank(vv) / vv.size})
+    return pd.DataFrame(rows)
+
+
 def joint_wins(df, stage: str = "pruned"):
     """Per (pct, selector, cut) of value and joint cuts: the models on which its bits/byte is below the key-only
     cut's at ``stage``."""
@@ -157,9 +185,10 @@ def joint_wins(df, stage: str = "pruned"):
     return pd.DataFrame(rows)
 
 
-def markdown(df, block: dict) -> str:
+def markdown(df, block: dict, use=None) -> str:
     """Per pct a table of every model, selector and cut (bits/byte pre → post with Δ against the key-only cut, recall
-    pre and post, kept widths and state); then where the value and joint cuts beat the key-only cut before RFT."""
+    pre and post, kept widths and state); then where the value and joint cuts beat the key-only cut before RFT, and
+    how much of each side the calibration activations use per layer (``use``: :func:`utilisation_frame`)."""
     from statereduce.analysis.tables import MISSING, fmt, fmt_delta, pm
 
     labels = dict(CUTS)
@@ -201,6 +230,14 @@ def markdown(df, block: dict) -> str:
             lines.append(f"| {format_pct(r.pct)} | {r.selector} | {labels.get(r.cut, r.cut)} | {r.models_better} of "
                          f"{r.of}" + (f": {r.which}" if r.which else "") + " |")
         parts.append("\n## Where a value or joint cut beats the key-only cut\n\n" + "\n".join(lines) + "\n")
+    if use is not None and not use.empty:
+        lines = ["| model | layer | keys: erank / d_k | values: erank / d_v |", "|" + " --- |" * 4]
+        for r in use.itertuples():
+            lines.append(f"| {r.model} | {r.layer} | {r.key_use:.2f} (of {r.d_k}) | {r.value_use:.2f} (of {r.d_v}) |")
+        parts.append("\n## How much of each side the model uses\n\nEffective rank of the calibration activations' "
+                     "second moment per layer, over its width: [K; Q] on the key side, V on the value side (summed "
+                     "over the heads). A side used at a low share loses little when it is cut.\n\n"
+                     + "\n".join(lines) + "\n")
     return "".join(parts)
 
 
