@@ -233,6 +233,10 @@ def select(
             another model.
     """
     spec = parse_method(selector)
+    if spec.cut != "keys":
+        raise ValueError(f"selector {selector!r} cuts {spec.cut}: api.select cuts key channels; select value or joint "
+                         "cuts with statereduce.stages.select.select_channels on the calibration artifacts and prune "
+                         "with prune_model(model, keep, values=...)")
     sel = get_selector(spec.selector)
     adapter = _adapter(model)
     h, d_k = adapter.num_heads, adapter.head_k_dim

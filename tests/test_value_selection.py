@@ -191,3 +191,11 @@ def test_artifacts_without_values_are_refused_in_one_line(artifacts, tmp_path):
     assert "\n" not in str(err.value)
     rows, meta = select_channels(a["weights"], "drrqr", 50, activations=old, expect={"model": "t"})  # keys still read
     assert meta["d_k_new"] == meta["d_k"] // 2
+
+
+def test_the_api_refuses_a_value_cut_in_one_line():
+    from statereduce import api
+
+    with pytest.raises(ValueError, match=r"selector 'drrqr-v' cuts values: api.select cuts key channels") as err:
+        api.select(tiny_model("delta_net"), None, "drrqr-v", 50)
+    assert "\n" not in str(err.value)
