@@ -355,5 +355,5 @@ def masked_values(adapter: LinearAttentionAdapter, mixer: nn.Module, keep_v: tor
         yield
     finally:
         with torch.no_grad():
-            for param, rows, value in saved:
-                param[rows] = value
+            for param, rows, before in saved:
+                param[rows] = before

@@ -420,7 +420,7 @@ def check_values(adapter: LinearAttentionAdapter, values: Mapping[int, Any], red
             raise ValueError(f"layer {layer}: value indices span [{int(idx.min())}, {int(idx.max())}]; valid: "
                              f"[0, d_v={layout.value_dim})")
         idx = idx.sort(dim=1).values
-        if bool((idx[:, 1:] == idx[:, :-1]).any()):
+        if bool((idx.diff(dim=1) == 0).any()):
             raise ValueError(f"layer {layer}: values repeat a channel within a head")
         if layer_shared and bool((idx != idx[:1]).any()):
             raise ValueError(f"layer {layer}: value heads keep different channels, but the {adapter.family} output "
