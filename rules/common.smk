@@ -332,6 +332,9 @@ def get_rank(wildcards):
 
 def get_rank_inputs(wildcards):
     spec = parse_method(wildcards.method)
+    if spec.cut != "keys":
+        raise WorkflowError(f"results/{wildcards.model}/{wildcards.method}_{wildcards.pct}/rank.json: the rank analysis "
+                            "covers key cuts; value and joint cuts have none yet (docs/values.md)")
     stage = layout.path(layout.STAGE, model=wildcards.model, method=wildcards.method, pct=wildcards.pct)
     return {"pruned": f"{stage}/pruned/config.json", "baseline": layout.path(layout.BASELINE_RANK, model=wildcards.model),
             "selection": layout.path(layout.SELECTION, model=wildcards.model, method=wildcards.method, pct=wildcards.pct),
@@ -386,6 +389,10 @@ SPEED_MODELS = CFG.get("speed", {}).get("models", [])
 @checked
 def get_speed(wildcards):
     """The model's speed plan (config.model_speed); a pruned target measures the baseline and its own pct."""
+    if hasattr(wildcards, "method") and parse_method(wildcards.method).cut != "keys":
+        raise WorkflowError(f"results/{wildcards.model}/{wildcards.method}_{wildcards.pct}/speed.json: rule speed times "
+                            "key cuts; time value and joint cuts with the decode benchmark's --head-shape "
+                            "(docs/speed.md)")
     plan = srconfig.model_speed(CFG, wildcards.model).to_dict()
     pcts = [float(wildcards.pct)] if hasattr(wildcards, "pct") else plan["settings"].get("pcts")
     if pcts is not None:

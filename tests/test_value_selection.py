@@ -199,3 +199,16 @@ def test_the_api_refuses_a_value_cut_in_one_line():
     with pytest.raises(ValueError, match=r"selector 'drrqr-v' cuts values: api.select cuts key channels") as err:
         api.select(tiny_model("delta_net"), None, "drrqr-v", 50)
     assert "\n" not in str(err.value)
+
+
+def test_value_cuts_plan_their_cells_and_refuse_rank_and_speed_in_one_line(tmp_path):
+    """``drrqr-kv_75`` plans selection, pruning, RFT and summary; its rank analysis and speed are refused at planning
+    with the reason (they cover key cuts)."""
+    from _snakemake import dry_run_outputs, snakemake
+
+    jobs = dry_run_outputs(tmp_path / "ok", "results/tiny-gdn/drrqr-kv_75/eval.json")
+    assert jobs["select_channels"] == ["results/tiny-gdn/select/drrqr-kv_75.parquet"]
+    assert {"prune", "rft", "summarize"} <= set(jobs)
+    for target, reason in (("rank.json", "the rank analysis covers key cuts"), ("speed.json", "rule speed times key cuts")):
+        out = snakemake(tmp_path / target, "-n", f"results/tiny-gdn/drrqr-v_50/{target}")
+        assert out.returncode != 0 and reason in out.stdout + out.stderr
