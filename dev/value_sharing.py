@@ -1,8 +1,8 @@
 """One value selection per layer (shared by its heads) against one per head, on finished runs' models.
 
-fla's and Qwen3.5's output norm has one weight of d_v entries for all heads of a layer, so a stock checkpoint can
-only drop the same value channels from every head of a layer (statereduce.stages.prune, "Value channels"). A
-per-head selection would need a checkpoint that only the project's loader reads. This measures what sharing costs:
+fla's and Qwen3.5's output norm has one weight of d_v entries for all heads of a layer. Heads that keep different
+value channels need that weight moved into the output projection first (statereduce.stages.prune.fold_output_norm);
+one selection per layer needs nothing. This measures what sharing would cost:
 for each model, selector value side and share of the value channels removed, the held-out cross entropy (bits per
 token) of the model with the dropped value channels zeroed (what the exact checkpoint equals), with one selection
 per layer (the layer's heads pooled, as the workflow selects) and with one per head (each head's own statistics).
@@ -69,11 +69,8 @@ def main(argv=None) -> None:
         mixers = dict(adapter.mixer_layers())
         d_v = int(weights.attrs()["head_v_dim"])
 
-        def arrays(layer: int, shared: bool):
-            a = weights.read(layer, ["W_v", "W_o", "w_norm"]) | acts.read(layer, ["V"]) | grads.read(layer, ["grad_v"])
-            if not shared:  # each head its own unit: w_norm repeated per head
-                a["w_norm"] = np.repeat(a["w_norm"], a["W_v"].shape[0], axis=0)
-            return a
+        def arrays(layer: int):
+            return weights.read(layer, ["W_v", "W_o", "w_norm"]) | acts.read(layer, ["V"]) | grads.read(layer, ["grad_v"])
 
         for sel in args.selectors:
             for pct in args.pcts:
@@ -83,7 +80,7 @@ def main(argv=None) -> None:
                 for how in ("layer", "head"):
                     keep = {}
                     for layer in mixers:
-                        units = list(value_units([(layer, arrays(layer, how == "layer"))]))
+                        units = list(value_units([(layer, arrays(layer))], pool=how == "layer"))
                         kept = [value_side(sel)(data, d_v_new, rng=head_rng(0, layer, unit)).keep
                                 for _, unit, data in units]
                         keep[layer] = torch.as_tensor(np.stack(kept))
@@ -109,7 +106,7 @@ def main(argv=None) -> None:
     args.out_prefix.parent.mkdir(parents=True, exist_ok=True)
     args.out_prefix.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = [f"Held-out cross entropy (bits per token, lower is better) with value channels zeroed, one selection per "
-             f"layer (stock checkpoint) or per head (project loader only); {args.n_samples} × {args.seq_len} held-out "
+             f"layer (its heads pooled) or one per head (its own statistics); {args.n_samples} × {args.seq_len} held-out "
              f"tokens; {cpu}, torch CPU capability {capability}. Command: `{doc['command']}`.", "",
              "| model | selector | value channels removed | d_v' of d_v | baseline | per layer | per head | "
              "per layer − per head |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]

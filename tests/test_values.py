@@ -10,7 +10,10 @@ not the package's layouts): fla's ``v_proj`` rows and ``v_conv1d`` channels, Qwe
 1. ``"exact"`` equals the zero-masked original to float32 precision, values alone and with half the keys cut too, in
    all four families, at 50% and 75% of the value channels;
 2. ``"stock"`` equals the zero-masked original whose output norms have eps / (d_v/d_v') (the eps effect only);
-3. the checkpoint reloads in a fresh process: fla and Qwen3.5 with the stock classes, Mamba-2 (whose strict config
+   each value head keeps its own channels, or (fla, Qwen3.5, whose output norm weight the heads share) every head of
+   a layer the same ones;
+3. the checkpoint reloads in a fresh process: fla and Qwen3.5 with the stock classes (per-head selections too: the
+   shared norm weight is folded into the output projection), Mamba-2 (whose strict config
    cannot hold d_v') with ``load_model``; the stock Mamba-2 class refuses it;
 4. cached one-token decoding equals the full forward;
 5. bad selections fail with one line before any weight changes; a keys-only record has no ``values`` entry.
@@ -71,14 +74,15 @@ def value_layout(family: str, mixer) -> tuple[int, int, list[tuple[str, int]]]:
     return mixer.num_heads, mixer.head_dim, [("in_proj", inner), ("conv1d", 0)]
 
 
-def random_values(model, d_v_new: int, seed: int = 3) -> dict[int, torch.Tensor]:
-    """Kept value channels per layer: [d_v'] where the heads share the output norm, else [HV, d_v'] per head."""
+def random_values(model, d_v_new: int, seed: int = 3, per_head: bool = True) -> dict[int, torch.Tensor]:
+    """Kept value channels per layer: [HV, d_v'] per head, or (``per_head`` False, where the heads share the output
+    norm) [d_v'] for the layer."""
     adapter = get_adapter(model)
     g = torch.Generator().manual_seed(seed)
     out = {}
     for layer, mixer in adapter.mixer_layers():
         hv, d_v, _ = value_layout(adapter.family, mixer)
-        if adapter.family in SHARED:
+        if adapter.family in SHARED and not per_head:
             out[layer] = torch.randperm(d_v, generator=g)[:d_v_new].sort().values
         else:
             out[layer] = torch.stack([torch.randperm(d_v, generator=g)[:d_v_new].sort().values for _ in range(hv)])
@@ -136,13 +140,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+@pytest.mark.parametrize("per_head", [True, False], ids=["per-head", "per-layer"])
 @pytest.mark.parametrize("pct", [50, 75])
 @pytest.mark.parametrize("with_keys", [False, True], ids=["values", "joint"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_exact_equals_zeroing(case, with_keys, pct):
+def test_exact_equals_zeroing(case, with_keys, pct, per_head):
+    if not per_head and CASES[case][0] not in SHARED:
+        pytest.skip("Mamba-2's output norm has a weight per channel: a selection per layer is a per-head one")
     model, inputs = model_of(case), tiny_inputs()
     d_v = get_adapter(model).dims(get_adapter(model).config).head_v_dim
-    values = random_values(model, d_v * (100 - pct) // 100)
+    values = random_values(model, d_v * (100 - pct) // 100, per_head=per_head)
     keys = random_keys(model, get_adapter(model).head_k_dim // 2) if with_keys else None
     reference = copy.deepcopy(model)
     zero_values(reference, values)
@@ -157,7 +164,8 @@ def test_exact_equals_zeroing(case, with_keys, pct):
     assert rel(logits(pruned, inputs), want) < 1e-5
     assert rel(logits(model, inputs), want) > 1e-2  # the cut matters
     assert record.values["d_v_new"] == d_v * (100 - pct) // 100
-    assert record.values["selection"] == ("layer" if CASES[case][0] in SHARED else "head")
+    assert record.values["selection"] == ("head" if per_head else "layer")
+    assert record.values["output_norm_folded"] == (sorted(values) if per_head and CASES[case][0] in SHARED else [])
     assert record.values["norm_eps"]["choice"] == "exact"
 
 
@@ -256,13 +264,11 @@ def _all_keys(model):
     (lambda v: {0: v[0], 1: v[1][:4]}, r"layers keep \[4, 16\] value channels per head; d_v' must be the same"),
     (lambda v: {0: v[0], 1: torch.tensor([0, 1, 99])}, r"layer 1: values has shape|value indices span \[0, 99\]"),
     (lambda v: {0: v[0], 1: torch.tensor([3, 3] + list(range(4, 18)))}, r"layer 1: values repeat a channel"),
-    (lambda v: {0: torch.stack([v[0], v[0].flip(0) * 0 + torch.arange(16)]), 1: v[1]},
-     r"layer 0: value heads keep different channels, but the delta_net output norm's weight \(\[d_v\]\) is shared"),
-], ids=["layers", "widths", "range", "repeats", "per-head-in-fla"])
+], ids=["layers", "widths", "range", "repeats"])
 def test_bad_value_selections_fail_in_one_line_before_any_change(bad, message):
     model = model_of("delta_net")
     before = copy.deepcopy(model.state_dict())
-    values = random_values(model, 16)
+    values = random_values(model, 16, per_head=False)
     with pytest.raises(ValueError, match=message) as err:
         prune_model(model, _all_keys(model), META, values=bad(values))
     assert "\n" not in str(err.value)

@@ -375,14 +375,20 @@ def check_keep(adapter: LinearAttentionAdapter, keep: Mapping[int, Any], *,
 # ---- value channels -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ValuePlan:
-    """A checked value selection (:func:`check_values`): per layer [HV, d_v'] sorted kept value channels, d_v', whether
-    the heads of a layer share them, and the config fields that hold d_v' (None: :data:`VALUE_DIMS_FIELD`)."""
+    """A checked value selection (:func:`check_values`): per layer [HV, d_v'] sorted kept value channels, d_v', the
+    layers whose heads keep different channels under an output norm weight they share (``fold``: the weight goes into
+    the output projection's columns first), and the config fields that hold d_v' (None: :data:`VALUE_DIMS_FIELD`)."""
 
     keep: dict[int, torch.Tensor]
     d_v: int
     d_v_new: int
-    shared: bool
+    fold: frozenset[int]
     config_updates: dict[str, Any] | None
+
+    @property
+    def shared(self) -> bool:
+        """Every layer's heads keep the same channels."""
+        return all(bool((idx == idx[:1]).all()) for idx in self.keep.values())
 
 
 def check_values(adapter: LinearAttentionAdapter, values: Mapping[int, Any], reduced_config=None) -> ValuePlan:
@@ -401,7 +407,7 @@ def check_values(adapter: LinearAttentionAdapter, values: Mapping[int, Any], red
     if sorted(int(k) for k in values) != sorted(layouts):
         raise ValueError(f"values cover layers {sorted(int(k) for k in values)}; the model's linear-attention layers "
                          f"are {sorted(layouts)}")
-    out, widths, shared = {}, set(), False
+    out, widths, fold = {}, set(), set()
     d_v = adapter.dims(adapter.config).head_v_dim
     for layer, layout in layouts.items():
         try:
@@ -410,7 +416,6 @@ def check_values(adapter: LinearAttentionAdapter, values: Mapping[int, Any], red
             raise ValueError(f"layer {layer}: values must be [HV, d_v'] or [d_v'] integer indices: {err}") from None
         hv = max(e.index.shape[0] for e in layout.value_channels())
         layer_shared = layout.shared_value_selection()
-        shared = shared or layer_shared
         if idx.ndim == 1:
             idx = idx.expand(hv, -1)
         if idx.ndim != 2 or idx.shape[0] != hv or idx.shape[1] == 0:
@@ -422,16 +427,20 @@ def check_values(adapter: LinearAttentionAdapter, values: Mapping[int, Any], red
         idx = idx.sort(dim=1).values
         if bool((idx.diff(dim=1) == 0).any()):
             raise ValueError(f"layer {layer}: values repeat a channel within a head")
-        if layer_shared and bool((idx != idx[:1]).any()):
-            raise ValueError(f"layer {layer}: value heads keep different channels, but the {adapter.family} output "
-                             f"norm's weight ([d_v]) is shared by the heads; give one selection per layer ([d_v'])")
+        if layer_shared and bool((idx != idx[:1]).any()):  # each head its own channels: fold the shared weight
+            norms = [e.module for e in layout.value_channels() if e.axis == "norm"]
+            if any(getattr(n, "bias", None) is not None for n in norms):
+                raise ValueError(f"layer {layer}: value heads keep different channels, but the {adapter.family} output "
+                                 f"norm's weight ([d_v]) is shared by the heads and has a bias; give one selection "
+                                 f"per layer ([d_v'])")
+            fold.add(layer)
         widths.add(int(idx.shape[1]))
         out[layer] = idx.contiguous()
     if len(widths) != 1:
         raise ValueError(f"layers keep {sorted(widths)} value channels per head; d_v' must be the same in every layer")
     d_v_new = widths.pop()
     updates = adapter.value_config_updates(config, d_v_new)  # raises for a d_v' outside [1, d_v]
-    return ValuePlan(out, d_v, d_v_new, shared, updates)
+    return ValuePlan(out, d_v, d_v_new, frozenset(fold), updates)
 
 
 def apply_values(adapter: LinearAttentionAdapter, plan: ValuePlan, changes: dict[str, list[Any]]) -> dict[str, Any]:
@@ -443,6 +452,8 @@ def apply_values(adapter: LinearAttentionAdapter, plan: ValuePlan, changes: dict
     config = adapter.config
     scale = math.sqrt(plan.d_v / plan.d_v_new)
     for layer, mixer in adapter.mixer_layers():
+        if layer in plan.fold:
+            fold_output_norm(adapter, mixer)
         slice_values(adapter, mixer, plan.keep[layer])
         if scale != 1:
             with torch.no_grad():
@@ -464,8 +475,26 @@ def apply_values(adapter: LinearAttentionAdapter, plan: ValuePlan, changes: dict
         "keep": {str(layer): (idx[0].tolist() if plan.shared else idx.tolist())
                  for layer, idx in sorted(plan.keep.items())},
         "output_norm_weight_scale": scale,
+        "output_norm_folded": sorted(plan.fold),
         "stock_loadable": plan.config_updates is not None,
     }
+
+
+def fold_output_norm(adapter: LinearAttentionAdapter, mixer: nn.Module) -> None:
+    """Move the weight of a mixer's output norm that all its heads share ([d_v]) into the columns of its output
+    projection (``W_o[:, h d_v + j] *= w_j`` for every head h) and set it to ones: the same model (the weight scales each
+    channel between the norm and the projection, the output gate included), whose heads can then keep different value
+    channels under a norm weight they still share."""
+    entries = adapter.layout(mixer).value_channels()
+    norm = next(e for e in entries if e.axis == "norm")
+    out = next(e for e in entries if e.axis == "in")
+    with torch.no_grad():
+        w = norm.module.weight[norm.index[0].to(norm.module.weight.device)].to(torch.float64)
+        cols = out.module.weight
+        index = out.index.to(cols.device)
+        for h in range(index.shape[0]):
+            cols[:, index[h]] = (cols[:, index[h]].to(torch.float64) * w.to(cols.device)).to(cols.dtype)
+        norm.module.weight[norm.index[0].to(norm.module.weight.device)] = 1.0
 
 
 def value_eps_note(norm_eps: str, eps_note: Mapping[str, Any] | None, d_v: int, d_v_new: int) -> dict[str, Any]:
@@ -531,11 +560,13 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any] | None, meta: Mapping[
     s = d_v/d_v'. The norm's weight is multiplied by sqrt(s) (both choices of ``norm_eps``); ``"exact"`` also
     multiplies the config's eps by s (by c^2 s with keys cut too) and the residual stream by sqrt(s) (sqrt(c^2 s)), as
     for the kernel scale, so the checkpoint equals zero-masking to float precision; ``"stock"`` differs through the
-    eps only. Where the output norm's weight has d_v entries shared by the heads (fla, Qwen3.5) all heads of a
-    layer keep the same channels; Mamba-2's gated norm has one entry per channel, so its heads choose their own,
-    but its strict config cannot hold d_v' (``expand`` is an integer): the checkpoint then keeps the unpruned sizes
-    and names each layer's d_v' in :data:`~statereduce.families.base.VALUE_DIMS_FIELD`, which
-    :func:`statereduce.core.models.load_model` reads (the stock ``from_pretrained`` refuses its weights' shapes).
+    eps only. Each value head may keep its own channels: where the output norm's weight has d_v entries shared by the
+    heads (fla, Qwen3.5) and the heads of a layer keep different ones, the weight first moves into the output
+    projection's columns and becomes ones (:func:`fold_output_norm`), so the checkpoint stays stock-loadable. Mamba-2's
+    gated norm has one entry per channel, but its strict config cannot hold d_v' (``expand`` is an integer): the
+    checkpoint keeps the unpruned sizes and names each layer's d_v' in
+    :data:`~statereduce.families.base.VALUE_DIMS_FIELD`, which :func:`statereduce.core.models.load_model` reads (the
+    stock ``from_pretrained`` refuses its weights' shapes).
     """
     meta = dict(meta or {})
     norm_eps = PruneSettings(norm_eps=norm_eps).norm_eps  # a one-line ValueError for a bad value

@@ -217,17 +217,18 @@ def cut_code_files(method: str) -> list[str]:
     return files
 
 
-def value_units(layers: Iterable[tuple[int, Mapping[str, np.ndarray]]]):
+def value_units(layers: Iterable[tuple[int, Mapping[str, np.ndarray]]], pool: bool = False):
     """Yield (layer, unit, ValueData) from per-layer arrays (``W_v``, ``W_o`` [HV, d_v, hidden], ``w_norm`` [1 or HV,
-    d_v], ``V`` [HV, rows, d_v], ``grad_v`` [HV, d_v]; absent ones stay None). Where ``w_norm`` has one row the layer's
-    heads share their output norm and the layer is one unit (heads pooled: V stacked, weights side by side, Grad
-    summed); otherwise each value head is one."""
+    d_v], ``V`` [HV, rows, d_v], ``grad_v`` [HV, d_v]; absent ones stay None): one unit per value head (a norm weight
+    that the heads share is every head's). With ``pool``, where the heads share their output norm (``w_norm`` has one
+    row) the layer is one unit instead (heads pooled: V stacked, weights side by side, Grad summed): one selection
+    per layer, which ``dev/value_sharing.py`` compares with one per head."""
     from statereduce.selectors.values import ValueData
 
     for layer, a in layers:
         hv = next(a[n].shape[0] for n in ("W_v", "W_o", "V", "grad_v") if n in a)
         shared = "w_norm" in a and a["w_norm"].shape[0] == 1
-        if shared:
+        if shared and pool:
             yield layer, 0, ValueData(
                 W_v=np.concatenate(list(a["W_v"]), axis=1) if "W_v" in a else None,
                 W_o=np.concatenate(list(a["W_o"]), axis=1) if "W_o" in a else None,
@@ -237,7 +238,7 @@ def value_units(layers: Iterable[tuple[int, Mapping[str, np.ndarray]]]):
             continue
         for h in range(hv):
             yield layer, h, ValueData(**{n: a[n][h] for n in ("W_v", "W_o", "V", "grad_v") if n in a},
-                                      w_norm=a["w_norm"][h] if "w_norm" in a else None)
+                                      w_norm=a["w_norm"][0 if shared else h] if "w_norm" in a else None)
 
 
 def select_cut(
@@ -253,7 +254,7 @@ def select_cut(
     expect: dict | None = None,
 ) -> tuple[list[tuple[int, int, object, str]], dict]:
     """The selection of a value cut (``-v``: the value side of its selector, :mod:`statereduce.selectors.values`, at
-    d_v' per unit) or a joint cut (``-kv``: both sides, at the widths :func:`statereduce.core.cuts.joint_widths`
+    d_v' for each value head) or a joint cut (``-kv``: both sides, at the widths :func:`statereduce.core.cuts.joint_widths`
     gives). Arguments as :func:`select_channels`.
 
     Returns:
@@ -301,14 +302,11 @@ def select_cut(
     if "grad" in vneeds and grad is None:
         raise ValueError(f"the value side of {spec.selector!r} needs gradient scores (grad_scores.h5)")
     w = H5Artifact(weights)
-    shared_layers = set()
 
     def layers():
         for layer in w.layers():
             names = ["W_v", "W_o"] + (["w_norm"] if "w_norm" in _datasets(w, layer) else [])
             arrays = w.read(layer, names)
-            if "w_norm" in arrays and arrays["w_norm"].shape[0] == 1:
-                shared_layers.add(layer)
             if acts is not None and "activations" in vneeds:
                 arrays |= acts.read(layer, ["V"])
             if grad is not None and "grad" in vneeds:
@@ -351,7 +349,7 @@ def select_cut(
         "d_v": d_v,
         "d_v_new": d_v_new,
         "value_units": max(units.values()),
-        "value_selection": "layer" if shared_layers else "head",
+        "value_selection": "head",
         "state_fraction": d_k_new * d_v_new / (d_k * d_v),
         "seed": seed,
         "options": options or {},
