@@ -119,6 +119,8 @@ def value_frame(summaries: list[dict], block: dict):
     rows = []
     for model in block["models"]:
         base = next(((s.get("metrics") or {}).get("baseline") for s in summaries if s["model"] == model), None) or {}
+        d_v = next(((s.get("state") or {}).get("d_v_before") for s in summaries
+                    if s["model"] == model and (s.get("state") or {}).get("d_v_before") is not None), math.nan)
         recall, se = recall_mean(base)
         rows.append({"model": model, "pct": 0.0, "selector": "baseline", "cut": "", "method": "baseline",
                      "stage": "unpruned", "bits_per_byte": json_number((base.get("heldout") or {}).get("bits_per_byte")),
@@ -135,7 +137,7 @@ def value_frame(summaries: list[dict], block: dict):
                         "bits_per_byte": json_number((m.get("heldout") or {}).get("bits_per_byte")),
                         "recall": recall, "recall_se": se,
                         "d_k": state.get("d_k_after", math.nan),
-                        "d_v": state.get("d_v_after", state.get("d_v_before", math.nan)),
+                        "d_v": state.get("d_v_after", d_v),  # a key cut keeps d_v (its summary names none)
                         "state": state.get("ratio", math.nan),
                     })
     df = pd.DataFrame(rows)
