@@ -114,3 +114,15 @@ def test_a_new_study_is_one_module_and_its_config_block(tmp_path):
     assert out.returncode != 0
     assert "config error at studies.rft_gain: Additional properties are not allowed ('model' was unexpected)" in (
         out.stdout + out.stderr), (out.stdout + out.stderr)[-3000:]
+
+
+@pytest.mark.parametrize("first", ["statereduce.studies", "statereduce.config", "statereduce.studies.values"])
+def test_either_package_imports_first_in_a_fresh_process(first):
+    """A study rule's script imports the studies before anything of the config (and the config imports the
+    studies' registry): both orders work in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = f"import {first}; from statereduce.studies import get_study; get_study('values')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -39,13 +39,22 @@ from statereduce.config.blocks import (
     model_rank,
     model_speed,
 )
-from statereduce.studies import check_studies, registered
 
 __all__ = [*blocks.__all__, "check_studies", "full_schema", "validate_config"]
 
 
+def check_studies(config: dict) -> dict:
+    """:func:`statereduce.studies.check_studies`, imported when called: the studies import this package's blocks, so
+    a process may import either package first (a study rule's script imports the studies)."""
+    from statereduce.studies import check_studies as check
+
+    return check(config)
+
+
 def full_schema() -> dict:
     """``schemas/config.schema.yaml`` with each study's block schema under ``studies`` (:mod:`statereduce.studies`)."""
+    from statereduce.studies import registered
+
     out = load_schema()
     out["properties"]["studies"]["properties"] = {name: study.schema for name, study in registered().items()}
     return out
