@@ -16,7 +16,8 @@ marker selection is pyproject's ``addopts``); the original bytes, mode and mtime
 Ctrl-C and SIGTERM) and checked. pytest 9 folds ``tests/test_x.py tests`` into one collection in directory order, so
 an in-process plugin moves the hint files' tests to the front (same tests, file order kept otherwise) and ``-x`` stops
 at the first failure. Exit status 1 counts as caught, 0 as missed, anything else (collection error, usage, timeout)
-as an error. OUT.json is rewritten after every fault (atomically), so a partial run is usable.
+as an error, except status 2 with failed tests in the summary: pytest-xdist's ``-x`` interrupts the other workers
+after a failure and exits 2, and that failure caught the fault. OUT.json is rewritten after every fault (atomically), so a partial run is usable.
 
 Children run with ``PYTHONDONTWRITEBYTECODE=1``: no ``.pyc`` of a mutated file is left behind (one keyed on the
 mutated file's mtime and size could otherwise be reused for a later fault of the same size). The full run takes
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -545,6 +547,8 @@ def run_fault(root: Path, python: str, fault: Fault, env: dict[str, str], timeou
         status = "ok" if rc == 0 else "broken"
     else:
         status = {0: "missed", 1: "caught"}.get(rc, "error")
+        if rc == 2 and re.search(r"\b\d+ failed\b", last_line(output)):  # pytest-xdist's -x stop after a failure
+            status = "caught"
     rec: dict[str, Any] = {"id": fault.id, "path": fault.path, "why": fault.why, "hint": list(fault.hint),
                            "status": status, "caught": status == "caught", "returncode": rc,
                            "timed_out": rc is None, "seconds": round(seconds, 1)}
