@@ -13,6 +13,7 @@ import _fresh as fresh
 import torch
 from _models import tiny_arch, tiny_inputs
 from _paths import ROOT
+from _speed import fake_gpu
 
 from statereduce.adapters import adapter_class, get_adapter
 from statereduce.core.slicing import KEY_DIMS_FIELD
@@ -123,26 +124,7 @@ def test_run_speed_times_the_allocations_after_the_ratios(tmp_path, monkeypatch)
     """run_speed's flow without a GPU (the measurements replaced by a fake that reports the step's bytes as its
     time): the uniform ratios' cells as before, each allocation's cells under ``key_dims`` with the equal-total pct,
     and their ratios against the uniform cut; the mixer part leaves the allocations out."""
-    import statereduce.kernels.recurrent as recurrent
-
-    built = []
-
-    def decode_cells(model, config, family, settings, bandwidth, on_cell):
-        for batch in settings.batches:
-            for kernel in settings.kernels:
-                b = speed.step_bytes(model, config, family, batch)
-                on_cell({"batch": batch, "kernel": kernel, "ms": b["total"] / 1e6, "bytes": b, "floor_fraction": 1})
-
-    monkeypatch.setattr(speed, "require_cuda", lambda: None)
-    monkeypatch.setattr(speed, "capture_stream", lambda: None)
-    monkeypatch.setattr(speed, "copy_bandwidth", lambda: 4e12)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "none")
-    monkeypatch.setattr(recurrent, "pdl_supported", lambda device: False)
-    monkeypatch.setattr(speed, "decode_cells", decode_cells)
-    monkeypatch.setattr(speed, "mixer_cells", lambda config, s, dtype, on_cell: on_cell({"batch": 1, "seq_len": 8,
-                                                                                           "ms": 1.0}))
-    build = speed.build_model
-    monkeypatch.setattr(speed, "build_model", lambda config, dtype: built.append(config) or build(config, dtype, "cpu"))
+    built = fake_gpu(monkeypatch)
     settings = speed.speed_settings({"pcts": [50], "dtype": "float32",
                                      "decode": {"batches": [2], "kernels": ["fla", "statereduce+fused"]}})
     doc = speed.run_speed("delta_net", _arch("delta_net"), settings, tmp_path / "s.json", parts=["decode", "mixer"],

@@ -104,6 +104,11 @@ class H5Artifact:
         with self._open() as f:
             return sorted(int(f[name].attrs["layer"]) for name in f)
 
+    def datasets(self, layer: int) -> set[str]:
+        """The names of the datasets of ``layer``'s group."""
+        with self._open() as f:
+            return set(f[layer_group(layer)])
+
     def read(self, layer: int, names: Iterable[str]) -> dict[str, np.ndarray]:
         names = list(names)
         with self._open() as f:

@@ -218,13 +218,20 @@ def masked_channels(adapter: LinearAttentionAdapter, mixer: nn.Module, keep: tor
         mixer: one of ``adapter.mixer_layers()``'s mixers.
         keep: [H, d_k'] kept channel indices per head.
     """
+    entries = adapter.layout(mixer).channel_rows()
+    with zeroed_rows([(e.module, kept_rows(e.module.weight.shape[0], e, keep.to(torch.long))) for e in entries]):
+        yield
+
+
+@contextmanager
+def zeroed_rows(kept: Sequence[tuple[nn.Module, torch.Tensor]]) -> Iterator[None]:
+    """Zero every row (weight and bias) of each module except its ``kept`` rows for the duration of the block, then
+    restore them: :func:`masked_channels` and :func:`masked_values`."""
     saved = []
     with torch.no_grad():
-        for entry in adapter.layout(mixer).channel_rows():
-            module = entry.module
-            n_rows = module.weight.shape[0]
-            dropped = torch.ones(n_rows, dtype=torch.bool)
-            dropped[kept_rows(n_rows, entry, keep.to(torch.long))] = False
+        for module, keep_rows in kept:
+            dropped = torch.ones(module.weight.shape[0], dtype=torch.bool)
+            dropped[keep_rows] = False
             rows = dropped.nonzero().squeeze(1).to(module.weight.device)
             for param in (module.weight, module.bias):
                 if param is not None:
@@ -337,23 +344,7 @@ def masked_values(adapter: LinearAttentionAdapter, mixer: nn.Module, keep_v: tor
         mixer: one of ``adapter.mixer_layers()``'s mixers.
         keep_v: [HV, d_v'] kept value channels per value head.
     """
-    saved = []
-    with torch.no_grad():
-        for entry in adapter.layout(mixer).value_channels():
-            if entry.axis != "out" or entry.index.shape[0] == 1:
-                continue
-            module = entry.module
-            n = module.weight.shape[0]
-            dropped = torch.ones(n, dtype=torch.bool)
-            dropped[value_positions(entry, keep_v.to(torch.long), n)] = False
-            rows = dropped.nonzero().squeeze(1).to(module.weight.device)
-            for param in (module.weight, module.bias):
-                if param is not None:
-                    saved.append((param, rows, param[rows].clone()))
-                    param[rows] = 0
-    try:
+    entries = [e for e in adapter.layout(mixer).value_channels() if e.axis == "out"]
+    with zeroed_rows([(e.module, value_positions(e, keep_v.to(torch.long), e.module.weight.shape[0]))
+                      for e in entries]):
         yield
-    finally:
-        with torch.no_grad():
-            for param, rows, before in saved:
-                param[rows] = before

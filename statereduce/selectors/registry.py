@@ -267,6 +267,11 @@ def value_side(name: str) -> Callable[..., HeadSelection]:
     return _VALUE_SIDES[name]
 
 
+def value_side_names() -> list[str]:
+    """The selectors with a value side (their tokens take ``-v`` and ``-kv``)."""
+    return sorted(_VALUE_SIDES)
+
+
 def _vocabulary() -> dict[str, tuple[str, ...]]:
     """The registered selectors and their variants (with ``v`` and ``kv`` where a selector has a value side), the
     vocabulary of method tokens."""

@@ -32,7 +32,7 @@ from statereduce.core.h5files import H5Artifact, head_data, head_data_iter, laye
 from statereduce.core.selection_file import (  # noqa: F401  (re-exported)
     SELECTION_FORMAT, read_selection, write_selection,
 )
-from statereduce.selectors import HeadData, get_selector, n_keep_for, parse_method, select_heads
+from statereduce.selectors import HeadData, format_method, get_selector, n_keep_for, parse_method, select_heads
 
 #: Version of the selection file layout: 1 had only index selections (no ``transform`` column, no ``format`` key).
 
@@ -209,8 +209,9 @@ def cut_needs(method: str) -> set[str]:
 
 def cut_code_files(method: str) -> list[str]:
     """:func:`selector_code_files` of the method's selector, with the value sides' module for a value or joint cut."""
-    files = selector_code_files(parse_method(method).selector)
-    if parse_method(method).cut != "keys":
+    spec = parse_method(method)
+    files = selector_code_files(spec.selector)
+    if spec.cut != "keys":
         from statereduce.selectors import values
 
         files = sorted({*files, os.path.abspath(values.__file__)})
@@ -305,7 +306,7 @@ def select_cut(
 
     def layers():
         for layer in w.layers():
-            names = ["W_v", "W_o"] + (["w_norm"] if "w_norm" in _datasets(w, layer) else [])
+            names = ["W_v", "W_o"] + (["w_norm"] if "w_norm" in w.datasets(layer) else [])
             arrays = w.read(layer, names)
             if acts is not None and "activations" in vneeds:
                 arrays |= acts.read(layer, ["V"])
@@ -327,7 +328,7 @@ def select_cut(
         key_pct = 100.0 * (d_k - d_k_new) / d_k
         heads = head_data_iter(Path(weights), set(get_selector(spec.selector).needs),
                                Path(activations) if activations else None, Path(grads) if grads else None)
-        key_rows, meta_keys = run_selector(heads, format_method_keys(spec), key_pct, d_k=d_k,
+        key_rows, meta_keys = run_selector(heads, format_method(spec.keys), key_pct, d_k=d_k,
                                            num_heads=int(wattrs["num_heads"]), seed=seed, options=options,
                                            workers=workers, provenance=provenance,
                                            widths={layer: d_k_new for layer in w.layers()})
@@ -358,19 +359,3 @@ def select_cut(
     if meta_keys:
         meta["key_pct"] = meta_keys["pct"]
     return rows, meta
-
-
-def format_method_keys(spec) -> str:
-    """The key cut's token of a joint cut's spec (same selector, variant and calibration)."""
-    from statereduce.selectors import format_method
-
-    return format_method(spec.keys)
-
-
-def _datasets(artifact: H5Artifact, layer: int) -> set[str]:
-    import h5py
-
-    from statereduce.core.h5files import layer_group
-
-    with h5py.File(artifact.path, "r") as f:
-        return set(f[layer_group(layer)])

@@ -52,11 +52,11 @@ and selector of ``studies.values`` (lower is better).
 
     def cells(self, config, block):
         """Per model, pct and selector the key, value and joint cut; then the recipe (key-only) at each pct."""
-        from statereduce.selectors.registry import _VALUE_SIDES
+        from statereduce.selectors.registry import value_side_names
 
         where = "studies.values"
         known_models(config, where, block["models"])
-        known_selectors(where, block["selectors"], sorted(_VALUE_SIDES),
+        known_selectors(where, block["selectors"], value_side_names(),
                         lambda info: "has no value side (no -v or -kv)")
         recipe = block.get("recipe")
         if recipe is not None:
