@@ -187,8 +187,23 @@ def get_select_inputs(wildcards):
         inputs["grads"] = layout.path(layout.GRAD_SCORES, model=wildcards.model, calib=spec.calib)
     if spec.budget is not None:
         srconfig.check_budget_cell(CFG, wildcards.model, wildcards.method, float(wildcards.pct))
-        inputs["allocation"] = layout.path(layout.ALLOCATION, model=wildcards.model, method=wildcards.method,
+        budget_file = layout.SPLIT if spec.cut == "joint" else layout.ALLOCATION
+        inputs["allocation"] = layout.path(budget_file, model=wildcards.model, method=wildcards.method,
                                            pct=wildcards.pct)
+    return inputs
+
+
+@checked
+def get_split_inputs(wildcards):
+    """Rule split (a joint cut with @<budget>, policy split): what the joint cut's selection reads, its code, and the
+    base model whose calibration loss ranks the candidate splits."""
+    spec, budget = _budget_spec(wildcards)
+    if spec.cut != "joint":
+        raise WorkflowError(f"method {wildcards.method!r} is not a joint cut (-kv): it has no split")
+    inputs = get_select_inputs(wildcards)
+    del inputs["allocation"]
+    inputs["base"] = get_base(wildcards)
+    inputs["checkpoint"] = get_checkpoint_files(wildcards)
     return inputs
 
 

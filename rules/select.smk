@@ -45,6 +45,31 @@ rule allocate:
         "../workflow_scripts/allocate.py"
 
 
+rule split:
+    """The split of a joint cut's state between d_k' and d_v' (a method <selector>-kv@<budget>, policy split): the
+    candidate pair of lowest calibration loss, every candidate's loss beside it
+    (results/{model}/select/{method}_{pct}.split.json)."""
+    input:
+        unpack(get_split_inputs),
+    output:
+        layout.SPLIT,
+    params:
+        info=model_info,
+        budget=get_budget,
+        selector=get_selector_options,
+    threads: model_threads
+    resources:
+        gpu=gpu_of,
+    log:
+        "logs/split/{model}/{method}_{pct}.log",
+    benchmark:
+        "benchmarks/split/{model}/{method}_{pct}.tsv"
+    conda:
+        conda_env("fla")
+    script:
+        "../workflow_scripts/split.py"
+
+
 rule select_channels:
     """Per-head kept channels of one selector at one ratio. The selector's own source files are inputs,
     so editing one selector reruns only its selections and what depends on them."""

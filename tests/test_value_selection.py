@@ -38,7 +38,7 @@ def test_cut_suffixes_parse_and_format(token, cut):
 
 @pytest.mark.parametrize("token, message", [
     ("pca-v", r"selector 'pca' in method token 'pca-v' has no value side for the cut 'v'"),
-    ("drrqr-v@sens", r"a per-layer key budget \(@sens\) cuts keys only"),
+    ("drrqr-v@sens", r"a value cut takes no budget \(@sens"),
     ("drrqr-x", r"bad variant suffix '-x'"),
 ])
 def test_bad_cut_tokens_fail_in_one_line(token, message):

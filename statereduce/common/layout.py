@@ -13,6 +13,7 @@ input use it, so that the layout is written down here only.
     results/{model}/calib/{calib}/        activations.h5, grad_scores.h5
     results/{model}/select/{method}_{pct}.parquet
     results/{model}/select/{method}_{pct}.allocation.json   per-layer key widths of a method with @<budget>
+    results/{model}/select/{method}_{pct}.split.json        d_k' and d_v' of a joint cut with @<budget> (policy split)
     results/{model}/select/{method}.values.json    a measured budget's per-width values (every pct's allocation)
     results/{model}/baseline/             eval.json, rank.json, speed.json of the unpruned model
     results/{model}/{method}_{pct}/       pruned/, rft/, eval.json (the summary), rank.json, speed.json
@@ -31,9 +32,11 @@ sqrt(1 - pct/100); :func:`statereduce.core.cuts.joint_widths`), each side scored
 side (:mod:`statereduce.selectors.values`). ``.<calib>`` (``[a-z0-9]+``) names a non-default calibration set (paper Tables 2 and 7); the default
 calibration has no suffix, so ``drrqr`` and ``drrqr.default`` are not both valid: only the plain token is.
 ``@<budget>`` (``[a-z0-9]+``) names a per-layer key budget (:mod:`statereduce.core.budgets`): each layer keeps its own
-d_k' at the uniform cut's total; without it every layer keeps the same d_k'. Examples: ``drrqr``, ``l1-q``,
+d_k' at the uniform cut's total; without it every layer keeps the same d_k'. On a joint cut (``-kv@<budget>``, a budget
+of policy ``split``) it chooses the split of the state between d_k' and d_v' by calibration loss instead of the equal
+split (:mod:`statereduce.stages.split`). A value cut (``-v``) takes no budget. Examples: ``drrqr``, ``l1-q``,
 ``grad-k``, ``pca-adv-k``, ``drrqr.prose``, ``grad-q.prose``, ``drrqr@energy``, ``grad.prose@sens``, ``drrqr-v``,
-``grad-kv``. A budget (``@``) shares key widths between layers, so it takes no ``-v`` or ``-kv``.
+``grad-kv``, ``drrqr-kv@split``.
 
 :func:`parse_method` reads a token against a vocabulary (selector name -> its variants): the selector registry passes
 its own (:func:`statereduce.selectors.parse_method`); without one only the grammar is checked.
@@ -59,6 +62,7 @@ ACTIVATIONS = f"{CALIB}/activations.h5"
 GRAD_SCORES = f"{CALIB}/grad_scores.h5"
 SELECTION = f"{MODEL}/select/{{method}}_{{pct}}.parquet"
 ALLOCATION = f"{MODEL}/select/{{method}}_{{pct}}.allocation.json"
+SPLIT = f"{MODEL}/select/{{method}}_{{pct}}.split.json"
 BUDGET_VALUES = f"{MODEL}/select/{{method}}.values.json"
 BASELINE = f"{MODEL}/baseline"
 BASELINE_EVAL = f"{BASELINE}/eval.json"
@@ -136,7 +140,9 @@ def parse(target: str) -> ResultPath | None:
     if folder == "select" and rest[0].endswith(".values.json"):  # one per method with @<budget>, every pct's
         method = rest[0].removesuffix(".values.json")
         return ResultPath(model, folder, rest, stage=method, method=method)
-    stage = rest[0].removesuffix(".parquet").removesuffix(".allocation.json") if folder == "select" else folder
+    stage = folder
+    if folder == "select":
+        stage = rest[0].removesuffix(".parquet").removesuffix(".allocation.json").removesuffix(".split.json")
     method, sep, pct = stage.rpartition("_")
     if not sep:
         return ResultPath(model, folder, rest, stage=stage)
@@ -206,8 +212,9 @@ class MethodSpec:
 
     @property
     def keys(self) -> MethodSpec:
-        """The key cut of the same selector and calibration (the key side of a joint cut)."""
-        return MethodSpec(self.selector, self.variant, self.calib, self.budget)
+        """The key cut of the same selector and calibration (the key side of a joint cut, without the joint cut's
+        split budget)."""
+        return MethodSpec(self.selector, self.variant, self.calib, self.budget if self.cut == DEFAULT_CUT else None)
 
 
 def unknown_selector(name: str, vocabulary: Vocabulary, context: str = "") -> ValueError:
@@ -227,7 +234,7 @@ def _token_help(vocabulary: Vocabulary | None) -> str:
     return (
         f"expected <selector>[-k|-q|-v|-kv][.<calib>][@<budget>] with selector in "
         f"{{{', '.join(sorted(vocabulary))}}}, -k/-q only for {{{', '.join(with_kq)}}}, -v/-kv only for "
-        f"{{{', '.join(with_v)}}} and without @<budget>, calib matching {CALIB_PATTERN} (omit it for the default "
+        f"{{{', '.join(with_v)}}} (-v without @<budget>), calib matching {CALIB_PATTERN} (omit it for the default "
         f"calibration), budget matching {BUDGET_PATTERN} (omit it for the uniform cut)"
     )
 
@@ -274,9 +281,9 @@ def parse_method(token: str, vocabulary: Vocabulary | None = None) -> MethodSpec
     cut = next((c for c, suffix in CUT_SUFFIXES.items() if suffix == variant), DEFAULT_CUT)
     if cut != DEFAULT_CUT:
         variant = DEFAULT_VARIANT
-        if at:
-            raise ValueError(f"method token {token!r}: a per-layer key budget (@{budget}) cuts keys only; drop "
-                             f"@{budget} or the -{CUT_SUFFIXES[cut]} suffix")
+        if at and cut == "values":
+            raise ValueError(f"method token {token!r}: a value cut takes no budget (@{budget}: per-layer key widths, or "
+                             f"on a joint cut -kv the split between keys and values); drop @{budget}")
     return MethodSpec(selector=name, variant=variant, calib=calib, budget=budget if at else None, cut=cut)
 
 

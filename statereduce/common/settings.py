@@ -361,31 +361,35 @@ class PruneSettings(Settings):
 class BudgetSettings(Settings):
     """``budgets.<name>``: a per-layer key budget (:mod:`statereduce.core.budgets`, :mod:`statereduce.stages.allocate`),
     used by method tokens ending in ``@<name>``. Every layer keeps its own d_k' (the same for its heads) so that the
-    total of kept key channels equals the uniform cut's at the same pct.
+    total of kept key channels equals the uniform cut's at the same pct. A budget of policy ``split`` serves joint cuts
+    (``<selector>-kv@<name>``) instead: it chooses one d_k' x d_v' for every layer (:mod:`statereduce.stages.split`).
 
     Args:
         policy: ``uniform`` (every layer the uniform cut's d_k': the plain method's checkpoint), ``spectrum`` (each
             layer's calibration [K; Q] second-moment spectrum, see ``statistic``), ``greedy`` (the share of the
             selector's own objective its selection of each width captures: DRRQR's captured energy, Grad's and the
             other scoring selectors' score mass) or ``sensitivity`` (the calibration loss when that layer alone is cut
-            to each width by the selector, the others kept whole).
+            to each width by the selector, the others kept whole); for joint cuts only, ``split`` (the calibration loss of
+            the whole model cut to each key/value split of the pct's state, from the key-only to the value-only cut,
+            the lowest kept).
         statistic: for ``spectrum``: ``energy`` (share of the second moment's trace in the top-w eigenvalues) or
             ``effective_rank`` (channels up to each layer's effective rank are worth the same everywhere).
-        floor: the fewest channels a layer may keep.
-        multiple: kept widths are multiples of this (or the full d_k); 8 or 16 suit the GPU kernels.
+        floor: the fewest channels a layer may keep (``split``: the fewest key channels of a candidate split).
+        multiple: kept widths are multiples of this (or the full d_k); 8 or 16 suit the GPU kernels (``split``: the
+            candidates' key widths, each with the value width nearest the pct's state).
         powers_of_two: keep only widths that are powers of two (or the full d_k): the GPU kernels hold a head's key
             channels in a tile of the next power of two, so a width just above one (80, 144) costs decode time
             beyond its bytes (docs/speed.md, "Per-layer key widths").
         normalize: for ``greedy``: compare layers by the share of their own objective (true) or by its raw value
             (false: Grad's saliency is a first-order loss estimate on one scale across layers).
-        n_samples: for ``sensitivity``: calibration sequences of the loss (the model's calibration sequences, the
+        n_samples: for ``sensitivity`` and ``split``: calibration sequences of the loss (the model's calibration sequences, the
             first ``n_samples``); None: all of them.
-        batch_size: for ``sensitivity``: sequences per forward; None: the calibration's.
+        batch_size: for ``sensitivity`` and ``split``: sequences per forward; None: the calibration's.
     """
 
     section: ClassVar[str] = "budgets"
 
-    policy: str = choice("spectrum", ("uniform", "spectrum", "greedy", "sensitivity"), label="budget policy")
+    policy: str = choice("spectrum", ("uniform", "spectrum", "greedy", "sensitivity", "split"), label="budget policy")
     statistic: str = choice("energy", ("energy", "effective_rank"), label="budget statistic")
     floor: int = 8
     multiple: int = 8
@@ -408,7 +412,7 @@ class BudgetSettings(Settings):
                 raise ValueError(f"budget {name}={value!r} must be a positive integer (or unset)")
 
     def sizes(self, calibration: CalibrationSettings) -> tuple[int, int]:
-        """``(n_samples, batch_size)`` of the sensitivity loss over ``calibration``'s sequences."""
+        """``(n_samples, batch_size)`` of the sensitivity or split loss over ``calibration``'s sequences."""
         n = calibration.n_samples if self.n_samples is None else min(self.n_samples, calibration.n_samples)
         return n, calibration.batch_size if self.batch_size is None else self.batch_size
 
@@ -422,8 +426,9 @@ class BudgetPlan(Settings):
         name: the budget's id (``budgets.<name>``, the token's ``@<name>``).
         settings: its :class:`BudgetSettings`.
         head_v_dim: the model's d_v, to leave out widths the family's config cannot express (None: not checked).
-        calibration: for ``sensitivity``: the calibration whose sequences give the loss (the token's ``.<calib>``).
-        corpus: for ``sensitivity``: that calibration corpus's spec, resolved by the workflow for the job.
+        calibration: for ``sensitivity`` and ``split``: the calibration whose sequences give the loss (the token's
+            ``.<calib>``).
+        corpus: for ``sensitivity`` and ``split``: that calibration corpus's spec, resolved by the workflow for the job.
     """
 
     section: ClassVar[str] = "budget plan"

@@ -432,7 +432,17 @@ def check_method(config: dict, method: str) -> None:
             f"valid: {', '.join(sorted(config.get('calibrations', {}))) or '(none defined)'}"
         )
     if spec.budget is not None:
-        model_budget(config, spec.budget)
+        check_budget_cut(model_budget(config, spec.budget), spec, method)
+
+
+def check_budget_cut(settings: BudgetSettings, spec, method: str) -> None:
+    """A budget of policy ``split`` serves joint cuts (``-kv@<budget>``) only, and a joint cut takes no other."""
+    if (settings.policy == "split") != (spec.cut == "joint"):
+        if spec.cut == "joint":
+            raise ConfigError(f"method {method!r}: budgets.{spec.budget} has policy {settings.policy!r}, which chooses "
+                              f"per-layer key widths; a joint cut (-kv@<budget>) takes a budget of policy 'split'")
+        raise ConfigError(f"method {method!r}: budgets.{spec.budget} has policy 'split', which chooses the split of a "
+                          f"joint cut; use it as <selector>-kv@{spec.budget}")
 
 
 def model_budget(config: dict, budget: str) -> BudgetSettings:
@@ -455,7 +465,7 @@ def model_budget_plan(config: dict, model: str, method: str) -> BudgetPlan:
     settings = model_budget(config, spec.budget)
     plan = BudgetPlan(name=spec.budget, settings=settings,
                       head_v_dim=(model_dims(config, model) or {}).get("head_v_dim"))
-    if settings.policy == "sensitivity":
+    if settings.policy in ("sensitivity", "split"):
         plan = plan.replace(calibration=model_calibration(config, model, spec.calib))
     return plan
 
@@ -471,9 +481,11 @@ def model_mixer_layers(config: dict, model: str) -> int | None:
 
 
 def check_budget_cell(config: dict, model: str, method: str, pct: float) -> None:
-    """Check a method with ``@<budget>`` against the model at ``pct`` before any job: the selector can take the
-    budget (index selections; scores or an objective for ``greedy``), the floor fits d_k and the allowed widths meet
-    the uniform cut's total (:func:`statereduce.core.budgets.check_budget`). A no-op for a method without a budget."""
+    """Check a method with ``@<budget>`` against the model at ``pct`` before any job: the budget's policy suits the cut
+    (:func:`check_budget_cut`); for a key cut the selector can take the budget (index selections; scores or an
+    objective for ``greedy``), the floor fits d_k and the allowed widths meet the uniform cut's total
+    (:func:`statereduce.core.budgets.check_budget`); for a joint cut some split of the pct's state is left
+    (:func:`statereduce.core.cuts.split_candidates`). A no-op for a method without a budget."""
     from statereduce.core.budgets import check_budget, check_budget_selector
     from statereduce.families import family_spec
     from statereduce.selectors import parse_method
@@ -482,12 +494,22 @@ def check_budget_cell(config: dict, model: str, method: str, pct: float) -> None
     if spec.budget is None:
         return
     settings = model_budget(config, spec.budget)
+    check_budget_cut(settings, spec, method)
     dims = model_dims(config, model)
     layers = model_mixer_layers(config, model)
     fam = family_spec(config["models"][model]["family"])
     d_k = (dims or {}).get("head_k_dim")
     d_v = (dims or {}).get("head_v_dim")
     try:
+        if spec.cut == "joint":
+            if d_k is not None and d_v is not None:  # otherwise the split job checks the widths on the checkpoint
+                from statereduce.core.budgets import allowed_widths
+                from statereduce.core.cuts import split_candidates
+                from statereduce.stages.split import split_check
+
+                split_candidates(d_k, d_v, pct, allowed_widths(d_k, settings),
+                                 split_check(config["models"][model]["family"], d_k, d_v))
+            return
         check_budget_selector(settings, spec.selector)
         if d_k is not None and layers is not None:  # otherwise the allocate job checks the widths on the checkpoint
             check_budget(settings, spec.selector, d_k=d_k, n_layers=layers, pct=pct,

@@ -26,6 +26,7 @@ REBUILT_BY = {
     "grad_scores.h5": "grad_scores",
     ".parquet": "select_channels",
     ".allocation.json": "allocate",
+    ".split.json": "split",
     ".values.json": "budget_values",
     "prune_record.json": "prune",
 }

@@ -3,7 +3,9 @@
 ``{pct}`` of a key cut is the percent of key channels removed (d_k' = :func:`~statereduce.selectors.n_keep_for`
 (d_k, pct)); of a value cut (d_v' = ``n_keep_for(d_v, pct)``) (``-v``), the percent of value channels removed, which is the same percent of every
 head's d_v x d_k state; of a joint cut (``-kv``), the percent of the state removed, split equally between the two
-sides (:func:`joint_widths`). :func:`cut_widths` gives (d_k', d_v') for any cut.
+sides (:func:`joint_widths`), or with a budget of policy ``split`` (``-kv@<budget>``) between the candidates of
+:func:`split_candidates` by calibration loss (:mod:`statereduce.stages.split`). :func:`cut_widths` gives (d_k', d_v')
+for any cut without a budget.
 """
 
 from __future__ import annotations
@@ -61,3 +63,40 @@ def cut_widths(cut: str, d_k: int, d_v: int, pct: float,
     if cut == "joint":
         return joint_widths(d_k, d_v, pct, check)
     raise ValueError(f"unknown cut {cut!r}; valid: {', '.join(CUTS)}")
+
+
+def split_candidates(d_k: int, d_v: int, pct: float, key_widths: list[int],
+                     check: Callable[[int, int], None] | None = None) -> list[tuple[int, int]]:
+    """The (d_k', d_v') pairs a joint cut with a ``split`` budget chooses from at ``pct`` percent of the state, by
+    ascending d_k': the value-only cut (d_k, ``n_keep_for(d_v, pct)``), the key-only cut (``n_keep_for(d_k, pct)``,
+    d_v), the equal split (:func:`joint_widths`), and for each of ``key_widths`` between the two (the budget's
+    allowed widths) the value width whose state is nearest the pct's, where that lies within
+    :data:`STATE_TOLERANCE` of the full state. ``check`` refuses pairs as for :func:`joint_widths`.
+
+    Raises:
+        ValueError: one line, for a pct outside (0, 100) or when no pair passes ``check``.
+    """
+    if not 0 < pct < 100:
+        raise ValueError(f"pct={pct!r} is invalid for a joint cut; valid: a percent of the state in (0, 100)")
+    full = d_k * d_v
+    target = (1 - pct / 100) * full
+    pairs = {(d_k, n_keep_for(d_v, pct)), (n_keep_for(d_k, pct), d_v)}
+    try:
+        pairs.add(joint_widths(d_k, d_v, pct, check))
+    except ValueError:
+        pass
+    for k in key_widths:
+        v = min(max(round(target / k), 1), d_v)
+        if abs(k * v - target) / full <= STATE_TOLERANCE:
+            pairs.add((k, v))
+    out = []
+    for k, v in sorted(pairs):
+        try:
+            if check is not None:
+                check(k, v)
+        except ValueError:
+            continue
+        out.append((k, v))
+    if not out:
+        raise ValueError(f"no key and value widths of d_k={d_k}, d_v={d_v} remove {pct}% of the state")
+    return out

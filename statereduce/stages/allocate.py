@@ -264,6 +264,27 @@ def allocation_document(method: str, pct: float, budget: str, settings: BudgetSe
     }
 
 
+def loss_inputs(plan: BudgetPlan, base: str | Path | None, expect: Mapping[str, Any] | None, *,
+                load: bool = True) -> tuple[Any, Any, BudgetSettings]:
+    """What a policy that measures the calibration loss (``sensitivity``, ``split``) reads: with ``load`` the base
+    model and the first ``n_samples`` calibration blocks [N, T] (else None, None), and the settings with their batch
+    size set."""
+    settings, cal = plan.settings, plan.calibration
+    if cal is None or (load and (base is None or plan.corpus is None)):
+        raise ValueError(f"the {settings.policy} budget needs the base checkpoint, its calibration and corpus")
+    n_samples, batch = settings.sizes(cal)
+    model = blocks = None
+    if load:
+        from statereduce.core.data import load_split, token_blocks
+        from statereduce.core.models import load_model
+
+        info = dict(expect or {})
+        model, tokenizer = load_model(base, dtype=info.get("dtype"), device=info.get("device", "cpu"))
+        blocks = token_blocks(tokenizer, load_split(dict(plan.corpus), cal.split), cal.n_samples, cal.seq_len,
+                              cal.seed)[:n_samples]
+    return model, blocks, settings.replace(batch_size=batch)
+
+
 def _budget_inputs(weights: str | Path, method: str, plan: BudgetPlan, *, activations, grads, base, expect,
                    load: bool) -> dict[str, Any]:
     """What rules allocate and budget_values read: head sizes, layers, the per-layer data callable, the width check,
@@ -272,7 +293,7 @@ def _budget_inputs(weights: str | Path, method: str, plan: BudgetPlan, *, activa
     from statereduce.families import family_spec
     from statereduce.core.h5files import H5Artifact, layer_head_data
 
-    spec, settings, cal, head_v_dim = parse_method(method), plan.settings, plan.calibration, plan.head_v_dim
+    spec, settings, head_v_dim = parse_method(method), plan.settings, plan.head_v_dim
     wattrs = H5Artifact(weights).expect(expect)
     d_k, h, family = int(wattrs["head_k_dim"]), int(wattrs["num_heads"]), wattrs.get("family")
     layers = [int(x) for x in np.asarray(wattrs["layers"]).tolist()]
@@ -291,19 +312,7 @@ def _budget_inputs(weights: str | Path, method: str, plan: BudgetPlan, *, activa
         check_width = lambda w: family_spec(family).check_reduction(d_k, int(head_v_dim), w)  # noqa: E731
     model = blocks = None
     if settings.policy == "sensitivity":
-        if cal is None or (load and (base is None or plan.corpus is None)):
-            raise ValueError("the sensitivity budget needs the base checkpoint, its calibration and corpus")
-        n_samples, batch = settings.sizes(cal)
-        if load:
-            from statereduce.core.data import load_split, token_blocks
-            from statereduce.core.models import load_model
-
-            info = dict(expect or {})
-            model, tokenizer = load_model(base, dtype=info.get("dtype"), device=info.get("device", "cpu"))
-            blocks = token_blocks(tokenizer, load_split(dict(plan.corpus), cal.split), cal.n_samples, cal.seq_len,
-                                  cal.seed)
-            blocks = blocks[:n_samples]
-        settings = settings.replace(batch_size=batch)
+        model, blocks, settings = loss_inputs(plan, base, expect, load=load)
     provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": family,
                   "base_checkpoint": json.loads(wattrs["base_checkpoint"]) if wattrs.get("base_checkpoint") else None}
     return {"d_k": d_k, "num_heads": h, "layers": layers, "layer_data": layer_data, "check_width": check_width,

@@ -32,6 +32,7 @@ from statereduce.core.h5files import H5Artifact, head_data, head_data_iter, laye
 from statereduce.core.selection_file import (  # noqa: F401  (re-exported)
     SELECTION_FORMAT, read_selection, write_selection,
 )
+from statereduce.common.layout import MethodSpec
 from statereduce.selectors import HeadData, format_method, get_selector, n_keep_for, parse_method, select_heads
 
 #: Version of the selection file layout: 1 had only index selections (no ``transform`` column, no ``format`` key).
@@ -84,7 +85,8 @@ def select_channels(
             calibration id and for the weights' head sizes (:func:`statereduce.core.artifacts.check_provenance`).
         allocation: for a method with ``@<budget>``, its allocation artifact (:mod:`statereduce.stages.allocate`): each
             layer keeps its own width; the metadata's ``d_k_new`` is then ``{"<layer>": width}`` (an int when every
-            layer keeps the same) and ``allocation`` summarises the policy.
+            layer keeps the same) and ``allocation`` summarises the policy. For a joint cut with ``@<budget>``, its
+            split artifact (:mod:`statereduce.stages.split`).
 
     Returns:
         (rows, meta): rows of (layer, head, HeadSelection) and the file metadata (with the model and family).
@@ -96,7 +98,7 @@ def select_channels(
     spec = parse_method(method)
     if spec.cut != "keys":
         return select_cut(weights, method, pct, activations=activations, grads=grads, seed=seed, options=options,
-                          workers=workers, expect=expect)
+                          workers=workers, expect=expect, allocation=allocation)
     if (spec.budget is None) != (allocation is None):
         raise ValueError(f"method {method!r} " + ("has no @<budget>: give no allocation" if spec.budget is None
                                                   else "names a budget: give its allocation (rule allocate)"))
@@ -253,10 +255,15 @@ def select_cut(
     options: dict | None = None,
     workers: int = 1,
     expect: dict | None = None,
+    allocation: str | Path | None = None,
+    widths: tuple[int, int] | None = None,
 ) -> tuple[list[tuple[int, int, object, str]], dict]:
     """The selection of a value cut (``-v``: the value side of its selector, :mod:`statereduce.selectors.values`, at
     d_v' for each value head) or a joint cut (``-kv``: both sides, at the widths :func:`statereduce.core.cuts.joint_widths`
-    gives). Arguments as :func:`select_channels`.
+    gives, or with ``@<budget>`` those its split artifact chose). Arguments as :func:`select_channels`; ``allocation``
+    is the split artifact (:func:`statereduce.stages.split.read_split`) of a joint cut with a budget, ``widths`` a
+    (d_k', d_v') of a joint cut given directly (the split stage's candidates; the metadata's method is then the token
+    without its budget).
 
     Returns:
         (rows, meta): rows of (layer, unit or head, HeadSelection, side "k" or "v") and the file metadata (``cut``;
@@ -286,7 +293,26 @@ def select_cut(
             fspec.check_reduction(d_k, v, k)
             fspec.check_value_reduction(d_v, v)
 
-    d_k_new, d_v_new = cut_widths(spec.cut, d_k, d_v, pct, check)
+    if widths is not None or spec.budget is not None:
+        if spec.cut != "joint":
+            raise ValueError(f"method {method!r}: only a joint cut (-kv) takes a split of the state")
+        if (widths is None) == (allocation is None):
+            raise ValueError(f"method {method!r}: give either the split artifact (rule split) or the widths")
+    elif allocation is not None:
+        raise ValueError(f"method {method!r} has no @<budget>: give no allocation")
+    split = None
+    if allocation is not None:
+        from statereduce.stages.split import read_split
+
+        split = read_split(allocation, {**(expect or {}), "method": method, "pct": pct, "d_k": d_k, "d_v": d_v})
+        widths = split["d_k_new"], split["d_v_new"]
+    if widths is not None:
+        d_k_new, d_v_new = (int(x) for x in widths)
+        if allocation is None:
+            spec = MethodSpec(spec.selector, spec.variant, spec.calib, cut=spec.cut)
+            method = format_method(spec)
+    else:
+        d_k_new, d_v_new = cut_widths(spec.cut, d_k, d_v, pct, check)
     check(d_k_new, d_v_new)
     needs = cut_needs(method)
     calib_expect = {**(expect or {}), "calibration": spec.calib, "num_heads": wattrs["num_heads"], "head_k_dim": d_k}
@@ -341,7 +367,7 @@ def select_cut(
         "selector": spec.selector,
         "variant": spec.variant,
         "calibration": spec.calib,
-        "budget": None,
+        "budget": spec.budget,
         "cut": spec.cut,
         "pct": pct,
         "d_k": d_k,
@@ -358,4 +384,7 @@ def select_cut(
     }
     if meta_keys:
         meta["key_pct"] = meta_keys["pct"]
+    if split is not None:
+        meta["split"] = {"budget": split["budget"], "policy": "split", "equal": split["equal"],
+                         "candidates": len(split["candidates"])}
     return rows, meta

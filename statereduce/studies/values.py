@@ -1,7 +1,8 @@
 """Cutting the state on its other side: key channels only (``<selector>``), value channels only (``<selector>-v``) or
-both (``<selector>-kv``, the state split equally between d_k' and d_v') at the same share of the state, per model,
-selector and pct, pre- and post-RFT, with the best key-only recipe (a per-layer budget, e.g. ``drrqr@sens``) beside
-them. Block ``studies.values``; cells are summaries."""
+both (``<selector>-kv``, the state split equally between d_k' and d_v'; with ``split``, also ``<selector>-kv@<split>``,
+the split chosen by calibration loss) at the same share of the state, per model, selector and pct, pre- and post-RFT,
+with the best key-only recipe (a per-layer budget, e.g. ``drrqr@sens``) beside them. Block ``studies.values``; cells
+are summaries."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import math
 from pathlib import Path
 
 from statereduce.common.layout import MethodSpec, format_method, format_pct, parse_method
-from statereduce.config.blocks import ConfigError, check_method, check_reduction
+from statereduce.config.blocks import ConfigError, check_budget_cell, check_method, check_reduction
 from statereduce.studies.base import (
     PCTS, Figure, Study, Table, known_models, known_selectors, register, summary_paths, unique_list,
 )
 
 #: The cuts in table order, with their labels.
 CUTS = (("keys", "keys"), ("values", "values"), ("joint", "keys+values"))
+#: The row of a joint cut split by calibration loss (``<selector>-kv@<split>``), with its label.
+SPLIT = ("split", "keys+values, split by loss")
+LABELS = dict((*CUTS, SPLIT))
 
 
 @register
@@ -34,12 +38,15 @@ class ValuesStudy(Study):
             "selectors": unique_list(description="selectors with a value side (-v, -kv)"),
             "pcts": PCTS,
             "recipe": {"type": "string", "description": "a key-only method shown beside them, e.g. drrqr@sens"},
+            "split": {"type": "string", "description": "a budget of policy split: adds each selector's joint cut split "
+                                                       "by calibration loss (<selector>-kv@<split>)"},
         },
     }
     tables = (Table("value_study", "key, value and joint cuts", """
 **Key, value and joint cuts at equal state** (``studies.values``): each selector cuts the key channels (keys, the
 paper's cut), the value channels (values, ``<selector>-v``) or both (keys+values, ``<selector>-kv``: d_k'/d_k and
-d_v'/d_v near sqrt of the kept share) so that the same share of every head's d_v x d_k state is removed; ``recipe``
+d_v'/d_v near sqrt of the kept share; keys+values split by loss, ``<selector>-kv@<split>``: the split of lowest
+calibration loss) so that the same share of every head's d_v x d_k state is removed; ``recipe``
 is the block's key-only method with a per-layer budget. Held-out bits per byte before → after recovery fine-tuning
 (Δ against the key-only cut of the same selector), the recall probe's mean accuracy ± standard error, and the kept
 widths. The long CSV is ``results/tables/value_study.csv``.
@@ -66,10 +73,16 @@ and selector of ``studies.values`` (lower is better).
                 raise ConfigError(f"{where}.recipe: {e}") from None
             if parse_method(recipe).cut != "keys":
                 raise ConfigError(f"{where}.recipe: {recipe!r} is not a key-only method; valid: e.g. drrqr@sens")
+        if block.get("split") is not None:
+            try:
+                check_method(config, f"{block['selectors'][0]}-kv@{block['split']}")
+            except ConfigError as e:
+                raise ConfigError(f"{where}.split: {e}") from None
         cells = _cells(block)
         for model, method, pct in cells:
             try:
                 check_reduction(config, model, pct, method)
+                check_budget_cell(config, model, method, pct)
             except ConfigError as e:
                 raise ConfigError(f"{where}: {method} {e}") from None
         return cells
@@ -95,8 +108,13 @@ and selector of ``studies.values`` (lower is better).
 
 
 def _rows(block: dict) -> list[tuple[str, str, str]]:
-    """(selector label, cut, method token) of each table row, in order: selectors × cuts, then the recipe."""
-    rows = [(s, cut, format_method(MethodSpec(s, cut=cut))) for s in block["selectors"] for cut, _ in CUTS]
+    """(selector label, cut, method token) of each table row, in order: selectors × cuts (and the split joint cut),
+    then the recipe."""
+    rows = []
+    for s in block["selectors"]:
+        rows += [(s, cut, format_method(MethodSpec(s, cut=cut))) for cut, _ in CUTS]
+        if block.get("split"):
+            rows.append((s, SPLIT[0], format_method(MethodSpec(s, cut="joint", budget=block["split"]))))
     if block.get("recipe"):
         rows.append((block["recipe"], "keys", block["recipe"]))
     return rows
@@ -143,7 +161,7 @@ def value_frame(summaries: list[dict], block: dict):
     df = pd.DataFrame(rows)
     keys = df[df["cut"] == "keys"].set_index(["model", "pct", "selector", "stage"])["bits_per_byte"]
     df["d_bits_per_byte"] = [
-        b - keys.get((m, p, s, st), math.nan) if c in ("values", "joint") else math.nan
+        b - keys.get((m, p, s, st), math.nan) if c in ("values", "joint", SPLIT[0]) else math.nan
         for b, m, p, s, st, c in zip(df["bits_per_byte"], df["model"], df["pct"], df["selector"], df["stage"],
                                      df["cut"])]
     return df
@@ -178,7 +196,7 @@ def joint_wins(df, stage: str = "pruned"):
     cut's at ``stage``."""
     import pandas as pd
 
-    sub = df[(df["stage"] == stage) & df["cut"].isin(["values", "joint"])].dropna(subset=["d_bits_per_byte"])
+    sub = df[(df["stage"] == stage) & df["cut"].isin(["values", "joint", SPLIT[0]])].dropna(subset=["d_bits_per_byte"])
     rows = []
     for (pct, sel, cut), g in sub.groupby(["pct", "selector", "cut"], sort=False):
         better = g.loc[g["d_bits_per_byte"] < 0, "model"].tolist()
@@ -193,11 +211,13 @@ def markdown(df, block: dict, use=None) -> str:
     how much of each side the calibration activations use per layer (``use``: :func:`utilisation_frame`)."""
     from statereduce.analysis.tables import MISSING, fmt, fmt_delta, pm
 
-    labels = dict(CUTS)
+    labels = LABELS
     parts = [
         "# Key, value and joint cuts at equal state\n\n",
         ("Each head's state is d_v × d_k. keys: key channels removed (the paper's cut); values: value channels "
-         "(`<selector>-v`); keys+values: both (`<selector>-kv`), each side near the square root of the kept share. "
+         "(`<selector>-v`); keys+values: both (`<selector>-kv`), each side near the square root of the kept share; "
+         "split by loss (`<selector>-kv@<budget>`): the split of the state between the two sides with the lowest "
+         "calibration loss (from key-only to value-only). "
          "The pct is the share of the state removed; `state` is the kept share as measured. bits/byte: held-out bits "
          "per byte (lower is better), Δ against the key-only cut of the same selector; recall: the recall probe's "
          f"mean accuracy over its levels ± standard error. {MISSING} = not computed.\n"),
@@ -255,7 +275,7 @@ def loss_figure(df, block: dict, out_png: str | Path) -> Path:
     base = df[df["stage"] == "unpruned"].set_index("model")["bits_per_byte"]
     fig = new_figure(3.0 * len(models), 2.6 * len(pcts))
     axes = fig.subplots(len(pcts), len(models), squeeze=False)
-    hatches = {"keys": "", "values": "//", "joint": "xx"}
+    hatches = {"keys": "", "values": "//", "joint": "xx", SPLIT[0]: ".."}
     selectors = list(dict.fromkeys(sel for sel, _ in rows))
     for r, pct in enumerate(pcts):
         for c, model in enumerate(models):
@@ -266,7 +286,7 @@ def loss_figure(df, block: dict, out_png: str | Path) -> Path:
             for i, ((sel, cut), loss) in enumerate(zip(rows, losses)):
                 ax.bar(i, 0 if np.isnan(loss) else loss, color=METHOD_COLORS[selectors.index(sel) % len(METHOD_COLORS)],
                        hatch=hatches.get(cut, ""), edgecolor="black", linewidth=0.4,
-                       label=f"{sel} {dict(CUTS).get(cut, cut)}" if r == 0 and c == 0 else None)
+                       label=f"{sel} {LABELS.get(cut, cut)}" if r == 0 and c == 0 else None)
             ax.axhline(0, color="black", linewidth=0.6)
             ax.set_xticks([])
             ax.set_title(f"{model}, {format_pct(pct)}% of the state", fontsize=9)
