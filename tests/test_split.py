@@ -17,13 +17,12 @@ from _models import tiny_inputs, tiny_model
 from statereduce.common.settings import BudgetPlan, BudgetSettings
 from statereduce.core.artifacts import ArtifactError
 from statereduce.core.budgets import candidate_widths
-from statereduce.core.cuts import STATE_TOLERANCE, joint_widths, split_candidates
+from statereduce.core.calib_loss import calibration_loss
+from statereduce.core.cuts import STATE_TOLERANCE, joint_widths, read_split, split_candidates
 from statereduce.selectors import format_method, n_keep_for, parse_method
-from statereduce.stages.allocate import calibration_loss
 from statereduce.stages.capture import capture_activations, export_qk_weights, grad_scores
 from statereduce.stages.prune import prune_model
-from statereduce.stages.select import read_selection, select_channels, write_selection
-from statereduce.stages.split import choose_split, read_split
+from statereduce.stages.select import choose_split, read_selection, select_channels, write_selection
 
 
 # ---- grammar, candidates, config ------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from statereduce.core.h5files import write_layers
 from statereduce.studies import get_study, outputs, write_outputs
 from statereduce.studies.values import utilisation_frame, value_frame
 
-BLOCK = {"models": ["m1", "m2"], "selectors": ["drrqr"], "pcts": [75], "recipe": "drrqr@sens"}
+BLOCK = {"models": ["m1", "m2"], "selectors": ["drrqr"], "pcts": [75], "recipe": "drrqr@sens", "split": "split"}
 
 
 def _config() -> dict:
@@ -28,9 +28,12 @@ def test_cells_are_every_cut_at_equal_state_and_the_recipe():
     cfg = _config()
     cells = get_study("values").cells(cfg, cfg["studies"]["values"])
     block = cfg["studies"]["values"]
-    assert len(cells) == len(block["models"]) * len(block["pcts"]) * (3 * len(block["selectors"]) + 1)
+    assert block["split"] == "split"
+    assert len(cells) == len(block["models"]) * len(block["pcts"]) * (4 * len(block["selectors"]) + 1)
     assert ("tiny-gdn", "drrqr-kv", 75.0) in cells and ("tiny-qwen35", "grad-v", 50.0) in cells
-    assert ("tiny-dn", "drrqr@sens", 50.0) in cells
+    assert ("tiny-dn", "drrqr@sens", 50.0) in cells and ("tiny-mamba2", "grad-kv@split", 75.0) in cells
+    without = get_study("values").cells(cfg, {k: v for k, v in block.items() if k != "split"})
+    assert len(without) == len(cells) - len(block["models"]) * len(block["pcts"]) * len(block["selectors"])
 
 
 @pytest.mark.parametrize("change, message", [
@@ -38,6 +41,8 @@ def test_cells_are_every_cut_at_equal_state_and_the_recipe():
     ({"recipe": "drrqr-v"}, r"studies.values.recipe: 'drrqr-v' is not a key-only method"),
     ({"recipe": "drrqr@nope"}, r"studies.values.recipe: unknown budget 'nope'"),
     ({"models": ["nope"]}, r"studies.values.models: unknown model 'nope'"),
+    ({"split": "sens"}, r"studies.values.split: method 'grad-kv@sens': budgets.sens has policy 'sensitivity'"),
+    ({"split": "nope"}, r"studies.values.split: unknown budget 'nope'"),
 ])
 def test_a_bad_block_fails_in_one_line(change, message):
     cfg = _config()
@@ -75,6 +80,7 @@ def study_inputs(tmp_path):
         docs += [_summary(model, "drrqr", 75, keys, keys - 0.1, 16, 64, 0.25),
                  _summary(model, "drrqr-v", 75, values, values - 0.1, 64, 16, 0.25),
                  _summary(model, "drrqr-kv", 75, joint, joint - 0.1, 32, 32, 0.25),
+                 _summary(model, "drrqr-kv@split", 75, min(keys, values) - 0.05, 1.0, 64, 16, 0.25),
                  _summary(model, "drrqr@sens", 75, 1.4, 1.3, 16, 64, 0.25)]
     paths = []
     for i, doc in enumerate(docs):
@@ -94,6 +100,8 @@ def test_frame_table_and_figure(study_inputs, tmp_path):
     assert "## 75% of the state removed" in md
     assert "| m1 | drrqr-kv | keys+values | 32 × 32 | 0.250 | 1.300 → 1.200 | -0.200 | -0.200 |" in md
     assert "| 75 | drrqr | keys+values | 1 of 2: m1 |" in md and "| 75 | drrqr | values | 1 of 2: m1 |" in md
+    assert "| m1 | drrqr-kv@split | keys+values, split by loss | 64 × 16 | 0.250 | 1.150 → 1.000 | -0.350 |" in md
+    assert "| 75 | drrqr | keys+values, split by loss | 2 of 2: m1, m2 |" in md
     assert (tmp_path / "out" / "value_loss.png").stat().st_size > 1000
     df = value_frame(docs, BLOCK)
     recipe = df[(df["method"] == "drrqr@sens") & (df["stage"] == "pruned")]

@@ -6,7 +6,7 @@ from statereduce.core.runtime import start
 log = start(snakemake.log[0], snakemake.threads)
 from statereduce.common.settings import BudgetPlan  # noqa: E402
 from statereduce.core.runtime import write_json  # noqa: E402
-from statereduce.stages.split import choose_split  # noqa: E402
+from statereduce.stages.select import choose_split  # noqa: E402
 
 inp, selector, wc = snakemake.input, snakemake.params.selector, snakemake.wildcards
 doc = choose_split(

@@ -34,7 +34,7 @@ calibration has no suffix, so ``drrqr`` and ``drrqr.default`` are not both valid
 ``@<budget>`` (``[a-z0-9]+``) names a per-layer key budget (:mod:`statereduce.core.budgets`): each layer keeps its own
 d_k' at the uniform cut's total; without it every layer keeps the same d_k'. On a joint cut (``-kv@<budget>``, a budget
 of policy ``split``) it chooses the split of the state between d_k' and d_v' by calibration loss instead of the equal
-split (:mod:`statereduce.stages.split`). A value cut (``-v``) takes no budget. Examples: ``drrqr``, ``l1-q``,
+split (:func:`statereduce.stages.select.choose_split`). A value cut (``-v``) takes no budget. Examples: ``drrqr``, ``l1-q``,
 ``grad-k``, ``pca-adv-k``, ``drrqr.prose``, ``grad-q.prose``, ``drrqr@energy``, ``grad.prose@sens``, ``drrqr-v``,
 ``grad-kv``, ``drrqr-kv@split``.
 

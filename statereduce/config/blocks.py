@@ -505,7 +505,7 @@ def check_budget_cell(config: dict, model: str, method: str, pct: float) -> None
             if d_k is not None and d_v is not None:  # otherwise the split job checks the widths on the checkpoint
                 from statereduce.core.budgets import allowed_widths
                 from statereduce.core.cuts import split_candidates
-                from statereduce.stages.split import split_check
+                from statereduce.core.cuts import split_check
 
                 split_candidates(d_k, d_v, pct, allowed_widths(d_k, settings),
                                  split_check(config["models"][model]["family"], d_k, d_v))

@@ -1,21 +1,25 @@
 """What a method cuts and to which widths: key channels (d_k'), value channels (d_v') or both at a pct.
 
 ``{pct}`` of a key cut is the percent of key channels removed (d_k' = :func:`~statereduce.selectors.n_keep_for`
-(d_k, pct)); of a value cut (d_v' = ``n_keep_for(d_v, pct)``) (``-v``), the percent of value channels removed, which is the same percent of every
-head's d_v x d_k state; of a joint cut (``-kv``), the percent of the state removed, split equally between the two
-sides (:func:`joint_widths`), or with a budget of policy ``split`` (``-kv@<budget>``) between the candidates of
-:func:`split_candidates` by calibration loss (:mod:`statereduce.stages.split`). :func:`cut_widths` gives (d_k', d_v')
-for any cut without a budget.
+(d_k, pct)); of a value cut (d_v' = ``n_keep_for(d_v, pct)``) (``-v``), the percent of value channels removed, which
+is the same percent of every head's d_v x d_k state; of a joint cut (``-kv``), the percent of the state removed,
+split equally between the two sides (:func:`joint_widths`), or with a budget of policy ``split`` (``-kv@<budget>``)
+among the pairs of :func:`split_candidates` by calibration loss (:func:`statereduce.stages.select.choose_split`, whose
+artifact :func:`read_split` reads). :func:`cut_widths` gives (d_k', d_v') for any cut without a budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
 from statereduce.common.layout import CUTS
 from statereduce.selectors.registry import n_keep_for
 
 
+#: the split artifact's format (:func:`read_split`)
+SPLIT_FORMAT = 1
 #: how far (a fraction of the full state) a joint cut's state may be from the pct's for a more equal split
 STATE_TOLERANCE = 0.01
 
@@ -100,3 +104,41 @@ def split_candidates(d_k: int, d_v: int, pct: float, key_widths: list[int],
     if not out:
         raise ValueError(f"no key and value widths of d_k={d_k}, d_v={d_v} remove {pct}% of the state")
     return out
+
+
+def split_check(family: str | None, d_k: int, d_v: int):
+    """The check of a pair (d_k', d_v') the family's config must express, for :func:`joint_widths` and
+    :func:`split_candidates` (None without a family)."""
+    if family is None:
+        return None
+    from statereduce.families import family_spec
+
+    fspec = family_spec(family)
+
+    def check(k: int, v: int) -> None:
+        fspec.check_reduction(d_k, v, k)
+        fspec.check_value_reduction(d_v, v)
+
+    return check
+
+
+def read_split(path: str | Path, expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A split artifact (:func:`statereduce.stages.select.choose_split`), checked against the reading job (model, family, method, pct, and
+    ``d_k``/``d_v`` where given) and itself (its widths are one of its candidates, the lowest loss).
+
+    Raises:
+        ArtifactError: one line naming the file and the rule that rebuilds it.
+    """
+    from statereduce.core.artifacts import ArtifactError, read_json_artifact, remedy
+
+    expect = dict(expect or {})
+    doc = read_json_artifact(path, "split", SPLIT_FORMAT, "candidates", expect)
+    for key in ("d_k", "d_v"):
+        if key in expect and doc.get(key) != expect[key]:
+            raise ArtifactError(f"{path} was chosen for {key}={doc.get(key)!r}; this job has {expect[key]!r}; "
+                                f"{remedy(path)}")
+    pairs = {(c["d_k_new"], c["d_v_new"]): c["loss"] for c in doc["candidates"]}
+    chosen = (doc.get("d_k_new"), doc.get("d_v_new"))
+    if chosen not in pairs or pairs[chosen] > min(pairs.values()):
+        raise ArtifactError(f"{path}: widths {chosen} are not its lowest-loss candidate; {remedy(path)}")
+    return doc

@@ -10,9 +10,10 @@ selection first rotates each head's channels into its first d_k' rows (:func:`tr
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -348,3 +349,29 @@ def masked_values(adapter: LinearAttentionAdapter, mixer: nn.Module, keep_v: tor
     with zeroed_rows([(e.module, value_positions(e, keep_v.to(torch.long), e.module.weight.shape[0]))
                       for e in entries]):
         yield
+
+
+def cut_tensors(rows) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """({layer: int64 [H, d_k']}, {layer: int64 [units, d_v']}) kept key and value channels of a joint cut's
+    selection rows (:func:`statereduce.stages.select.select_cut`: layer, head or unit, HeadSelection, side)."""
+    sides: dict[str, dict[int, dict[int, np.ndarray]]] = {"k": {}, "v": {}}
+    for layer, unit, sel, side in rows:
+        sides[side].setdefault(int(layer), {})[int(unit)] = np.asarray(sel.keep, np.int64)
+    return tuple({layer: torch.as_tensor(np.stack([units[u] for u in sorted(units)]))
+                  for layer, units in sorted(sides[s].items())} for s in ("k", "v"))
+
+
+def masked_cut(model: nn.Module, keys: Mapping[int, torch.Tensor], values: Mapping[int, torch.Tensor]) -> ExitStack:
+    """A context in which ``model`` has every layer's dropped key channels (``keys``: {layer: [H, d_k']}) and value
+    channels (``values``: {layer: [units, d_v']}) zeroed: the joint cut under ``norm_eps: exact``."""
+    from statereduce.adapters import get_adapter
+
+    adapter = get_adapter(model)
+    mixers = dict(adapter.mixer_layers())
+    stack = ExitStack()
+    with stack:
+        for layer, keep in keys.items():
+            stack.enter_context(masked_channels(adapter, mixers[layer], keep))
+        for layer, keep_v in values.items():
+            stack.enter_context(masked_values(adapter, mixers[layer], keep_v))
+        return stack.pop_all()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterable, Mapping
@@ -33,7 +34,10 @@ from statereduce.core.selection_file import (  # noqa: F401  (re-exported)
     SELECTION_FORMAT, read_selection, write_selection,
 )
 from statereduce.common.layout import MethodSpec
+from statereduce.common.settings import BudgetPlan
 from statereduce.selectors import HeadData, format_method, get_selector, n_keep_for, parse_method, select_heads
+
+log = logging.getLogger(__name__)
 
 #: Version of the selection file layout: 1 had only index selections (no ``transform`` column, no ``format`` key).
 
@@ -86,7 +90,7 @@ def select_channels(
         allocation: for a method with ``@<budget>``, its allocation artifact (:mod:`statereduce.stages.allocate`): each
             layer keeps its own width; the metadata's ``d_k_new`` is then ``{"<layer>": width}`` (an int when every
             layer keeps the same) and ``allocation`` summarises the policy. For a joint cut with ``@<budget>``, its
-            split artifact (:mod:`statereduce.stages.split`).
+            split artifact (:func:`statereduce.stages.select.choose_split`).
 
     Returns:
         (rows, meta): rows of (layer, head, HeadSelection) and the file metadata (with the model and family).
@@ -261,7 +265,7 @@ def select_cut(
     """The selection of a value cut (``-v``: the value side of its selector, :mod:`statereduce.selectors.values`, at
     d_v' for each value head) or a joint cut (``-kv``: both sides, at the widths :func:`statereduce.core.cuts.joint_widths`
     gives, or with ``@<budget>`` those its split artifact chose). Arguments as :func:`select_channels`; ``allocation``
-    is the split artifact (:func:`statereduce.stages.split.read_split`) of a joint cut with a budget, ``widths`` a
+    is the split artifact (:func:`statereduce.core.cuts.read_split`) of a joint cut with a budget, ``widths`` a
     (d_k', d_v') of a joint cut given directly (the split stage's candidates; the metadata's method is then the token
     without its budget).
 
@@ -302,7 +306,7 @@ def select_cut(
         raise ValueError(f"method {method!r} has no @<budget>: give no allocation")
     split = None
     if allocation is not None:
-        from statereduce.stages.split import read_split
+        from statereduce.core.cuts import read_split
 
         split = read_split(allocation, {**(expect or {}), "method": method, "pct": pct, "d_k": d_k, "d_v": d_v})
         widths = split["d_k_new"], split["d_v_new"]
@@ -388,3 +392,102 @@ def select_cut(
         meta["split"] = {"budget": split["budget"], "policy": "split", "equal": split["equal"],
                          "candidates": len(split["candidates"])}
     return rows, meta
+
+
+# ---- the split of a joint cut (``-kv@<budget>``, policy ``split``) -----------------------------------------------
+def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan, *,
+                 activations: str | Path | None = None, grads: str | Path | None = None,
+                 base: str | Path | None = None, seed: int = 0, options: Mapping[str, Any] | None = None,
+                 workers: int = 1, expect: Mapping[str, Any] | None = None, model=None, blocks=None,
+                 progress: bool = True) -> dict[str, Any]:
+    """Rule ``split``: the split artifact of a joint cut ``method`` (``<selector>-kv@<budget>``) at ``pct``.
+
+    Every pair of :func:`statereduce.core.cuts.split_candidates` at the pct's state (from the key-only cut through the
+    equal split to the value-only cut, the key widths between them those the budget allows: ``floor``, ``multiple``,
+    ``powers_of_two``) is selected on both sides (:func:`select_cut`) and measured: the calibration loss of the whole
+    model with the dropped key and value channels zeroed (:func:`statereduce.core.slicing.masked_cut`), which is the
+    loss of the checkpoint pruned to that pair under ``norm_eps: exact``. The pair of lowest loss is every layer's
+    d_k' x d_v'. ``results/{model}/select/{method}_{pct}.split.json`` holds it, every candidate's widths, state share
+    and loss, the unpruned loss, the settings and the provenance; the selection of the same token reads it
+    (:func:`statereduce.core.cuts.read_split`). Cost: one selection of both sides and one pass over the calibration
+    sequences per candidate.
+
+    Args:
+        weights, activations, grads: the artifacts the joint cut's selection reads (as for
+            :func:`statereduce.stages.select.select_cut`).
+        method, pct: the method token and the percent of the state removed.
+        plan: the token's budget (:class:`~statereduce.common.settings.BudgetPlan`, policy ``split``), with the
+            calibration and corpus of the loss.
+        base: the base checkpoint folder (the model whose loss is measured).
+        seed, options, workers: the selector's seed, options and threads.
+        expect: the job's ``params.info`` (model, family, dtype, device).
+        model, blocks: the loaded model and calibration blocks [N, T] instead of ``base`` and the plan's corpus.
+
+    Raises:
+        ValueError: one line, for a token that is not a joint cut with a budget, or a budget of another policy.
+    """
+    from tqdm.auto import tqdm
+
+    from statereduce.core.budgets import allowed_widths
+    from statereduce.core.calib_loss import calibration_loss, loss_inputs
+    from statereduce.core.cuts import SPLIT_FORMAT, joint_widths, split_candidates, split_check
+    from statereduce.core.slicing import cut_tensors, masked_cut
+
+    spec, settings = parse_method(method), plan.settings
+    if spec.cut != "joint" or spec.budget is None:
+        raise ValueError(f"method {method!r}: a split is chosen for a joint cut with a budget, "
+                         f"e.g. {format_method(spec.uniform.keys)}-kv@{plan.name or 'split'}")
+    if settings.policy != "split":
+        raise ValueError(f"budgets.{plan.name}: policy {settings.policy!r} chooses per-layer key widths; a joint cut "
+                         f"(-kv@{plan.name}) takes policy 'split'")
+    wattrs = H5Artifact(weights).expect(expect)
+    d_k, d_v, family = int(wattrs["head_k_dim"]), int(wattrs["head_v_dim"]), wattrs.get("family")
+    check = split_check(family, d_k, d_v)
+    candidates = split_candidates(d_k, d_v, pct, allowed_widths(d_k, settings), check)
+    if model is None:
+        model, blocks, settings = loss_inputs(plan, base, expect)
+    else:
+        settings = settings.replace(batch_size=settings.batch_size or blocks.shape[0])
+    batch = settings.batch_size
+    base_loss = calibration_loss(model, blocks, batch)
+    try:
+        equal = joint_widths(d_k, d_v, pct, check)
+    except ValueError:
+        equal = None
+    rows = []
+    for k, v in tqdm(candidates, desc="split", unit="pair", disable=not progress):
+        sel_rows, _ = select_cut(weights, method, pct, activations=activations, grads=grads, seed=seed,
+                                 options=dict(options or {}), workers=workers, expect=expect, widths=(k, v))
+        keys, values = cut_tensors(sel_rows)
+        with masked_cut(model, keys, values):
+            loss = calibration_loss(model, blocks, batch)
+        rows.append({"d_k_new": k, "d_v_new": v, "state_fraction": k * v / (d_k * d_v), "loss": loss})
+        log.info("d_k'=%d x d_v'=%d (%.4f of the state): loss %.5f (+%.5f)", k, v, k * v / (d_k * d_v), loss,
+                 loss - base_loss)
+    best = min(rows, key=lambda r: (r["loss"], abs(r["d_k_new"] / d_k - r["d_v_new"] / d_v)))
+    layers = [int(x) for x in np.asarray(wattrs["layers"]).tolist()]
+    provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": family}
+    return {
+        "format": SPLIT_FORMAT,
+        **{k: v for k, v in provenance.items() if v is not None},
+        "method": method,
+        "selector": spec.selector,
+        "calibration": spec.calib,
+        "budget": plan.name,
+        "settings": settings.to_dict(),
+        "pct": pct,
+        "d_k": d_k,
+        "d_v": d_v,
+        "layers": layers,
+        "d_k_new": best["d_k_new"],
+        "d_v_new": best["d_v_new"],
+        "state_fraction": best["state_fraction"],
+        "equal": list(equal) if equal else None,
+        "base_loss": base_loss,
+        "candidates": rows,
+        "n_samples": int(blocks.shape[0]),
+        "seq_len": int(blocks.shape[1]),
+        "seed": seed,
+        "options": dict(options or {}),
+        "package_version": __version__,
+    }
