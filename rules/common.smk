@@ -347,9 +347,6 @@ def get_rank(wildcards):
 
 def get_rank_inputs(wildcards):
     spec = parse_method(wildcards.method)
-    if spec.cut != "keys":
-        raise WorkflowError(f"results/{wildcards.model}/{wildcards.method}_{wildcards.pct}/rank.json: the rank analysis "
-                            "covers key cuts; value and joint cuts have none yet (docs/values.md)")
     stage = layout.path(layout.STAGE, model=wildcards.model, method=wildcards.method, pct=wildcards.pct)
     return {"pruned": f"{stage}/pruned/config.json", "baseline": layout.path(layout.BASELINE_RANK, model=wildcards.model),
             "selection": layout.path(layout.SELECTION, model=wildcards.model, method=wildcards.method, pct=wildcards.pct),

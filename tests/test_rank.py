@@ -3,6 +3,8 @@ real (cached, segmented) forward pass against one full forward of the same tiny 
 
 from __future__ import annotations
 
+import copy
+
 import json
 import math
 
@@ -280,6 +282,31 @@ def test_collect_rank_samples(model):
         collect_rank_samples(model, ids, skip=20, stride=4)
     with pytest.raises(ValueError, match=r"spectrum_head=\(5, 0\) is not a state head"):
         collect_rank_samples(model, ids, skip=8, stride=4, spectrum_head=(5, 0))
+
+
+def test_a_value_or_joint_cut_divides_by_the_kept_widths(model):
+    """States of a checkpoint with value channels cut (and keys, for the joint cut) are [d_v', d_k']: u divides each
+    stable rank by min(d_v', d_k'), and the report's sizes are the kept ones."""
+    from statereduce.stages.prune import prune_model
+
+    adapter = get_adapter(model)
+    h, hv, d_k, d_v = adapter.dims(model.config)
+    gen = torch.Generator().manual_seed(0)
+    layers = [layer for layer, _ in adapter.mixer_layers()]
+    values = {layer: torch.stack([torch.randperm(d_v, generator=gen)[:d_v // 4].sort().values for _ in range(hv)])
+              for layer in layers}
+    for keys in (None, {layer: torch.stack([torch.randperm(d_k, generator=gen)[:d_k // 2].sort().values
+                                            for _ in range(h)]) for layer in layers}):
+        pruned = copy.deepcopy(model)
+        prune_model(pruned, keys, {"method": "test"}, values=values)
+        k_new = d_k if keys is None else d_k // 2
+        samples = collect_rank_samples(pruned, tiny_inputs(batch=2, length=20), skip=8, stride=4)
+        assert (samples.d_k, samples.d_v) == (k_new, d_v // 4)
+        for key, er in samples.er.items():
+            np.testing.assert_allclose(samples.u[key], er / min(k_new, d_v // 4))
+            assert (er <= min(k_new, d_v // 4) + 1e-9).all()
+        doc = rank_report(pruned, tiny_inputs(batch=2, length=12), skip=4, stride=4)
+        assert (doc["model"]["d_k"], doc["model"]["d_v"]) == (k_new, d_v // 4)
 
 
 def test_rank_report_is_json(model):

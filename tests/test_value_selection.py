@@ -201,14 +201,16 @@ def test_the_api_refuses_a_value_cut_in_one_line():
     assert "\n" not in str(err.value)
 
 
-def test_value_cuts_plan_their_cells_and_refuse_rank_and_speed_in_one_line(tmp_path):
-    """``drrqr-kv_75`` plans selection, pruning, RFT and summary; its rank analysis and speed are refused at planning
-    with the reason (they cover key cuts)."""
+def test_value_cuts_plan_their_cells_and_rank_and_refuse_speed_in_one_line(tmp_path):
+    """``drrqr-kv_75`` plans selection, pruning, RFT and summary, and a value cut its rank analysis; its speed is
+    refused at planning with the reason (rule speed times key cuts; the decode benchmark's --head-shape times value
+    cuts)."""
     from _snakemake import dry_run_outputs, snakemake
 
     jobs = dry_run_outputs(tmp_path / "ok", "results/tiny-gdn/drrqr-kv_75/eval.json")
     assert jobs["select_channels"] == ["results/tiny-gdn/select/drrqr-kv_75.parquet"]
     assert {"prune", "rft", "summarize"} <= set(jobs)
-    for target, reason in (("rank.json", "the rank analysis covers key cuts"), ("speed.json", "rule speed times key cuts")):
-        out = snakemake(tmp_path / target, "-n", f"results/tiny-gdn/drrqr-v_50/{target}")
-        assert out.returncode != 0 and reason in out.stdout + out.stderr
+    jobs = dry_run_outputs(tmp_path / "rank", "results/tiny-gdn/drrqr-v_50/rank.json")
+    assert jobs["rank"] == ["results/tiny-gdn/drrqr-v_50/rank.json"]
+    out = snakemake(tmp_path / "speed", "-n", "results/tiny-gdn/drrqr-v_50/speed.json")
+    assert out.returncode != 0 and "rule speed times key cuts" in out.stdout + out.stderr

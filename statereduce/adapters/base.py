@@ -206,8 +206,8 @@ class LinearAttentionAdapter(FamilySpec):
         Args:
             cache: the fla ``Cache`` of a forward with ``use_cache=True`` (``out.past_key_values``).
         Returns:
-            {layer index: S [B, HV, d_v, d_k]} for every layer of :meth:`mixer_layers`, d_k the layer's own width
-            (:attr:`MixerLayout.key_dim <statereduce.adapters.layout.MixerLayout.key_dim>`).
+            {layer index: S [B, HV, d_v, d_k]} for every layer of :meth:`mixer_layers`, d_k and d_v the layer's own
+            widths (:attr:`MixerLayout.key_dim <statereduce.adapters.layout.MixerLayout.key_dim>`, ``value_dim``).
         Raises:
             ValueError: a layer's state is missing or not of the cache layout for the live config.
         """
@@ -217,11 +217,11 @@ class LinearAttentionAdapter(FamilySpec):
             layer = layout.layer
             state = self.cached_recurrent_state(cache, getattr(layout.mixer, "layer_idx", layer))
             v_first = self.cache_state_v_first
-            d_k = layout.key_dim  # the layer's own width (per-layer-width checkpoints)
-            expected = (d.num_v_heads, *((d.head_v_dim, d_k) if v_first else (d_k, d.head_v_dim)))
+            d_k, d_v = layout.key_dim, layout.value_dim  # the layer's own widths (per-layer widths, value cuts)
+            expected = (d.num_v_heads, *((d_v, d_k) if v_first else (d_k, d_v)))
             if not isinstance(state, torch.Tensor) or state.dim() != 4 or state.shape[1:] != expected:
                 got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
-                dims = f"d_v={d.head_v_dim}, d_k={d_k}" if v_first else f"d_k={d_k}, d_v={d.head_v_dim}"
+                dims = f"d_v={d_v}, d_k={d_k}" if v_first else f"d_k={d_k}, d_v={d_v}"
                 raise ValueError(
                     f"layer {layer}: cached recurrent state is {got}; expected [B, HV={d.num_v_heads}, {dims}] "
                     f"({self.family})"

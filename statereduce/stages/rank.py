@@ -3,7 +3,7 @@
 * Metrics: stable rank ``er(S) = ||S||_F^2 / ||S||_2^2`` and rank utilization ``u(S) = er(S) / min(d_v, d_k)``
   of a state S [d_v, d_k] (paper Eq. 3 and Sec. 2.2.1; d is the smaller side, the largest rank S can have). In a
   checkpoint whose layers keep different key widths each layer's states are [d_v, d_k'(layer)] and its u divides by
-  min(d_v, d_k'(layer)).
+  min(d_v, d_k'(layer)); a value or joint cut's states are [d_v', d_k'] and u divides by min(d_v', d_k').
 * States come from the model's own forward pass (fla's kernels, or :mod:`statereduce.kernels.fla_fallback` on CPU):
   the input is fed in segments of ``stride`` tokens with the HF cache carried over, and after each segment
   every linear-attention layer's recurrent state is read from the cache (:meth:`LinearAttentionAdapter.
@@ -150,8 +150,8 @@ class RankSamples:
     Args:
         positions: int64 [P] 0-based position of the last token of each sample's state.
         er: {(layer, head): float64 [B, P]} stable rank per sequence and position (NaN for a zero state).
-        u: {(layer, head): float64 [B, P]} rank utilization, ``er / min(d_v, d_k(layer))``.
-        d_k, d_v: state sizes (d_k the mean over the layers, an int when every layer keeps one width);
+        u: {(layer, head): float64 [B, P]} rank utilization, ``er / min(d_v(layer), d_k(layer))``.
+        d_k, d_v: state sizes (each the mean over the layers, an int when every layer keeps one width);
             num_heads: state heads per layer (value heads HV under GVA).
         key_dims: {layer: d_k} of every layer's states (the widths a per-layer-width checkpoint keeps).
         spectrum_head: the (layer, head) whose singular values were kept, or None.
@@ -162,7 +162,7 @@ class RankSamples:
     er: dict[HeadKey, np.ndarray]
     u: dict[HeadKey, np.ndarray]
     d_k: int | float
-    d_v: int
+    d_v: int | float
     num_heads: int
     key_dims: dict[int, int]
     spectrum_head: HeadKey | None = None
@@ -212,10 +212,11 @@ def collect_rank_samples(
             )
     positions, er, spectra = [], {layer: [] for layer in layers}, []
     key_dims: dict[int, int] = {}
+    value_dims: dict[int, int] = {}
     for pos, states in iter_states(model, input_ids, stride=stride, skip=skip):
         positions.append(pos)
         for layer, S in states.items():
-            key_dims[layer] = int(S.shape[-1])  # [B, HV, d_v, d_k'(layer)]
+            value_dims[layer], key_dims[layer] = (int(x) for x in S.shape[-2:])  # [B, HV, d_v'(layer), d_k'(layer)]
             S = S.to(torch.float64)
             sv = singular_values(S)  # [B, HV, min(d_v, d_k)]
             er[layer].append(_er_from(S, sv).cpu().numpy())  # [B, HV]
@@ -231,9 +232,9 @@ def collect_rank_samples(
     return RankSamples(
         positions=np.asarray(positions, dtype=np.int64),
         er=er_heads,
-        u={key: v / min(key_dims[key[0]], dims.head_v_dim) for key, v in er_heads.items()},
+        u={key: v / min(key_dims[key[0]], value_dims[key[0]]) for key, v in er_heads.items()},
         d_k=layer_mean(list(key_dims.values())),
-        d_v=dims.head_v_dim,
+        d_v=layer_mean(list(value_dims.values())),
         num_heads=dims.num_v_heads,
         key_dims=key_dims,
         spectrum_head=spectrum_head,
@@ -467,6 +468,8 @@ def rank_analysis(checkpoint: str | Path, settings: RankSettings, info: dict[str
     from statereduce.core.runtime import jsonable, read_json, write_json
     from statereduce.core.selection_file import read_selection
 
+    from statereduce.core.selection_file import CutSelection
+
     expected = {**info, **(extra or {})}
     keep = None
     if selection is not None:
@@ -474,6 +477,8 @@ def rank_analysis(checkpoint: str | Path, settings: RankSettings, info: dict[str
 
         check_prune_record(checkpoint, expected)
         keep, sel_meta = read_selection(selection, expect=expected)
+        if isinstance(keep, CutSelection):  # a value or joint cut: its key side (None: every key channel kept)
+            keep = keep.keys
         expected.update(calibration=sel_meta.get("calibration"), num_heads=sel_meta.get("num_heads"),
                         head_k_dim=sel_meta.get("d_k"))
     if activations is not None:
