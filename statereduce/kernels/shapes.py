@@ -1,8 +1,8 @@
 """Head shapes at which stock fla's delta-rule kernels fail on CUDA, and the zero-padded call that avoids them.
 
-fla 0.6.0's Triton kernels (Triton 3.6, H200) give wrong outputs or fault at some of the small key widths that
-state reduction produces (``scripts/sweep_fla_shapes.py``, every shape in its own process, bf16 forward and backward
-against a float64 per-step recurrence; results in ``docs/results/fla_shapes_h200.json``, summary in
+fla 0.6.0's Triton kernels (Triton 3.6, H200 and H100) give wrong outputs or fault at some of the small key and value
+widths that state reduction produces (``scripts/sweep_fla_shapes.py``, every shape in its own process, bf16 forward and
+backward against a float64 per-step recurrence; results in ``docs/results/fla_shapes_h200.json``, summary in
 ``docs/gpu_checks.md``). :data:`FAULTY` holds, per kernel function, the rule that covers them and in which pass
 (forward, backward). Where a call on a CUDA tensor has such a shape (a backward-only one when the call will be
 differentiated), :func:`guard` pads q and k (and a key-dimension gate and the initial state) with zero channels to
@@ -10,10 +10,12 @@ the width the sweep found right (:data:`PAD_TO`), passes the unpadded scale, and
 result is exact: a zero key channel adds nothing to ``S k`` or to ``S``'s other columns, a zero query channel nothing
 to ``S q``, and zeros leave the L2 norms of q and k unchanged; only the kernel's work is that of the padded width.
 
-Value cuts give value widths outside :data:`SWEPT_D_V` (8 to 384) at every key width. ``scripts/sweep_fla_shapes.py
---grid values`` sweeps them, with the key padding of :data:`FAULTY` and, where a stock call fails, v zero-padded by
-:func:`call_padded`'s ``value_width`` (exact as well). No such sweep is recorded: the rule is the keys sweep's (unswept
-value widths below 256 count as faulty at the failing key tiles, and nowhere else), and the guard pads no v.
+Value cuts give value widths outside :data:`SWEPT_D_V` at every key width. ``scripts/sweep_fla_shapes.py --grid
+values`` sweeps them (``docs/results/fla_value_shapes_h100*.json``, on an H100 with the same fla and Triton): the chunk
+DeltaNet kernel's backward is wrong wherever the value tile is at most 32 (d_v' <= 32), at key tiles 16 to 64, with or
+without the key padding, and right once v is zero-padded to 64. :data:`VALUE_FAULTY` holds that rule; where it
+applies the guard pads v too (:func:`call_padded`'s ``value_width``, exact as well), and then q and k where
+:data:`FAULTY` says so at the padded value width (:func:`padded_widths`).
 
 The adapter of a family names the kernels to guard (``padded_kernels``); the guard sits around whatever the layer
 module binds (fla's kernel, or the CPU dispatcher of :mod:`statereduce.kernels.fla_fallback`), so capture hooks
@@ -33,6 +35,8 @@ import torch.nn.functional as F
 
 #: where the sweep ran
 MEASURED_ON = "fla 0.6.0, Triton 3.6.0, torch 2.11.0+cu130, NVIDIA H200"
+#: where the values sweep (:data:`VALUE_FAULTY`) ran
+VALUES_MEASURED_ON = "fla 0.6.0, Triton 3.6.0, torch 2.11.0+cu130, NVIDIA H100 80GB HBM3"
 
 #: key widths the sweep ran: every d_k' that removing 25, 50, 75 or 87.5% of d_k in {64, 128, 256} gives, and d_k
 SWEPT_D_K: tuple[int, ...] = (8, 16, 32, 48, 64, 96, 128, 192, 256)
@@ -50,14 +54,26 @@ def _tile(d: int) -> int:
 
 
 def _chunk_delta_rule_faulty(d_k: int, d_v: int) -> frozenset[str]:
-    """fla 0.6.0's chunk DeltaNet kernel, bf16, T = 1024 (docs/results/fla_shapes_h200.json), with a key tile of at
-    most 32: at d_v = 64 wrong (forward at d_k' 8 and 32, backward at 16, where another run saw the forward wrong;
-    relative errors 2 to 90), at d_v = 128 the forward right but the backward an illegal memory access. Every shape
-    with a 64-wide key tile, or d_v >= 256, is right (<= 1.1e-2). Unswept value widths below 256 other than 128 count
-    as faulty in both passes."""
-    if _tile(d_k) > 32 or d_v >= 256:
+    """fla 0.6.0's chunk DeltaNet kernel, bf16, T = 1024, with a key tile of at most 32 (docs/results/fla_shapes_h200.json
+    and fla_value_shapes_h100_dn_chunk_small.json): at d_v = 48 and 64 wrong in both passes (relative errors 2 to 90),
+    at d_v = 96 the backward wrong (dq) and at d_v = 128 an illegal memory access in the backward, the forwards right.
+    Every shape with a 64-wide key tile and a value tile above 32, or a value tile of 256 or more (d_v 192 to 512), is
+    right (<= 1.1e-2). Value tiles of at most 32 (wrong at every key tile, erratic below 64) count as faulty in both
+    passes here; :func:`_chunk_delta_rule_value_faulty` pads their values first."""
+    if _tile(d_k) > 32 or _tile(d_v) > 128:
         return frozenset()
-    return frozenset({"backward"}) if d_v == 128 else frozenset({"forward", "backward"})
+    return frozenset({"backward"}) if _tile(d_v) == 128 else frozenset({"forward", "backward"})
+
+
+def _chunk_delta_rule_value_faulty(d_k: int, d_v: int) -> frozenset[str]:
+    """The same kernel with a value tile of at most 32 (d_v' <= 32; fla_value_shapes_h100_dn_chunk_small.json): the
+    backward wrong (dk, dv, beta and the initial state, relative errors 0.3 to 1.7) at key widths 48 and 64, and at 16
+    and 32 with q and k padded to 64; the forward right there. Stock calls at key tiles 16 and 32 were erratic (wrong
+    at 16 x 32 and 32 x 8, right at 16 x 8, 16 x 16, 32 x 16, 32 x 32). v zero-padded to 64 was right at every such
+    shape (<= 8.8e-3). Key tiles above 64 are unswept with such values and count as faulty in both passes."""
+    if _tile(d_v) > 32:
+        return frozenset()
+    return frozenset({"backward"}) if _tile(d_k) <= 64 else frozenset({"forward", "backward"})
 
 
 #: kernel function -> (d_k, d_v) -> the passes ("forward", "backward") in which stock fla is wrong or faults on CUDA
@@ -67,7 +83,17 @@ FAULTY: dict[str, Callable[[int, int], frozenset[str]]] = {
     "chunk_delta_rule": _chunk_delta_rule_faulty,
 }
 
+#: kernel function -> (d_k, d_v) -> the passes in which stock fla is wrong on CUDA at a value width that zero-padding
+#: v (to :data:`PAD_TO`) repairs. The Gated DeltaNet chunk kernel was not swept at value tiles of at most 32.
+VALUE_FAULTY: dict[str, Callable[[int, int], frozenset[str]]] = {
+    "chunk_delta_rule": _chunk_delta_rule_value_faulty,
+}
+
 Table = Mapping[str, Callable[[int, int], frozenset[str]]]
+
+
+def _hits(passes: frozenset[str], backward: bool) -> bool:
+    return "forward" in passes or (backward and "backward" in passes)
 
 
 def padded_width(kernel: str, d_k: int, d_v: int, backward: bool = True, table: Table = FAULTY) -> int | None:
@@ -84,15 +110,38 @@ def padded_width(kernel: str, d_k: int, d_v: int, backward: bool = True, table: 
     return width
 
 
+def padded_widths(kernel: str, d_k: int, d_v: int, backward: bool = True, table: Table = FAULTY,
+                  values: Table = VALUE_FAULTY) -> tuple[int | None, int | None]:
+    """(key width, value width) to call ``kernel`` with at head shape ``d_k x d_v`` (``backward``: the call will be
+    differentiated), None for a side that needs no padding: v to :data:`PAD_TO` where ``values`` says so, then q and
+    k where ``table`` says so at that value width (:func:`padded_width`).
+
+    Raises:
+        ValueError: where the padded shape is faulty too (a rule that cannot be repaired this way).
+    """
+    rule = values.get(kernel)
+    width_v = None
+    if rule is not None and _hits(rule(d_k, d_v), backward):
+        width_v = PAD_TO * (d_v // PAD_TO + 1)
+    width_k = padded_width(kernel, d_k, width_v or d_v, backward, table)
+    if width_v is not None and rule(width_k or d_k, width_v):
+        raise ValueError(f"{kernel} at d_k={d_k}, d_v={d_v}: the padded value width {width_v} is faulty too")
+    return width_k, width_v
+
+
 def faulty_shapes(kernels: tuple[str, ...], d_k: int, d_v: int) -> dict[str, dict[str, Any]]:
-    """``{kernel: {"passes": [...], "padded_to": width}}`` for each of ``kernels`` that stock fla mishandles at
-    ``d_k x d_v``."""
+    """``{kernel: {"passes": [...], "padded_to": width, "values_padded_to": width}}`` for each of ``kernels`` that
+    stock fla mishandles at ``d_k x d_v`` (``values_padded_to`` where v is padded too)."""
     out: dict[str, dict[str, Any]] = {}
     for name in kernels:
-        rule = FAULTY.get(name)
-        passes = rule(d_k, d_v) if rule is not None else frozenset()
+        passes = frozenset()
+        for table in (FAULTY, VALUE_FAULTY):
+            rule = table.get(name)
+            passes |= rule(d_k, d_v) if rule is not None else frozenset()
         if passes:
-            out[name] = {"passes": sorted(passes), "padded_to": padded_width(name, d_k, d_v)}
+            width_k, width_v = padded_widths(name, d_k, d_v)
+            out[name] = {"passes": sorted(passes), "padded_to": width_k,
+                         **({"values_padded_to": width_v} if width_v is not None else {})}
     return out
 
 
@@ -153,7 +202,8 @@ def _needs_grad(args: tuple, kwargs: dict) -> bool:
 def guard(inner: Callable[..., Any], kernel: str, table: Table = FAULTY,
           device_types: tuple[str, ...] = ("cuda",)) -> Callable[..., Any]:
     """``inner`` with its calls on ``device_types`` tensors at a faulty shape of ``kernel`` made through
-    :func:`call_padded` (a shape faulty only in the backward only when the call will be differentiated); every other
+    :func:`call_padded` at :func:`padded_widths` (a shape faulty only in the backward only when the call will be
+    differentiated); every other
     call (and every call that :mod:`~statereduce.kernels.fla_fallback` routes to its torch kernels, which take any
     shape) goes to ``inner`` unchanged. fla's delta-rule kernels take q, k, v first (positional or keyword)."""
     from statereduce.kernels.fla_fallback import torch_device_types
@@ -164,9 +214,9 @@ def guard(inner: Callable[..., Any], kernel: str, table: Table = FAULTY,
         v = args[2] if len(args) > 2 else kwargs.get("v")
         if (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.device.type in device_types
                 and q.device.type not in torch_device_types()):
-            width = padded_width(kernel, q.shape[-1], v.shape[-1], _needs_grad(args, kwargs), table)
-            if width is not None:
-                return call_padded(inner, width, *args, **kwargs)
+            width, width_v = padded_widths(kernel, q.shape[-1], v.shape[-1], _needs_grad(args, kwargs), table)
+            if width is not None or width_v is not None:
+                return call_padded(inner, width, *args, value_width=width_v, **kwargs)
         return inner(*args, **kwargs)
 
     guarded._statereduce_guard = kernel  # type: ignore[attr-defined]
@@ -197,7 +247,9 @@ def record_note(kernels: tuple[str, ...], d_k: int, d_v: int) -> dict[str, Any]:
     if faulty:
         names = ", ".join(f"{k} ({' and '.join(f['passes'])})" for k, f in faulty.items())
         seen = "is wrong or faults" if swept else "lies in the region where it is wrong or faults"
-        note = (f"stock fla {seen} on CUDA at d_k={d_k} x d_v={d_v} in {names}; statereduce pads q and k with zero "
+        what = " and ".join(side for side, key in (("q and k", "padded_to"), ("v", "values_padded_to"))
+                            if any(f.get(key) for f in faulty.values()))
+        note = (f"stock fla {seen} on CUDA at d_k={d_k} x d_v={d_v} in {names}; statereduce pads {what} with zero "
                 f"channels to {PAD_TO} there (exact). Outside statereduce, keep such calls off that kernel (fla's "
                 f"layers use the recurrent kernel for inputs of at most 64 tokens) or pad as "
                 f"statereduce.kernels.shapes.call_padded does")
@@ -205,4 +257,6 @@ def record_note(kernels: tuple[str, ...], d_k: int, d_v: int) -> dict[str, Any]:
         note = f"stock fla's kernels ({', '.join(kernels)}) were measured right at d_k={d_k} x d_v={d_v}"
     else:
         note = f"d_k={d_k} x d_v={d_v} is outside the measured sweep: stock fla's kernels are unchecked at it"
-    return {"measured_on": MEASURED_ON, "faulty": faulty, "swept": swept, "note": note}
+    values = any("values_padded_to" in f for f in faulty.values())
+    return {"measured_on": MEASURED_ON, **({"values_measured_on": VALUES_MEASURED_ON} if values else {}),
+            "faulty": faulty, "swept": swept, "note": note}
