@@ -36,10 +36,7 @@ def joint_widths(d_k: int, d_v: int, pct: float,
     Raises:
         ValueError: one line, for a pct outside (0, 100) or when no pair passes ``check``.
     """
-    if not 0 < pct < 100:
-        raise ValueError(f"pct={pct!r} is invalid for a joint cut; valid: a percent of the state in (0, 100)")
-    full = d_k * d_v
-    target = (1 - pct / 100) * full
+    full, target = _state_target(d_k, d_v, pct)
     candidates = set()
     for k in range(1, d_k + 1):
         for v in (int(target // k), int(target // k) + 1):
@@ -47,14 +44,31 @@ def joint_widths(d_k: int, d_v: int, pct: float,
                 err = abs(k * v - target) / full
                 candidates.add((err > STATE_TOLERANCE, 0.0 if err > STATE_TOLERANCE else abs(k / d_k - v / d_v),
                                 err, -k, k, v))
-    for *_, k, v in sorted(candidates):
+    for k, v in _passing([c[-2:] for c in sorted(candidates)], check):
+        return k, v
+    raise _no_pair(d_k, d_v, pct)
+
+
+def _state_target(d_k: int, d_v: int, pct: float) -> tuple[int, float]:
+    """(the full state d_k d_v, the state a joint cut at ``pct`` keeps); a one-line ValueError for a bad pct."""
+    if not 0 < pct < 100:
+        raise ValueError(f"pct={pct!r} is invalid for a joint cut; valid: a percent of the state in (0, 100)")
+    return d_k * d_v, (1 - pct / 100) * d_k * d_v
+
+
+def _passing(pairs, check: Callable[[int, int], None] | None):
+    """The pairs (d_k', d_v'), in order, that ``check`` does not refuse."""
+    for k, v in pairs:
         try:
             if check is not None:
                 check(k, v)
         except ValueError:
             continue
-        return k, v
-    raise ValueError(f"no key and value widths of d_k={d_k}, d_v={d_v} remove {pct}% of the state")
+        yield k, v
+
+
+def _no_pair(d_k: int, d_v: int, pct: float) -> ValueError:
+    return ValueError(f"no key and value widths of d_k={d_k}, d_v={d_v} remove {pct}% of the state")
 
 
 def cut_widths(cut: str, d_k: int, d_v: int, pct: float,
@@ -80,10 +94,7 @@ def split_candidates(d_k: int, d_v: int, pct: float, key_widths: list[int],
     Raises:
         ValueError: one line, for a pct outside (0, 100) or when no pair passes ``check``.
     """
-    if not 0 < pct < 100:
-        raise ValueError(f"pct={pct!r} is invalid for a joint cut; valid: a percent of the state in (0, 100)")
-    full = d_k * d_v
-    target = (1 - pct / 100) * full
+    full, target = _state_target(d_k, d_v, pct)
     pairs = {(d_k, n_keep_for(d_v, pct)), (n_keep_for(d_k, pct), d_v)}
     try:
         pairs.add(joint_widths(d_k, d_v, pct, check))
@@ -93,16 +104,9 @@ def split_candidates(d_k: int, d_v: int, pct: float, key_widths: list[int],
         v = min(max(round(target / k), 1), d_v)
         if abs(k * v - target) / full <= STATE_TOLERANCE:
             pairs.add((k, v))
-    out = []
-    for k, v in sorted(pairs):
-        try:
-            if check is not None:
-                check(k, v)
-        except ValueError:
-            continue
-        out.append((k, v))
+    out = list(_passing(sorted(pairs), check))
     if not out:
-        raise ValueError(f"no key and value widths of d_k={d_k}, d_v={d_v} remove {pct}% of the state")
+        raise _no_pair(d_k, d_v, pct)
     return out
 
 
