@@ -27,6 +27,7 @@ Usage::
 
     python scripts/sweep_fla_shapes.py OUT.json [--gpus 2] [--jobs 24] [--T 1024]
     python scripts/sweep_fla_shapes.py OUT.json --grid values [--families delta_net] [--kernels chunk]
+    python scripts/sweep_fla_shapes.py OUT.json --grid values --resume EARLIER.json   # only what EARLIER lacks
     python scripts/sweep_fla_shapes.py --case delta_net,chunk,16,64,0   # one case, prints its JSON line
     python scripts/sweep_fla_shapes.py --case delta_net,chunk,64,48,v64 # v padded to 64 channels (k64v64: both)
 
@@ -219,6 +220,21 @@ def _case_head(case: tuple) -> dict:
     return {"family": family, "kernel": kernel, "d_k": d_k, "d_v": d_v, **_pad_fields(padded, d_k)}
 
 
+def record_key(c: dict) -> tuple:
+    """The case tuple (family, kernel, d_k, d_v, padding spec) a record was run for (``0``/``1`` for the keys grid's
+    stock/padded cases, :func:`pad_spec` for the values grid's)."""
+    pad = pad_spec(c.get("pad_k"), c.get("pad_v")) if "pad_v" in c else str(int(bool(c["padded"])))
+    return c["family"], c["kernel"], c["d_k"], c["d_v"], pad
+
+
+def resumed(previous: dict, cases: list[tuple]) -> tuple[list[dict], list[tuple]]:
+    """(the records of ``previous`` to keep, the cases still to run): a case with a record that is not a ``crash``
+    (the process died or timed out, which says nothing of the kernel) is not run again."""
+    keep = [c for c in previous["cases"] if c["status"] != "crash"]
+    done = {record_key(c) for c in keep}
+    return keep, [c for c in cases if (*c[:4], str(int(c[4])) if isinstance(c[4], bool) else c[4]) not in done]
+
+
 def _spawn(case: tuple, gpu: int, T: int, tol: float, timeout: float, device: str = "cuda") -> dict:
     family, kernel, d_k, d_v, padded = case
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
@@ -366,6 +382,9 @@ def parser() -> argparse.ArgumentParser:
                         "at d_k' < 64; values grid (auto, the default): padded calls chosen from the stock results "
                         "(padded_followups); none: no padded case")
     p.add_argument("--timeout", type=float, default=400)
+    p.add_argument("--resume", type=Path, metavar="PREVIOUS.json",
+                   help="keep the records of an earlier run of the same grid and run only the cases it lacks or "
+                        "that crashed or timed out there")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a dry run on the torch kernels of statereduce.kernels.fla_fallback (no GPU; checks the "
                         "grid, the padded calls and the reference, not fla)")
@@ -399,10 +418,18 @@ def main() -> None:
         **meta,
         "cases": [],
     }
+    kept: list[dict] = []
+    if args.resume:
+        previous = json.loads(args.resume.read_text())
+        kept, cases = resumed(previous, cases)
+        doc["cases"] = list(kept)
+        doc["resumed_from"] = {"file": args.resume.name, "device": previous.get("device"), "kept": len(kept)}
+        print(f"{len(kept)} cases kept from {args.resume}, {len(cases)} to run", flush=True)
     t0 = time.perf_counter()
     results = _run(cases, doc, args, t0)
     if args.grid == "values" and args.padded != "none":
-        follow = padded_followups(results)
+        stock = [c for c in kept if not c["padded"]] + results
+        _, follow = resumed({"cases": kept}, padded_followups(stock))
         print(f"{len(follow)} padded cases chosen from the stock results", flush=True)
         _run(follow, doc, args, t0)
     doc["seconds"] = round(time.perf_counter() - t0, 1)

@@ -439,3 +439,18 @@ def test_transformers_families_record_no_fla_shapes(tmp_path):
     model = tiny_model("mamba2")
     record = prune_model(model, random_keep(model, 16), {"source": "random", "method": "rand", "pct": 50})
     assert record.fla_kernel_shapes == {}
+
+
+def test_a_resumed_sweep_runs_only_what_the_earlier_run_lacks():
+    """``--resume``: the records of the H100 values run that finished (not the crashed or timed-out ones) are kept;
+    every other case of the grid, and the padded follow-ups the kept stock records call for, remain to run."""
+    doc = json.loads(VALUES_WIDE.read_text())
+    _, stock = sweep_fla_shapes.values_grid_cases(sweep_fla_shapes.parser().parse_args(["out.json", "--grid", "values"]))
+    kept, todo = sweep_fla_shapes.resumed(doc, stock)
+    crashed = [c for c in doc["cases"] if c["status"] == "crash"]
+    assert len(doc["cases"]) == 70 and len(crashed) == 20 and len(kept) == 50
+    assert len(todo) == len(stock) - len(kept) == 142
+    assert {sweep_fla_shapes.record_key(c) for c in crashed} <= set(todo)
+    assert not {sweep_fla_shapes.record_key(c) for c in kept} & set(todo)
+    follow = sweep_fla_shapes.padded_followups([c for c in kept if not c["padded"]])
+    assert sweep_fla_shapes.resumed({"cases": kept}, follow)[1] == follow  # none of them ran yet
