@@ -278,8 +278,7 @@ def select_cut(
             captured (no ``W_v``/``V``/``grad_v``).
     """
     from statereduce.core.artifacts import ArtifactError, remedy
-    from statereduce.core.cuts import cut_widths
-    from statereduce.families import family_spec
+    from statereduce.core.cuts import cut_widths, split_check
     from statereduce.selectors.registry import head_rng, value_side
 
     spec = parse_method(method)
@@ -290,12 +289,7 @@ def select_cut(
         raise ArtifactError(f"{weights} has no value weights (written before value channels were exported); "
                             f"{remedy(Path(weights))}")
     d_k, d_v, family = int(wattrs["head_k_dim"]), int(wattrs["head_v_dim"]), wattrs.get("family")
-    fspec = family_spec(family) if family else None
-
-    def check(k: int, v: int) -> None:
-        if fspec is not None:
-            fspec.check_reduction(d_k, v, k)
-            fspec.check_value_reduction(d_v, v)
+    check = split_check(family, d_k, d_v)
 
     if widths is not None or spec.budget is not None:
         if spec.cut != "joint":
@@ -317,7 +311,8 @@ def select_cut(
             method = format_method(spec)
     else:
         d_k_new, d_v_new = cut_widths(spec.cut, d_k, d_v, pct, check)
-    check(d_k_new, d_v_new)
+    if check is not None:
+        check(d_k_new, d_v_new)
     needs = cut_needs(method)
     calib_expect = {**(expect or {}), "calibration": spec.calib, "num_heads": wattrs["num_heads"], "head_k_dim": d_k}
     acts = H5Artifact(activations) if activations is not None and needs & {"activations", "xnorm"} else None
