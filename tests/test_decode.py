@@ -248,6 +248,9 @@ def test_bad_inputs_fail_with_one_line():
     x = _inputs(2, 2, 2, 8, 8, gated=False, seed=0)
     with pytest.raises(ValueError, match=r"state must be a contiguous float32 tensor of shape \(2, 2, 8, 8\)"):
         recurrent.recurrent_step(x["q"], x["k"], x["v"], x["beta"], x["state"].double())
+    strided = torch.zeros(2, 2, 8, 16)[..., :8]  # a state sliced out of a wider one (right shape, not contiguous)
+    with pytest.raises(ValueError, match=r"got \(2, 2, 8, 8\) torch.float32, strided \(256, 128, 16, 1\)"):
+        recurrent.recurrent_step(x["q"], x["k"], x["v"], x["beta"], strided)
     with pytest.raises(ValueError, match="one token"):
         recurrent.recurrent_step(x["q"].repeat(1, 2, 1, 1), x["k"], x["v"], x["beta"], x["state"])
     with pytest.raises(ValueError, match="both block_v and num_warps"):

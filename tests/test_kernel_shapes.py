@@ -277,7 +277,7 @@ def test_padded_call_equals_unpadded_and_reference(name, d_k):
         x = _inputs(family, d_k, 32)
         call = (lambda *a, **k: shapes.call_padded(fn, shapes.PAD_TO, *a, **k)) if padded else fn
         o, s = call(**x, **kw)
-        assert s.shape == x["initial_state"].shape
+        assert s.shape == x["initial_state"].shape and s.is_contiguous()
         ((o * o.detach().sin()).sum() + (s * s.detach().cos()).sum()).backward()
         runs.append((o.detach(), s.detach(), {n: t.grad for n, t in x.items()}))
     (o0, s0, g0), (o1, s1, g1) = runs
@@ -320,6 +320,8 @@ def test_value_padded_call_equals_unpadded_and_reference(name, d_k, d_v, width, 
         else:
             o, s = fn(**x, **kw)
         assert o.shape == x["v"].shape and s.shape == x["initial_state"].shape
+        # contiguous as fla's kernels return them: the in-place decode steps refuse a strided cached state
+        assert s.is_contiguous() and (o.is_contiguous() or not padded)
         ((o * o.detach().sin()).sum() + (s * s.detach().cos()).sum()).backward()
         runs.append((o.detach(), s.detach(), {n: t.grad for n, t in x.items()}))
     (o0, s0, g0), (o1, s1, g1) = runs
@@ -342,6 +344,7 @@ def test_value_padded_call_with_value_first_state_and_channel_beta():
     for width in (None, 64):
         got = shapes.call_padded(fn, width, **x, value_width=64, output_final_state=True, state_v_first=True)
         assert got[0].shape == ref[0].shape and got[1].shape == x["initial_state"].shape
+        assert got[0].is_contiguous() and got[1].is_contiguous()
         torch.testing.assert_close(got[0], ref[0])
         torch.testing.assert_close(got[1], ref[1])
 
@@ -358,7 +361,7 @@ def test_padded_call_with_key_gate_and_value_first_state(state_v_first):
         x["initial_state"] = x["initial_state"].detach().transpose(-1, -2).contiguous().requires_grad_()
     ref = fn(**x, output_final_state=True, state_v_first=state_v_first)
     got = shapes.call_padded(fn, 64, **x, output_final_state=True, state_v_first=state_v_first)
-    assert got[1].shape == x["initial_state"].shape
+    assert got[1].shape == x["initial_state"].shape and got[1].is_contiguous()
     torch.testing.assert_close(got[0], ref[0])
     torch.testing.assert_close(got[1], ref[1])
 

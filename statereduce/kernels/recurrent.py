@@ -204,7 +204,7 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
     want = (n, hv, vd, kd) if state_v_first else (n, hv, kd, vd)
     if tuple(state.shape) != want or state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"state must be a contiguous float32 tensor of shape {want}; got {tuple(state.shape)} "
-                         f"{state.dtype}")
+                         f"{state.dtype}{'' if state.is_contiguous() else ', strided ' + str(state.stride())}")
     if beta.numel() != n * hv:
         raise ValueError(f"beta must hold one value per (sequence, head) = {n * hv}; got shape {tuple(beta.shape)}")
     import triton

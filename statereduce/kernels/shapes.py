@@ -149,8 +149,8 @@ def call_padded(fn: Callable[..., Any], width: int | None, *args: Any, value_wid
                 **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` (a delta-rule kernel with fla's signature) with q and k zero-padded to ``width`` key
     channels and, with ``value_width``, v zero-padded to ``value_width`` value channels; returns ``(o, final_state)``
-    with the output and the final state sliced back to the call's widths (a width at or below the call's own pads
-    nothing; ``width=None`` pads no key channel).
+    with the output and the final state sliced back to the call's widths, as contiguous tensors (a width at or below
+    the call's own pads nothing; ``width=None`` pads no key channel).
 
     Both paddings are exact. Keys: a zero key channel adds nothing to ``S k`` or to ``S``'s other columns, a zero
     query channel nothing to ``S q``, and zeros leave the L2 norms of q and k unchanged (the unpadded scale is
@@ -186,10 +186,11 @@ def call_padded(fn: Callable[..., Any], width: int | None, *args: Any, value_wid
     if h0 is not None:
         a["initial_state"] = h0
     o, state = fn(**a, **extra)
+    # contiguous, as the kernels return them: the decode kernels update a cached state in place and take it only so
     if pad_v > 0:
-        o = o[..., :d_v]
+        o = o[..., :d_v].contiguous()
     if state is not None:
-        state = state[..., :d_v, :d_k] if v_first else state[..., :d_k, :d_v]
+        state = (state[..., :d_v, :d_k] if v_first else state[..., :d_k, :d_v]).contiguous()
     return o, state
 
 
