@@ -6,6 +6,7 @@ checks the profile's keys and resources against the plugin; nothing is submitted
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,16 @@ def test_every_slurm_install_line_names_the_constraints():
     assert found
 
 
+def _rules_declaring_a_gpu() -> set[str]:
+    """The rules of rules/*.smk whose ``resources`` name ``gpu``."""
+    found = set()
+    for path in sorted((ROOT / "rules").glob("*.smk")):
+        for m in re.finditer(r"^rule (\w+):\n(.*?)(?=^rule |\Z)", path.read_text(), re.S | re.M):
+            if re.search(r"^\s+gpu=", m.group(2), re.M):
+                found.add(m.group(1))
+    return found
+
+
 def test_profile_names_only_existing_rules_and_no_flags_the_plugin_refuses(tmp_path):
     profile = yaml.safe_load((PROFILE / "config.yaml").read_text())
     assert "software-deployment-method" not in profile and profile["executor"] == "slurm"
@@ -85,11 +96,12 @@ def test_profile_names_only_existing_rules_and_no_flags_the_plugin_refuses(tmp_p
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     rules = set(out.stdout.split())
     assert set(profile["set-resources"]) <= rules, set(profile["set-resources"]) - rules
-    # the GPU-heavy rules (those that declare a gpu resource) all go to the GPU partition
-    gpu_rules = {"calibrate", "grad_scores", "eval_baseline", "prune", "rft", "rank", "rank_baseline", "speed",
-                 "speed_baseline"}
-    assert gpu_rules <= rules
-    assert all(profile["set-resources"][r]["slurm_partition"] == "gpu" for r in gpu_rules)
+    # the rules that declare a gpu resource (read from rules/*.smk) go to the GPU partition, and only they
+    gpu_rules = _rules_declaring_a_gpu()
+    assert {"calibrate", "grad_scores", "prune", "rft", "split", "speed"} <= gpu_rules <= rules
+    partitions = {r: res.get("slurm_partition") for r, res in profile["set-resources"].items()}
+    assert {r for r in gpu_rules if partitions.get(r) != "gpu"} == set()
+    assert {r for r, p in partitions.items() if p == "gpu"} - gpu_rules == set()
     for resources in [profile["default-resources"], *profile["set-resources"].values()]:
         extra = str(resources.get("slurm_extra", ""))
         assert not any(flag in extra for flag in ("--gres", "--gpus", "--mem", "-p ")), extra
