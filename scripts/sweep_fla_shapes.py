@@ -27,7 +27,7 @@ Usage::
 
     python scripts/sweep_fla_shapes.py OUT.json [--gpus 2] [--jobs 24] [--T 1024]
     python scripts/sweep_fla_shapes.py OUT.json --grid values [--families delta_net] [--kernels chunk]
-    python scripts/sweep_fla_shapes.py OUT.json --grid values --resume EARLIER.json   # only what EARLIER lacks
+    python scripts/sweep_fla_shapes.py OUT.json --grid values --resume EARLIER.json [MORE.json]  # what they lack
     python scripts/sweep_fla_shapes.py --case delta_net,chunk,16,64,0   # one case, prints its JSON line
     python scripts/sweep_fla_shapes.py --case delta_net,chunk,64,48,v64 # v padded to 64 channels (k64v64: both)
 
@@ -227,6 +227,18 @@ def record_key(c: dict) -> tuple:
     return c["family"], c["kernel"], c["d_k"], c["d_v"], pad
 
 
+def merged_runs(docs: list[dict]) -> dict:
+    """The records of several earlier runs as one ``{"cases": [...]}``: for a case recorded more than once, the first
+    record that is not a ``crash`` (else its first record)."""
+    chosen: dict[tuple, dict] = {}
+    for doc in docs:
+        for c in doc["cases"]:
+            key = record_key(c)
+            if key not in chosen or (chosen[key]["status"] == "crash" and c["status"] != "crash"):
+                chosen[key] = c
+    return {"cases": list(chosen.values())}
+
+
 def resumed(previous: dict, cases: list[tuple]) -> tuple[list[dict], list[tuple]]:
     """(the records of ``previous`` to keep, the cases still to run): a case with a record that is not a ``crash``
     (the process died or timed out, which says nothing of the kernel) is not run again."""
@@ -382,9 +394,10 @@ def parser() -> argparse.ArgumentParser:
                         "at d_k' < 64; values grid (auto, the default): padded calls chosen from the stock results "
                         "(padded_followups); none: no padded case")
     p.add_argument("--timeout", type=float, default=400)
-    p.add_argument("--resume", type=Path, metavar="PREVIOUS.json",
-                   help="keep the records of an earlier run of the same grid and run only the cases it lacks or "
-                        "that crashed or timed out there")
+    p.add_argument("--resume", type=Path, nargs="+", metavar="PREVIOUS.json",
+                   help="keep the records of earlier runs of the same grid (one or more documents, e.g. a run "
+                        "limited by --families or --key-widths) and run only the cases they lack or that crashed or "
+                        "timed out there")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a dry run on the torch kernels of statereduce.kernels.fla_fallback (no GPU; checks the "
                         "grid, the padded calls and the reference, not fla)")
@@ -420,11 +433,12 @@ def main() -> None:
     }
     kept: list[dict] = []
     if args.resume:
-        previous = json.loads(args.resume.read_text())
-        kept, cases = resumed(previous, cases)
+        earlier = [json.loads(path.read_text()) for path in args.resume]
+        kept, cases = resumed(merged_runs(earlier), cases)
         doc["cases"] = list(kept)
-        doc["resumed_from"] = {"file": args.resume.name, "device": previous.get("device"), "kept": len(kept)}
-        print(f"{len(kept)} cases kept from {args.resume}, {len(cases)} to run", flush=True)
+        doc["resumed_from"] = [{"file": path.name, "device": d.get("device"), "cases": len(d["cases"])}
+                               for path, d in zip(args.resume, earlier)]
+        print(f"{len(kept)} cases kept from {', '.join(map(str, args.resume))}, {len(cases)} to run", flush=True)
     t0 = time.perf_counter()
     results = _run(cases, doc, args, t0)
     if args.grid == "values" and args.padded != "none":

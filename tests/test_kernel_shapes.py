@@ -457,3 +457,24 @@ def test_a_resumed_sweep_runs_only_what_the_earlier_run_lacks():
     assert not {sweep_fla_shapes.record_key(c) for c in kept} & set(todo)
     follow = sweep_fla_shapes.padded_followups([c for c in kept if not c["padded"]])
     assert sweep_fla_shapes.resumed({"cases": kept}, follow)[1] == follow  # none of them ran yet
+
+
+def test_a_sweep_resumed_from_several_runs_keeps_each_case_once():
+    """``--resume A B``: the wide H100 run and the small-shape DeltaNet chunk run together leave only the stock cases
+    neither has; a case crashed in one run and finished in another keeps the finished record."""
+    wide, small = json.loads(VALUES_WIDE.read_text()), json.loads(VALUES_SMALL.read_text())
+    _, stock = sweep_fla_shapes.values_grid_cases(sweep_fla_shapes.parser().parse_args(["out.json", "--grid", "values"]))
+    merged = sweep_fla_shapes.merged_runs([wide, small])
+    keys = [sweep_fla_shapes.record_key(c) for c in merged["cases"]]
+    assert len(keys) == len(set(keys)) == len({sweep_fla_shapes.record_key(c) for c in wide["cases"] + small["cases"]})
+    kept, todo = sweep_fla_shapes.resumed(merged, stock)
+    small_keys = {sweep_fla_shapes.record_key(c) for c in small["cases"]}
+    assert not small_keys & set(todo) and len(todo) == 119
+    assert ("delta_net", "chunk", 16, 8, "0") in small_keys and ("delta_net", "chunk", 128, 32, "0") in todo
+    crashed = next(c for c in wide["cases"] if c["status"] == "crash")
+    redone = {**crashed, "status": "ok", "max_rel_error": 1e-3}
+    merged = sweep_fla_shapes.merged_runs([wide, {"cases": [redone]}])
+    assert next(c for c in merged["cases"] if sweep_fla_shapes.record_key(c) == sweep_fla_shapes.record_key(crashed)) \
+        is redone
+    args = sweep_fla_shapes.parser().parse_args(["out.json", "--resume", str(VALUES_WIDE), str(VALUES_SMALL)])
+    assert args.resume == [VALUES_WIDE, VALUES_SMALL]
