@@ -37,7 +37,7 @@ from torch import nn
 
 from statereduce.adapters.base import LazyImport, TransformersAdapter, decoder_layers, register_adapter
 from statereduce.adapters.layout import (
-    ChannelRows, EpsAttribute, ExactNorms, MixerLayout, ScaledRows, ValueChannels, head_major_rows,
+    ChannelRows, EpsAttribute, ExactNorms, MixerLayout, ScaledRows, ValueChannels, head_major_rows, module_names,
 )
 from statereduce.families.mamba2 import Mamba2Family
 
@@ -98,6 +98,14 @@ class Mamba2Layout(MixerLayout):
                 ValueChannels("conv1d", mixer.conv1d, rows, "out"),
                 ValueChannels("norm", mixer.norm, rows, "norm"),
                 ValueChannels("out_proj", mixer.out_proj, rows, "in")]
+
+    def output_norm_eps(self) -> list[EpsAttribute]:
+        """``variance_epsilon`` of the gated ``norm`` and the mixer's copy (``layer_norm_epsilon``): set per layer when
+        the layers keep different value widths (the norm averages over each layer's own d_v'); B/C pruning has no
+        kernel scale and leaves them."""
+        names = module_names(self.adapter.model)
+        return [EpsAttribute(names[id(self.mixer.norm)], self.mixer.norm, "variance_epsilon"),
+                EpsAttribute(names[id(self.mixer)], self.mixer, "layer_norm_epsilon")]
 
     def value_updates(self, d_v_new: int) -> dict[str, int]:
         mixer = self.mixer

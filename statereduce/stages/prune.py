@@ -65,8 +65,8 @@ from statereduce.core.models import save_checkpoint
 from statereduce.core.runtime import atomic_dir, versions
 from statereduce.common.settings import PruneSettings
 from statereduce.core.slicing import (  # noqa: F401  (the slicing verbs re-exported)
-    KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD, head_rows, kept_rows, mix_filters, set_mixer_dims, slice_mixer, slice_rows,
-    transform_rows,
+    KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD, VALUE_DIMS_FIELD, head_rows, kept_rows, mix_filters, output_norms,
+    set_mixer_dims, slice_mixer, slice_rows, slice_values, transform_rows,
 )
 
 RECORD_NAME = PRUNE_RECORD  # the record's file name in a pruned checkpoint folder
@@ -386,21 +386,47 @@ class ValuePlan:
     config_updates: dict[str, Any] | None
 
     @property
+    def widths(self) -> dict[int, int]:
+        """Each layer's d_v' (``d_v_new`` is the widest)."""
+        return {layer: int(idx.shape[1]) for layer, idx in self.keep.items()}
+
+    @property
+    def mixed(self) -> bool:
+        """The layers keep different value widths."""
+        return len(set(self.widths.values())) > 1
+
+    @property
     def shared(self) -> bool:
         """Every layer's heads keep the same channels."""
         return all(bool((idx == idx[:1]).all()) for idx in self.keep.values())
 
 
-def check_values(adapter: LinearAttentionAdapter, values: Mapping[int, Any], reduced_config=None) -> ValuePlan:
+def _value_widths(values: Mapping[int, Any]) -> set[int]:
+    """The d_v' of each layer's entry of a value selection (empty for an entry that is no tensor: check_values then
+    says what is wrong in one line)."""
+    widths = set()
+    for v in values.values():
+        try:
+            widths.add(int(torch.as_tensor(v).shape[-1]))
+        except (TypeError, ValueError, IndexError, RuntimeError):
+            return set()
+    return widths
+
+
+def check_values(adapter: LinearAttentionAdapter, values: Mapping[int, Any], reduced_config=None, *,
+                 mixed: bool = False) -> ValuePlan:
     """Validate a value selection against the model (:func:`prune_model`'s ``values``).
 
     Args:
         adapter: the model's adapter.
         values: {layer: [HV, d_v'] or [d_v'] kept value channels} covering exactly the linear-attention layers.
         reduced_config: the config after the key cut (the value fields are written on top of it); None: the model's.
+        mixed: the layers may keep different widths (:func:`prune_mixed`: the config keeps the unpruned sizes and
+            the plan's ``config_updates`` is None).
     Raises:
-        ValueError: one line naming the bad value: layers, shape, range, repeats, widths that differ, heads of a layer
-            that keep different channels where the output norm's weight is shared, a d_v' the config cannot hold.
+        ValueError: one line naming the bad value: layers, shape, range, repeats, widths that differ (unless
+            ``mixed``), heads of a layer that keep different channels where the output norm's weight is shared and
+            has a bias, a d_v' the config cannot hold.
     """
     config = adapter.config if reduced_config is None else reduced_config
     layouts = {layer: adapter.layout(mixer) for layer, mixer in adapter.mixer_layers()}
@@ -436,19 +462,18 @@ def check_values(adapter: LinearAttentionAdapter, values: Mapping[int, Any], red
             fold.add(layer)
         widths.add(int(idx.shape[1]))
         out[layer] = idx.contiguous()
-    if len(widths) != 1:
+    if len(widths) != 1 and not mixed:
         raise ValueError(f"layers keep {sorted(widths)} value channels per head; d_v' must be the same in every layer")
-    d_v_new = widths.pop()
-    updates = adapter.value_config_updates(config, d_v_new)  # raises for a d_v' outside [1, d_v]
-    return ValuePlan(out, d_v, d_v_new, frozenset(fold), updates)
+    updates = None
+    for width in sorted(widths):
+        updates = adapter.value_config_updates(config, width)  # raises for a d_v' outside [1, d_v]
+    return ValuePlan(out, d_v, max(widths), frozenset(fold), None if mixed else updates)
 
 
 def apply_values(adapter: LinearAttentionAdapter, plan: ValuePlan, changes: dict[str, list[Any]]) -> dict[str, Any]:
     """Slice ``plan``'s value channels out of every mixer, multiply each output norm's weight by sqrt(d_v/d_v'), and
     write d_v' into the config (its fields, else :data:`VALUE_DIMS_FIELD`; both recorded in ``changes``).
     Returns the record's ``values`` entry (without ``norm_eps``)."""
-    from statereduce.core.slicing import VALUE_DIMS_FIELD, output_norms, slice_values
-
     config = adapter.config
     scale = math.sqrt(plan.d_v / plan.d_v_new)
     for layer, mixer in adapter.mixer_layers():
@@ -543,8 +568,9 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any] | None, meta: Mapping[
             it exact), as the paper's checkpoints. A no-op for Mamba-2 (no kernel scale) and when every channel is
             kept.
         values: value channels to keep as well ("Value channels" below): {layer: [HV, d_v'] kept value channels per
-            value head, or [d_v'] for all heads of the layer}, the same d_v' in every linear-attention layer; None
-            keeps them all.
+            value head, or [d_v'] for all heads of the layer}; None keeps them all. Layers that keep different
+            value widths (or different key widths) make a checkpoint that :func:`statereduce.core.models.load_model`
+            loads (:func:`prune_mixed`).
     Returns:
         the :class:`PruneRecord`.
     Raises:
@@ -584,11 +610,11 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any] | None, meta: Mapping[
         keep_t = {layer: torch.arange(d_k_new).expand(adapter.num_heads, -1) for layer in transforms}
     else:
         keep_t, d_k_new = check_keep(adapter, keep, mixed=True)
+        if values is not None and not isinstance(d_k_new, dict):
+            if len(_value_widths(values)) > 1:  # the layers keep different value widths: one key width for every layer
+                d_k_new = {layer: d_k_new for layer in keep_t}
         if isinstance(d_k_new, dict):
-            if values is not None:
-                raise ValueError("value channels cannot be pruned together with per-layer key widths; keep one d_k' "
-                                 "in every layer or keep every value channel")
-            return prune_mixed(adapter, keep_t, d_k_new, meta, norm_eps)
+            return prune_mixed(adapter, keep_t, d_k_new, meta, norm_eps, values=values)
     config = adapter.config  # the text config of a multimodal checkpoint
     h, hv, d_k, d_v = adapter.dims(config)
     config_updates = adapter.config_updates(config, d_k_new)  # raises before any weight changes
@@ -677,36 +703,75 @@ def record_meta(adapter: LinearAttentionAdapter, meta: Mapping[str, Any],
 
 
 def prune_mixed(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Tensor], widths: Mapping[int, int],
-                meta: Mapping[str, Any], norm_eps: str) -> PruneRecord:
-    """:func:`prune_model` for a selection whose layers keep different widths (per-layer key budgets).
+                meta: Mapping[str, Any], norm_eps: str, values: Mapping[int, Any] | None = None) -> PruneRecord:
+    """:func:`prune_model` for a selection whose layers keep different widths: per-layer key budgets, or value
+    channels (``values``, as :func:`prune_model`'s) whose width differs between layers.
 
     The config keeps the unpruned head sizes and gains :data:`~statereduce.core.slicing.KEY_DIMS_FIELD` (each decoder
-    layer's d_k', None for other layers), which :func:`statereduce.core.models.load_model` reads to shape each mixer
-    before loading the weights. With ``norm_eps="exact"`` each mixer's own output norm gets eps times
-    d_k/d_k'(layer) (:data:`~statereduce.core.slicing.OUTPUT_NORM_EPS_FIELD`): the checkpoint equals zero-masking to
-    float precision without touching the residual stream, so tied embeddings are no obstacle. The record's
-    ``d_k_new`` is the widest layer's; ``keep`` holds every layer's channels and ``kernel_scale["per_layer"]`` each
-    layer's scale."""
+    layer's d_k', None for other layers) and, with values, :data:`~statereduce.core.slicing.VALUE_DIMS_FIELD` (each
+    layer's d_v'), which :func:`statereduce.core.models.load_model` reads to shape each mixer before loading the
+    weights. Each output norm's weight is multiplied by sqrt(d_v/d_v'(layer)), after folding a weight the heads share
+    where they keep different value channels (:func:`fold_output_norm`). With ``norm_eps="exact"`` each mixer's own
+    output norm gets eps times d_k/d_k'(layer) (with a kernel scale) times d_v/d_v'(layer)
+    (:data:`~statereduce.core.slicing.OUTPUT_NORM_EPS_FIELD`): the checkpoint equals zero-masking to float precision
+    without touching the residual stream, so tied embeddings are no obstacle. The record's ``d_k_new`` is the widest
+    layer's; ``keep`` holds every layer's channels, ``kernel_scale["per_layer"]`` each layer's scale and ``values``
+    each layer's d_v' (``widths``) and weight scale."""
     config = adapter.config
     h, hv, d_k, d_v = adapter.dims(config)
     for width in sorted(set(widths.values())):
         adapter.config_updates(config, width)  # raises before any weight changes for a width the family cannot hold
+    value_plan = check_values(adapter, values, mixed=True) if values is not None else None
     facts = {"family": adapter.family, "d_k": d_k, "num_heads": h, "num_v_heads": hv, "head_v_dim": d_v}
     meta, extra, source, base = record_meta(adapter, meta, facts)
     n_layers = 1 + max(i for i, _ in adapter.mixer_layers())
     n_layers = max(n_layers, getattr(config, "num_hidden_layers", n_layers))
     key_dims = [widths.get(i) for i in range(n_layers)]
+    value_widths = value_plan.widths if value_plan is not None else {}
+    value_dims = [value_widths.get(i) for i in range(n_layers)]
     eps_field = adapter.norm_eps_field
     eps = getattr(config, eps_field) if eps_field else None
-    exact = norm_eps == "exact" and adapter.kernel_scale and eps is not None
-    output_eps = [None if w is None or not exact or w == d_k else eps * d_k / w for w in key_dims]
+    exact = norm_eps == "exact" and eps is not None and (adapter.kernel_scale or value_plan is not None)
+
+    def eps_factor(layer: int) -> float:
+        keys = d_k / key_dims[layer] if adapter.kernel_scale else 1.0
+        return keys * (d_v / value_dims[layer] if value_dims[layer] is not None else 1.0)
+
+    output_eps = [None if w is None or not exact or eps_factor(i) == 1 else eps * eps_factor(i)
+                  for i, w in enumerate(key_dims)]
     for layer, mixer in adapter.mixer_layers():
         slice_mixer(adapter, mixer, keep[layer], adapter.mixer_updates(config, widths[layer]))
+        if value_plan is not None:
+            if layer in value_plan.fold:
+                fold_output_norm(adapter, mixer)
+            slice_values(adapter, mixer, value_plan.keep[layer])
+            weight_scale = math.sqrt(d_v / value_dims[layer])
+            if weight_scale != 1:
+                with torch.no_grad():
+                    for norm in output_norms(adapter, mixer):
+                        norm.weight.mul_(weight_scale)
         if output_eps[layer] is not None:
             for attr in adapter.layout(mixer).output_norm_eps():
                 setattr(attr.module, attr.attr, output_eps[layer])
     setattr(config, KEY_DIMS_FIELD, key_dims)
     changes = {KEY_DIMS_FIELD: [None, key_dims]}
+    value_entry = {}
+    if value_plan is not None:
+        setattr(config, VALUE_DIMS_FIELD, value_dims)
+        changes[VALUE_DIMS_FIELD] = [None, value_dims]
+        value_entry = {
+            "d_v": d_v,
+            "d_v_new": value_plan.d_v_new,
+            "widths": {str(layer): w for layer, w in sorted(value_widths.items())},
+            "selection": "layer" if value_plan.shared else "head",
+            "keep": {str(layer): (idx[0].tolist() if value_plan.shared else idx.tolist())
+                     for layer, idx in sorted(value_plan.keep.items())},
+            "output_norm_weight_scale": {str(layer): math.sqrt(d_v / w) for layer, w in sorted(value_widths.items())},
+            "output_norm_folded": sorted(value_plan.fold),
+            "stock_loadable": False,
+            "norm_eps": {"choice": norm_eps, "note": "each mixer's output-norm eps times d_v/d_v'(layer)"
+                         if exact else "the output norms keep the config's eps: equal to zero-masking up to it"},
+        }
     if any(e is not None for e in output_eps):
         setattr(config, OUTPUT_NORM_EPS_FIELD, output_eps)
         changes[OUTPUT_NORM_EPS_FIELD] = [None, output_eps]
@@ -730,12 +795,23 @@ def prune_mixed(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Tensor
         keep={layer: idx.tolist() for layer, idx in keep.items()},
         config_changes=changes,
         kernel_scale=scale,
-        fla_kernel_shapes={str(w): record_note(tuple(adapter.padded_kernels), w, d_v)
-                           for w in sorted(set(widths.values()))},
+        fla_kernel_shapes=mixed_shape_notes(adapter, widths, value_widths, d_v),
         versions=versions(),
         extra=extra,
         base_checkpoint=base,
+        values=value_entry,
     )
+
+
+def mixed_shape_notes(adapter: LinearAttentionAdapter, widths: Mapping[int, int], value_widths: Mapping[int, int],
+                      d_v: int) -> dict[str, Any]:
+    """The record's ``fla_kernel_shapes`` of a checkpoint whose layers keep different widths: per key width d_k'
+    (keys only), or per head shape ``"<d_k'>x<d_v'>"`` (with value widths)."""
+    kernels = tuple(adapter.padded_kernels)
+    if not value_widths:
+        return {str(w): record_note(kernels, w, d_v) for w in sorted(set(widths.values()))}
+    shapes = sorted({(widths[layer], value_widths[layer]) for layer in widths})
+    return {f"{k}x{v}": record_note(kernels, k, v) for k, v in shapes}
 
 
 def save_pruned(model: nn.Module, tokenizer, record: PruneRecord, out_dir: str | os.PathLike) -> Path:
