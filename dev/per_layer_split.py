@@ -1,11 +1,12 @@
 """Would a joint split chosen per layer beat the key-only cut? An experiment on finished runs' models.
 
-Rule ``split`` gives every layer the same d_k' x d_v', the candidate of lowest calibration loss. Here each layer may
-take a different candidate of the same state share, so the total state stays the pct's. For each model, selector and
-pct, starting from the key-only cut in every layer, each layer in turn is given each candidate (the others key-only)
-and its calibration loss measured (dropped channels zeroed: the loss of the exact checkpoint); every layer then takes
-its candidate of lowest loss, and the combination is measured on the calibration blocks and on held-out blocks
-beside the key-only cut and the uniform split of the split artifact.
+Rule ``split`` gives every layer the same d_k' x d_v', the candidate of lowest calibration loss; with the budget's
+``per_layer: true`` each layer may take a different candidate of the same state share, so the total state stays the
+pct's (:func:`statereduce.stages.select.split_per_layer`: each layer in turn takes each candidate with the other
+layers whole, and keeps its candidate of lowest calibration loss; the combination is kept where it beats the best
+uniform split). For each model, selector and pct this measures that combination beside the key-only cut and the
+uniform split, on the calibration blocks and on held-out blocks (dropped channels zeroed: the loss of the exact
+checkpoint), before RFT.
 
     python dev/per_layer_split.py RESULTS_DIR OUT_PREFIX [--models tiny-dn ...] [--selectors grad drrqr] [--pcts 75]
 
@@ -41,7 +42,7 @@ def main(argv=None) -> None:
     from statereduce.core.data import load_split, token_blocks
     from statereduce.core.models import load_model
     from statereduce.core.slicing import cut_tensors, masked_cut
-    from statereduce.stages.select import select_cut
+    from statereduce.stages.select import select_cut, split_per_layer
 
     torch.set_num_threads(2)
     rows = []
@@ -77,23 +78,27 @@ def main(argv=None) -> None:
 
                 base_choice = {l: key_only for l in layers}
                 recorded = {(c["d_k_new"], c["d_v_new"]): c["loss"] for c in split["candidates"]}
-                for c in (key_only, (split["d_k_new"], split["d_v_new"])):  # the split rule's own losses, reproduced
+                uniform_pair = (split["d_k_new"], split["d_v_new"])
+                for c in (key_only, uniform_pair):  # the split rule's own losses, reproduced
                     got = loss({l: c for l in layers}, calib)
                     if abs(got - recorded[c]) > 1e-6 * recorded[c]:
                         raise SystemExit(f"{name} {sel} {pct}: {c} loss {got} is not the split artifact's {recorded[c]}")
-                per_layer = {}
-                for l in layers:
-                    per_layer[l] = {f"{k}x{v}": loss({**base_choice, l: (k, v)}, calib) for k, v in cands}
-                chosen = {l: tuple(int(x) for x in min(per_layer[l], key=per_layer[l].get).split("x")) for l in layers}
-                uniform = {l: (split["d_k_new"], split["d_v_new"]) for l in layers}
+                # the workflow's choice (budget per_layer: true): each layer's lowest candidate with the others whole
+                per = split_per_layer(model, calib, batch, cuts, uniform_pair, recorded[uniform_pair], split["d_k"],
+                                      split["d_v"], progress=False)
+                chosen = {int(l): tuple(w) for l, w in per["widths"].items()}
+                combination = {l: tuple(map(int, min(per["layer_losses"][str(l)],
+                                                     key=per["layer_losses"][str(l)].get).split("x"))) for l in layers}
+                uniform = {l: uniform_pair for l in layers}
                 result = {"model": name, "selector": sel, "pct": pct, "d_k": split["d_k"], "d_v": split["d_v"],
                           "candidates": [f"{k}x{v}" for k, v in cands], "key_only": f"{key_only[0]}x{key_only[1]}",
-                          "uniform_split": f"{split['d_k_new']}x{split['d_v_new']}",
-                          "per_layer_choice": {l: f"{k}x{v}" for l, (k, v) in chosen.items()},
-                          "state_fraction": sum(k * v for k, v in chosen.values()) / (len(layers) * split["d_k"]
-                                                                                       * split["d_v"]),
-                          "layer_losses": per_layer}
-                for what, choice in (("key_only", base_choice), ("uniform_split", uniform), ("per_layer", chosen)):
+                          "uniform_split": f"{uniform_pair[0]}x{uniform_pair[1]}",
+                          "per_layer_choice": {l: f"{k}x{v}" for l, (k, v) in combination.items()},
+                          "chosen": {l: f"{k}x{v}" for l, (k, v) in chosen.items()},
+                          "state_fraction": sum(k * v for k, v in combination.values()) / (
+                              len(layers) * split["d_k"] * split["d_v"]),
+                          "layer_losses": per["layer_losses"]}
+                for what, choice in (("key_only", base_choice), ("uniform_split", uniform), ("per_layer", combination)):
                     result[f"{what}_calib_nats"] = loss(choice, calib)
                     result[f"{what}_heldout_bits"] = loss(choice, heldout) / math.log(2)
                 rows.append(result)
@@ -105,15 +110,17 @@ def main(argv=None) -> None:
            f"{torch.backends.cpu.get_cpu_capability()}", "torch": torch.__version__, "rows": rows}
     args.out_prefix.parent.mkdir(parents=True, exist_ok=True)
     args.out_prefix.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
-    lines = [f"Per-layer joint split against the key-only cut and the uniform split (`{doc['command']}`; "
+    lines = [f"Joint split per layer against the key-only cut and the uniform split (`{doc['command']}`; "
              f"{doc['cpu']}). Loss of the model with the dropped channels zeroed: calibration blocks (nats, the "
              "blocks the choice was made on) and held-out blocks (bits per token).", "",
-             "| model | selector | pct | key-only | uniform split | per-layer choice | state | calib: key-only / "
-             "uniform / per-layer | held-out: key-only / uniform / per-layer |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| model | selector | pct | key-only | uniform split | per-layer choice | state | the split keeps | "
+             "calib: key-only / uniform / per-layer | held-out: key-only / uniform / per-layer |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        kept = "per layer" if r["chosen"] == r["per_layer_choice"] and len(set(r["chosen"].values())) > 1 \
+            else "uniform"
         lines.append(f"| {r['model']} | {r['selector']} | {r['pct']:g} | {r['key_only']} | {r['uniform_split']} | "
-                     f"{', '.join(r['per_layer_choice'].values())} | {100 * r['state_fraction']:.1f} % | "
+                     f"{', '.join(r['per_layer_choice'].values())} | {100 * r['state_fraction']:.1f} % | {kept} | "
                      f"{r['key_only_calib_nats']:.4f} / {r['uniform_split_calib_nats']:.4f} / "
                      f"{r['per_layer_calib_nats']:.4f} | {r['key_only_heldout_bits']:.4f} / "
                      f"{r['uniform_split_heldout_bits']:.4f} / {r['per_layer_heldout_bits']:.4f} |")

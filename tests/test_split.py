@@ -212,3 +212,132 @@ def test_split_cells_plan_a_split_job_before_their_selection(tmp_path):
     assert {"prune", "rft", "summarize", "calibrate"} <= set(jobs)
     out = snakemake(tmp_path / "bad", "-n", "results/tiny-gdn/drrqr@split_75/eval.json")
     assert out.returncode != 0 and "budgets.split has policy 'split'" in out.stdout + out.stderr
+
+
+# ---- a split per layer (per_layer: true) ----------------------------------------------------------------------------
+def _write(a, name: str, doc: dict):
+    path = a["dir"] / f"{name}.split.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _per_layer_pruned_loss(a, method, pct, widths: dict):
+    """The calibration loss of the checkpoint pruned to the joint selection with a d_k' x d_v' per layer (norm_eps
+    exact), through the selection file: the reference of the per-layer losses."""
+    from statereduce.stages.select import select_cut
+
+    rows, meta = select_cut(a["weights"], method, pct, activations=a["activations"], grads=a["grads"],
+                            expect={"model": "t"}, widths=widths)
+    name = "_".join(f"{k}x{v}" for k, v in widths.values())
+    cut, got = read_selection(write_selection(a["dir"] / f"ref_layers_{name}.parquet", rows, meta),
+                              expect={"model": "t"})
+    model = copy.deepcopy(a["model"])
+    prune_model(model, cut, got, norm_eps="exact")
+    return calibration_loss(model, a["blocks"], a["blocks"].shape[0])
+
+
+def test_a_split_per_layer_takes_each_layers_lowest_candidate_and_its_losses_are_the_pruned_checkpoints(artifacts):
+    a = artifacts
+    doc = _split(a, "grad-kv@split", per_layer=True)
+    per = doc["per_layer"]
+    pairs = [(c["d_k_new"], c["d_v_new"]) for c in doc["candidates"]]
+    layers = [str(layer) for layer in doc["layers"]]
+    assert sorted(per["widths"]) == sorted(per["layer_losses"]) == sorted(layers)
+    chosen = {}
+    for layer, losses in per["layer_losses"].items():
+        assert sorted(losses) == sorted(f"{k}x{v}" for k, v in pairs)
+        low = min(losses.values())
+        chosen[layer] = next(tuple(map(int, p.split("x"))) for p in losses if losses[p] == low)
+    uniform = min(c["loss"] for c in doc["candidates"])
+    assert per["combination_loss"] > 0 and per["loss"] <= uniform
+    if per["combination_loss"] < uniform:
+        assert {layer: tuple(w) for layer, w in per["widths"].items()} == chosen and per["loss"] == per["combination_loss"]
+    else:
+        assert all(tuple(w) == (doc["d_k_new"], doc["d_v_new"]) for w in per["widths"].values())
+    # one layer's candidate with the others whole, and the choice, against checkpoints pruned to those widths (the
+    # others keep every channel: d_k x d_v)
+    first, last = layers[0], pairs[-1]
+    one = {int(layer): (last if layer == first else (doc["d_k"], doc["d_v"])) for layer in layers}
+    assert per["layer_losses"][first][f"{last[0]}x{last[1]}"] == pytest.approx(
+        _per_layer_pruned_loss(a, "grad-kv", 75, one), rel=1e-5)
+    widths = {int(layer): tuple(w) for layer, w in per["widths"].items()}
+    if len(set(widths.values())) > 1:
+        assert per["loss"] == pytest.approx(_per_layer_pruned_loss(a, "grad-kv", 75, widths), rel=1e-5)
+
+
+def test_a_layer_whose_values_use_half_their_width_gets_the_value_only_cut_alone(tmp_path):
+    """Planted: only layer 0's value channels 32..63 are zero (as in the uniform test above); at half the state the
+    split per layer gives layer 0 the value-only cut (its loss, with the other layers whole, is the unpruned model's;
+    every other candidate of layer 0 loses) and beats the best uniform split."""
+    from statereduce.adapters import get_adapter
+
+    model = tiny_model("gated_deltanet")
+    ad = get_adapter(model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+        mixer = dict(ad.mixer_layers())[0]
+        mixer.v_proj.weight.view(-1, 64, mixer.v_proj.weight.shape[-1])[:, 32:] = 0
+        ids = tiny_inputs(batch=3, length=4)
+        for _ in range(20):
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+    inputs = tiny_inputs(batch=4, length=32)
+    attrs = {"model": "t", "calibration": "default"}
+    a = {"model": model, "blocks": ids, "dir": tmp_path,
+         "weights": export_qk_weights(model, tmp_path / "qk.h5", attrs={"model": "t"}),
+         "activations": capture_activations(model, inputs, tmp_path / "a.h5", rows_per_head=40, attrs=attrs),
+         "grads": grad_scores(model, inputs, tmp_path / "g.h5", attrs=attrs)}
+    doc = _split(a, "drrqr-kv@split", pct=50, per_layer=True)
+    per = doc["per_layer"]
+    assert per["widths"]["0"] == [32, 32]
+    losses = per["layer_losses"]["0"]
+    assert losses["32x32"] == pytest.approx(doc["base_loss"], rel=1e-6)
+    assert min(x for p, x in losses.items() if p != "32x32") > doc["base_loss"] + 1e-3
+    assert per["loss"] == per["combination_loss"] < min(c["loss"] for c in doc["candidates"])
+
+
+def test_the_selection_of_a_per_layer_split_keeps_each_layers_widths(artifacts, tmp_path):
+    """The selection reads the per-layer widths; its file names them per layer and round-trips; the checkpoint
+    pruned from it (a width per layer: statereduce_key_dims and _value_dims) has the split's loss."""
+    a = artifacts
+    doc = _split(a, per_layer=True)
+    widths = {"0": [doc["d_k_new"], doc["d_v_new"]]} | {
+        str(layer): pair for layer, pair in zip(doc["layers"][1:], [[c["d_k_new"], c["d_v_new"]]
+                                                                      for c in doc["candidates"]][::-1])}
+    forced = {**doc, "per_layer": {**doc["per_layer"], "widths": widths, "loss": min(c["loss"] for c in
+                                                                                     doc["candidates"])}}
+    path = _write(a, "drrqr-kv@split_75", forced)
+    rows, meta = select_channels(a["weights"], "drrqr-kv@split", 75, activations=a["activations"], grads=a["grads"],
+                                 expect={"model": "t"}, allocation=path)
+    want = {layer: tuple(w) for layer, w in widths.items()}
+    assert meta["d_k_new"] == {layer: k for layer, (k, _) in want.items()}
+    assert meta["d_v_new"] == {layer: v for layer, (_, v) in want.items()}
+    assert meta["state_fraction"] == pytest.approx(sum(k * v for k, v in want.values())
+                                                   / (len(want) * doc["d_k"] * doc["d_v"]))
+    sel = write_selection(tmp_path / "drrqr-kv@split_75.parquet", rows, meta)
+    cut, got = read_selection(sel, expect={"model": "t", "method": "drrqr-kv@split", "pct": 75})
+    assert {str(layer): len(v[0]) if np.ndim(v) == 2 else len(v) for layer, v in cut.values.items()} == \
+        {layer: v for layer, (_, v) in want.items()}
+    model = copy.deepcopy(a["model"])
+    prune_model(model, cut, got, norm_eps="exact")
+    assert calibration_loss(model, a["blocks"], 3) == pytest.approx(
+        _per_layer_pruned_loss(a, "drrqr-kv", 75, {int(layer): w for layer, w in want.items()}), rel=1e-6)
+
+
+def test_per_layer_split_artifacts_and_settings_are_checked_in_one_line(artifacts):
+    a = artifacts
+    doc = _split(a, per_layer=True)
+    per = doc["per_layer"]
+    layer = next(iter(per["widths"]))
+    for name, change, message in (
+        ("not_a_candidate", {"widths": {**per["widths"], layer: [3, 5]}}, r"per-layer widths \(" + layer + ": "),
+        ("worse", {"loss": max(c["loss"] for c in doc["candidates"]) + 1}, r"at or below the uniform split's loss"),
+        ("layers", {"widths": {layer: per["widths"][layer]}}, r"per-layer widths \(layers \["),
+    ):
+        path = _write(a, name, {**doc, "per_layer": {**per, **change}})
+        with pytest.raises(ArtifactError, match=message) as err:
+            read_split(path, {"model": "t", "method": "drrqr-kv@split", "pct": 75})
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"budget per_layer=true .* takes policy 'split', not 'sensitivity'"):
+        BudgetSettings(policy="sensitivity", per_layer=True)
+    with pytest.raises(ValueError, match=r"budget per_layer='yes' must be true or false"):
+        BudgetSettings(policy="split", per_layer="yes")

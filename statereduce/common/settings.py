@@ -385,6 +385,9 @@ class BudgetSettings(Settings):
         n_samples: for ``sensitivity`` and ``split``: calibration sequences of the loss (the model's calibration sequences, the
             first ``n_samples``); None: all of them.
         batch_size: for ``sensitivity`` and ``split``: sequences per forward; None: the calibration's.
+        per_layer: for ``split``: each layer may take its own candidate split (from the key-only cut in every layer,
+            each layer's candidate of lowest calibration loss with the other layers key-only, kept where the
+            combination beats the best uniform split); false: one split for every layer.
     """
 
     section: ClassVar[str] = "budgets"
@@ -397,15 +400,19 @@ class BudgetSettings(Settings):
     normalize: bool = True
     n_samples: int | None = field(default=None, metadata=OPTIONAL)
     batch_size: int | None = field(default=None, metadata=OPTIONAL)
+    per_layer: bool = False
 
     def __post_init__(self):
         super().__post_init__()
         for name in ("floor", "multiple"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"budget {name}={getattr(self, name)!r} must be a positive integer")
-        for name in ("normalize", "powers_of_two"):
+        for name in ("normalize", "powers_of_two", "per_layer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"budget {name}={getattr(self, name)!r} must be true or false")
+        if self.per_layer and self.policy != "split":
+            raise ValueError(f"budget per_layer=true chooses a joint cut's split per layer; it takes policy 'split', "
+                             f"not {self.policy!r}")
         for name in ("n_samples", "batch_size"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):

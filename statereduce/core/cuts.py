@@ -10,6 +10,8 @@ artifact :func:`read_split` reads). :func:`cut_widths` gives (d_k', d_v') for an
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -145,4 +147,12 @@ def read_split(path: str | Path, expect: Mapping[str, Any] | None = None) -> dic
     chosen = (doc.get("d_k_new"), doc.get("d_v_new"))
     if chosen not in pairs or pairs[chosen] > min(pairs.values()):
         raise ArtifactError(f"{path}: widths {chosen} are not its lowest-loss candidate; {remedy(path)}")
+    per_layer = doc.get("per_layer")
+    if per_layer is not None:
+        widths = per_layer.get("widths") or {}
+        layers = sorted(int(layer) for layer in widths)
+        bad = [f"{layer}: {w}" for layer, w in widths.items() if tuple(w) not in pairs]
+        if layers != sorted(doc.get("layers") or []) or bad or per_layer.get("loss", math.inf) > pairs[chosen]:
+            raise ArtifactError(f"{path}: its per-layer widths ({', '.join(bad) or 'layers ' + str(layers)}) are not "
+                                f"candidates of every layer at or below the uniform split's loss; {remedy(path)}")
     return doc

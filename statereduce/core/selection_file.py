@@ -126,7 +126,12 @@ def _value_rows(path, df: dict, meta: dict) -> dict[int, np.ndarray]:
             by_layer.setdefault(layer, {})[unit] = value
     units, d_v, d_new = meta.get("value_units"), meta.get("d_v"), meta.get("d_v_new")
     values = {}
+    widths = d_new if isinstance(d_new, dict) else None
+    if widths is not None and sorted(int(k) for k in widths) != sorted(by_layer):
+        raise ArtifactError(f"{path}: value rows of layers {sorted(by_layer)} where the metadata's d_v_new names "
+                            f"{sorted(int(k) for k in widths)}; {remedy(path)}")
     for layer, rows in sorted(by_layer.items()):
+        d_new = widths[str(layer)] if widths is not None else d_new
         if units is not None and sorted(rows) != list(range(int(units))):
             raise ArtifactError(f"{path}: layer {layer} has value units {sorted(rows)} where the metadata says "
                                 f"value_units={units}; {remedy(path)}")

@@ -260,14 +260,15 @@ def select_cut(
     workers: int = 1,
     expect: dict | None = None,
     allocation: str | Path | None = None,
-    widths: tuple[int, int] | None = None,
+    widths: tuple[int, int] | Mapping[int, tuple[int, int]] | None = None,
 ) -> tuple[list[tuple[int, int, object, str]], dict]:
     """The selection of a value cut (``-v``: the value side of its selector, :mod:`statereduce.selectors.values`, at
     d_v' for each value head) or a joint cut (``-kv``: both sides, at the widths :func:`statereduce.core.cuts.joint_widths`
     gives, or with ``@<budget>`` those its split artifact chose). Arguments as :func:`select_channels`; ``allocation``
-    is the split artifact (:func:`statereduce.core.cuts.read_split`) of a joint cut with a budget, ``widths`` a
-    (d_k', d_v') of a joint cut given directly (the split stage's candidates; the metadata's method is then the token
-    without its budget).
+    is the split artifact (:func:`statereduce.core.cuts.read_split`) of a joint cut with a budget (its ``per_layer``
+    widths where it has them), ``widths`` a (d_k', d_v') of a joint cut given directly, or {layer: (d_k', d_v')} (the
+    split stage's candidates; the metadata's method is then the token without its budget). Where the layers' widths
+    differ, the metadata's ``d_k_new`` and ``d_v_new`` are {layer: width} and ``state_fraction`` the layers' mean.
 
     Returns:
         (rows, meta): rows of (layer, unit or head, HeadSelection, side "k" or "v") and the file metadata (``cut``;
@@ -290,6 +291,7 @@ def select_cut(
                             f"{remedy(Path(weights))}")
     d_k, d_v, family = int(wattrs["head_k_dim"]), int(wattrs["head_v_dim"]), wattrs.get("family")
     check = split_check(family, d_k, d_v)
+    w = H5Artifact(weights)
 
     if widths is not None or spec.budget is not None:
         if spec.cut != "joint":
@@ -304,15 +306,27 @@ def select_cut(
 
         split = read_split(allocation, {**(expect or {}), "method": method, "pct": pct, "d_k": d_k, "d_v": d_v})
         widths = split["d_k_new"], split["d_v_new"]
-    if widths is not None:
-        d_k_new, d_v_new = (int(x) for x in widths)
-        if allocation is None:
-            spec = MethodSpec(spec.selector, spec.variant, spec.calib, cut=spec.cut)
-            method = format_method(spec)
+        if "per_layer" in split:
+            widths = {int(layer): tuple(pair) for layer, pair in split["per_layer"]["widths"].items()}
+    if isinstance(widths, Mapping):
+        pairs = {int(layer): (int(k), int(v)) for layer, (k, v) in widths.items()}
+        if sorted(pairs) != sorted(w.layers()):
+            raise ValueError(f"per-layer widths name layers {sorted(pairs)}; the model's linear-attention layers are "
+                             f"{sorted(w.layers())}")
+    elif widths is not None:
+        pairs = {layer: (int(widths[0]), int(widths[1])) for layer in w.layers()}
     else:
-        d_k_new, d_v_new = cut_widths(spec.cut, d_k, d_v, pct, check)
+        pairs = {layer: cut_widths(spec.cut, d_k, d_v, pct, check) for layer in w.layers()}
+    if widths is not None and allocation is None:
+        spec = MethodSpec(spec.selector, spec.variant, spec.calib, cut=spec.cut)
+        method = format_method(spec)
     if check is not None:
-        check(d_k_new, d_v_new)
+        for pair in set(pairs.values()):
+            check(*pair)
+    key_widths = {layer: k for layer, (k, _) in pairs.items()}
+    value_widths = {layer: v for layer, (_, v) in pairs.items()}
+    d_k_new = _one_or_each(key_widths)
+    d_v_new = _one_or_each(value_widths)
     needs = cut_needs(method)
     calib_expect = {**(expect or {}), "calibration": spec.calib, "num_heads": wattrs["num_heads"], "head_k_dim": d_k}
     acts = H5Artifact(activations) if activations is not None and needs & {"activations", "xnorm"} else None
@@ -327,7 +341,6 @@ def select_cut(
         raise ValueError(f"the value side of {spec.selector!r} needs calibration activations (activations.h5)")
     if "grad" in vneeds and grad is None:
         raise ValueError(f"the value side of {spec.selector!r} needs gradient scores (grad_scores.h5)")
-    w = H5Artifact(weights)
 
     def layers():
         for layer in w.layers():
@@ -343,20 +356,19 @@ def select_cut(
     opts = dict(options or {}) if spec.selector == "drrqr" else {}
     rows, units = [], {}
     for layer, unit, data in value_units(layers()):
-        sel = fn(data, d_v_new, rng=head_rng(seed, layer, unit), **opts)
+        sel = fn(data, value_widths[layer], rng=head_rng(seed, layer, unit), **opts)
         rows.append((layer, unit, sel, "v"))
         units[layer] = units.get(layer, 0) + 1
     provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": family,
                   "base_checkpoint": json.loads(wattrs["base_checkpoint"]) if wattrs.get("base_checkpoint") else None}
     meta_keys = {}
     if spec.cut == "joint":
-        key_pct = 100.0 * (d_k - d_k_new) / d_k
+        key_pct = 100.0 * (d_k - sum(key_widths.values()) / len(key_widths)) / d_k
         heads = head_data_iter(Path(weights), set(get_selector(spec.selector).needs),
                                Path(activations) if activations else None, Path(grads) if grads else None)
         key_rows, meta_keys = run_selector(heads, format_method(spec.keys), key_pct, d_k=d_k,
                                            num_heads=int(wattrs["num_heads"]), seed=seed, options=options,
-                                           workers=workers, provenance=provenance,
-                                           widths={layer: d_k_new for layer in w.layers()})
+                                           workers=workers, provenance=provenance, widths=key_widths)
         rows = [(*row, "k") for row in key_rows] + rows
     meta = {
         "format": SELECTION_FORMAT,
@@ -376,7 +388,7 @@ def select_cut(
         "d_v_new": d_v_new,
         "value_units": max(units.values()),
         "value_selection": "head",
-        "state_fraction": d_k_new * d_v_new / (d_k * d_v),
+        "state_fraction": sum(k * v for k, v in pairs.values()) / (len(pairs) * d_k * d_v),
         "seed": seed,
         "options": options or {},
         "package_version": __version__,
@@ -390,6 +402,66 @@ def select_cut(
 
 
 # ---- the split of a joint cut (``-kv@<budget>``, policy ``split``) -----------------------------------------------
+def _one_or_each(widths: Mapping[int, int]) -> int | dict[str, int]:
+    """A selection's ``d_k_new`` or ``d_v_new`` metadata: the width all layers keep, else {layer: width}."""
+    if len(set(widths.values())) == 1:
+        return next(iter(widths.values()))
+    return {str(layer): int(width) for layer, width in sorted(widths.items())}
+
+
+def split_per_layer(model, blocks, batch: int, cuts: Mapping[tuple[int, int], tuple[dict, dict]],
+                     uniform: tuple[int, int], uniform_loss: float, d_k: int, d_v: int,
+                     progress: bool = True) -> dict[str, Any]:
+    """A split policy's ``per_layer`` choice: each layer in turn takes each candidate (``cuts``: its selections,
+    :func:`cut_tensors`) with the other layers whole, as the sensitivity budget measures a layer, and keeps its
+    candidate of lowest calibration loss (ties: the candidate nearer the equal split, as the uniform choice). The
+    combination's loss is measured; it is the artifact's choice where it is below the best uniform split's
+    (``uniform_loss``), else every layer takes ``uniform``.
+
+    Returns:
+        the split artifact's ``per_layer`` entry: ``widths`` ({layer: [d_k', d_v']} chosen), ``loss`` (theirs),
+        ``combination_loss`` (the per-layer combination's, whether chosen or not), ``state_fraction`` (the mean
+        over layers) and ``layer_losses`` ({layer: {"<d_k'>x<d_v'>": loss}}).
+    """
+    from tqdm.auto import tqdm
+
+    from statereduce.core.calib_loss import calibration_loss
+    from statereduce.core.slicing import masked_cut
+
+    layers = sorted(cuts[uniform][0])
+
+    def loss_of(choice: Mapping[int, tuple[int, int]]) -> float:
+        keys = {layer: cuts[pair][0][layer] for layer, pair in choice.items()}
+        values = {layer: cuts[pair][1][layer] for layer, pair in choice.items()}
+        with masked_cut(model, keys, values):
+            return calibration_loss(model, blocks, batch)
+
+    layer_losses: dict[int, dict[tuple[int, int], float]] = {}
+    with tqdm(total=len(layers) * len(cuts), desc="split per layer", unit="pair", disable=not progress) as bar:
+        for layer in layers:
+            layer_losses[layer] = {}
+            for pair in cuts:
+                layer_losses[layer][pair] = loss_of({layer: pair})
+                bar.update()
+    chosen = {layer: min(losses, key=lambda c: (losses[c], abs(c[0] / d_k - c[1] / d_v)))
+              for layer, losses in layer_losses.items()}
+    combination = loss_of(chosen)
+    log.info("per layer: %s, loss %.5f (the best uniform split %dx%d: %.5f)",
+             ", ".join(f"{layer}: {k}x{v}" for layer, (k, v) in chosen.items()), combination, *uniform, uniform_loss)
+    if combination >= uniform_loss:
+        chosen, loss = {layer: uniform for layer in layers}, uniform_loss
+    else:
+        loss = combination
+    return {
+        "widths": {str(layer): list(pair) for layer, pair in chosen.items()},
+        "loss": loss,
+        "combination_loss": combination,
+        "state_fraction": sum(k * v for k, v in chosen.values()) / (len(layers) * d_k * d_v),
+        "layer_losses": {str(layer): {f"{k}x{v}": x for (k, v), x in losses.items()}
+                         for layer, losses in layer_losses.items()},
+    }
+
+
 def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan, *,
                  activations: str | Path | None = None, grads: str | Path | None = None,
                  base: str | Path | None = None, seed: int = 0, options: Mapping[str, Any] | None = None,
@@ -449,12 +521,12 @@ def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan,
         equal = joint_widths(d_k, d_v, pct, check)
     except ValueError:
         equal = None
-    rows = []
+    rows, cuts = [], {}
     for k, v in tqdm(candidates, desc="split", unit="pair", disable=not progress):
         sel_rows, _ = select_cut(weights, method, pct, activations=activations, grads=grads, seed=seed,
                                  options=dict(options or {}), workers=workers, expect=expect, widths=(k, v))
-        keys, values = cut_tensors(sel_rows)
-        with masked_cut(model, keys, values):
+        cuts[k, v] = cut_tensors(sel_rows)
+        with masked_cut(model, *cuts[k, v]):
             loss = calibration_loss(model, blocks, batch)
         rows.append({"d_k_new": k, "d_v_new": v, "state_fraction": k * v / (d_k * d_v), "loss": loss})
         log.info("d_k'=%d x d_v'=%d (%.4f of the state): loss %.5f (+%.5f)", k, v, k * v / (d_k * d_v), loss,
@@ -462,6 +534,10 @@ def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan,
     best = min(rows, key=lambda r: (r["loss"], abs(r["d_k_new"] / d_k - r["d_v_new"] / d_v)))
     layers = [int(x) for x in np.asarray(wattrs["layers"]).tolist()]
     provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": family}
+    per_layer = None
+    if settings.per_layer:
+        per_layer = split_per_layer(model, blocks, batch, cuts, (best["d_k_new"], best["d_v_new"]), best["loss"],
+                                     d_k, d_v, progress)
     return {
         "format": SPLIT_FORMAT,
         **{k: v for k, v in provenance.items() if v is not None},
@@ -480,6 +556,7 @@ def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan,
         "equal": list(equal) if equal else None,
         "base_loss": base_loss,
         "candidates": rows,
+        **({"per_layer": per_layer} if per_layer is not None else {}),
         "n_samples": int(blocks.shape[0]),
         "seq_len": int(blocks.shape[1]),
         "seed": seed,
