@@ -17,7 +17,8 @@ from statereduce.core.h5files import write_layers
 from statereduce.studies import get_study, outputs, write_outputs
 from statereduce.studies.values import utilisation_frame, value_frame
 
-BLOCK = {"models": ["m1", "m2"], "selectors": ["drrqr"], "pcts": [75], "recipe": "drrqr@sens", "split": "split"}
+BLOCK = {"models": ["m1", "m2"], "selectors": ["drrqr"], "pcts": [75], "recipe": "drrqr@sens", "split": "split",
+         "split_layers": "layersplit"}
 
 
 def _config() -> dict:
@@ -28,12 +29,14 @@ def test_cells_are_every_cut_at_equal_state_and_the_recipe():
     cfg = _config()
     cells = get_study("values").cells(cfg, cfg["studies"]["values"])
     block = cfg["studies"]["values"]
-    assert block["split"] == "split"
-    assert len(cells) == len(block["models"]) * len(block["pcts"]) * (4 * len(block["selectors"]) + 1)
+    assert block["split"] == "split" and block["split_layers"] == "layersplit"
+    assert len(cells) == len(block["models"]) * len(block["pcts"]) * (5 * len(block["selectors"]) + 1)
+    assert ("tiny-qwen35", "grad-kv@layersplit", 75.0) in cells
     assert ("tiny-gdn", "drrqr-kv", 75.0) in cells and ("tiny-qwen35", "grad-v", 50.0) in cells
     assert ("tiny-dn", "drrqr@sens", 50.0) in cells and ("tiny-mamba2", "grad-kv@split", 75.0) in cells
-    without = get_study("values").cells(cfg, {k: v for k, v in block.items() if k != "split"})
-    assert len(without) == len(cells) - len(block["models"]) * len(block["pcts"]) * len(block["selectors"])
+    for key in ("split", "split_layers"):
+        without = get_study("values").cells(cfg, {k: v for k, v in block.items() if k != key})
+        assert len(without) == len(cells) - len(block["models"]) * len(block["pcts"]) * len(block["selectors"])
 
 
 @pytest.mark.parametrize("change, message", [
@@ -43,6 +46,10 @@ def test_cells_are_every_cut_at_equal_state_and_the_recipe():
     ({"models": ["nope"]}, r"studies.values.models: unknown model 'nope'"),
     ({"split": "sens"}, r"studies.values.split: method 'grad-kv@sens': budgets.sens has policy 'sensitivity'"),
     ({"split": "nope"}, r"studies.values.split: unknown budget 'nope'"),
+    ({"split": "layersplit"}, r"studies.values.split: budgets.layersplit has per_layer true; split takes a split "
+                              r"budget with per_layer false"),
+    ({"split_layers": "split"}, r"studies.values.split_layers: budgets.split has per_layer false; split_layers takes "
+                                r"a split budget with per_layer true"),
 ])
 def test_a_bad_block_fails_in_one_line(change, message):
     cfg = _config()
@@ -52,14 +59,16 @@ def test_a_bad_block_fails_in_one_line(change, message):
     assert "\n" not in str(err.value)
 
 
-def _summary(model, method, pct, pre, post, d_k, d_v, ratio):
+def _summary(model, method, pct, pre, post, d_k, d_v, ratio, key_dims=None, value_dims=None):
     def metrics(bpb):
         return {"heldout": {"bits_per_byte": bpb},
                 "recall_mqar_4": {"acc": 0.5, "acc_stderr": 0.05}, "recall_mqar_8": {"acc": 0.3, "acc_stderr": 0.05}}
 
     return {"model": model, "method": method, "pct": pct,
             "metrics": {"baseline": metrics(1.0), "pruned": metrics(pre), "rft": metrics(post)},
-            "state": {"ratio": ratio, "d_k_after": d_k, "d_v_after": d_v, "d_v_before": 64}}
+            "state": {"ratio": ratio, "d_k_after": d_k, "d_v_after": d_v, "d_v_before": 64,
+                      **({"key_dims_after": key_dims} if key_dims else {}),
+                      **({"value_dims_after": value_dims} if value_dims else {})}}
 
 
 def _activations(path, key_rank: int, seed: int):
@@ -81,6 +90,8 @@ def study_inputs(tmp_path):
                  _summary(model, "drrqr-v", 75, values, values - 0.1, 64, 16, 0.25),
                  _summary(model, "drrqr-kv", 75, joint, joint - 0.1, 32, 32, 0.25),
                  _summary(model, "drrqr-kv@split", 75, min(keys, values) - 0.05, 1.0, 64, 16, 0.25),
+                 _summary(model, "drrqr-kv@layersplit", 75, keys - 0.01, keys - 0.2, 20, 52, 0.2503,
+                          {"0": 24, "1": 16}, {"0": 43, "1": 64}),
                  _summary(model, "drrqr@sens", 75, 1.4, 1.3, 16, 64, 0.25)]
     paths = []
     for i, doc in enumerate(docs):
@@ -102,6 +113,9 @@ def test_frame_table_and_figure(study_inputs, tmp_path):
     assert "| 75 | drrqr | keys+values | 1 of 2: m1 |" in md and "| 75 | drrqr | values | 1 of 2: m1 |" in md
     assert "| m1 | drrqr-kv@split | keys+values, split by loss | 64 × 16 | 0.250 | 1.150 → 1.000 | -0.350 |" in md
     assert "| 75 | drrqr | keys+values, split by loss | 2 of 2: m1, m2 |" in md
+    assert ("| m2 | drrqr-kv@layersplit | keys+values, split per layer | 24×43, 16×64 | 0.250 | 1.490 → 1.300 | "
+            "-0.010 | -0.100 |") in md
+    assert "| 75 | drrqr | keys+values, split per layer | 2 of 2: m1, m2 |" in md
     assert (tmp_path / "out" / "value_loss.png").stat().st_size > 1000
     df = value_frame(docs, BLOCK)
     recipe = df[(df["method"] == "drrqr@sens") & (df["stage"] == "pruned")]

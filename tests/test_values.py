@@ -323,6 +323,12 @@ def test_layers_with_different_value_widths_equal_zeroing(case, keys, per_head):
     key_dims = getattr(pruned.config, KEY_DIMS_FIELD)
     assert {i: w for i, w in enumerate(key_dims) if w is not None} == {l: int(k.shape[-1]) for l, k in keep.items()}
     assert len(getattr(pruned.config, OUTPUT_NORM_EPS_FIELD)) == len(dims)
+    # eval.json's state block counts each layer at its own widths
+    from statereduce.eval.documents import state_record
+
+    state = state_record(pruned)
+    assert state["value_dims"] == {str(layer): w for layer, w in widths.items()}
+    assert state["d_v"] == pytest.approx(sum(widths.values()) / len(widths))
 
 
 @pytest.mark.parametrize("case", ["delta_net", "gdn_gva", "qwen3_5", "mamba2"])

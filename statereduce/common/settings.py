@@ -400,7 +400,7 @@ class BudgetSettings(Settings):
     normalize: bool = True
     n_samples: int | None = field(default=None, metadata=OPTIONAL)
     batch_size: int | None = field(default=None, metadata=OPTIONAL)
-    per_layer: bool = False
+    per_layer: bool | None = field(default=None, metadata=OPTIONAL)  # unset: false (left out of the job's params)
 
     def __post_init__(self):
         super().__post_init__()
@@ -408,7 +408,7 @@ class BudgetSettings(Settings):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"budget {name}={getattr(self, name)!r} must be a positive integer")
         for name in ("normalize", "powers_of_two", "per_layer"):
-            if not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), bool) and not (name == "per_layer" and self.per_layer is None):
                 raise ValueError(f"budget {name}={getattr(self, name)!r} must be true or false")
         if self.per_layer and self.policy != "split":
             raise ValueError(f"budget per_layer=true chooses a joint cut's split per layer; it takes policy 'split', "

@@ -26,7 +26,8 @@ def state_record(model: nn.Module, dtype_bytes: int = 4) -> dict:
     """The recurrent-state block of ``eval.json``, from the model's adapter (paper Sec. 2: state d_k x d_v per head).
 
     Each linear-attention layer counts at its own key width (``key_dims``: {layer: d_k'}; a checkpoint whose layers
-    keep different widths has several); ``d_k`` and ``conv_elems_per_layer`` are the means over the layers.
+    keep different widths has several) and value width (``value_dims``, given where the layers' differ);
+    ``d_k``, ``d_v`` and ``conv_elems_per_layer`` are the means over the layers.
 
     Args:
         model: a loaded model whose family has an adapter.
@@ -42,7 +43,9 @@ def state_record(model: nn.Module, dtype_bytes: int = 4) -> dict:
         "dtype_bytes": int(dtype_bytes),
         "d_k": layer_mean([s.d_k for s in shapes.values()]),
         "key_dims": {str(layer): int(s.d_k) for layer, s in shapes.items()},
-        "d_v": int(first.d_v),
+        "d_v": layer_mean([s.d_v for s in shapes.values()]),
+        **({"value_dims": {str(layer): int(s.d_v) for layer, s in shapes.items()}}
+           if len({s.d_v for s in shapes.values()}) > 1 else {}),
         "num_heads": int(first.num_heads),
         "layers": len(shapes),
         "conv_elems_per_layer": layer_mean([s.conv_elems for s in shapes.values()]),
@@ -134,7 +137,8 @@ def summarize(
     Returns:
         ``{"model", "method", "pct", "metrics": {"baseline", "pruned", "rft"}, "state": {"bytes_before",
         "bytes_after", "ratio", "d_k_before", "d_k_after", "key_dims_after"}, "provenance"}`` (``key_dims_after``: the
-        pruned model's {layer: d_k'}, where its document has them), plus ``"suites": {"baseline", "pruned",
+        pruned model's {layer: d_k'}, where its document has them; ``d_v_before`` and ``d_v_after`` where a value cut
+        changed d_v, and ``value_dims_after`` ({layer: d_v'}) where its layers keep different ones), plus ``"suites": {"baseline", "pruned",
         "rft"}`` (the documents' suite averages) when any document has them, and ``"rft": {"steps", "kept_step",
         "best_step", "metric", "val_loss_start", "val_loss_kept", "curve": [[step, val_loss], ...]}`` (the validation
         loss is the record's ``metric``) when ``rft_record`` has a validation curve, else null. Raises ``ValueError`` if the documents were evaluated
@@ -191,6 +195,8 @@ def summarize(
                 **({"key_dims_after": pruned_eval["state"]["key_dims"]} if "key_dims" in pruned_eval["state"] else {}),
                 **({"d_v_before": baseline_eval["state"]["d_v"], "d_v_after": pruned_eval["state"]["d_v"]}
                    if baseline_eval["state"].get("d_v") != pruned_eval["state"].get("d_v") else {}),
+                **({"value_dims_after": pruned_eval["state"]["value_dims"]} if "value_dims" in pruned_eval["state"]
+                   else {}),
             },
             "rft": _rft_brief(rft_record),
             "provenance": provenance,

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from statereduce.common.layout import MethodSpec, format_method, format_pct, parse_method
-from statereduce.config.blocks import ConfigError, check_budget_cell, check_method, check_reduction
+from statereduce.config.blocks import ConfigError, check_budget_cell, check_method, check_reduction, model_budget
 from statereduce.studies.base import (
     PCTS, Figure, Study, Table, known_models, known_selectors, register, summary_paths, unique_list,
 )
@@ -19,7 +19,11 @@ from statereduce.studies.base import (
 CUTS = (("keys", "keys"), ("values", "values"), ("joint", "keys+values"))
 #: The row of a joint cut split by calibration loss (``<selector>-kv@<split>``), with its label.
 SPLIT = ("split", "keys+values, split by loss")
-LABELS = dict((*CUTS, SPLIT))
+#: The row of a joint cut split per layer (``<selector>-kv@<split_layers>``: a split budget with ``per_layer``).
+LAYERSPLIT = ("layersplit", "keys+values, split per layer")
+LABELS = dict((*CUTS, SPLIT, LAYERSPLIT))
+#: The cuts compared with the key-only cut of the same selector.
+COMPARED = ("values", "joint", SPLIT[0], LAYERSPLIT[0])
 
 
 @register
@@ -40,6 +44,8 @@ class ValuesStudy(Study):
             "recipe": {"type": "string", "description": "a key-only method shown beside them, e.g. drrqr@sens"},
             "split": {"type": "string", "description": "a budget of policy split: adds each selector's joint cut split "
                                                        "by calibration loss (<selector>-kv@<split>)"},
+            "split_layers": {"type": "string", "description": "a budget of policy split with per_layer: true: adds "
+                                                              "each selector's joint cut split per layer"},
         },
     }
     tables = (Table("value_study", "key, value and joint cuts", """
@@ -73,11 +79,17 @@ and selector of ``studies.values`` (lower is better).
                 raise ConfigError(f"{where}.recipe: {e}") from None
             if parse_method(recipe).cut != "keys":
                 raise ConfigError(f"{where}.recipe: {recipe!r} is not a key-only method; valid: e.g. drrqr@sens")
-        if block.get("split") is not None:
+        for key in ("split", "split_layers"):
+            if block.get(key) is None:
+                continue
             try:
-                check_method(config, f"{block['selectors'][0]}-kv@{block['split']}")
+                check_method(config, f"{block['selectors'][0]}-kv@{block[key]}")
             except ConfigError as e:
-                raise ConfigError(f"{where}.split: {e}") from None
+                raise ConfigError(f"{where}.{key}: {e}") from None
+            per_layer = bool(model_budget(config, block[key]).per_layer)
+            if (key == "split_layers") != per_layer:
+                raise ConfigError(f"{where}.{key}: budgets.{block[key]} has per_layer {str(per_layer).lower()}; {key} "
+                                  f"takes a split budget with per_layer {'true' if key == 'split_layers' else 'false'}")
         cells = _cells(block)
         for model, method, pct in cells:
             try:
@@ -115,6 +127,8 @@ def _rows(block: dict) -> list[tuple[str, str, str]]:
         rows += [(s, cut, format_method(MethodSpec(s, cut=cut))) for cut, _ in CUTS]
         if block.get("split"):
             rows.append((s, SPLIT[0], format_method(MethodSpec(s, cut="joint", budget=block["split"]))))
+        if block.get("split_layers"):
+            rows.append((s, LAYERSPLIT[0], format_method(MethodSpec(s, cut="joint", budget=block["split_layers"]))))
     if block.get("recipe"):
         rows.append((block["recipe"], "keys", block["recipe"]))
     return rows
@@ -122,6 +136,15 @@ def _rows(block: dict) -> list[tuple[str, str, str]]:
 
 def _cells(block: dict) -> list[tuple[str, str, float]]:
     return [(m, method, float(p)) for m in block["models"] for p in block["pcts"] for _, _, method in _rows(block)]
+
+
+def _layer_widths(state: dict, d_v) -> str:
+    """"d_k' × d_v'" of each layer, comma-separated, for a summary whose layers keep different widths; else ""."""
+    keys, values = state.get("key_dims_after") or {}, state.get("value_dims_after") or {}
+    if len(set(keys.values())) <= 1 and not values:
+        return ""
+    d_v_after = state.get("d_v_after", d_v)
+    return ", ".join(f"{k}×{values.get(layer, d_v_after)}" for layer, k in keys.items())
 
 
 def value_frame(summaries: list[dict], block: dict):
@@ -156,12 +179,13 @@ def value_frame(summaries: list[dict], block: dict):
                         "recall": recall, "recall_se": se,
                         "d_k": state.get("d_k_after", math.nan),
                         "d_v": state.get("d_v_after", d_v),  # a key cut keeps d_v (its summary names none)
+                        "widths": _layer_widths(state, d_v),
                         "state": state.get("ratio", math.nan),
                     })
     df = pd.DataFrame(rows)
     keys = df[df["cut"] == "keys"].set_index(["model", "pct", "selector", "stage"])["bits_per_byte"]
     df["d_bits_per_byte"] = [
-        b - keys.get((m, p, s, st), math.nan) if c in ("values", "joint", SPLIT[0]) else math.nan
+        b - keys.get((m, p, s, st), math.nan) if c in COMPARED else math.nan
         for b, m, p, s, st, c in zip(df["bits_per_byte"], df["model"], df["pct"], df["selector"], df["stage"],
                                      df["cut"])]
     return df
@@ -196,7 +220,7 @@ def joint_wins(df, stage: str = "pruned"):
     cut's at ``stage``."""
     import pandas as pd
 
-    sub = df[(df["stage"] == stage) & df["cut"].isin(["values", "joint", SPLIT[0]])].dropna(subset=["d_bits_per_byte"])
+    sub = df[(df["stage"] == stage) & df["cut"].isin(COMPARED)].dropna(subset=["d_bits_per_byte"])
     rows = []
     for (pct, sel, cut), g in sub.groupby(["pct", "selector", "cut"], sort=False):
         better = g.loc[g["d_bits_per_byte"] < 0, "model"].tolist()
@@ -217,7 +241,8 @@ def markdown(df, block: dict, use=None) -> str:
         ("Each head's state is d_v × d_k. keys: key channels removed (the paper's cut); values: value channels "
          "(`<selector>-v`); keys+values: both (`<selector>-kv`), each side near the square root of the kept share; "
          "split by loss (`<selector>-kv@<budget>`): the split of the state between the two sides with the lowest "
-         "calibration loss (from key-only to value-only). "
+         "calibration loss (from key-only to value-only); split per layer: each layer its own such split (widths "
+         "per layer). "
          "The pct is the share of the state removed; `state` is the kept share as measured. bits/byte: held-out bits "
          "per byte (lower is better), Δ against the key-only cut of the same selector; recall: the recall probe's "
          f"mean accuracy over its levels ± standard error. {MISSING} = not computed.\n"),
@@ -235,8 +260,8 @@ def markdown(df, block: dict, use=None) -> str:
             for (sel, cut), g in sub[sub["model"] == model].groupby(["selector", "cut"], sort=False):
                 pre = g[g["stage"] == "pruned"].iloc[0]
                 post = g[g["stage"] == "rft"].iloc[0]
-                widths = (f"{int(pre['d_k'])} × {int(pre['d_v'])}" if not (math.isnan(pre["d_k"]) or
-                                                                           math.isnan(pre["d_v"])) else MISSING)
+                widths = pre["widths"] or (f"{int(pre['d_k'])} × {int(pre['d_v'])}" if not (
+                    math.isnan(pre["d_k"]) or math.isnan(pre["d_v"])) else MISSING)
                 state = MISSING if math.isnan(pre["state"]) else f"{pre['state']:.3f}"
                 lines.append(
                     f"| {model} | {pre['method']} | {labels.get(cut, cut)} | {widths} | {state} | "
@@ -275,7 +300,7 @@ def loss_figure(df, block: dict, out_png: str | Path) -> Path:
     base = df[df["stage"] == "unpruned"].set_index("model")["bits_per_byte"]
     fig = new_figure(3.0 * len(models), 2.6 * len(pcts))
     axes = fig.subplots(len(pcts), len(models), squeeze=False)
-    hatches = {"keys": "", "values": "//", "joint": "xx", SPLIT[0]: ".."}
+    hatches = {"keys": "", "values": "//", "joint": "xx", SPLIT[0]: "..", LAYERSPLIT[0]: "oo"}
     selectors = list(dict.fromkeys(sel for sel, _ in rows))
     for r, pct in enumerate(pcts):
         for c, model in enumerate(models):
