@@ -233,8 +233,8 @@ def test_all_paper_plans_study_tables(tmp_path):
     value_cells = {f"results/{m}/{s}{c}_{p}/eval.json" for m in val["models"] for s in val["selectors"]
                    for c in ("", "-v", "-kv") for p in val["pcts"]}
     value_cells |= {f"results/{m}/{val['recipe']}_{p}/eval.json" for m in val["models"] for p in val["pcts"]}
-    split_cells = {f"results/{m}/{s}-kv@{val['split']}_{p}/eval.json" for m in val["models"] for s in val["selectors"]
-                   for p in val["pcts"]}
+    split_cells = {f"results/{m}/{s}-kv@{val[key]}_{p}/eval.json" for m in val["models"] for s in val["selectors"]
+                   for p in val["pcts"] for key in ("split", "split_layers")}
     value_cells |= split_cells
     assert summaries == targets | cells | budget_cells | value_cells  # every target and every study cell, each once
     assert set(jobs["split"]) == {p.replace(f"/{p.split('/')[2]}/eval.json", "/select/") + p.split("/")[2]
