@@ -385,9 +385,9 @@ class BudgetSettings(Settings):
         n_samples: for ``sensitivity`` and ``split``: calibration sequences of the loss (the model's calibration sequences, the
             first ``n_samples``); None: all of them.
         batch_size: for ``sensitivity`` and ``split``: sequences per forward; None: the calibration's.
-        per_layer: for ``split``: each layer may take its own candidate split (from the key-only cut in every layer,
-            each layer's candidate of lowest calibration loss with the other layers key-only, kept where the
-            combination beats the best uniform split); false: one split for every layer.
+        per_layer: for ``split``: each layer may take its own candidate split (each layer's candidate of lowest
+            calibration loss with the other layers whole, kept where the combination beats the best uniform split;
+            :func:`statereduce.stages.select.split_per_layer`); unset or false: one split for every layer.
     """
 
     section: ClassVar[str] = "budgets"
