@@ -127,29 +127,34 @@ def test_the_split_is_the_candidate_of_lowest_loss_and_each_loss_is_the_pruned_c
         assert c["loss"] == pytest.approx(ref, rel=1e-5)
 
 
-def test_a_model_whose_values_use_half_their_width_gets_the_value_only_cut(tmp_path):
-    """Planted: every Gated DeltaNet head's value channels 32..63 are zero (v_proj rows), the model is confident (its
-    output head scaled) and the calibration blocks are its own greedy continuations. At half the state the value-only
-    cut loses nothing (its loss equals the unpruned model's), every cut that removes key channels loses, so the split
-    is the value-only end; the equal split is not chosen."""
+def _half_values_model(tmp_path, layers: set[int] | None) -> dict:
+    """A Gated DeltaNet whose value channels 32..63 are zero (v_proj rows) in ``layers`` (None: every layer), made
+    confident (its output head scaled), with its own greedy continuations as calibration blocks and its artifacts."""
     from statereduce.adapters import get_adapter
 
     model = tiny_model("gated_deltanet")
-    ad = get_adapter(model)
     with torch.no_grad():
         model.lm_head.weight.mul_(40)
-        for _, mixer in ad.mixer_layers():
-            rows = mixer.v_proj.weight.view(-1, 64, mixer.v_proj.weight.shape[-1])  # [HV, d_v, hidden]
-            rows[:, 32:] = 0
+        for layer, mixer in get_adapter(model).mixer_layers():
+            if layers is None or layer in layers:
+                mixer.v_proj.weight.view(-1, 64, mixer.v_proj.weight.shape[-1])[:, 32:] = 0  # [HV, d_v, hidden]
         ids = tiny_inputs(batch=3, length=4)
         for _ in range(20):
             ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
     inputs = tiny_inputs(batch=4, length=32)
     attrs = {"model": "t", "calibration": "default"}
-    a = {"model": model, "blocks": ids, "dir": tmp_path,
-         "weights": export_qk_weights(model, tmp_path / "qk.h5", attrs={"model": "t"}),
-         "activations": capture_activations(model, inputs, tmp_path / "a.h5", rows_per_head=40, attrs=attrs),
-         "grads": grad_scores(model, inputs, tmp_path / "g.h5", attrs=attrs)}
+    return {"model": model, "blocks": ids, "dir": tmp_path,
+            "weights": export_qk_weights(model, tmp_path / "qk.h5", attrs={"model": "t"}),
+            "activations": capture_activations(model, inputs, tmp_path / "a.h5", rows_per_head=40, attrs=attrs),
+            "grads": grad_scores(model, inputs, tmp_path / "g.h5", attrs=attrs)}
+
+
+def test_a_model_whose_values_use_half_their_width_gets_the_value_only_cut(tmp_path):
+    """Planted: every Gated DeltaNet head's value channels 32..63 are zero (v_proj rows), the model is confident (its
+    output head scaled) and the calibration blocks are its own greedy continuations. At half the state the value-only
+    cut loses nothing (its loss equals the unpruned model's), every cut that removes key channels loses, so the split
+    is the value-only end; the equal split is not chosen."""
+    a = _half_values_model(tmp_path, layers=None)
     doc = _split(a, "drrqr-kv@split", pct=50)
     by_pair = {(c["d_k_new"], c["d_v_new"]): c["loss"] for c in doc["candidates"]}
     assert (doc["d_k_new"], doc["d_v_new"]) == (32, 32) != tuple(doc["equal"])
@@ -269,23 +274,7 @@ def test_a_layer_whose_values_use_half_their_width_gets_the_value_only_cut_alone
     """Planted: only layer 0's value channels 32..63 are zero (as in the uniform test above); at half the state the
     split per layer gives layer 0 the value-only cut (its loss, with the other layers whole, is the unpruned model's;
     every other candidate of layer 0 loses) and beats the best uniform split."""
-    from statereduce.adapters import get_adapter
-
-    model = tiny_model("gated_deltanet")
-    ad = get_adapter(model)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40)
-        mixer = dict(ad.mixer_layers())[0]
-        mixer.v_proj.weight.view(-1, 64, mixer.v_proj.weight.shape[-1])[:, 32:] = 0
-        ids = tiny_inputs(batch=3, length=4)
-        for _ in range(20):
-            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
-    inputs = tiny_inputs(batch=4, length=32)
-    attrs = {"model": "t", "calibration": "default"}
-    a = {"model": model, "blocks": ids, "dir": tmp_path,
-         "weights": export_qk_weights(model, tmp_path / "qk.h5", attrs={"model": "t"}),
-         "activations": capture_activations(model, inputs, tmp_path / "a.h5", rows_per_head=40, attrs=attrs),
-         "grads": grad_scores(model, inputs, tmp_path / "g.h5", attrs=attrs)}
+    a = _half_values_model(tmp_path, layers={0})
     doc = _split(a, "drrqr-kv@split", pct=50, per_layer=True)
     per = doc["per_layer"]
     assert per["widths"]["0"] == [32, 32]
