@@ -331,7 +331,7 @@ def padded_followups(results: list[dict]) -> list[tuple]:
 
 def _run(cases: list[tuple], doc: dict, args, t0: float) -> list[dict]:
     """Run ``cases`` (one process each, ``--jobs`` at a time over ``--gpus``), append their records to ``doc`` and
-    write it every 10 cases and at the end; returns the records."""
+    write it after each case (a run cut off by a deadline keeps every case it finished); returns the records."""
     done = []
     with cf.ThreadPoolExecutor(args.jobs) as pool:
         futs = [pool.submit(_spawn, c, i % args.gpus, args.T, args.tol, args.timeout, args.device)
@@ -344,8 +344,7 @@ def _run(cases: list[tuple], doc: dict, args, t0: float) -> list[dict]:
             print(f"[{n}/{len(cases)} {time.perf_counter() - t0:.0f}s] {r['family']} {r['kernel']} {r['d_k']}x{r['d_v']}"
                   f"{' ' + pad if r['padded'] else ''}: {r['status']} {r.get('max_rel_error', r.get('message', ''))}",
                   flush=True)
-            if n % 10 == 0 or n == len(cases):
-                _write(doc, args.out)
+            _write(doc, args.out)
     return done
 
 
@@ -354,9 +353,13 @@ def _sort_key(c: dict) -> tuple:
 
 
 def _write(doc: dict, out: Path) -> None:
+    """Write ``doc`` to ``out`` through a temporary file and a rename: a run killed mid-write leaves the last whole
+    document."""
     doc["cases"].sort(key=_sort_key)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, out)
 
 
 def parse_joint(spec: str) -> tuple[int, int]:

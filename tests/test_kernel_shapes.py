@@ -14,8 +14,10 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import inspect
 import json
 
 import pytest
@@ -109,13 +111,14 @@ def test_padded_calls_of_the_sweep_were_right():
 
 VALUES_SMALL = ROOT / "docs" / "results" / "fla_value_shapes_h100_dn_chunk_small.json"
 VALUES_WIDE = ROOT / "docs" / "results" / "fla_value_shapes_h100.json"
+VALUES_ALL = ROOT / "docs" / "results" / "fla_value_shapes_h100_all.json"  # the whole grid, from the runs resumed
 
 
 def _measured_right() -> set[tuple[str, int, int, str]]:
     """(kernel, d_k, d_v, pass) a kernel saw run right at, stock or padded (a padded call runs the kernel at the
     padded shape), in every recorded sweep."""
     out = set()
-    for path in (SWEEP, VALUES_SMALL, VALUES_WIDE):
+    for path in (SWEEP, VALUES_ALL):
         doc = json.loads(path.read_text())
         for c in doc["cases"]:
             if c["status"] == "crash":
@@ -130,18 +133,39 @@ def _measured_right() -> set[tuple[str, int, int, str]]:
     return out
 
 
+def _values_sweep() -> dict:
+    return json.loads(VALUES_ALL.read_text())
+
+
+def test_the_values_sweep_holds_the_whole_grid():
+    """The recorded values sweep has a record of every stock case of the grid, each once; one Gated DeltaNet fused
+    recurrent case has only a crashed process (64 x 16; it ran to fla's refusal with a right forward in
+    fla_value_shapes_h100_rest_gdn.log, whose document was written before it)."""
+    doc = _values_sweep()
+    _, stock = sweep_fla_shapes.values_grid_cases(sweep_fla_shapes.parser().parse_args(["out.json", "--grid", "values"]))
+    keys = [sweep_fla_shapes.record_key(c) for c in doc["cases"]]
+    assert len(keys) == len(set(keys)) and set(stock) <= set(keys)
+    crashed = [sweep_fla_shapes.record_key(c) for c in doc["cases"] if c["status"] == "crash"]
+    assert crashed == [("gated_deltanet", "fused_recurrent", 64, 16, "0")]
+    assert sweep_fla_shapes.resumed(doc, stock)[1] == [("gated_deltanet", "fused_recurrent", 64, 16, "0")]
+
+
 def test_value_rule_matches_the_values_sweep():
     """Every failure of the chunk DeltaNet kernel in the values sweep lies in a pass the two rules flag; the rules
     flag no measured shape that never failed, except in the region of value tiles of at most 32 with key tiles of at
     most 32, where stock calls were erratic (right at 16 x 8, wrong at 16 x 32) and the whole region is guarded; and
-    every call the guard makes there runs the kernel at a shape (padded) that was measured right in that pass."""
-    doc = json.loads(VALUES_SMALL.read_text())
+    every call the guard makes there runs the kernel at a shape (padded) that was measured right in that pass. The
+    fused recurrent DeltaNet kernel was right at every shape."""
+    doc = _values_sweep()
     right = _measured_right()
     for c in doc["cases"]:
-        if c["padded"]:
+        if c["family"] != "delta_net" or c["padded"]:
             continue
         dk, dv = c["d_k"], c["d_v"]
         failed = _failed(c, doc["tol"])
+        if c["kernel"] == "fused_recurrent":
+            assert c["status"] == "ok" and not failed, c
+            continue
         ruled = set(shapes.FAULTY["chunk_delta_rule"](dk, dv)) | set(shapes.VALUE_FAULTY["chunk_delta_rule"](dk, dv))
         assert failed <= ruled, (dk, dv, failed, ruled)
         if ruled and not failed:
@@ -149,14 +173,47 @@ def test_value_rule_matches_the_values_sweep():
         for backward, p in ((True, "backward"), (False, "forward")):
             wk, wv = shapes.padded_widths("chunk_delta_rule", dk, dv, backward=backward)
             assert ("chunk_delta_rule", wk or dk, wv or dv, p) in right, (dk, dv, p, wk, wv)
-    # v is padded exactly where the value tile is at most 32, for the backward (and both passes above key tile 64)
+    # v is padded exactly where the value tile is at most 32 at key tiles up to 128, for the backward
     assert shapes.padded_widths("chunk_delta_rule", 48, 16) == (None, 64)
     assert shapes.padded_widths("chunk_delta_rule", 48, 16, backward=False) == (None, None)
     assert shapes.padded_widths("chunk_delta_rule", 16, 8) == (64, 64)
     assert shapes.padded_widths("chunk_delta_rule", 16, 8, backward=False) == (64, None)
-    assert shapes.padded_widths("chunk_delta_rule", 128, 32, backward=False) == (None, 64)  # unswept: guarded
+    assert shapes.padded_widths("chunk_delta_rule", 128, 32) == (None, 64)  # the DeltaNet 1.3B value cut at 75 %
+    assert shapes.padded_widths("chunk_delta_rule", 128, 32, backward=False) == (None, None)
+    assert shapes.padded_widths("chunk_delta_rule", 256, 8) == (None, None)
+    assert shapes.padded_widths("chunk_delta_rule", 512, 32, backward=False) == (None, 64)  # unswept: guarded
     assert shapes.padded_widths("chunk_delta_rule", 64, 48) == (None, None)
     assert shapes.padded_widths("fused_recurrent_delta_rule", 16, 8) == (None, None)
+
+
+def test_gated_value_rule_matches_the_values_sweep():
+    """The Gated DeltaNet forwards were right at every shape of the values grid; the chunk backward faulted (an
+    illegal memory access before fla's refusal) only where the value rule pads v, and with v padded to 64 each of
+    those reached the refusal; the rule stays within value tiles of 16 at key tiles of at most 64."""
+    doc = _values_sweep()
+    gated = [c for c in doc["cases"] if c["family"] == "gated_deltanet" and c["status"] != "crash"]
+    assert len(gated) == 98 and all(max(c["forward"].values()) < 5e-3 for c in gated)
+    faulted = set()
+    for c in gated:
+        if c["padded"]:
+            assert c["status"] == "refused" and c["pad_v"] == 64 and not c.get("pad_k"), c
+            continue
+        assert c["status"] in ("refused", "error"), c
+        name = KERNEL_OF[c["family"], c["kernel"]]
+        ruled = shapes.VALUE_FAULTY.get(name, lambda *_: frozenset())(c["d_k"], c["d_v"])
+        if c["status"] == "error":
+            assert c["stage"] == "backward" and "illegal memory access" in c["message"] and ruled == {"backward"}, c
+            faulted.add((c["d_k"], c["d_v"]))
+        else:
+            assert sweep_fla_shapes.refused(c["message"]), c
+        if ruled:
+            assert c["d_k"] <= 64 and c["d_v"] <= 16, c
+    assert faulted == {(32, 8), (32, 16), (48, 16)}
+    assert faulted == {(c["d_k"], c["d_v"]) for c in gated if c["padded"]}
+    assert shapes.padded_widths("chunk_gated_delta_rule", 32, 8) == (None, 64)
+    assert shapes.padded_widths("chunk_gated_delta_rule", 32, 8, backward=False) == (None, None)
+    assert shapes.padded_widths("chunk_gated_delta_rule", 128, 8) == (None, None)
+    assert shapes.padded_widths("fused_recurrent_gated_delta_rule", 32, 8) == (None, None)
 
 
 def test_the_sweep_calls_the_recorded_refusals_refused():
@@ -401,6 +458,37 @@ def test_guard_pads_only_faulty_shapes(monkeypatch):
     x = _inputs("delta_net", 16, 64)
     guarded(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert spy.widths[-1] == 16
+
+
+def test_guard_pads_the_gated_values_where_the_backward_faulted(monkeypatch):
+    """The chunk Gated DeltaNet kernel gets v padded to 64 at 32 x 8 when a backward follows, not otherwise, nor at
+    128 x 8; the padded call's output and gradients equal the unpadded ones."""
+    monkeypatch.setattr(fla_fallback, "_TORCH_DEVICE_TYPES", set())  # nothing routed to torch: CPU plays CUDA
+    seen = []
+
+    @functools.wraps(fla_fallback.chunk_gated_delta_rule)  # call_padded binds the kernel's signature
+    def spy(*args, **kwargs):
+        bound = inspect.signature(fla_fallback.chunk_gated_delta_rule).bind(*args, **kwargs)
+        seen.append((bound.arguments["q"].shape[-1], bound.arguments["v"].shape[-1]))
+        return fla_fallback.chunk_gated_delta_rule(*args, **kwargs)
+
+    guarded = shapes.guard(spy, "chunk_gated_delta_rule", device_types=("cpu",))
+    for d_k, d_v, grad, want in [(32, 8, True, (32, 64)), (32, 8, False, (32, 8)), (128, 8, True, (128, 8))]:
+        x = _inputs("gated_deltanet", d_k, d_v)
+        with torch.set_grad_enabled(grad):
+            o, s = guarded(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=x["initial_state"],
+                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+        assert seen[-1] == want, (d_k, d_v, grad)
+        if grad:
+            (o.sum() + s.square().sum()).backward()
+        y = _inputs("gated_deltanet", d_k, d_v)
+        ref = fla_fallback.chunk_gated_delta_rule(**y, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(o, ref[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(s, ref[1], rtol=1e-5, atol=1e-6)
+        if grad:
+            (ref[0].sum() + ref[1].square().sum()).backward()
+            for n in x:
+                torch.testing.assert_close(x[n].grad, y[n].grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])

@@ -11,10 +11,11 @@ result is exact: a zero key channel adds nothing to ``S k`` or to ``S``'s other 
 to ``S q``, and zeros leave the L2 norms of q and k unchanged; only the kernel's work is that of the padded width.
 
 Value cuts give value widths outside :data:`SWEPT_D_V` at every key width. ``scripts/sweep_fla_shapes.py --grid
-values`` sweeps them (``docs/results/fla_value_shapes_h100*.json``, on an H100 with the same fla and Triton): the chunk
-DeltaNet kernel's backward is wrong wherever the value tile is at most 32 (d_v' <= 32), at key tiles 16 to 64, with or
-without the key padding, and right once v is zero-padded to 64. :data:`VALUE_FAULTY` holds that rule; where it
-applies the guard pads v too (:func:`call_padded`'s ``value_width``, exact as well), and then q and k where
+values`` sweeps them (``docs/results/fla_value_shapes_h100_all.json``, on an H100 with the same fla and Triton): the
+chunk DeltaNet kernel's backward is wrong or faults wherever the value tile is at most 32 (d_v' <= 32) at key tiles
+16 to 128, with or without the key padding, and right once v is zero-padded to 64; the Gated DeltaNet chunk backward
+faults at some value tiles of 16 and below before fla refuses it. :data:`VALUE_FAULTY` holds these rules; where they
+apply the guard pads v too (:func:`call_padded`'s ``value_width``, exact as well), and then q and k where
 :data:`FAULTY` says so at the padded value width (:func:`padded_widths`).
 
 The adapter of a family names the kernels to guard (``padded_kernels``); the guard sits around whatever the layer
@@ -66,14 +67,26 @@ def _chunk_delta_rule_faulty(d_k: int, d_v: int) -> frozenset[str]:
 
 
 def _chunk_delta_rule_value_faulty(d_k: int, d_v: int) -> frozenset[str]:
-    """The same kernel with a value tile of at most 32 (d_v' <= 32; fla_value_shapes_h100_dn_chunk_small.json): the
-    backward wrong (dk, dv, beta and the initial state, relative errors 0.3 to 1.7) at key widths 48 and 64, and at 16
-    and 32 with q and k padded to 64; the forward right there. Stock calls at key tiles 16 and 32 were erratic (wrong
-    at 16 x 32 and 32 x 8, right at 16 x 8, 16 x 16, 32 x 16, 32 x 32). v zero-padded to 64 was right at every such
-    shape (<= 8.8e-3). Key tiles above 64 are unswept with such values and count as faulty in both passes."""
-    if _tile(d_v) > 32:
+    """The same kernel with a value tile of at most 32 (d_v' <= 32; fla_value_shapes_h100_all.json): the backward
+    wrong (dk, dv, beta and the initial state, relative errors 0.3 to 1.7) at key widths 48, 64 and 128 (an illegal
+    memory access at 128 x 8 and 128 x 16), and at 16 and 32 with q and k padded to 64; the forward right there.
+    Stock calls at key tiles 16 and 32 were erratic (wrong at 16 x 32 and 32 x 8, right at 16 x 8, 16 x 16, 32 x 16,
+    32 x 32). v zero-padded to 64 was right at every such shape (<= 8.8e-3). At key width 256 both passes were right
+    (256 x 8, 16 and 32, <= 6.2e-3); key tiles above 256 are unswept with such values and count as faulty in both
+    passes."""
+    if _tile(d_v) > 32 or _tile(d_k) == 256:
         return frozenset()
-    return frozenset({"backward"}) if _tile(d_k) <= 64 else frozenset({"forward", "backward"})
+    return frozenset({"backward"}) if _tile(d_k) <= 128 else frozenset({"forward", "backward"})
+
+
+def _chunk_gated_delta_rule_value_faulty(d_k: int, d_v: int) -> frozenset[str]:
+    """fla 0.6.0's chunk Gated DeltaNet kernel with a value tile of at most 16 and a key tile of at most 64
+    (fla_value_shapes_h100_all.json): its forward is right at every shape of the values grid (<= 4.8e-3), but its
+    backward faulted with an illegal memory access at 32 x 8, 32 x 16 and 48 x 16, in a kernel that runs before fla's
+    refusal of this backward (Triton < 3.7.1 on Hopper), while 16 x 8, 16 x 16, 48 x 8, 64 x 8 and 64 x 16 reached
+    the refusal. With v zero-padded to 64 all three reached the refusal. Whether the backward is right where fla runs
+    it (Triton >= 3.7.1) is unmeasured: the rule keeps such calls off the shapes that faulted here."""
+    return frozenset({"backward"}) if _tile(d_v) <= 16 and _tile(d_k) <= 64 else frozenset()
 
 
 #: kernel function -> (d_k, d_v) -> the passes ("forward", "backward") in which stock fla is wrong or faults on CUDA
@@ -83,10 +96,11 @@ FAULTY: dict[str, Callable[[int, int], frozenset[str]]] = {
     "chunk_delta_rule": _chunk_delta_rule_faulty,
 }
 
-#: kernel function -> (d_k, d_v) -> the passes in which stock fla is wrong on CUDA at a value width that zero-padding
-#: v (to :data:`PAD_TO`) repairs. The Gated DeltaNet chunk kernel was not swept at value tiles of at most 32.
+#: kernel function -> (d_k, d_v) -> the passes in which stock fla is wrong or faults on CUDA at a value width that
+#: zero-padding v (to :data:`PAD_TO`) repairs. The fused recurrent kernels were right at every value width.
 VALUE_FAULTY: dict[str, Callable[[int, int], frozenset[str]]] = {
     "chunk_delta_rule": _chunk_delta_rule_value_faulty,
+    "chunk_gated_delta_rule": _chunk_gated_delta_rule_value_faulty,
 }
 
 Table = Mapping[str, Callable[[int, int], frozenset[str]]]
