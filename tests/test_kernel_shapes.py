@@ -150,6 +150,21 @@ def test_the_values_sweep_holds_the_whole_grid():
     assert sweep_fla_shapes.resumed(doc, stock)[1] == [("gated_deltanet", "fused_recurrent", 64, 16, "0")]
 
 
+def test_prune_record_notes_name_the_values_sweep():
+    """The values sweep's shapes count as swept in prune_record.json's note, which names where they were measured:
+    128 x 32 as faulty there (padded), 256 x 32 as measured right; a shape neither sweep ran stays unchecked."""
+    assert shapes.SWEPT_VALUE_SHAPES == {tuple(s) for s in _values_sweep()["shapes"]}
+    kernels = ("chunk_delta_rule", "fused_recurrent_delta_rule")
+    note = shapes.record_note(kernels, 128, 32)
+    assert note["swept"] and note["values_measured_on"] == shapes.VALUES_MEASURED_ON
+    assert note["faulty"] == {"chunk_delta_rule": {"passes": ["backward"], "padded_to": None, "values_padded_to": 64}}
+    assert " is wrong or faults " in note["note"]
+    note = shapes.record_note(kernels, 256, 32)
+    assert note["swept"] and not note["faulty"] and "measured right" in note["note"] and "values_measured_on" in note
+    note = shapes.record_note(kernels, 128, 40)
+    assert not note["swept"] and "unchecked" in note["note"] and "values_measured_on" not in note
+
+
 def test_value_rule_matches_the_values_sweep():
     """Every failure of the chunk DeltaNet kernel in the values sweep lies in a pass the two rules flag; the rules
     flag no measured shape that never failed, except in the region of value tiles of at most 32 with key tiles of at

@@ -45,6 +45,12 @@ SWEPT_D_K: tuple[int, ...] = (8, 16, 32, 48, 64, 96, 128, 192, 256)
 #: value widths the sweep ran
 SWEPT_D_V: tuple[int, ...] = (64, 128, 256, 512)
 
+#: head shapes the values sweep ran: every d_v' that removing 25, 50, 75 or 87.5% of d_v in {64, 128, 256, 512} gives
+#: outside :data:`SWEPT_D_V`, at key widths 16 to 256, and joint cuts of about half the state
+SWEPT_VALUE_SHAPES: frozenset[tuple[int, int]] = frozenset(
+    {(d_k, d_v) for d_k in (16, 32, 48, 64, 128, 256) for d_v in (8, 16, 32, 48, 96, 192, 384)}
+    | {(48, 48), (88, 88), (96, 96), (176, 176), (184, 184), (176, 368), (184, 360)})
+
 #: the width faulty shapes are padded to (the sweep ran the padded calls at it and found them right)
 PAD_TO = 64
 
@@ -258,7 +264,8 @@ def record_note(kernels: tuple[str, ...], d_k: int, d_v: int) -> dict[str, Any]:
     if not kernels:
         return {}
     faulty = faulty_shapes(kernels, d_k, d_v)
-    swept = d_k in SWEPT_D_K and d_v in SWEPT_D_V
+    swept_values = (d_k, d_v) in SWEPT_VALUE_SHAPES
+    swept = swept_values or (d_k in SWEPT_D_K and d_v in SWEPT_D_V)
     if faulty:
         names = ", ".join(f"{k} ({' and '.join(f['passes'])})" for k, f in faulty.items())
         seen = "is wrong or faults" if swept else "lies in the region where it is wrong or faults"
@@ -272,6 +279,6 @@ def record_note(kernels: tuple[str, ...], d_k: int, d_v: int) -> dict[str, Any]:
         note = f"stock fla's kernels ({', '.join(kernels)}) were measured right at d_k={d_k} x d_v={d_v}"
     else:
         note = f"d_k={d_k} x d_v={d_v} is outside the measured sweep: stock fla's kernels are unchecked at it"
-    values = any("values_padded_to" in f for f in faulty.values())
+    values = swept_values or any("values_padded_to" in f for f in faulty.values())
     return {"measured_on": MEASURED_ON, **({"values_measured_on": VALUES_MEASURED_ON} if values else {}),
             "faulty": faulty, "swept": swept, "note": note}
