@@ -477,13 +477,7 @@ def apply_values(adapter: LinearAttentionAdapter, plan: ValuePlan, changes: dict
     config = adapter.config
     scale = math.sqrt(plan.d_v / plan.d_v_new)
     for layer, mixer in adapter.mixer_layers():
-        if layer in plan.fold:
-            fold_output_norm(adapter, mixer)
-        slice_values(adapter, mixer, plan.keep[layer])
-        if scale != 1:
-            with torch.no_grad():
-                for norm in output_norms(adapter, mixer):
-                    norm.weight.mul_(scale)
+        cut_mixer_values(adapter, mixer, layer, plan, scale)
     if plan.config_updates is not None:
         for name, value in plan.config_updates.items():
             changes[name] = [getattr(config, name), value]
@@ -493,13 +487,34 @@ def apply_values(adapter: LinearAttentionAdapter, plan: ValuePlan, changes: dict
         dims = [plan.d_v_new if i in plan.keep else None for i in range(n_layers)]
         setattr(config, VALUE_DIMS_FIELD, dims)
         changes[VALUE_DIMS_FIELD] = [None, dims]
+    return values_entry(plan, scale)
+
+
+def cut_mixer_values(adapter: LinearAttentionAdapter, mixer: nn.Module, layer: int, plan: ValuePlan,
+                     weight_scale: float) -> None:
+    """Slice ``plan``'s value channels of ``layer`` out of ``mixer`` (first folding an output norm weight its heads
+    share, where ``plan.fold`` says so) and multiply its output norms' weight by ``weight_scale``."""
+    if layer in plan.fold:
+        fold_output_norm(adapter, mixer)
+    slice_values(adapter, mixer, plan.keep[layer])
+    if weight_scale != 1:
+        with torch.no_grad():
+            for norm in output_norms(adapter, mixer):
+                norm.weight.mul_(weight_scale)
+
+
+def values_entry(plan: ValuePlan, weight_scale: float | Mapping[str, float],
+                 widths: Mapping[int, int] | None = None) -> dict[str, Any]:
+    """The record's ``values`` entry of ``plan`` (without ``norm_eps``): with ``widths``, each layer's d_v' and a
+    weight scale per layer."""
     return {
         "d_v": plan.d_v,
         "d_v_new": plan.d_v_new,
+        **({"widths": {str(layer): w for layer, w in sorted(widths.items())}} if widths is not None else {}),
         "selection": "layer" if plan.shared else "head",
         "keep": {str(layer): (idx[0].tolist() if plan.shared else idx.tolist())
                  for layer, idx in sorted(plan.keep.items())},
-        "output_norm_weight_scale": scale,
+        "output_norm_weight_scale": weight_scale,
         "output_norm_folded": sorted(plan.fold),
         "stock_loadable": plan.config_updates is not None,
     }
@@ -742,14 +757,7 @@ def prune_mixed(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Tensor
     for layer, mixer in adapter.mixer_layers():
         slice_mixer(adapter, mixer, keep[layer], adapter.mixer_updates(config, widths[layer]))
         if value_plan is not None:
-            if layer in value_plan.fold:
-                fold_output_norm(adapter, mixer)
-            slice_values(adapter, mixer, value_plan.keep[layer])
-            weight_scale = math.sqrt(d_v / value_dims[layer])
-            if weight_scale != 1:
-                with torch.no_grad():
-                    for norm in output_norms(adapter, mixer):
-                        norm.weight.mul_(weight_scale)
+            cut_mixer_values(adapter, mixer, layer, value_plan, math.sqrt(d_v / value_dims[layer]))
         if output_eps[layer] is not None:
             for attr in adapter.layout(mixer).output_norm_eps():
                 setattr(attr.module, attr.attr, output_eps[layer])
@@ -759,16 +767,9 @@ def prune_mixed(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Tensor
     if value_plan is not None:
         setattr(config, VALUE_DIMS_FIELD, value_dims)
         changes[VALUE_DIMS_FIELD] = [None, value_dims]
+        scales = {str(layer): math.sqrt(d_v / w) for layer, w in sorted(value_widths.items())}
         value_entry = {
-            "d_v": d_v,
-            "d_v_new": value_plan.d_v_new,
-            "widths": {str(layer): w for layer, w in sorted(value_widths.items())},
-            "selection": "layer" if value_plan.shared else "head",
-            "keep": {str(layer): (idx[0].tolist() if value_plan.shared else idx.tolist())
-                     for layer, idx in sorted(value_plan.keep.items())},
-            "output_norm_weight_scale": {str(layer): math.sqrt(d_v / w) for layer, w in sorted(value_widths.items())},
-            "output_norm_folded": sorted(value_plan.fold),
-            "stock_loadable": False,
+            **values_entry(value_plan, scales, value_widths),
             "norm_eps": {"choice": norm_eps, "note": "each mixer's output-norm eps times d_v/d_v'(layer)"
                          if exact else "the output norms keep the config's eps: equal to zero-masking up to it"},
         }
