@@ -103,7 +103,8 @@ FAULTY: dict[str, Callable[[int, int], frozenset[str]]] = {
 }
 
 #: kernel function -> (d_k, d_v) -> the passes in which stock fla is wrong or faults on CUDA at a value width that
-#: zero-padding v (to :data:`PAD_TO`) repairs. The fused recurrent kernels were right at every value width.
+#: zero-padding v (to :data:`PAD_TO`) repairs. The fused recurrent kernels' forwards (and DeltaNet's backward) were
+#: right at every value width.
 VALUE_FAULTY: dict[str, Callable[[int, int], frozenset[str]]] = {
     "chunk_delta_rule": _chunk_delta_rule_value_faulty,
     "chunk_gated_delta_rule": _chunk_gated_delta_rule_value_faulty,
