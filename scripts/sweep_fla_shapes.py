@@ -353,13 +353,13 @@ def _sort_key(c: dict) -> tuple:
 
 
 def _write(doc: dict, out: Path) -> None:
-    """Write ``doc`` to ``out`` through a temporary file and a rename: a run killed mid-write leaves the last whole
-    document."""
+    """Write ``doc`` to ``out`` atomically: a run killed mid-write leaves the last whole document."""
+    sys.path.insert(0, str(ROOT))
+    from statereduce.core.runtime import write_text_atomic
+
     doc["cases"].sort(key=_sort_key)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, out)
+    write_text_atomic(out, json.dumps(doc, indent=1) + "\n")
 
 
 def parse_joint(spec: str) -> tuple[int, int]:
