@@ -219,7 +219,8 @@ def select(
         stats: :func:`calibrate`'s result; None for selectors that read only weights (``rand``, ``l1``).
         selector: a registered selector (``python -m statereduce`` lists them), optionally with ``-k`` or ``-q``
             to score from the keys or the queries alone (paper Table 16): ``drrqr``, ``l1-q``, ``pca``, ...
-        pct: percent of the key channels removed, in (0, 100); each head keeps ``d_k - round(d_k * pct / 100)``.
+        pct: percent of the key channels removed, in (0, 100) (50 removes half; 0.5 is half a percent); each head
+            keeps ``d_k - round(d_k * pct / 100)``, and a pct that removes no channel is refused.
         seed: seeds ``rand`` (each head draws from its own generator of (seed, layer, head)).
         workers: heads selected in parallel threads.
         widths: {layer: d_k'} per linear-attention layer (a per-layer key budget: :func:`allocate`'s ``key_dims``);
@@ -229,8 +230,8 @@ def select(
         a :class:`Selection`.
     Raises:
         ValueError: one line, for an unknown selector, variant or option, a pct outside (0, 100) or one that keeps
-            no channel, missing statistics (``grad`` needs ``calibrate(..., gradients=True)``), or statistics of
-            another model.
+            or removes no channel (:func:`statereduce.selectors.n_keep_for`), missing statistics (``grad`` needs
+            ``calibrate(..., gradients=True)``), or statistics of another model.
     """
     spec = parse_method(selector)
     if spec.cut != "keys":
@@ -293,7 +294,7 @@ def allocate(
         stats: :func:`calibrate`'s result (what the policy and the selector read; None for a ``uniform`` budget or a
             weight-only selector under ``sensitivity``).
         selector: the selector (and ``-k``/``-q``) whose objective or selections the policy uses.
-        pct: percent of the key channels removed; every allocation keeps the uniform cut's total.
+        pct: percent of the key channels removed, in (0, 100); every allocation keeps the uniform cut's total.
         budget: :class:`~statereduce.common.settings.BudgetSettings` or its mapping (policy, statistic, floor, multiple,
             ...); None: the spectrum policy with the captured energy.
         blocks: [N, T] calibration token ids, for the sensitivity policy's loss.
@@ -301,11 +302,14 @@ def allocate(
     Returns:
         the allocation document (``key_dims``: {"<layer>": d_k'}, ``allocation``, ``statistics``); pass its
         ``key_dims`` as :func:`select`'s ``widths``.
+    Raises:
+        ValueError: one line, before any work, for a pct that keeps or removes no channel (as :func:`select`).
     """
     settings = BudgetSettings.coerce(budget)
     spec = parse_method(selector)
     adapter = _adapter(model)
     h, d_k = adapter.num_heads, adapter.head_k_dim
+    n_keep_for(d_k, pct)
     layers = [i for i, _ in adapter.mixer_layers()]
     if stats is not None:
         _check_stats(stats, model, adapter, layers)

@@ -202,6 +202,7 @@ def dn():
     (lambda m, s: api.select(m, s, "drrqr", pct=150), r"pct=150 must be in \(0, 100\)"),
     (lambda m, s: api.select(m, s, "drrqr", pct="half"), r"pct='half' must be a number in \(0, 100\)"),
     (lambda m, s: api.select(m, s, "drrqr", pct=99.9), r"pct=99.9 removes every channel of d_k=32"),
+    (lambda m, s: api.allocate(m, s, "drrqr", 0.5), r"^pct 0\.5 removes no key channel of d_k=32 "),
     (lambda m, s: api.select(m, s, "drrqr", g=2), r"unknown option\(s\) \['g'\] for selector 'drrqr'; valid: \['f'"),
     (lambda m, s: api.select(m, None, "drrqr"), r"'drrqr' needs calibration statistics \(K, Q\)"),
     (lambda m, s: api.select(m, s, "grad"), r"'grad' needs Grad scores.*gradients=True"),
@@ -219,13 +220,28 @@ def dn():
     (lambda m, s: api.save(m, "x"), r"save takes what api.prune returns"),
     (lambda m, s: api.build("deltanet"), r"unknown model family 'deltanet'; valid: delta_net, gated_deltanet"),
     (lambda m, s: api.build("delta_net", hiden_size=8), r"unknown arch key\(s\) \['hiden_size'\]"),
-], ids=["selector", "variant", "pct-range", "pct-type", "pct-keeps-none", "option", "no-stats", "no-grad",
-        "stats-type", "stats-of-another-model", "blocks-shape", "blocks-dtype", "blocks-vocab", "rows", "grad-seq",
-        "not-a-model", "selection-type", "selection-layers", "save-type", "family", "arch"])
+], ids=["selector", "variant", "pct-range", "pct-type", "pct-keeps-none", "allocate-pct-removes-none", "option",
+        "no-stats", "no-grad", "stats-type", "stats-of-another-model", "blocks-shape", "blocks-dtype", "blocks-vocab",
+        "rows", "grad-seq", "not-a-model", "selection-type", "selection-layers", "save-type", "family", "arch"])
 def test_bad_input_fails_in_one_line(dn, call, message):
     with pytest.raises(ValueError, match=message) as err:
         call(*dn)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("pct, kept", [(0.5, None), (1.5, None), (1.6, 31), (50, 16)])
+def test_a_pct_is_a_percent_and_one_that_removes_no_channel_is_refused(dn, pct, kept):
+    """A fraction written for a percent (0.5 meaning half) removes no channel of d_k=32: refused in one line that
+    says what pcts are; 1.6 removes one channel (round(0.512) = 1), 50 removes half."""
+    model, stats = dn
+    if kept is None:
+        with pytest.raises(ValueError) as err:
+            api.select(model, stats, "drrqr", pct=pct)
+        assert str(err.value) == (f"pct {pct:g} removes no key channel of d_k=32 (round(32*{pct:g}/100) = 0); pcts "
+                                  "are percent of channels removed, e.g. drrqr_50 removes half")
+        return
+    selection = api.select(model, stats, "drrqr", pct=pct)
+    assert selection.d_k_new == kept and all(len(sel.keep) == kept for _, _, sel in selection.rows)
 
 
 # ---- python -m statereduce and the --help texts ----------------------------------------------------

@@ -270,6 +270,18 @@ def test_local_checkpoint_must_be_a_folder_with_config_json(shipped_config, tmp_
      "method 'drrqr.bogus' names calibration 'bogus'; valid: n16, prose, seed1"),
     ("results/tiny-dn/drrqr_7x5/eval.json", "pct '7x5' in 'drrqr_7x5' is not a number such as 75 or 37.5"),
     ("results/tiny-dn/drrqr_100/rft/eval.json", "pct 100.0 is outside (0, 100)"),
+    ("results/tiny-dn/drrqr_0.5/eval.json",
+     "model 'tiny-dn' at pct 0.5: pct 0.5 removes no key channel of d_k=64 (round(64*0.5/100) = 0); pcts are percent "
+     "of channels removed, e.g. drrqr_50 removes half"),
+    ("results/tiny-gdn/select/grad-v_0.5.parquet",
+     "model 'tiny-gdn' at pct 0.5: pct 0.5 removes no value channel of d_v=64 (round(64*0.5/100) = 0); pcts are "
+     "percent of channels removed, e.g. drrqr_50 removes half"),
+    ("results/tiny-gdn/grad-kv_0.5/eval.json",
+     "model 'tiny-gdn' at pct 0.5: pct 0.5 removes no channel of the d_k x d_v = 64 x 64 state (round(64*0.5/100) = "
+     "0); pcts of a joint cut are percent of the state removed, e.g. drrqr-kv_50 removes half"),
+    ("results/tiny-dn/drrqr@sens_0.5/eval.json",
+     "model 'tiny-dn' at pct 0.5: pct 0.5 removes no key channel of d_k=64"),
+    ("results/tiny-dn/drrqr_1.6/eval.json", None),
     ("results/tiny-dn/evals/eval.json", "'evals' is neither <method>_<pct> (e.g. drrqr_75) nor one of base, baseline,"),
     ("results/tiny-dn/baseline/eval.json", None),
     ("results/tiny-dn/select/l1-q.prose_75.parquet", None),
@@ -368,6 +380,9 @@ def _dry_run(workdir: Path, *targets: str, cfg: dict | None = None) -> subproces
     ("results/tiny-dn/foo_75/eval.json",
      "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, pca, pca-adv, rand, swanda"),
     ("results/nomodel/drrqr_75/eval.json", "unknown model 'nomodel'; valid: "),
+    ("results/tiny-dn/drrqr_0.5/eval.json",
+     "model 'tiny-dn' at pct 0.5: pct 0.5 removes no key channel of d_k=64 (round(64*0.5/100) = 0); pcts are percent "
+     "of channels removed, e.g. drrqr_50 removes half"),
 ])
 def test_unknown_part_of_a_target_fails_before_any_job(tmp_path, target, message):
     out = _dry_run(tmp_path, "all", target)
@@ -381,7 +396,7 @@ def test_unknown_part_of_a_target_fails_before_any_job(tmp_path, target, message
 
 def test_rule_names_and_known_paths_still_plan(tmp_path):
     out = _dry_run(tmp_path, "all_paper", "results/tiny-dn/drrqr.prose_75/eval.json",
-                   "results/tiny-gdn/select/l1-k_50.parquet")
+                   "results/tiny-gdn/select/l1-k_50.parquet", "results/tiny-dn/drrqr_1.6/eval.json")
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
 
 

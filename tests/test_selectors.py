@@ -339,7 +339,8 @@ def test_format_rejects_invalid_specs():
 
 
 @pytest.mark.parametrize(
-    "d_k,pct,n_keep", [(128, 50, 64), (128, 75, 32), (128, 30, 90), (256, 50, 128), (4, 25, 3), (1, 10, 1), (5, 50, 3)]
+    "d_k,pct,n_keep", [(128, 50, 64), (128, 75, 32), (128, 30, 90), (256, 50, 128), (4, 25, 3), (5, 50, 3),
+                       (64, 1.6, 63)]
 )
 def test_n_keep_for(d_k, pct, n_keep):
     assert n_keep_for(d_k, pct) == n_keep
@@ -352,3 +353,14 @@ def test_n_keep_for_rejects(d_k, pct):
     assert f"{d_k}" in str(err.value)
     if d_k > 0:
         assert f"pct={pct}" in str(err.value)
+
+
+@pytest.mark.parametrize("d, pct, side", [(64, 0.5, "key"), (1, 10, "key"), (64, 0.78, "value")])
+def test_n_keep_for_refuses_a_pct_that_removes_no_channel(d, pct, side):
+    """A fraction written for a percent (0.5 meaning half) removes round(d * pct / 100) = 0 channels: one line that
+    names the pct, the width and what pcts are, never a selection that keeps every channel."""
+    name = "d_v" if side == "value" else "d_k"
+    with pytest.raises(ValueError) as err:
+        n_keep_for(d, pct, side)
+    assert str(err.value) == (f"pct {pct:g} removes no {side} channel of {name}={d} (round({d}*{pct:g}/100) = 0); "
+                              "pcts are percent of channels removed, e.g. drrqr_50 removes half")

@@ -52,6 +52,26 @@ def test_split_candidates_run_from_key_only_to_value_only_at_the_pcts_state(d_k,
     assert {k for k, _ in got} >= {w for w in inner if abs(w * round(target / w) - target) <= STATE_TOLERANCE * d_k * d_v}
 
 
+@pytest.mark.parametrize("d_k, d_v", [(64, 64), (32, 64), (256, 256)])
+@pytest.mark.parametrize("pct", [0.5, 0.78, 1, 1.6])
+def test_a_joint_cut_removes_a_channel_or_is_refused(d_k, d_v, pct):
+    """A joint pct removes a channel when it rounds one channel of the larger side to one (round(max(d_k, d_v) *
+    pct / 100) >= 1); then the equal split and every split candidate cut the state, and a side that the pct cuts to
+    nothing is no candidate. Otherwise (a fraction written for a percent) both refuse in one line."""
+    if round(max(d_k, d_v) * pct / 100) == 0:
+        for call in (lambda: joint_widths(d_k, d_v, pct), lambda: split_candidates(d_k, d_v, pct, [8, 16])):
+            with pytest.raises(ValueError) as err:
+                call()
+            assert str(err.value) == (
+                f"pct {pct:g} removes no channel of the d_k x d_v = {d_k} x {d_v} state (round({max(d_k, d_v)}*"
+                f"{pct:g}/100) = 0); pcts of a joint cut are percent of the state removed, e.g. drrqr-kv_50 "
+                "removes half")
+        return
+    assert joint_widths(d_k, d_v, pct) != (d_k, d_v)
+    got = split_candidates(d_k, d_v, pct, candidate_widths(d_k, 8, 8))
+    assert got and (d_k, d_v) not in got  # the key-only cut of a pct that cuts no key is the whole state: left out
+
+
 def test_split_candidates_skip_pairs_the_family_refuses():
     def check(k, v):
         if v % 16:

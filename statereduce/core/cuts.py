@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from statereduce.common.layout import CUTS
-from statereduce.selectors.registry import n_keep_for
+from statereduce.selectors.registry import n_keep_for, n_removed_for, no_channel_removed
 
 
 #: the split artifact's format (:func:`read_split`)
@@ -32,17 +32,19 @@ def joint_widths(d_k: int, d_v: int, pct: float,
 
     Among the pairs whose state d_k' d_v' lies within :data:`STATE_TOLERANCE` of the full state from (1 - pct/100)
     d_k d_v, the one with the most equal kept fractions d_k'/d_k and d_v'/d_v, then the closest state, then the larger
-    d_k' (with no pair that close: the closest state). ``check(d_k', d_v')`` may refuse a pair (a family whose config
-    cannot hold it) by raising ValueError; the next best is taken.
+    d_k' (with no pair that close: the closest state). The whole state (d_k, d_v) is no candidate: a cut removes a
+    channel. ``check(d_k', d_v')`` may refuse a pair (a family whose config cannot hold it) by raising ValueError; the
+    next best is taken.
 
     Raises:
-        ValueError: one line, for a pct outside (0, 100) or when no pair passes ``check``.
+        ValueError: one line, for a pct outside (0, 100), one that removes no channel (:func:`_state_target`) or when
+            no pair passes ``check``.
     """
     full, target = _state_target(d_k, d_v, pct)
     candidates = set()
     for k in range(1, d_k + 1):
         for v in (int(target // k), int(target // k) + 1):
-            if 1 <= v <= d_v:
+            if 1 <= v <= d_v and (k, v) != (d_k, d_v):
                 err = abs(k * v - target) / full
                 candidates.add((err > STATE_TOLERANCE, 0.0 if err > STATE_TOLERANCE else abs(k / d_k - v / d_v),
                                 err, -k, k, v))
@@ -52,9 +54,14 @@ def joint_widths(d_k: int, d_v: int, pct: float,
 
 
 def _state_target(d_k: int, d_v: int, pct: float) -> tuple[int, float]:
-    """(the full state d_k d_v, the state a joint cut at ``pct`` keeps); a one-line ValueError for a bad pct."""
+    """(the full state d_k d_v, the state a joint cut at ``pct`` keeps); a one-line ValueError for a bad pct, or one
+    that removes no channel: less than half the smallest cut, one channel of the larger side (``round(max(d_k, d_v)
+    * pct / 100) = 0``, as :func:`~statereduce.selectors.n_keep_for` rounds one side)."""
     if not 0 < pct < 100:
         raise ValueError(f"pct={pct!r} is invalid for a joint cut; valid: a percent of the state in (0, 100)")
+    if n_removed_for(max(d_k, d_v), pct) == 0:
+        raise no_channel_removed(pct, max(d_k, d_v), f"channel of the d_k x d_v = {d_k} x {d_v} state",
+                                 "pcts of a joint cut are percent of the state removed, e.g. drrqr-kv_50 removes half")
     return d_k * d_v, (1 - pct / 100) * d_k * d_v
 
 
@@ -79,7 +86,7 @@ def cut_widths(cut: str, d_k: int, d_v: int, pct: float,
     if cut == "keys":
         return n_keep_for(d_k, pct), d_v
     if cut == "values":
-        return d_k, n_keep_for(d_v, pct)
+        return d_k, n_keep_for(d_v, pct, "value")
     if cut == "joint":
         return joint_widths(d_k, d_v, pct, check)
     raise ValueError(f"unknown cut {cut!r}; valid: {', '.join(CUTS)}")
@@ -89,15 +96,21 @@ def split_candidates(d_k: int, d_v: int, pct: float, key_widths: list[int],
                      check: Callable[[int, int], None] | None = None) -> list[tuple[int, int]]:
     """The (d_k', d_v') pairs a joint cut with a ``split`` budget chooses from at ``pct`` percent of the state, by
     ascending d_k': the value-only cut (d_k, ``n_keep_for(d_v, pct)``), the key-only cut (``n_keep_for(d_k, pct)``,
-    d_v), the equal split (:func:`joint_widths`), and for each of ``key_widths`` between the two (the budget's
-    allowed widths) the value width whose state is nearest the pct's, where that lies within
-    :data:`STATE_TOLERANCE` of the full state. ``check`` refuses pairs as for :func:`joint_widths`.
+    d_v) (each where the pct removes a channel of that side), the equal split (:func:`joint_widths`), and for each of
+    ``key_widths`` between the two (the budget's allowed widths) the value width whose state is nearest the pct's,
+    where that lies within :data:`STATE_TOLERANCE` of the full state; never the whole state. ``check`` refuses pairs
+    as for :func:`joint_widths`.
 
     Raises:
-        ValueError: one line, for a pct outside (0, 100) or when no pair passes ``check``.
+        ValueError: one line, for a pct outside (0, 100), one that removes no channel, or when no pair passes
+            ``check``.
     """
     full, target = _state_target(d_k, d_v, pct)
-    pairs = {(d_k, n_keep_for(d_v, pct)), (n_keep_for(d_k, pct), d_v)}
+    pairs = set()
+    if n_removed_for(d_v, pct):
+        pairs.add((d_k, n_keep_for(d_v, pct, "value")))
+    if n_removed_for(d_k, pct):
+        pairs.add((n_keep_for(d_k, pct), d_v))
     try:
         pairs.add(joint_widths(d_k, d_v, pct, check))
     except ValueError:
@@ -106,6 +119,7 @@ def split_candidates(d_k: int, d_v: int, pct: float, key_widths: list[int],
         v = min(max(round(target / k), 1), d_v)
         if abs(k * v - target) / full <= STATE_TOLERANCE:
             pairs.add((k, v))
+    pairs.discard((d_k, d_v))
     out = list(_passing(sorted(pairs), check))
     if not out:
         raise _no_pair(d_k, d_v, pct)

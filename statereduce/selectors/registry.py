@@ -310,27 +310,50 @@ def format_method(spec: MethodSpec) -> str:
 # Compression ratio and the per-model driver
 
 
-def n_keep_for(d_k: int, pct: float) -> int:
-    """Channels kept per head when ``pct`` percent of the ``d_k`` key channels are removed.
+#: What a pct means, for the errors of a pct that removes no channel.
+PCT_MEANING = "pcts are percent of channels removed, e.g. drrqr_50 removes half"
 
-    ``d_k - round(d_k * pct / 100)`` (Python's round, half to even); ``pct`` is the paper's
-    "compression" (50 keeps half).
+
+def n_removed_for(d: int, pct: float) -> int:
+    """Channels removed per head when ``pct`` percent of ``d`` are: ``round(d * pct / 100)`` (Python's round, half to
+    even); unchecked (:func:`n_keep_for` checks)."""
+    return round(int(d) * float(pct) / 100.0)
+
+
+def no_channel_removed(pct: float, d: int, what: str, meaning: str = PCT_MEANING) -> ValueError:
+    """The one-line error of a pct that removes none of ``d`` channels (``what``: e.g. "key channel of d_k=64")."""
+    return ValueError(f"pct {float(pct):g} removes no {what} (round({d}*{float(pct):g}/100) = 0); {meaning}")
+
+
+def n_keep_for(d_k: int, pct: float, side: str = "key") -> int:
+    """Channels kept per head when ``pct`` percent of the ``d_k`` key (or value) channels are removed.
+
+    ``d_k - round(d_k * pct / 100)`` (:func:`n_removed_for`); ``pct`` is the paper's "compression" (50 keeps half).
+    Every cut's widths come from here (:mod:`statereduce.core.cuts`, the per-layer budgets' uniform total), so a
+    pct that removes no channel (a fraction written for a percent: 0.5 of d_k=64) or all of them is refused here.
 
     Args:
-        d_k: the head's key dimension (>= 1).
+        d_k: the head's key (or value) dimension (>= 1).
         pct: percent of channels removed, strictly between 0 and 100.
+        side: "key" (d_k) or "value" (d_v): which channels the errors name.
+    Raises:
+        ValueError: one line, for a pct outside (0, 100), one that removes no channel or every channel.
     """
+    name = "d_v" if side == "value" else "d_k"
     if isinstance(d_k, bool) or not isinstance(d_k, (int, np.integer)) or d_k < 1:
-        raise ValueError(f"d_k={d_k!r} must be a positive integer")
+        raise ValueError(f"{name}={d_k!r} must be a positive integer")
     try:
         p = float(pct)
     except (TypeError, ValueError):
         raise ValueError(f"pct={pct!r} must be a number in (0, 100)") from None
     if isinstance(pct, bool) or not 0.0 < p < 100.0:
-        raise ValueError(f"pct={pct!r} must be in (0, 100) (percent of d_k={d_k} channels removed)")
-    n_keep = int(d_k) - round(int(d_k) * p / 100.0)
+        raise ValueError(f"pct={pct!r} must be in (0, 100) (percent of {name}={d_k} channels removed)")
+    n_removed = n_removed_for(d_k, p)
+    if n_removed == 0:
+        raise no_channel_removed(p, d_k, f"{side} channel of {name}={d_k}")
+    n_keep = int(d_k) - n_removed
     if n_keep < 1:
-        raise ValueError(f"pct={pct!r} removes every channel of d_k={d_k} (keeps {n_keep}); use a smaller pct")
+        raise ValueError(f"pct={pct!r} removes every channel of {name}={d_k} (keeps {n_keep}); use a smaller pct")
     return n_keep
 
 
