@@ -249,6 +249,27 @@ class LinearAttentionAdapter(FamilySpec):
     #: a head shape stock fla mishandles are zero-padded); empty: the family calls no such kernel of fla's
     padded_kernels: ClassVar[tuple[str, ...]] = ()
 
+    #: the layer module's kernel functions that the run-time check (:mod:`statereduce.kernels.check`) compares on CUDA
+    #: with their PyTorch reference: name -> the reference's name in :mod:`statereduce.kernels.fla_fallback`
+    checked_kernels: ClassVar[Mapping[str, str]] = {}
+    #: the keyword flags the family's layers pass to those kernels (the check calls them so)
+    kernel_flags: ClassVar[Mapping[str, bool]] = {}
+
+    def kernel_routes(self, backward: bool = False) -> list:
+        """The kernel routes a job on this model uses (:class:`statereduce.kernels.check.Route`): each of
+        :attr:`checked_kernels` at each head shape of the model's linear-attention layers (q/k heads, value heads,
+        each layer's key and value widths), in the forward and, with ``backward``, in the backward of the kernels a
+        training step differentiates (:data:`~statereduce.kernels.check.BACKWARD`)."""
+        from statereduce.kernels.check import BACKWARD, Route
+
+        shapes = sorted({(self.num_heads, s.num_heads, s.d_k, s.d_v) for s in self.layer_state_shapes().values()})
+        setup = f"{type(self).__module__}:{type(self).__qualname__}"
+        flags = tuple(sorted(self.kernel_flags.items()))
+        return [Route(self.layer_module, kernel, reference, pass_, *shape, flags=flags, setup=setup)
+                for kernel, reference in self.checked_kernels.items()
+                for pass_ in (("forward", "backward") if backward and reference in BACKWARD else ("forward",))
+                for shape in shapes]
+
     @classmethod
     def install_fallbacks(cls, torch_device_types: tuple[str, ...] = ("cpu",)) -> None:
         """Route the family's kernel calls on ``torch_device_types`` to PyTorch implementations (idempotent): fla's

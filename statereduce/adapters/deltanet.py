@@ -28,4 +28,5 @@ class DeltaNetAdapter(DeltaNetFamily, FlaAdapter):
     qk_readers = dict.fromkeys(KERNELS, fla_qk_of_call)  # q, k first or as keywords
     v_readers = dict.fromkeys(KERNELS, fla_v_of_call)
     padded_kernels = KERNELS  # statereduce.kernels.shapes: zero-padded at shapes stock fla mishandles
+    checked_kernels = {k: k for k in KERNELS}  # statereduce.kernels.check: compared on CUDA with fla_fallback's
     mixer_class = LazyImport("fla.layers.delta_net:DeltaNet")

@@ -33,4 +33,7 @@ class GatedDeltaNetAdapter(GatedDeltaNetFamily, FlaAdapter):
     qk_readers = dict.fromkeys(KERNELS, fla_qk_of_call)  # q, k first or as keywords
     v_readers = dict.fromkeys(KERNELS, fla_v_of_call)
     padded_kernels = KERNELS  # statereduce.kernels.shapes: zero-padded at shapes stock fla mishandles
+    checked_kernels = {k: k for k in KERNELS}  # statereduce.kernels.check: compared on CUDA with fla_fallback's
+    # what fla's GatedDeltaNet passes its kernels: the gate and beta's sigmoid computed in the kernel, the state [V, K]
+    kernel_flags = {"state_v_first": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
     mixer_class = LazyImport("fla.layers.gated_deltanet:GatedDeltaNet")

@@ -160,6 +160,9 @@ class Qwen35Adapter(Qwen35Family, TransformersAdapter):
     """Qwen3.5: ``linear_key_head_dim`` carries d_k of the Gated DeltaNet layers; attention layers stay."""
 
     layer_module = LAYER_MODULE
+    # statereduce.kernels.check: compared on CUDA with fla_fallback's (transformers binds fla's kernels here when fla
+    # is installed, its own PyTorch versions otherwise)
+    checked_kernels = dict(zip(KERNELS, ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")))
     qk_readers = dict.fromkeys(KERNELS, _qk_of_call)
     v_readers = dict.fromkeys(KERNELS, _v_of_call)
     mixer_layout = Qwen35Layout

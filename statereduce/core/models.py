@@ -231,8 +231,44 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
         model = (adapter.causal_lm_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
     model.to(device).eval()
     setattr(model, BASE_ATTR, checkpoint_provenance(base))
+    check_kernels(model)
     tokenizer = AutoTokenizer.from_pretrained(tok_id, revision=revision if tok_id == model_id else None)
     return model, tokenizer
+
+
+KERNEL_CHECK_ATTR = "_statereduce_kernel_check"
+"""The attribute of a loaded model holding the record of its kernel check (:func:`check_kernels`)."""
+
+
+def check_kernels(model: torch.nn.Module, backward: bool = False, policy: str | None = None) -> list[dict[str, Any]]:
+    """The run-time check of the fla kernels ``model`` will run, on CUDA (:mod:`statereduce.kernels.check`).
+
+    :func:`load_model` runs it for the forward; a job that differentiates (RFT's student, Grad scores) runs it again
+    with ``backward`` before its first backward (the forward routes come from the cache then). Routes that are not
+    right run in PyTorch from then on, or the job stops, as ``policy`` (default: the environment's
+    ``STATEREDUCE_KERNEL_CHECK``, else ``fallback``) says. Nothing happens on CPU or for a family that calls no fla
+    kernel (Mamba-2).
+
+    Returns:
+        This call's record; the model's :data:`KERNEL_CHECK_ATTR` keeps every route checked for it so far, which
+        the job's record (``eval.json``, the RFT record, the HDF5 attributes of calibration and Grad scores) names.
+    """
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return []
+    from statereduce.adapters import get_adapter
+    from statereduce.kernels import check
+
+    record = check.check_routes(get_adapter(model).kernel_routes(backward), device, policy)
+    merged = {(e["kernel"], e["pass"], tuple(e["shape"].values())): e
+              for e in [*getattr(model, KERNEL_CHECK_ATTR, []), *record]}
+    setattr(model, KERNEL_CHECK_ATTR, list(merged.values()))
+    return record
+
+
+def kernel_check_record(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Every route checked for ``model`` (:func:`check_kernels`); empty on CPU."""
+    return list(getattr(model, KERNEL_CHECK_ATTR, []))
 
 
 def load_mixed_widths(cls, folder: Path, config, dtype: torch.dtype, overrides: dict[str, Any]):

@@ -375,6 +375,7 @@ def evaluate_and_write(
         (``{suite: {summary: value or None}}``) when ``eval_cfg["suites"]`` is non-empty.
     """
     from statereduce.core.checkpoints import base_checkpoint
+    from statereduce.core.models import kernel_check_record
     from statereduce.eval.suites import summarize_suites
 
     unknown = sorted(set(eval_cfg) - set(EVAL_CFG_KEYS))
@@ -393,8 +394,10 @@ def evaluate_and_write(
     if eval_cfg.get("suites"):
         result["suites"] = summarize_suites(result["metrics"], eval_cfg["suites"], written)
     base = base_checkpoint(model)
+    checked = kernel_check_record(model)  # on CUDA: the fla kernel routes checked and which path ran each
     extra = {"state": state_record(model), "checkpoint": checkpoint, "model_id": model_id,
-             **({"base_checkpoint": base} if base is not None else {}), **(extra_provenance or {})}
+             **({"base_checkpoint": base} if base is not None else {}),
+             **({"kernel_check": checked} if checked else {}), **(extra_provenance or {})}
     return write_eval_json(out_path, result, extra)
 
 

@@ -14,7 +14,7 @@ Layout::
     /layer_000/xnorm  float64 [hidden]
     /layer_000/V      float32 [HV, rows, d_v]  (the values as they enter the recurrence, same positions)
     attrs: model, revision, corpus, n_samples, seq_len, seed, rows_per_head, n_tokens, num_heads,
-           head_k_dim, hidden_size, layers, dtype, package_version, created
+           head_k_dim, hidden_size, layers, dtype, package_version, created; kernel_check (JSON) on CUDA
 
 ``grad_scores.h5``: per layer ``grad_q``/``grad_k`` float64 [H, d_k] with
 s_j = sum_i |W[j, i] * dL/dW[j, i]| for the full model's mean LM loss over the calibration blocks
@@ -45,6 +45,7 @@ from statereduce import __version__
 from statereduce.adapters import get_adapter
 from statereduce.core.h5files import write_layers
 from statereduce.core.checkpoints import base_checkpoint
+from statereduce.core.models import check_kernels, kernel_check_record
 from statereduce.common.settings import CalibrationSettings
 
 
@@ -262,7 +263,8 @@ def grad_score_arrays(
         in the adapter's order.
     """
     adapter = get_adapter(model)
-    adapter.route_backward()  # the torch kernels on a GPU where fla refuses the family's backward
+    if adapter.route_backward() == "fla":  # the torch kernels on a GPU where fla refuses the family's backward
+        check_kernels(model, backward=True)  # on CUDA: fla's backward at these head shapes, checked first
     weights = {lay.layer: lay.qk_weight_rows() for lay in adapter.layouts()}  # {layer: ((W, rows_q), (W, rows_k))}
     value_weights = {lay.layer: _value_weight_positions(lay) for lay in adapter.layouts()} if values else {}
     targets = {id(w) for pair in weights.values() for w, _ in pair}
@@ -380,4 +382,6 @@ def _meta(model: torch.nn.Module, layers: list[int]) -> dict:
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "package_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        # on CUDA, the fla kernel routes checked for the model and which path ran each (statereduce.kernels.check)
+        "kernel_check": json.dumps(kernel_check_record(model)) if kernel_check_record(model) else None,
     }

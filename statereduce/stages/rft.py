@@ -869,7 +869,7 @@ def fine_tune(
     from accelerate import Accelerator
 
     from statereduce.core.checkpoints import checkpoint_provenance
-    from statereduce.core.models import DTYPES
+    from statereduce.core.models import DTYPES, kernel_check_record
 
     out_dir = Path(out_dir)
     cpu = torch.device(device).type == "cpu"
@@ -883,6 +883,8 @@ def fine_tune(
                            f"(distributed type {acc.distributed_type}); every process would write {out_dir}")
     seed_everything(int(cfg.seed))
     teacher, student, tokenizer, kernels = _load_pair(base_dir, pruned_dir, cfg, cpu, acc)
+    checked = {name: kernel_check_record(m) for name, m in (("teacher", teacher), ("student", student))
+               if kernel_check_record(m)}  # on CUDA: the fla kernel routes checked and the path of each
     blocks, val_blocks, data = _rft_data(tokenizer, corpus_spec, cfg, exclude_docs)
     key = fingerprint(pruned_dir, base_dir, cfg, data)
     resume = _resume_folder(resume_dir, key, acc)
@@ -908,6 +910,7 @@ def fine_tune(
             "student": str(pruned_dir),
             "saved_dtype": dtype,
             "kernels": kernels,
+            **({"kernel_check": checked} if checked else {}),
             "fingerprint": key,
             **stats,
         }
@@ -928,14 +931,16 @@ def _load_pair(base_dir: str | Path, pruned_dir: str | Path, cfg: RftSettings, c
     bfloat16 on GPU, the student in float32. ``kernels`` is what the student's backward uses
     (the adapter's ``route_backward`` of ``cfg.kernels``: with ``torch`` fla's ops go to the torch fallbacks on
     CUDA too)."""
-    from statereduce.core.models import load_model
+    from statereduce.adapters import get_adapter
+    from statereduce.core.models import check_kernels, load_model
 
     here = "cpu" if cpu else acc.device  # under torchrun: this process's own GPU (cuda:LOCAL_RANK)
     teacher, tokenizer = load_model(base_dir, dtype="float32" if cpu else "bfloat16", device=here)
     student, _ = load_model(pruned_dir, dtype="float32", device=here)
-    from statereduce.adapters import get_adapter
-
-    return teacher, student, tokenizer, get_adapter(student).route_backward(cfg.kernels)
+    kernels = get_adapter(student).route_backward(cfg.kernels)
+    if kernels == "fla":
+        check_kernels(student, backward=True)  # on CUDA: fla's backward at the student's head shapes, checked first
+    return teacher, student, tokenizer, kernels
 
 
 def _rft_data(tokenizer, corpus_spec: dict[str, Any], cfg: RftSettings,
