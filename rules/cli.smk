@@ -1,6 +1,9 @@
-# The command line as Snakemake read it, and the checks of what it asks for before any job is planned.
+# The command line as Snakemake read it, the checks of what it asks for before any job is planned, and the report
+# at the end of a run.
 import contextlib
 import io
+
+from snakemake.logging import logger
 
 
 def command_line():
@@ -57,3 +60,40 @@ for _option, _values in (("--forcerun", CLI.forcerun), ("--until", CLI.until), (
             f"no target was given: {_option} read {' '.join(_paths)} as its own values (it takes every word up to "
             f"the next option); put the targets first: snakemake {' '.join(_paths)} {_option} {' '.join(_rules)} ..."
         )
+
+
+# ---- the report at the end of a run ------------------------------------------------------------------------------
+def requested_files():
+    """What this run was asked for: the command line's file targets and the inputs of its target rules (the default
+    target's without any); none where Snakemake was started otherwise (its Python API)."""
+    if CLI is None:
+        return []
+    files = []
+    for target in CLI.targets or [workflow.default_target]:
+        if workflow.is_rule(target):
+            files += [f for f in workflow.get_rule(target).input if isinstance(f, str)]
+        else:
+            files.append(os.path.relpath(target) if os.path.isabs(target) else target)
+    return files
+
+
+def end_of_run(log, failed):
+    """Print what the run made, where its jobs' logs lie, its wall time and, when it failed, the failed jobs' logs
+    (statereduce.core.run_report). Snakemake calls it after real runs only (not -n, not with nothing to do, not in
+    the jobs it spawns); a report that cannot be made is one line, and never fails the run."""
+    try:
+        from statereduce.core.run_report import report
+
+        text = report(log, requested_files(), failed=failed)
+    except Exception as e:
+        text = f"Run summary (statereduce): none ({type(e).__name__})"
+    if text:
+        logger.info(text)
+
+
+onsuccess:
+    end_of_run(log, failed=False)
+
+
+onerror:
+    end_of_run(log, failed=True)
