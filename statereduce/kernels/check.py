@@ -546,5 +546,20 @@ def torch_routed(layer_module: str, kernel: str) -> dict[tuple[str, tuple[int, i
     return {k: set(v) for k, v in (getattr(current, "_statereduce_checked", None) or {}).items()}
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """The child process: check the routes of a JSON file, one JSON line per route to an output file."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m statereduce.kernels.check",
+        description="Check fla kernel routes against their PyTorch references in this process (the kernel check's "
+                    "child process: a job on CUDA starts it; docs/gpu_checks.md). Exits 3 after a CUDA error.")
+    ap.add_argument("routes", help="JSON file: a list of routes (Route.to_dict)")
+    ap.add_argument("out", help="JSON-lines file each finished route's outcome is appended to")
+    ap.add_argument("device", nargs="?", default="cuda", help="the device to check on (default: cuda)")
+    args = ap.parse_args(argv)
+    return _child(args.routes, args.out, args.device)
+
+
 if __name__ == "__main__":
-    sys.exit(_child(*sys.argv[1:4]))
+    sys.exit(main())
