@@ -90,8 +90,8 @@ def timed_check(routes: list[check.Route], folder: Path, policy: str = "fallback
     return {"seconds": round(time.perf_counter() - t0, 3), "record": record, **({"stopped": error} if error else {})}
 
 
-def jobs(folder: Path) -> list[dict[str, Any]]:
-    out = []
+def jobs(folder: Path, out: list | None = None, save=lambda: None) -> list[dict[str, Any]]:
+    out = [] if out is None else out
     for model in MODELS:
         for pct in (0, 50, 75):
             for job, backward in (("eval", False), ("rft student", True)):
@@ -106,6 +106,7 @@ def jobs(folder: Path) -> list[dict[str, Any]]:
                                          [e["outcome"], e["error"], e["path"]] for e in first["record"]},
                             "all_cached": all(e["cached"] for e in cached["record"])})
                 print(json.dumps(out[-1]), flush=True)
+                save()
                 check.unroute()
     return out
 
@@ -200,26 +201,57 @@ def _guarded_again():
     return shapes.guard(mod.chunk_delta_rule, "chunk_delta_rule")
 
 
+def table(doc: dict[str, Any]) -> str:
+    """The Markdown of docs/gpu_checks.md ("The kernel check at run time") from a document this script wrote."""
+    st = doc["stack"]
+    lines = [f"On {st['gpu']} (torch {st['torch']}, Triton {st['triton']}, fla {st['fla']}); "
+             f"`{doc['command']}`.", "",
+             "| model | cut | job | routes | first check, s | cached, s | outcomes (largest relative error) |",
+             "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+    for j in doc.get("jobs", []) if isinstance(doc.get("jobs"), list) else []:
+        kinds = sorted({f"{o[0]}" for o in j["outcomes"].values()})
+        worst = max((o[1] for o in j["outcomes"].values() if o[1] is not None), default=None)
+        said = ", ".join(kinds) + (f" ({worst:.1e})" if worst is not None else "")
+        lines.append(f"| {j['model']} | {j['pct']} % | {j['job']} | {j['routes']} | {j['first_s']:.1f} | "
+                     f"{j['cached_s']:.3f} | {said} |")
+    raw = doc.get("raw_kernel", {})
+    if raw.get("record"):
+        lines += ["", "| fla's chunk DeltaNet kernel, unguarded, H 4 | pass | outcome | detail |",
+                  "| --- | --- | --- | --- |"]
+        for e in raw["record"]:
+            lines.append(f"| d_k {e['shape']['d_k']} x d_v {e['shape']['d_v']} | {e['pass']} | {e['outcome']} | "
+                         f"{e['detail'][:120]} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--parts", default="raw_kernel,model,jobs")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the plumbing (no fla kernel runs)")
+    ap.add_argument("--table", action="store_true", help="print the Markdown tables of the document OUT and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.loads(args.out.read_text())), end="")
+        return 0
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU: nothing to check", file=sys.stderr)
         return 2
     doc: dict[str, Any] = {"stack": check.stack(DEVICE), "tolerance": check.TOLERANCE,
-                           "command": "PYTHONPATH=scripts:. python scripts/check_kernels_gpu.py " + str(args.out)}
+                           "command": f"PYTHONPATH=scripts:. python scripts/check_kernels_gpu.py docs/results/{args.out.name}"}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for part in args.parts.split(","):
             folder = tmp / f"cache-{part}"  # each part starts with an empty outcome cache
             t0 = time.perf_counter()
             try:
-                doc[part] = model(folder, tmp) if part == "model" else {"jobs": jobs, "raw_kernel": raw_kernel}[part](folder)
+                if part == "jobs":  # the document is rewritten after each job: a deadline keeps what finished
+                    doc[part] = []
+                    jobs(folder, doc[part], lambda: args.out.write_text(json.dumps(doc, indent=1, default=str)))
+                else:
+                    doc[part] = model(folder, tmp) if part == "model" else raw_kernel(folder)
             except Exception:  # noqa: BLE001 (the other parts still run; the document says what broke)
                 doc[part] = {"error": traceback.format_exc()}
             doc[part + "_s"] = round(time.perf_counter() - t0, 1)
