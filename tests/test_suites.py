@@ -3,7 +3,8 @@
 The ``lm`` average is checked against the paper itself (Table 10's baseline row: the six accuracies
 average to the printed 64.4) and against a hand computation; a task that was not evaluated gives
 ``None``. No test here runs lm-eval's real tasks (they need network); the ``slow`` test only checks
-the names against lm-eval's task index.
+the names against lm-eval's task index. ``tests/test_suites_offline.py`` loads the tasks' code and runs them on
+stand-in data.
 """
 
 from __future__ import annotations
