@@ -464,7 +464,7 @@ def rank_analysis(checkpoint: str | Path, settings: RankSettings, info: dict[str
     from statereduce.core.checkpoints import base_checkpoint
     from statereduce.core.data import load_split, token_blocks
     from statereduce.core.h5files import H5Artifact
-    from statereduce.core.models import load_model
+    from statereduce.core.models import kernel_check_record, load_model
     from statereduce.core.runtime import jsonable, read_json, write_json
     from statereduce.core.selection_file import read_selection
 
@@ -503,8 +503,9 @@ def rank_analysis(checkpoint: str | Path, settings: RankSettings, info: dict[str
         cond["key_dims"] = {str(lay): w for lay, w in sorted(cond["key_dims"].items())}
         doc["conditioning"] = {**cond, "activations": str(activations), "selection": str(selection)}
     base = base_checkpoint(model)
+    checked = kernel_check_record(model)  # on CUDA: the fla kernel routes checked and which path ran each
     doc["provenance"] = {"checkpoint": str(checkpoint), "model": info["model"], "corpus": settings.corpus_spec,
                          "split": "heldout", **({"base_checkpoint": base} if base is not None else {}),
-                         **(extra or {})}
+                         **({"kernel_check": checked} if checked else {}), **(extra or {})}
     write_json(out_path, jsonable(doc))
     return doc
