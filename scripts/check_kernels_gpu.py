@@ -90,10 +90,11 @@ def timed_check(routes: list[check.Route], folder: Path, policy: str = "fallback
     return {"seconds": round(time.perf_counter() - t0, 3), "record": record, **({"stopped": error} if error else {})}
 
 
-def jobs(folder: Path, out: list | None = None, save=lambda: None) -> list[dict[str, Any]]:
+def jobs(folder: Path, out: list | None = None, save=lambda: None, pcts: tuple[int, ...] = (0, 50, 75)
+         ) -> list[dict[str, Any]]:
     out = [] if out is None else out
     for model in MODELS:
-        for pct in (0, 50, 75):
+        for pct in pcts:
             for job, backward in (("eval", False), ("rft student", True)):
                 if job == "rft student" and pct == 0:
                     continue
@@ -228,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--parts", default="raw_kernel,model,jobs")
+    ap.add_argument("--pcts", default="0,50,75", help="the cuts whose jobs the jobs part checks (default 0,50,75)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the plumbing (no fla kernel runs)")
     ap.add_argument("--table", action="store_true", help="print the Markdown tables of the document OUT and exit")
     args = ap.parse_args(argv)
@@ -249,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if part == "jobs":  # the document is rewritten after each job: a deadline keeps what finished
                     doc[part] = []
-                    jobs(folder, doc[part], lambda: args.out.write_text(json.dumps(doc, indent=1, default=str)))
+                    jobs(folder, doc[part], lambda: args.out.write_text(json.dumps(doc, indent=1, default=str)),
+                         tuple(int(p) for p in args.pcts.split(",")))
                 else:
                     doc[part] = model(folder, tmp) if part == "model" else raw_kernel(folder)
             except Exception:  # noqa: BLE001 (the other parts still run; the document says what broke)
