@@ -273,7 +273,10 @@ class LinearAttentionAdapter(FamilySpec):
     @classmethod
     def install_fallbacks(cls, torch_device_types: tuple[str, ...] = ("cpu",)) -> None:
         """Route the family's kernel calls on ``torch_device_types`` to PyTorch implementations (idempotent): fla's
-        Triton-only functions to :mod:`statereduce.kernels.fla_fallback`. Families that need more extend it."""
+        Triton-only functions to :mod:`statereduce.kernels.fla_fallback`. Families that need more extend it; a family
+        that runs no fla code (:attr:`uses_fla`) has nothing to route, and fla is not imported."""
+        if not cls.uses_fla:
+            return
         from statereduce.kernels import fla_fallback
 
         fla_fallback.install(torch_device_types=torch_device_types)

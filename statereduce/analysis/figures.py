@@ -9,7 +9,8 @@
 
 The figures read ``rank.json`` documents (:func:`statereduce.stages.rank.rank_report`, also after a JSON round trip,
 where non-finite floats are strings). They use matplotlib's object API on an Agg canvas (no pyplot, no global
-backend state) and are written atomically: a temporary file next to the target, then ``os.replace``.
+backend state) and are written atomically: a temporary file next to the target, then ``os.replace``. matplotlib is
+imported by the functions that draw (a job that writes HTML pages of tables loads none of it).
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, FormatStrFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from statereduce.common.layout import format_pct
 from statereduce.core.runtime import atomic_file, json_number
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 DPI = 150
 BASELINE_COLOR = "0.25"
@@ -107,6 +109,9 @@ def save_figure(fig: Figure, out_png: str | Path) -> Path:
 
 
 def new_figure(width: float, height: float) -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)  # Agg canvas: no pyplot, no GUI backend
     return fig
@@ -137,6 +142,8 @@ def utilization_histograms(
     Raises:
         ValueError: a document lacks ``per_head``, or no document has a finite positive utilization.
     """
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, MaxNLocator, NullFormatter
+
     docs = _check_docs(baseline_doc, method_docs, "per_head")
     values = {label: _head_utilization(label, doc) for label, doc in docs.items()}
     pooled = np.concatenate(list(values.values()))
@@ -211,6 +218,8 @@ def spectrum_figure(
         ValueError: a document lacks ``spectrum`` (rank.spectrum_head unset) or has a malformed one, the
             documents summarise different heads, or none has a finite singular value.
     """
+    from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullFormatter
+
     docs = _check_docs(baseline_doc, method_docs, "spectrum")
     spectra = {label: _spectrum(label, doc) for label, doc in docs.items()}
     heads = {label: s["head"] for label, s in spectra.items()}

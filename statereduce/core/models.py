@@ -8,6 +8,9 @@ A base model artifact ``results/{model}/base/`` is either
   revision (resolved to a commit sha when the hub was reachable) and the dtype; the weights stay in
   the Hugging Face cache and are never copied into ``results/``.
 
+Importing this module loads neither torch nor transformers (a job that only writes ``source.json`` needs neither):
+the functions that build or load a model import them.
+
 Paper: Nazari & Rusch (2026), "On State Reduction in Linear Attention", Sec. 4 (the DeltaNet and
 Gated DeltaNet checkpoints whose key/query channels are pruned).
 """
@@ -17,20 +20,21 @@ from __future__ import annotations
 import inspect
 import json
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from statereduce.common.settings import DeviceSettings
 from statereduce.core.checkpoints import BASE_ATTR, SOURCE_FILE, checkpoint_provenance, checkpoint_sha256
 from statereduce.core.runtime import write_json
 from statereduce.core.tokenizer import VOCAB_SIZE
 
+if TYPE_CHECKING:
+    import torch
+
 WEIGHTS_FILE = "model.safetensors"
 """The weights of every checkpoint the workflow writes (pruned, fine-tuned): one file, which the rules name."""
 _ONE_SHARD = "1000TB"  # save_pretrained's max_shard_size: above any model, so the weights are never sharded
-DTYPES = {name: getattr(torch, name) for name in DeviceSettings.valid("dtype")}
-"""A model's ``dtype`` setting -> the torch dtype (the names are ``DeviceSettings.valid("dtype")``)."""
+DTYPES = DeviceSettings.valid("dtype")
+"""The names of a model's ``dtype`` setting (:func:`torch_dtype` gives the torch dtype of each)."""
 # Fields set for every tiny model unless the arch dict overrides them (byte-level tokenizer: EOS = BOS = 256).
 TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
@@ -38,6 +42,25 @@ TINY_DEFAULTS: dict[str, Any] = {
     "eos_token_id": 256,
     "pad_token_id": None,  # fla's and Qwen3.5's default; Mamba-2's is 1 (a byte here)
 }
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a model's ``dtype`` setting (one of :data:`DTYPES`).
+
+    Raises:
+        ValueError: one line naming the unknown dtype and the valid ones.
+    """
+    check_dtype(name)
+    import torch
+
+    return getattr(torch, name)
+
+
+def check_dtype(name: str) -> str:
+    """``name`` if it is one of :data:`DTYPES`, else a one-line ValueError naming the valid ones (imports no torch)."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
+    return name
 
 
 def config_class(family: str) -> type:
@@ -88,15 +111,16 @@ def build_random(family: str, arch: dict[str, Any], *, seed: int = 0, dtype: str
     Raises:
         ValueError: one line, for an unknown family, dtype or config keyword.
     """
+    import torch
+
     from statereduce.adapters import adapter_class
 
     cls = adapter_class(family)
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    torch_type = torch_dtype(dtype)
     config = tiny_config(family, arch)
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
-        return cls.build(config, dtype=DTYPES[dtype])
+        return cls.build(config, dtype=torch_type)
 
 
 def resolve_revision(hub_id: str, revision: str | None) -> tuple[str | None, bool]:
@@ -136,8 +160,7 @@ def write_hub_source(
         every file loading reads (:func:`statereduce.core.checkpoints.checkpoint_sha256`), which the jobs that load the
         model copy into their artifacts' provenance (:func:`statereduce.core.checkpoints.base_checkpoint`).
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    check_dtype(dtype)
     sha, resolved = resolve_revision(hub_id, revision)
     if family is not None:
         from statereduce.families import check_family
@@ -191,16 +214,18 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     The model class is the adapter's ``causal_lm_class`` (transformers' ``Mamba2ForCausalLM``: fla's own
     ``mamba2`` registration overrides the Auto mapping) or ``AutoModelForCausalLM``.
 
-    Always imports ``fla`` (which registers its models with the Auto classes) and applies the family's
+    Imports ``fla`` first (which registers its models with the Auto classes) unless the checkpoint's family runs no
+    fla code (:attr:`~statereduce.families.base.FamilySpec.uses_fla`: Mamba-2), and applies the family's
     ``config_overrides`` (fla's: ``fuse_cross_entropy=False``; the fused loss is CUDA-only).
     The model carries :func:`~statereduce.core.checkpoints.checkpoint_provenance` of ``base`` as
     :data:`~statereduce.core.checkpoints.BASE_ATTR` (:func:`~statereduce.core.checkpoints.base_checkpoint`), which the
     artifacts written from it record.
     """
-    import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
     from statereduce.adapters import adapter_for_config
+    from statereduce.families import model_type_family
     from statereduce.core.slicing import KEY_DIMS_FIELD, VALUE_DIMS_FIELD
 
     base = Path(base)
@@ -217,16 +242,18 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
         dtype = dtype or "float32"
     else:
         raise ValueError(f"base model {str(base)!r} has neither {SOURCE_FILE} nor config.json")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    torch_type = torch_dtype(dtype)
     device = torch.device(device)
+    family = model_type_family(PretrainedConfig.get_config_dict(model_id, revision=revision)[0].get("model_type"))
+    if family is None or family.uses_fla:
+        import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
     config = AutoConfig.from_pretrained(model_id, revision=revision)
     adapter = adapter_for_config(config)
     adapter.install_fallbacks()  # CPU tensors to the torch kernels; CUDA calls at shapes fla mishandles padded
-    kwargs: dict[str, Any] = {"revision": revision, "dtype": DTYPES[dtype], **adapter.config_overrides}
+    kwargs: dict[str, Any] = {"revision": revision, "dtype": torch_type, **adapter.config_overrides}
     if getattr(config, KEY_DIMS_FIELD, None) is not None or getattr(config, VALUE_DIMS_FIELD, None) is not None:
         model = load_mixed_widths(adapter.causal_lm_class or AutoModelForCausalLM, Path(model_id), config,
-                                  DTYPES[dtype], adapter.config_overrides)
+                                  torch_type, adapter.config_overrides)
     else:
         model = (adapter.causal_lm_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
     model.to(device).eval()

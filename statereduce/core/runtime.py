@@ -23,10 +23,13 @@ from typing import Any
 def start(log_path: str | Path | None, threads: int = 1, torch_threads: bool = True) -> logging.Logger:
     """Send stdout, stderr (progress bars included) and ``logging`` to ``log_path``; pin torch threads.
 
+    Imports nothing heavy: torch's threads are pinned when the job imports torch (:func:`pin_torch_threads`), so a
+    job whose work needs no torch never loads it.
+
     Args:
         log_path: the rule's log file (``snakemake.log[0]``); None keeps the console.
         threads: CPU threads for torch (the rule's ``threads``).
-        torch_threads: False for jobs that never import torch (keeps their start-up fast).
+        torch_threads: False leaves torch's threads at its default (jobs that run no torch).
     """
     if log_path is not None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -38,18 +41,67 @@ def start(log_path: str | Path | None, threads: int = 1, torch_threads: bool = T
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     log = logging.getLogger("statereduce")
     if torch_threads:
-        import torch
-
-        torch.set_num_threads(max(1, int(threads)))
+        pin_torch_threads(max(1, int(threads)))
         atexit.register(_log_peak_gpu_memory, log)
     return log
 
 
+def pin_torch_threads(threads: int) -> None:
+    """``torch.set_num_threads(threads)``: now if torch is loaded, else as soon as its import finishes (a one-time
+    hook on ``sys.meta_path``), before any code of the job runs a torch op."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
+    elif not any(isinstance(f, _PinThreadsOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PinThreadsOnImport(threads))
+    else:
+        next(f for f in sys.meta_path if isinstance(f, _PinThreadsOnImport)).threads = threads
+
+
+class _PinThreadsOnImport:
+    """A meta-path finder that only watches for ``torch``: it removes itself, lets the other finders find torch, and
+    has torch's own loader load it, then pins its threads (:func:`pin_torch_threads`)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def find_spec(self, name: str, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenPinThreads(spec.loader, self.threads)
+        return spec
+
+
+class _ThenPinThreads:
+    """torch's loader, and ``set_num_threads`` once it has run; the module keeps torch's own loader."""
+
+    def __init__(self, loader, threads: int):
+        self.loader, self.threads = loader, threads
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        module.set_num_threads(self.threads)
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+
 def _log_peak_gpu_memory(log: logging.Logger) -> None:
     """At exit of a job that used CUDA: one log line with torch's peak allocated and reserved GPU memory, the number
-    docs/paper_scale.md reads per stage (Snakemake's benchmark TSVs hold host memory only)."""
-    import torch
-
+    docs/paper_scale.md reads per stage (Snakemake's benchmark TSVs hold host memory only). A job that never loaded
+    torch has nothing to report (and loads nothing)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i in range(torch.cuda.device_count()):
             log.info("peak GPU memory on cuda:%d: %.2f GiB allocated, %.2f GiB reserved", i,

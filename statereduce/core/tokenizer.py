@@ -8,9 +8,10 @@ each checkpoint folder so that ``AutoTokenizer.from_pretrained`` reloads it offl
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from tokenizers.pre_tokenizers import ByteLevel
-from transformers import PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 257  # 256 bytes + EOS
@@ -18,6 +19,10 @@ VOCAB_SIZE = 257  # 256 bytes + EOS
 
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer: token id == byte value, EOS = 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
     alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins for bytes, unordered
     chars = _byte_chars()  # byte b -> its ByteLevel stand-in character, so that id == byte value
     assert len(set(chars)) == 256 and set(chars) == set(alphabet)

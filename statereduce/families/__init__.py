@@ -16,6 +16,7 @@ from statereduce.families.base import (
     check_share_conv,
     family_names,
     family_spec,
+    model_type_family,
     register_family,
     share_conv_families,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "check_share_conv",
     "family_names",
     "family_spec",
+    "model_type_family",
     "register_family",
     "share_conv_families",
 ]

@@ -83,6 +83,12 @@ def family_spec(family: str) -> type[FamilySpec]:
     return registered(family).spec
 
 
+def model_type_family(model_type: str | None) -> type[FamilySpec] | None:
+    """The spec of the family whose ``model_types`` holds ``model_type`` (an HF config's), None if no family takes
+    it."""
+    return next((s.spec for s in _FAMILIES.values() if model_type in s.spec.model_types), None)
+
+
 class LazyImport:
     """A class attribute that is ``module:name``, imported on first access (keeps fla out of config validation).
 
@@ -142,6 +148,11 @@ class FamilySpec(ABC):
     # validation needs no fla import; tests/test_config.py pins it against the real signature
     config_defaults: ClassVar[dict[str, Any]]
 
+    #: whether the family's models run fla's code: fla's own models, or fla's kernels that transformers binds where fla
+    #: is installed (Qwen3.5). Loading a checkpoint then imports fla first (it registers its configs and models with
+    #: transformers' Auto classes) and routes its kernels on CPU to PyTorch (the adapter's ``install_fallbacks``);
+    #: a family that runs none (Mamba-2: transformers' model, its PyTorch path on CPU) loads without importing fla
+    uses_fla: ClassVar[bool] = True
     #: whether the GPU speed benchmarks (statereduce.speed) cover the family
     speed_benchmark: ClassVar[bool] = False
     #: whether the family's training backward runs fla's gated delta rule chunk kernel, which fla 0.6.0 refuses on

@@ -14,6 +14,7 @@ class Mamba2Family(FamilySpec):
     family = "mamba2"
     model_types = ("mamba2",)
     config_class = LazyImport("transformers:Mamba2Config")
+    uses_fla = False  # transformers' model; on CPU its PyTorch path, on CUDA mamba_ssm's kernels where installed
     kernel_scale = False
     # no kernel scale: B/C pruning with norm_eps="exact" changes nothing; keeping fewer value channels (head_dim)
     # changes the gated norm's group size, which the eps of this field compensates

@@ -50,7 +50,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
 import torch
 from torch import nn
 

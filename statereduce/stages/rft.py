@@ -869,7 +869,7 @@ def fine_tune(
     from accelerate import Accelerator
 
     from statereduce.core.checkpoints import checkpoint_provenance
-    from statereduce.core.models import DTYPES, kernel_check_record
+    from statereduce.core.models import kernel_check_record, torch_dtype
 
     out_dir = Path(out_dir)
     cpu = torch.device(device).type == "cpu"
@@ -917,7 +917,7 @@ def fine_tune(
         if tmp is None:
             acc.wait_for_everyone()
             return record
-        model = merge(acc.unwrap_model(peft_model)).to(DTYPES[dtype])
+        model = merge(acc.unwrap_model(peft_model)).to(torch_dtype(dtype))
         _write_checkpoint(tmp, model, tokenizer, pruned_dir, record, log_path)
     _drop_resume(resume)
     acc.wait_for_everyone()
