@@ -206,15 +206,31 @@ def table(doc: dict[str, Any]) -> str:
     """The Markdown of docs/gpu_checks.md ("The kernel check at run time") from a document this script wrote."""
     st = doc["stack"]
     lines = [f"On {st['gpu']} (torch {st['torch']}, Triton {st['triton']}, fla {st['fla']}); "
-             f"`{doc['command']}`.", "",
-             "| model | cut | job | routes | first check, s | cached, s | outcomes (largest relative error) |",
-             "| --- | --- | --- | ---: | ---: | ---: | --- |"]
-    for j in doc.get("jobs", []) if isinstance(doc.get("jobs"), list) else []:
+             f"`{doc['command']}`."]
+    found = doc.get("jobs") if isinstance(doc.get("jobs"), list) else []
+    if found:
+        lines += ["", "| model | cut | job | routes | first check, s | cached, s | outcomes (largest relative error) |",
+                  "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+    for j in found:
         kinds = sorted({f"{o[0]}" for o in j["outcomes"].values()})
         worst = max((o[1] for o in j["outcomes"].values() if o[1] is not None), default=None)
         said = ", ".join(kinds) + (f" ({worst:.1e})" if worst is not None else "")
         lines.append(f"| {j['model']} | {j['pct']} % | {j['job']} | {j['routes']} | {j['first_s']:.1f} | "
                      f"{j['cached_s']:.3f} | {said} |")
+    m = doc.get("model", {})
+    if "record" in m:
+        lines += ["", f"A tiny DeltaNet ({m['shape']}) with fla's chunk kernel unguarded:", "",
+                  "| run | relative logit error against float32 on the CPU |", "| --- | --- |",
+                  f"| fla's kernel, no check | {m['relative_logit_error_unchecked']:.3g} |",
+                  f"| after the check (fallback) | {m['relative_logit_error_checked']:.3g} |",
+                  f"| a job's binding (zero-padding guard), `load_model`'s check | {m['guarded_job_logit_error']:.3g} |",
+                  "", "| check | route | outcome | detail | path | seconds |", "| --- | --- | --- | --- | --- | ---: |"]
+        for label, rec in (("unguarded, first", m["record"]), ("job: load_model, then backward", m["guarded_job_record"])):
+            for e in rec:
+                lines.append(f"| {label} | {e['kernel']} {e['pass']} | {e['outcome']} | {e['detail']} | {e['path']} | "
+                             f"{'cached' if e['cached'] else format(e['seconds'], '.1f')} |")
+        lines += ["", f"The unguarded check: {m['first_s']:.1f} s the first time, {m['cached_s']:.3f} s cached; "
+                      f"`load_model` with its check: {m['guarded_job_load_s']:.1f} s (an empty outcome cache)."]
     raw = doc.get("raw_kernel", {})
     if raw.get("record"):
         lines += ["", "| fla's chunk DeltaNet kernel, unguarded, H 4 | pass | outcome | detail |",

@@ -287,8 +287,9 @@ def check_kernels(model: torch.nn.Module, backward: bool = False, policy: str | 
     from statereduce.kernels import check
 
     record = check.check_routes(get_adapter(model).kernel_routes(backward), device, policy)
-    merged = {(e["kernel"], e["pass"], tuple(e["shape"].values())): e
-              for e in [*getattr(model, KERNEL_CHECK_ATTR, []), *record]}
+    merged: dict[tuple, dict[str, Any]] = {}
+    for e in [*getattr(model, KERNEL_CHECK_ATTR, []), *record]:  # a route's first check is the one that decided it
+        merged.setdefault((e["kernel"], e["pass"], tuple(e["shape"].values())), e)
     setattr(model, KERNEL_CHECK_ATTR, list(merged.values()))
     return record
 
