@@ -1,13 +1,14 @@
 """What each workflow job spends before its real work: its start-up, per rule script, on this CPU.
 
-    python dev/job_startup.py [OUT.json] [--before REF] [--repeat N] [--keep DIR]
+    python dev/job_startup.py [OUT.json] [--before REF] [--after REF] [--repeat N] [--keep DIR]
 
 Copies the workflow (``Snakefile``, ``rules/``, ``workflow_scripts/``, ``statereduce/``, ``schemas/``, ``envs/``,
-``report/``) of this checkout, and with ``--before`` the same files of the commit REF, into a temporary folder each,
-and runs there, with the copy's own package (``PYTHONPATH``), the tests' workflow config (``tests/workflow/
-config.yaml``) plus a tiny Mamba-2, a split budget, a study and a local checkpoint: its default target, ``all_paper``,
-a budget cell, a joint cut split by calibration loss, the ``init:`` model's chain and the Mamba-2's, on two cores,
-keeping Snakemake's copies of the rule scripts (``--skip-script-cleanup``: each holds its job's ``snakemake`` object).
+``report/``) of commit ``--after`` (default ``HEAD``; ``--after worktree``: this checkout's files as they are), and with
+``--before`` the same files of commit REF, into a temporary folder each, and runs there, with the copy's own package
+(``PYTHONPATH``), the tests' workflow config (``tests/workflow/config.yaml``) plus a tiny Mamba-2, a split budget, a
+study and a local checkpoint: its default target (DRRQR only), ``all_paper``, a budget cell, a joint cut split by
+calibration loss, the ``init:`` model's chain and the Mamba-2's, on two cores, keeping Snakemake's copies of the rule
+scripts (``--skip-script-cleanup``: each holds its job's ``snakemake`` object).
 Then, one job per rule script (per model family where the rule loads a model), in a fresh interpreter and with
 nothing else running:
 
@@ -19,7 +20,7 @@ nothing else running:
 A job's start-up is its import phase plus the imports during its work. Rules that run no job here (the speed rules
 need CUDA) get their import phase measured with a stand-in ``snakemake`` object. OUT.json (default
 ``docs/results/job_startup_<vector extension>.json``) gets the CPU kind (``statereduce.core.runtime.cpu_kind``), the
-date, the commits and the table per checkout; OUT.md the same as Markdown tables.
+date, the commits and the table per commit; OUT.md the same as one Markdown table, the commits side by side.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def stand_in(script: Path, log: Path) -> str:
 
 
 def copy_workflow(dest: Path, ref: str | None) -> str:
-    """The workflow files of this checkout (``ref`` None) or of commit ``ref`` into ``dest``; returns the commit."""
+    """The workflow files of commit ``ref`` (None: this checkout's files as they are) into ``dest``; returns the commit
+    (with the changed files named for a checkout whose workflow files differ from its commit)."""
     dest.mkdir(parents=True)
     git = ["git", "-C", str(ROOT)]
     commit = subprocess.run([*git, "rev-parse", ref or "HEAD"], check=True, capture_output=True, text=True).stdout
@@ -105,8 +107,8 @@ def copy_workflow(dest: Path, ref: str | None) -> str:
         else:
             shutil.copy2(src, out)
     dirty = subprocess.run([*git, "status", "--porcelain", "--", *WORKFLOW], check=True, capture_output=True,
-                           text=True).stdout.strip()
-    return commit + (" with changes" if dirty else "")
+                           text=True).stdout.splitlines()
+    return commit + (f" with changes to {', '.join(line[3:] for line in dirty)}" if dirty else "")
 
 
 def measurement_config(work: Path) -> dict:
@@ -306,6 +308,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", type=Path)
     ap.add_argument("--before", metavar="REF", help="also measure the workflow of commit REF, first")
+    ap.add_argument("--after", metavar="REF", default="HEAD",
+                    help="the commit measured (default HEAD; 'worktree': this checkout's files as they are)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each import phase (the median is kept)")
     ap.add_argument("--keep", type=Path, help="build the runs under this folder and keep them")
     args = ap.parse_args()
@@ -316,9 +320,12 @@ def main() -> None:
     width = re.search(r"\((AVX\d*)\)$", cpu)
     out = args.out or ROOT / "docs" / "results" / f"job_startup_{(width.group(1) if width else 'cpu').lower()}.json"
     runs = []
-    for name, ref in ([("before", args.before)] if args.before else []) + [("this checkout", None)]:
+    after = None if args.after == "worktree" else args.after
+    for name, ref in ([("before", args.before)] if args.before else []) + [("after", after)]:
         runs.append({"label": name, **measure(ref, args.repeat, args.keep)})
-    doc = {"command": "python dev/job_startup.py" + (f" --before {args.before}" if args.before else ""),
+    options = (f" --before {args.before}" if args.before else "") + (f" --after {args.after}" if args.after != "HEAD"
+                                                                      else "")
+    doc = {"command": f"python dev/job_startup.py{options}",
            "cpu": cpu, "date": dt.date.today().isoformat(), "python": sys.version.split()[0],
            "cores": os.cpu_count(), "repeat": args.repeat, "runs": runs}
     out.write_text(json.dumps(doc, indent=1) + "\n")

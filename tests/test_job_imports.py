@@ -71,8 +71,8 @@ job_startup = _job_startup()
 def _loaded(code: str, preload: tuple[str, ...] = ()) -> list[str]:
     """The :data:`WATCHED` packages in ``sys.modules`` after ``code`` ran in a fresh interpreter (a child of the fork
     server that preloaded ``preload``, :mod:`_fresh`: for checks of the packages it leaves out)."""
-    probe = (f"\nimport json, sys\nprint(json.dumps([m for m in {WATCHED!r} if m in sys.modules]), file=sys.__stdout__, "
-             "flush=True)\n")
+    probe = (f"\nimport json, sys\nprint(json.dumps([m for m in {WATCHED!r} if m in sys.modules]), "
+             "file=sys.__stdout__, flush=True)\n")
     out = fresh.run(["-c", code + probe], preload=preload, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -113,7 +113,8 @@ def test_the_import_phase_is_the_imports_and_start():
 def test_start_pins_torch_threads_when_torch_is_imported():
     """``start`` loads no torch; the job's first ``import torch`` gets the rule's threads, and torch keeps its own
     loader. With torch already loaded the threads are pinned at once."""
-    code = ("import sys\nfrom statereduce.core.runtime import start\nstart(None, 1)\nassert 'torch' not in sys.modules\n"
+    code = ("import sys\nfrom statereduce.core.runtime import start\nstart(None, 1)\n"
+            "assert 'torch' not in sys.modules\n"
             "import torch.nn\nassert torch.get_num_threads() == 1, torch.get_num_threads()\n"
             "assert type(torch.__loader__).__name__ == 'SourceFileLoader', torch.__loader__\n"
             "assert torch.__spec__.loader is torch.__loader__\n"
