@@ -14,8 +14,9 @@ nothing else running:
 
 * the import phase (Snakemake's preamble and the script's statements up to its first real work: its imports and
   ``runtime.start``), run ``--repeat`` times: the median seconds from process start to its end;
-* the whole job once under ``python -X importtime``: the seconds of imports in the import phase and during the work
-  (where the package imports lazily), per top-level package, and which of the heavy packages it loads.
+* the whole job under ``python -X importtime``, ``--repeat`` times, the run of median import seconds kept: the seconds
+  of imports in the import phase and during the work (where the package imports lazily), per top-level package, and
+  which of the heavy packages it loads.
 
 A job's start-up is its import phase plus the imports during its work. Rules that run no job here (the speed rules
 need CUDA) get their import phase measured with a stand-in ``snakemake`` object. OUT.json (default
@@ -222,12 +223,16 @@ def measure_job(work: Path, path: Path | None, script: str, repeat: int) -> dict
         traced = preamble + body + mark + "\n".join(lines[n:]) + "\n"
     traced_script = tmp / f"job.{script}.py"
     traced_script.write_text(traced)
-    t0 = time.time()
-    out = subprocess.run([sys.executable, "-X", "importtime", str(traced_script)], cwd=work, env=env_for(work),
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"job {path} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    before, after = importtime(out.stderr)
+    runs = []
+    for _ in range(repeat):
+        t0 = time.time()
+        out = subprocess.run([sys.executable, "-X", "importtime", str(traced_script)], cwd=work, env=env_for(work),
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"job {path} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+        before, after = importtime(out.stderr)
+        runs.append((sum(us for us, _, _ in before + after), time.time() - t0, before, after))
+    _, seconds, before, after = sorted(runs, key=lambda r: r[0])[len(runs) // 2]  # the run of median imports
     per_package: Counter[str] = Counter()
     for us, _, name in before + after:
         per_package[name.split(".")[0]] += us
@@ -238,7 +243,7 @@ def measure_job(work: Path, path: Path | None, script: str, repeat: int) -> dict
         "work_imports_s": round(work_imports, 3),
         "startup_s": round(doc["import_phase_s"] + work_imports, 3),
         "imports_s": round(sum(per_package.values()) / 1e6, 3),
-        "job_s": round(time.time() - t0, 2) if path is not None else None,
+        "job_s": round(seconds, 2) if path is not None else None,
         "packages": {name: round(us / 1e6, 3) for name, us in per_package.most_common(8)},
         "heavy_in_import_phase": sorted(in_phase),
         "heavy_in_job": sorted(loaded),
@@ -287,7 +292,8 @@ def markdown(doc: dict) -> str:
     lines = [f"# Job start-up per rule script ({doc['cpu']})", "",
              f"Written by `{doc['command']}` on {doc['date']} (Python {doc['python']}, {doc['cores']} cores). "
              "Start-up: seconds from process start to the end of the script's imports, plus the imports during its "
-             "work; imports: `python -X importtime` over the whole job, per top-level package.", ""]
+             "work; imports: `python -X importtime` over the whole job, per top-level package; each the median of "
+             f"{doc['repeat']} runs.", ""]
     head = " | ".join(f"{r['label']} ({r['commit']}): start-up s" for r in runs)
     lines += [f"| rule script | {head} | heavy packages loaded ({runs[-1]['label']}) | largest imports, s "
               f"({runs[-1]['label']}) |", "| --- |" + " ---: |" * len(runs) + " --- | --- |"]
@@ -310,7 +316,7 @@ def main() -> None:
     ap.add_argument("--before", metavar="REF", help="also measure the workflow of commit REF, first")
     ap.add_argument("--after", metavar="REF", default="HEAD",
                     help="the commit measured (default HEAD; 'worktree': this checkout's files as they are)")
-    ap.add_argument("--repeat", type=int, default=3, help="runs of each import phase (the median is kept)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each import phase and each job (the median is kept)")
     ap.add_argument("--keep", type=Path, help="build the runs under this folder and keep them")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
