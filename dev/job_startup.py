@@ -9,11 +9,11 @@ Copies the workflow (``Snakefile``, ``rules/``, ``workflow_scripts/``, ``statere
 study and a local checkpoint: its default target (DRRQR only), ``all_paper``, a budget cell, a joint cut split by
 calibration loss, the ``init:`` model's chain and the Mamba-2's, on two cores, keeping Snakemake's copies of the rule
 scripts (``--skip-script-cleanup``: each holds its job's ``snakemake`` object).
-Then, one job per rule script (per model family where the rule loads a model), in a fresh interpreter and with
-nothing else running:
+Then, one job per rule script (per model family where the rule loads a model), in a fresh interpreter, the jobs of the
+two commits in turns (what else the machine does touches both alike; best with nothing else running):
 
 * the import phase (Snakemake's preamble and the script's statements up to its first real work: its imports and
-  ``runtime.start``), run ``--repeat`` times: the median seconds from process start to its end;
+  ``runtime.start``): the median over ``--repeat`` runs of the seconds from process start to its end;
 * the whole job under ``python -X importtime``, ``--repeat`` times, the run of median import seconds kept: the seconds
   of imports in the import phase and during the work (where the package imports lazily), per top-level package, and
   which of the heavy packages it loads.
@@ -195,89 +195,100 @@ def importtime(stderr: str) -> tuple[list[tuple[int, int, str]], list[tuple[int,
     return phases[0], phases[1]
 
 
-def measure_job(work: Path, path: Path | None, script: str, repeat: int) -> dict:
-    """The start-up of one kept job (``path``), or of the script's import phase alone (``path`` None)."""
+def job_scripts(work: Path, path: Path | None, script: str) -> tuple[Path, Path]:
+    """The two scripts one job is measured with, written under ``work/.job_startup/``: its import phase, which writes
+    the time it ends to ``mark``, and the whole job with a line on stderr where the import phase ends. ``path`` is the
+    kept job (Snakemake's preamble and the rule script); None: the script's import phase with a stand-in object."""
     source = (work / "workflow_scripts" / f"{script}.py").read_text()
     n = import_phase(source)
     tmp = work / ".job_startup"
     tmp.mkdir(exist_ok=True)
-    mark_file = tmp / "mark"
     if path is None:
-        head = stand_in(work / "workflow_scripts" / f"{script}.py", tmp / f"{script}.log")
-        preamble, body = "", head
+        preamble, lines = "", stand_in(work / "workflow_scripts" / f"{script}.py", tmp / f"{script}.log").splitlines()
+        n = len(lines)
     else:
         text = path.read_text()
         cut = text.index(PREAMBLE_END) + len(PREAMBLE_END) + 1
-        preamble, rest = text[:cut], text[cut:]
-        lines = rest.splitlines()
-        body = "\n".join(lines[:n]) + "\n"
-    done = f"\nopen({str(mark_file)!r}, 'w').write(repr(__import__('time').time())); __import__('os')._exit(0)\n"
-    phase_script = tmp / f"phase.{script}.py"
+        preamble, lines = text[:cut], text[cut:].splitlines()
+    body = "\n".join(lines[:n]) + "\n"
+    done = f"\nopen({str(tmp / 'mark')!r}, 'w').write(repr(__import__('time').time())); __import__('os')._exit(0)\n"
+    mark = f"__import__('os').write(2, b{MARK + chr(10)!r})\n"
+    phase_script, job_script = tmp / f"phase.{script}.py", tmp / f"job.{script}.py"
     phase_script.write_text(preamble + body + done)
-    phase = [run_timed(phase_script, work, mark_file) for _ in range(repeat)]
-    doc: dict = {"import_phase_s": round(statistics.median(phase), 3)}
-    if path is None:
-        traced = preamble + body
-    else:
-        mark = f"__import__('os').write(2, b{MARK + chr(10)!r})\n"
-        traced = preamble + body + mark + "\n".join(lines[n:]) + "\n"
-    traced_script = tmp / f"job.{script}.py"
-    traced_script.write_text(traced)
-    runs = []
-    for _ in range(repeat):
-        t0 = time.time()
-        out = subprocess.run([sys.executable, "-X", "importtime", str(traced_script)], cwd=work, env=env_for(work),
-                             capture_output=True, text=True)
-        if out.returncode != 0:
-            raise RuntimeError(f"job {path} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-        before, after = importtime(out.stderr)
-        runs.append((sum(us for us, _, _ in before + after), time.time() - t0, before, after))
-    _, seconds, before, after = sorted(runs, key=lambda r: r[0])[len(runs) // 2]  # the run of median imports
+    job_script.write_text(preamble + body + mark + "\n".join(lines[n:]) + "\n")
+    return phase_script, job_script
+
+
+def sample(work: Path, path: Path | None, script: str) -> dict:
+    """One measurement of a job (:func:`job_scripts`): the import phase timed, and the whole job under
+    ``-X importtime``."""
+    phase_script, job_script = job_scripts(work, path, script)
+    phase = run_timed(phase_script, work, phase_script.parent / "mark")
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-X", "importtime", str(job_script)], cwd=work, env=env_for(work),
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"job {path or script} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    before, after = importtime(out.stderr)
+    return {"phase": phase, "seconds": time.time() - t0, "before": before, "after": after,
+            "imports": sum(us for us, _, _ in before + after)}
+
+
+def summary(samples: list[dict], job: bool) -> dict:
+    """A job's row from its samples: the median import phase, and the run of median import seconds."""
+    run = sorted(samples, key=lambda r: r["imports"])[len(samples) // 2]
+    before, after = run["before"], run["after"]
     per_package: Counter[str] = Counter()
     for us, _, name in before + after:
         per_package[name.split(".")[0]] += us
-    loaded = {p for _, _, name in before + after for p in HEAVY if name == p or name.startswith(p + ".")}
+    heavy = [(p, name) for _, _, name in before + after for p in HEAVY if name == p or name.startswith(p + ".")]
     in_phase = {p for _, _, name in before for p in HEAVY if name == p or name.startswith(p + ".")}
-    work_imports = sum(us for us, _, _ in after) / 1e6
-    doc.update({
+    phase, work_imports = statistics.median(r["phase"] for r in samples), sum(us for us, _, _ in after) / 1e6
+    return {
+        "import_phase_s": round(phase, 3),
         "work_imports_s": round(work_imports, 3),
-        "startup_s": round(doc["import_phase_s"] + work_imports, 3),
+        "startup_s": round(phase + work_imports, 3),
         "imports_s": round(sum(per_package.values()) / 1e6, 3),
-        "job_s": round(seconds, 2) if path is not None else None,
+        "job_s": round(run["seconds"], 2) if job else None,
         "packages": {name: round(us / 1e6, 3) for name, us in per_package.most_common(8)},
         "heavy_in_import_phase": sorted(in_phase),
-        "heavy_in_job": sorted(loaded),
-    })
-    return doc
+        "heavy_in_job": sorted({p for p, _ in heavy}),
+    }
 
 
-def measure(ref: str | None, repeat: int, keep: Path | None) -> dict:
-    """Build the measurement's run in a copy of the workflow (of ``ref``, or this checkout) and measure every rule
-    script."""
+def build(ref: str | None, keep: Path | None) -> dict:
+    """A copy of the workflow (of commit ``ref``, or this checkout's files) with the measurement's run made in it."""
     parent = Path(tempfile.mkdtemp(prefix="job-startup-", dir=keep))
     work = parent / "work"
     commit = copy_workflow(work, ref)
     print(f"{commit}: running the workflow in {work}", flush=True)
     t0 = time.time()
     run_workflow(work)
-    print(f"  the run took {time.time() - t0:.0f} s; measuring", flush=True)
-    cfg = yaml.safe_load((work / "config.yaml").read_text())
-    jobs = kept_jobs(work, cfg)
-    rows = []
-    for (script, family), (path, wildcards) in sorted(jobs.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
-        doc = measure_job(work, path, script, repeat)
-        rows.append({"script": script, "family": family, "wildcards": wildcards, **doc})
-        print(f"  {script:18s} {family or '':10s} start-up {doc['startup_s']:6.2f} s  {doc['heavy_in_job']}",
-              flush=True)
-    ran = {script for script, _ in jobs}
-    for script in sorted(p.stem for p in (work / "workflow_scripts").glob("*.py")):
-        if script not in ran:
-            doc = measure_job(work, None, script, repeat)
-            rows.append({"script": script, "family": None, "wildcards": None, **doc})
-            print(f"  {script:18s} (import phase only) {doc['startup_s']:6.2f} s", flush=True)
-    if keep is None:
-        shutil.rmtree(parent)
-    return {"commit": commit, "rows": rows}
+    print(f"  the run took {time.time() - t0:.0f} s", flush=True)
+    jobs = kept_jobs(work, yaml.safe_load((work / "config.yaml").read_text()))
+    scripts = {p.stem for p in (work / "workflow_scripts").glob("*.py")}
+    alone = {(s, None): (None, None) for s in sorted(scripts - {script for script, _ in jobs})}
+    return {"parent": parent, "work": work, "commit": commit, "jobs": {**jobs, **alone}}
+
+
+def measure(builds: list[dict], repeat: int) -> list[list[dict]]:
+    """Every job of every build, the builds' jobs of one rule script (and family) measured in turns, ``repeat`` times
+    (so that what else the machine does touches them alike): a row per job and build."""
+    keys = sorted({k for b in builds for k in b["jobs"]}, key=lambda k: (k[0], k[1] or ""))
+    rows: list[list[dict]] = [[] for _ in builds]
+    for script, family in keys:
+        have = [(i, b) for i, b in enumerate(builds) if (script, family) in b["jobs"]]
+        samples: dict[int, list[dict]] = {i: [] for i, _ in have}
+        for _ in range(repeat):
+            for i, b in have:
+                samples[i].append(sample(b["work"], b["jobs"][script, family][0], script))
+        for i, b in have:
+            path, wildcards = b["jobs"][script, family]
+            rows[i].append({"script": script, "family": family, "wildcards": wildcards,
+                            **summary(samples[i], path is not None)})
+        print(f"  {script:18s} {family or '':10s} start-up s: "
+              + ", ".join(f"{rows[i][-1]['startup_s']:.2f}" for i, _ in have), flush=True)
+    return rows
 
 
 def label(row: dict) -> str:
@@ -325,10 +336,15 @@ def main() -> None:
     cpu = cpu_kind()
     width = re.search(r"\((AVX\d*)\)$", cpu)
     out = args.out or ROOT / "docs" / "results" / f"job_startup_{(width.group(1) if width else 'cpu').lower()}.json"
-    runs = []
     after = None if args.after == "worktree" else args.after
-    for name, ref in ([("before", args.before)] if args.before else []) + [("after", after)]:
-        runs.append({"label": name, **measure(ref, args.repeat, args.keep)})
+    named = ([("before", args.before)] if args.before else []) + [("after", after)]
+    builds = [build(ref, args.keep) for _, ref in named]
+    print("measuring", flush=True)
+    rows = measure(builds, args.repeat)
+    runs = [{"label": name, "commit": b["commit"], "rows": r} for (name, _), b, r in zip(named, builds, rows)]
+    if args.keep is None:
+        for b in builds:
+            shutil.rmtree(b["parent"])
     options = (f" --before {args.before}" if args.before else "") + (f" --after {args.after}" if args.after != "HEAD"
                                                                       else "")
     doc = {"command": f"python dev/job_startup.py{options}",
