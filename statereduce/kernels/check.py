@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from statereduce.kernels.shapes import _needs_grad  # whether a kernel call will be differentiated
+
 log = logging.getLogger(__name__)
 
 CHECK_VERSION = 1
@@ -475,12 +477,6 @@ def check_routes(routes: Iterable[Route], device: torch.device | str = "cuda", p
 # --------------------------------------------------------------------------------------------------------------------
 # the fallback
 # --------------------------------------------------------------------------------------------------------------------
-def _needs_grad(args: tuple, kwargs: dict) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values()))
-
-
 def _call_shape(args: tuple, kwargs: dict) -> tuple[int, int, int, int] | None:
     q = args[0] if args else kwargs.get("q", kwargs.get("query"))
     v = args[2] if len(args) > 2 else kwargs.get("v", kwargs.get("value"))
