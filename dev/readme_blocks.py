@@ -3,28 +3,28 @@
     python dev/readme_blocks.py [--check] [--readme README.md] [NAME ...]
 
 A block is the lines between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; nothing else of the
-README is touched. Blocks (all by default):
+README is touched. Every source is committed. Blocks (all by default):
 
-- ``results``: the overview of ``results/tables/comparison.md`` (held-out bits per byte and recall pre → post RFT,
-  standard errors, the step RFT kept) of a finished default run (``snakemake --cores all``), the CPU kind it names,
-  and the run time from Snakemake's log of the newest run that trained the models (``.snakemake/log/``).
+- ``results``: the overview of the default run recorded in ``docs/results/default_run/`` (``comparison.md``: held-out
+  bits per byte and recall pre → post RFT, standard errors, the step RFT kept; ``run.json``: the CPU kind, the
+  command, job count, wall time, date and commit), written by ``python dev/publish_run.py`` from a finished
+  ``snakemake --cores all``.
 - ``install``: ``docs/results/install_size.json`` (``python dev/install_size.py``).
 - ``hub-cost``: the measurements of ``docs/paper_scale.md`` at the paper's sizes, from ``docs/results/paper_scale_*/``
   (``jobs.json``, ``sizes.tsv``, ``rft.json``: ``python dev/paper_scale_table.py RUN --save DIR``).
-- ``recipe``: ``docs/experiments/recipe/summary.md``, verbatim.
+- ``recipe``: ``docs/experiments/recipe/summary.md``, verbatim, which names the CPU kind of its runs (the ``cpu``
+  column of ``results.csv`` beside it; both written by ``docs/experiments/recipe/table.py``).
 
-A block whose source is absent is left as it is, and said so. ``--check`` compares each block with what its source
-renders and exits 1 naming each that differs; it leaves out lines of timings (the run time varies from run to run)
-and does not compare a ``results`` block made on another kind of CPU than the table at hand (torch picks its kernels
-by the CPU, so another kind trains other numbers: README, "The same numbers on another CPU").
+Each problem is one line naming the block, and makes the command exit 1: a block whose source is missing (the block
+is left as it is), a block that differs from what its source renders (``--check``: every line is compared), and a
+``results`` and a ``recipe`` block made on different kinds of CPU (torch picks its kernels by the CPU, so another
+kind trains other numbers: README, "The same numbers on another CPU"; checked where both blocks are selected).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import datetime as dt
-import difflib
 import json
 import os
 import re
@@ -38,31 +38,44 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the package of this checkout, also where it is not installed
 
 from statereduce.analysis.tables import OVERVIEW, parse_made_on  # noqa: E402
+from statereduce.core.run_report import format_seconds  # noqa: E402
 
-COMPARISON = Path("results/tables/comparison.md")
-SNAKEMAKE_LOGS = Path(".snakemake/log")
+DEFAULT_RUN = Path("docs/results/default_run")
+COMPARISON = DEFAULT_RUN / "comparison.md"
+RUN_JSON = DEFAULT_RUN / "run.json"
 INSTALL = Path("docs/results/install_size.json")
 RECIPE = Path("docs/experiments/recipe/summary.md")
+RECIPE_CSV = RECIPE.with_name("results.csv")
 #: The paper-scale runs (docs/paper_scale.md), oldest first: a later run's measurement of a stage replaces an earlier
 #: one's (the later runs measured RFT with the ``micro_batch_size: auto`` of today's config), with the GPU each ran on.
 PAPER_SCALE_RUNS = (("docs/results/paper_scale_h200", "H200"), ("docs/results/paper_scale_h200_gdn", "H200"),
                     ("docs/results/paper_scale_h200_selectors", "H200"))
 HUB_MODELS = ("dn1.3b-init", "gdn1.3b-init")
-RUN_TIME = "Run time: "  # the results block's timing line (not compared by --check)
+PUBLISH = "python dev/publish_run.py"
+#: What the results block reads from ``run.json``.
+RUN_KEYS = ("cpu", "python", "jobs", "wall_seconds", "date", "command")
 
 
-class SourceMissing(Exception):
-    """The file a block is made from is not there (the block is left as it is)."""
+class SourceError(Exception):
+    """A block's source cannot give the block (its message says why)."""
+
+
+class SourceMissing(SourceError):
+    """A file a block is made from is not there."""
 
 
 @dataclass(frozen=True)
 class Block:
-    """A generated block: ``render(root)`` gives its text (``SourceMissing`` if its source is absent); lines starting
-    with one of ``volatile`` (timings) are not compared by ``--check``."""
+    """A generated block: ``render(root)`` gives its text (``SourceError`` where its source cannot)."""
 
     source: str
     render: Callable[[Path], str]
-    volatile: tuple[str, ...] = ()
+
+
+def _read(root: Path, path: Path, hint: str) -> str:
+    if not (root / path).is_file():
+        raise SourceMissing(f"source missing: no {path} ({hint})")
+    return (root / path).read_text()
 
 
 # ---- results ------------------------------------------------------------------------------------------------------
@@ -79,58 +92,39 @@ def overview_sections(md: str) -> list[tuple[str, str]]:
     return out
 
 
-def made_on_text(kinds: list[str], capability: str | None) -> str:
-    """``AMD EPYC (AVX512), torch CPU capability AVX512`` (several kinds: joined by ``; ``)."""
-    return ("; ".join(kinds) or "a CPU not recorded") + (f", torch CPU capability {capability}" if capability else "")
+def default_run(root: Path) -> tuple[str, dict]:
+    """(``comparison.md``, ``run.json``) of the recorded default run; ``SourceError`` where either is missing or they
+    name different CPU kinds."""
+    hint = f"`snakemake --cores all`, then `{PUBLISH}` records it"
+    md = _read(root, COMPARISON, hint)
+    run = json.loads(_read(root, RUN_JSON, hint))
+    lacking = [k for k in RUN_KEYS if run.get(k) is None]
+    if lacking:
+        raise SourceError(f"{RUN_JSON} lacks {', '.join(lacking)} ({hint} again)")
+    made = parse_made_on(md)
+    if made is None or made[0] != [run.get("cpu")]:
+        named = "; ".join(made[0]) if made and made[0] else "no CPU"
+        raise SourceError(f"{COMPARISON} names {named}, {RUN_JSON} {run.get('cpu')!r}: not one run ({hint} again)")
+    return md, run
 
 
-def block_made_on(block: str) -> tuple[list[str], str | None] | None:
-    """(CPU kinds, torch capability) that a rendered ``results`` block names; None if it names none."""
-    m = re.search(r"^From `[^`]+`, made on (.*?)(?:, torch CPU capability (\S+))?\.$", block, re.M)
-    if m is None:
-        return None
-    return ([] if m.group(1) == "a CPU not recorded" else m.group(1).split("; ")), m.group(2)
-
-
-def run_time(root: Path) -> str | None:
-    """``snakemake --cores all`` ran N jobs in M min S s, from the newest complete Snakemake log of a run that
-    trained the models (rule ``pretrain``): its ``Date:`` to its last time stamp. None without one."""
-    logs = sorted((root / SNAKEMAKE_LOGS).glob("*.snakemake.log"), reverse=True)
-    for log in logs:
-        text = log.read_text(errors="replace")
-        done = re.findall(r"^(\d+) of (\d+) steps \(100%\) done", text, re.M)
-        if not done or not re.search(r"^(local)?rule pretrain:", text, re.M):
-            continue
-        cmd = re.search(r"^\s*Command: (.*)$", text, re.M)
-        start = re.search(r"^\s*Date: (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)", text, re.M)
-        stamps = re.findall(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$", text, re.M)
-        if not (start and stamps):
-            continue
-        t0 = dt.datetime.strptime(start.group(1), "%Y-%m-%d %H:%M:%S")
-        t1 = dt.datetime.strptime(re.sub(" +", " ", stamps[-1]), "%a %b %d %H:%M:%S %Y")
-        seconds = int((t1 - t0).total_seconds())
-        command = re.sub(r"^\S*/", "", cmd.group(1).strip()) if cmd else "snakemake"
-        return (f"`{command}` ran {done[-1][1]} jobs in {seconds // 60} min {seconds % 60} s "
-                f"(Snakemake's log `{log.relative_to(root)}`).")
-    return None
+def results_cpu(root: Path) -> list[str]:
+    return [default_run(root)[1]["cpu"]]
 
 
 def render_results(root: Path) -> str:
-    path = root / COMPARISON
-    if not path.is_file():
-        raise SourceMissing(f"no {COMPARISON} (run `snakemake --cores all` first)")
-    md = path.read_text()
-    made = parse_made_on(md)
+    md, run = default_run(root)
     sections = overview_sections(md)
-    if made is None or not sections:
-        raise SourceMissing(f"{COMPARISON} has no 'Made on' line or no overview: made by an older statereduce, "
-                            "rerun its rule (`snakemake --cores all --forcerun comparison_table`)")
-    parts = [f"From `{COMPARISON}`, made on {made_on_text(*made)}."]
+    if not sections:
+        raise SourceError(f"{COMPARISON} has no overview: made by an older statereduce (rerun the default and "
+                          f"`{PUBLISH}`)")
+    cap = run.get("torch_cpu_capability")
+    parts = [f"From `{COMPARISON}`, made on {run['cpu']}" + (f", torch CPU capability {cap}" if cap else "") + "."]
     for head, body in sections:
         parts += [f"**{head[0].upper() + head[1:]}.**", body]
-    timing = run_time(root)
-    if timing:
-        parts.append(RUN_TIME + timing)
+    commit = f", commit {run['commit'][:7]}" if run.get("commit") else ""
+    parts.append(f"Run time: `{run['command']}` ran {run['jobs']} jobs in {format_seconds(run['wall_seconds'])} "
+                 f"on {run['date'][:10]}{commit}, Python {run['python']} (`{RUN_JSON}`).")
     return "\n\n".join(parts) + "\n"
 
 
@@ -148,7 +142,7 @@ def _install_line(m: dict, top: int = 5) -> str:
 def render_install(root: Path) -> str:
     path = root / INSTALL
     if not path.is_file():
-        raise SourceMissing(f"no {INSTALL} (run `python dev/install_size.py`)")
+        raise SourceMissing(f"source missing: no {INSTALL} (`python dev/install_size.py` writes it)")
     doc = json.loads(path.read_text())
     nvidia = sum(p["bytes"] for p in doc["packages"] if p["name"].startswith(("nvidia-", "cuda-")))
     lines = [f"- `pip install -c constraints.txt -e .` from PyPI ({doc['platform']}, Python {doc['python']}; the same "
@@ -210,7 +204,8 @@ def _paper_scale(root: Path) -> dict:
                 kernels = {json.loads(f.read_text()).get("kernels") for f in d.glob(f"rft_record_{model}_*.json")}
                 m["rft"] = {"rates": rates, "run": folder, "gpu": gpu, "kernels": sorted(k for k in kernels if k)}
     if not found:
-        raise SourceMissing("no docs/results/paper_scale_*/jobs.json (dev/paper_scale_table.py RUN --save DIR)")
+        raise SourceMissing("source missing: no docs/results/paper_scale_*/jobs.json "
+                            "(`python dev/paper_scale_table.py RUN --save DIR` writes it)")
     return out
 
 
@@ -276,11 +271,22 @@ def render_hub_cost(root: Path) -> str:
 
 
 # ---- recipe -------------------------------------------------------------------------------------------------------
+def recipe_cpu(root: Path) -> list[str]:
+    """The CPU kinds of the recipe's runs: the ``cpu`` column of ``results.csv``."""
+    text = _read(root, RECIPE_CSV, "python docs/experiments/recipe/table.py writes it beside summary.md")
+    cpus = sorted({row.get("cpu") or "" for row in csv.DictReader(text.splitlines())} - {""})
+    if not cpus:
+        raise SourceError(f"{RECIPE_CSV} records no CPU (its `cpu` column is empty or absent)")
+    return cpus
+
+
 def render_recipe(root: Path) -> str:
-    path = root / RECIPE
-    if not path.is_file():
-        raise SourceMissing(f"no {RECIPE} yet")
-    return rebase_links(path.read_text(), RECIPE.parent).strip("\n") + "\n"
+    text = _read(root, RECIPE, "python docs/experiments/recipe/table.py writes it")
+    unnamed = [c for c in recipe_cpu(root) if c not in text]
+    if unnamed:
+        raise SourceError(f"{RECIPE} does not name {', '.join(unnamed)}, the CPU of {RECIPE_CSV} "
+                          "(python docs/experiments/recipe/table.py writes both)")
+    return rebase_links(text, RECIPE.parent).strip("\n") + "\n"
 
 
 def rebase_links(text: str, folder: Path) -> str:
@@ -295,11 +301,15 @@ def rebase_links(text: str, folder: Path) -> str:
 
 
 BLOCKS: dict[str, Block] = {
-    "results": Block(str(COMPARISON), render_results, volatile=(RUN_TIME,)),
+    "results": Block(f"{DEFAULT_RUN}/", render_results),
     "install": Block(str(INSTALL), render_install),
     "hub-cost": Block("docs/results/paper_scale_*/", render_hub_cost),
     "recipe": Block(str(RECIPE), render_recipe),
 }
+#: Blocks whose numbers must come from one kind of CPU, each with the file that names its kind and how it is read;
+#: the first names the kind, the others are checked against it.
+SAME_CPU: dict[str, tuple[Path, Callable[[Path], list[str]]]] = {"results": (RUN_JSON, results_cpu),
+                                                                  "recipe": (RECIPE_CSV, recipe_cpu)}
 
 
 # ---- the README ---------------------------------------------------------------------------------------------------
@@ -331,26 +341,45 @@ def replace_block(text: str, name: str, body: str) -> str:
     return text[:span[0]] + body.rstrip("\n") + "\n" + text[span[1]:]
 
 
-def stable(body: str, volatile: tuple[str, ...]) -> str:
-    """``body`` without its volatile lines (timings)."""
-    return "\n".join(line for line in body.splitlines() if not line.startswith(volatile)).strip() + "\n"
+def _clip(line: str, at: int, width: int = 60) -> str:
+    """``line`` around column ``at``, at most about ``width`` characters, elided with …."""
+    lo = max(0, at - width // 3)
+    hi = lo + width
+    return ("…" if lo else "") + line[lo:hi] + ("…" if hi < len(line) else "")
 
 
-def check_block(name: str, current: str, rendered: str) -> str | None:
-    """Why README's ``current`` block does not match ``rendered``, or None where it does (or cannot be compared)."""
-    block = BLOCKS[name]
-    if name == "results":
-        made, ours = block_made_on(current), block_made_on(rendered)
-        if made is not None and ours is not None and made != ours:
-            print(f"results: README's block was made on {made_on_text(*made)}, {COMPARISON} on "
-                  f"{made_on_text(*ours)}: not compared (another kind of CPU trains other numbers)")
-            return None
-    if stable(current, block.volatile) == stable(rendered, block.volatile):
+def first_difference(current: str, rendered: str) -> str | None:
+    """Where README's block ``current`` first differs from ``rendered``, in words; None where they are equal."""
+    ours, theirs = current.split("\n"), (rendered.rstrip("\n") + "\n").split("\n")
+    for i, (a, b) in enumerate(zip(ours, theirs), 1):
+        if a != b:
+            at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return f"line {i}: README has {_clip(a, at)!r}, the source gives {_clip(b, at)!r}"
+    if len(ours) != len(theirs):
+        n = min(len(ours), len(theirs)) + 1
+        return (f"README's block ends before line {n}" if len(ours) < len(theirs)
+                else f"README's block has more lines from line {n}")
+    return None
+
+
+def cpu_mismatch(root: Path, names: list[str]) -> str | None:
+    """One line where the blocks of :data:`SAME_CPU` (all among ``names``) come from different kinds of CPU; None
+    where they agree or a source cannot say (its block reports that)."""
+    if not all(n in names for n in SAME_CPU):
         return None
-    diff = difflib.unified_diff(stable(current, block.volatile).splitlines(),
-                                stable(rendered, block.volatile).splitlines(), "README.md", block.source, lineterm="",
-                                n=0)
-    return "\n".join(list(diff)[:40])
+    kinds = {}
+    for name, (_, read) in SAME_CPU.items():
+        try:
+            kinds[name] = read(root)
+        except SourceError:
+            return None
+    first, *others = SAME_CPU
+    for name in others:
+        if kinds[name] != kinds[first]:
+            return (f"{name}: made on {'; '.join(kinds[name])} ({SAME_CPU[name][0]}), the {first} block on "
+                    f"{'; '.join(kinds[first])} ({SAME_CPU[first][0]}): README's numbers come from one kind of CPU "
+                    "(rerun one of them on the other's kind)")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -363,38 +392,39 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in args.names if n not in BLOCKS]
     if unknown:
         ap.error(f"unknown block {', '.join(unknown)}; valid: {', '.join(BLOCKS)}")
+    names = args.names or list(BLOCKS)
     text = args.readme.read_text()
-    new, differs = text, []
-    for name in args.names or list(BLOCKS):
+    new, failed = text, False
+    for name in names:
         current = block_text(text, name)
         if current is None:
             print(f"{name}: no <!-- generated:{name} --> markers in {args.readme.name}")
-            if args.names:
-                differs.append(name)
+            failed = failed or bool(args.names)
             continue
         try:
             rendered = BLOCKS[name].render(args.root)
-        except SourceMissing as e:
+        except SourceError as e:
             print(f"{name}: {e}; block left as it is")
+            failed = True
             continue
+        why = first_difference(current, rendered)
         if args.check:
-            why = check_block(name, current, rendered)
             if why is not None:
-                differs.append(name)
-                print(f"{name}: README's block differs from what {BLOCKS[name].source} renders:\n{why}")
-        elif current != rendered.rstrip("\n") + "\n":
+                failed = True
+                print(f"{name}: README's block differs from what {BLOCKS[name].source} renders: {why} "
+                      f"(python dev/readme_blocks.py {name} rewrites it)")
+        elif why is not None:
             new = replace_block(new, name, rendered)
             print(f"{name}: rewritten from {BLOCKS[name].source}")
         else:
             print(f"{name}: unchanged")
-    if args.check:
-        if differs:
-            print(f"differs: {', '.join(differs)} (python dev/readme_blocks.py rewrites them)")
-            return 1
-        return 0
-    if new != text:
+    mismatch = cpu_mismatch(args.root, names)
+    if mismatch:
+        print(mismatch)
+        failed = True
+    if not args.check and new != text:
         args.readme.write_text(new)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

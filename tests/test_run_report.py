@@ -176,6 +176,18 @@ def test_the_log_is_parsed_into_jobs_finished_failed_and_the_start():
     assert parse_log(FAILED).started == dt.datetime(2026, 12, 6, 10, 15)  # no file name: its Date line
 
 
+def test_the_log_gives_the_command_progress_and_wall_time(tmp_path):
+    run = parse_log(FINISHED, NAME)
+    assert run.command == "snakemake --cores 2 all_paper" and run.steps == (5, 5) and run.complete
+    assert run.ended == dt.datetime(2026, 12, 6, 10, 16, 0) and run.wall_seconds == 59.75  # the last time stamp
+    failed = parse_log(FAILED, NAME)
+    assert failed.steps is None and not failed.complete and failed.ended == dt.datetime(2026, 12, 6, 10, 16, 5)
+    log = _write(tmp_path, FINISHED)
+    _write(tmp_path / "later", FAILED).rename(log.with_name("2026-12-07T090000.snakemake.log"))
+    assert run_report.newest_complete_log(tmp_path, "all_paper") == log  # the newer log's run failed
+    assert run_report.newest_complete_log(tmp_path, "pretrain") is None
+
+
 @pytest.mark.parametrize("seconds, text", [(0, "0 s"), (59.6, "1 min 0 s"), (3725, "1 h 2 min 5 s")])
 def test_format_seconds(seconds, text):
     assert format_seconds(seconds) == text

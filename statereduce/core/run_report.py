@@ -2,12 +2,14 @@
 failed run the failed jobs' logs with their last lines.
 
 Everything comes from Snakemake's own log of the run (``.snakemake/log/<start>.snakemake.log``, the file the
-workflow's ``onsuccess``/``onerror`` handlers receive as ``log``): each job's announcement (``rule x:`` with its
-``output:``, ``log:``, ``jobid:`` and ``wildcards:``), ``Finished jobid: N``, ``Error in rule x:`` blocks, the ``Job
-stats`` total and, under the SLURM executor, where SLURM writes each job's output. The requested targets (files, and
-the inputs of target rules) add the tables and figures they name. Snakemake calls the handlers after real runs only:
-a dry run (``-n``) and a run with nothing to do print no report. :func:`report` never raises: a report that cannot
-be made is one line saying why.
+workflow's ``onsuccess``/``onerror`` handlers receive as ``log``): its header (``Date:``, ``Python version:``,
+``Command:``), each job's announcement (``rule x:`` with its ``output:``, ``log:``, ``jobid:``, ``benchmark:`` and
+``wildcards:``), ``Finished jobid: N``, ``Error in rule x:`` blocks, the ``Job stats`` total, the progress lines
+(``N of M steps (100%) done``) and time stamps, and, under the SLURM executor, where SLURM writes each job's output.
+The requested targets (files, and the inputs of target rules) add the tables and figures they name. Snakemake calls
+the handlers after real runs only: a dry run (``-n``) and a run with nothing to do print no report. :func:`report`
+never raises: a report that cannot be made is one line saying why. :func:`newest_complete_log` and
+:func:`job_seconds` read a finished run's log and benchmark files for its record (``dev/publish_run.py``).
 
 Paths in the report are relative to the run's working directory, as the rules write them: ``logs/<rule>/...`` per
 job, ``benchmarks/<rule>/...`` beside them (:mod:`statereduce.common.layout` for what lies under ``results/``).
@@ -15,6 +17,7 @@ job, ``benchmarks/<rule>/...`` beside them (:mod:`statereduce.common.layout` for
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
 import re
 from collections import Counter
@@ -38,6 +41,10 @@ _FINISHED = re.compile(r"^Finished job(?:id)?:? (\d+)")
 _TOTAL = re.compile(r"^total\s+(\d+)$")
 _SLURM = re.compile(r"^Job (\d+) has been submitted with SLURM jobid \S+ \(log: (.+)\)\.$")
 _DATE = re.compile(r"^\s*Date: (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
+_COMMAND = re.compile(r"^\s*Command: (.*)$")
+_PYTHON = re.compile(r"^\s*Python version: (\S+)")
+_STEPS = re.compile(r"^(\d+) of (\d+) steps \(\d+%\) done")
+_STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
 _NAME = re.compile(r"^(\d{4}-\d\d-\d\dT\d{6}(?:\.\d+)?)\.snakemake\.log$")
 _CHECK_LOG = " (check log file(s) for error details)"
 
@@ -51,6 +58,7 @@ class Job:
     outputs: list[str] = field(default_factory=list)
     logs: list[str] = field(default_factory=list)
     wildcards: str = ""
+    benchmark: str | None = None
 
 
 @dataclass
@@ -64,6 +72,10 @@ class RunLog:
         total: the planned jobs (the ``Job stats`` total), None where the log has none.
         slurm_logs: jobid -> SLURM's output file of the job (SLURM executor only).
         started: the run's start (the log file's name, else its ``Date:`` line), None where neither says.
+        ended: the last time stamp (``[Wed Dec  2 18:55:21 2026]``), None where the log has none.
+        steps: (done, planned) of the last progress line, None where the log has none.
+        command: the command line the run was started with (the header's ``Command:``).
+        python: the version of the Python that ran Snakemake (the header's ``Python version:``).
     """
 
     jobs: dict[str, Job] = field(default_factory=dict)
@@ -72,6 +84,22 @@ class RunLog:
     total: int | None = None
     slurm_logs: dict[str, str] = field(default_factory=dict)
     started: dt.datetime | None = None
+    ended: dt.datetime | None = None
+    steps: tuple[int, int] | None = None
+    command: str | None = None
+    python: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Whether the last progress line says every planned job is done."""
+        return self.steps is not None and self.steps[1] > 0 and self.steps[0] == self.steps[1]
+
+    @property
+    def wall_seconds(self) -> float | None:
+        """From the start to the last time stamp; None where the log lacks either."""
+        if self.started is None or self.ended is None:
+            return None
+        return max(0.0, (self.ended - self.started).total_seconds())
 
 
 def _paths(value: str) -> list[str]:
@@ -99,6 +127,8 @@ def parse_log(text: str, name: str = "") -> RunLog:
                 block.logs = _paths(value)
             elif key == "wildcards":
                 block.wildcards = value.strip()
+            elif key == "benchmark":
+                block.benchmark = value.strip()
             continue
         close()
         block = None
@@ -113,8 +143,16 @@ def parse_log(text: str, name: str = "") -> RunLog:
             run.total = int(m.group(1))
         elif m := _SLURM.match(line):
             run.slurm_logs[m.group(1)] = m.group(2)
+        elif m := _STEPS.match(line):
+            run.steps = int(m.group(1)), int(m.group(2))
+        elif m := _STAMP.match(line):
+            run.ended = dt.datetime.strptime(" ".join(m.group(1).split()), "%a %b %d %H:%M:%S %Y")
         elif run.started is None and (m := _DATE.match(line)):
             run.started = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")
+        elif run.command is None and (m := _COMMAND.match(line)):
+            run.command = m.group(1).strip()
+        elif run.python is None and (m := _PYTHON.match(line)):
+            run.python = m.group(1)
     close()
     for job in run.failed:  # an error block names the log; the announcement has the wildcards
         seen = run.jobs.get(job.jobid or "")
@@ -126,6 +164,38 @@ def parse_log(text: str, name: str = "") -> RunLog:
         run.started = dt.datetime.strptime(m.group(1), "%Y-%m-%dT%H%M%S.%f" if "." in m.group(1)
                                            else "%Y-%m-%dT%H%M%S")
     return run
+
+
+def newest_complete_log(workdir: str | Path, rule: str) -> Path | None:
+    """The newest Snakemake log under ``workdir``'s ``.snakemake/log/`` of a run that finished every job it planned
+    (:attr:`RunLog.complete`) and ran a job of ``rule``; None where there is none."""
+    for log in sorted((Path(workdir) / ".snakemake" / "log").glob("*.snakemake.log"), reverse=True):
+        run = parse_log(log.read_text(errors="replace"), log.name)
+        if run.complete and any(job.rule == rule for job in run.jobs.values()):
+            return log
+    return None
+
+
+def benchmark_seconds(path: str | Path) -> float:
+    """A job's wall seconds from its Snakemake benchmark file (a TSV whose column ``s`` is wall seconds; the mean of
+    its rows where the rule repeats the job)."""
+    with open(path, newline="") as f:
+        rows = [float(row["s"]) for row in csv.DictReader(f, delimiter="\t")]
+    if not rows:
+        raise ValueError(f"{path}: no rows under its header")
+    return sum(rows) / len(rows)
+
+
+def job_seconds(run: RunLog, workdir: str | Path) -> dict[str, list[float]]:
+    """rule -> the wall seconds of each of the run's finished jobs that names a benchmark file (read from
+    ``workdir``); a job whose file is gone is left out."""
+    out: dict[str, list[float]] = {}
+    for jobid in dict.fromkeys(run.finished):
+        job = run.jobs.get(jobid)
+        if job is None or not job.benchmark or not (Path(workdir) / job.benchmark).is_file():
+            continue
+        out.setdefault(job.rule, []).append(benchmark_seconds(Path(workdir) / job.benchmark))
+    return dict(sorted(out.items()))
 
 
 def _jobs(n: int) -> str:
