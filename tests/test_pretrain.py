@@ -178,9 +178,12 @@ def test_pretrain_recall_mix(checkpoints, tmp_path, monkeypatch):
     calls: list[dict] = []
     blocks: list[torch.Tensor] = []
 
-    def fake_loop(model, stream, cfg, log_paths, desc="pretrain", step_offset=0, append=False):
-        calls.append({"stream": stream, "cfg": cfg, "step_offset": step_offset, "append": append})
-        return {"train_tokens": 10, "train_seconds": 1.0, "train_cpu_seconds": 1.0, "tokens_per_s": 10.0}
+    def fake_loop(model, stream, cfg, log_paths, desc="pretrain", step_offset=0, append=False, labels=None,
+                  until=None):
+        calls.append({"stream": stream, "cfg": cfg, "step_offset": step_offset, "append": append, "labels": labels,
+                      "until": until})
+        return {"steps": cfg.steps, "train_tokens": 10, "train_seconds": 1.0, "train_cpu_seconds": 1.0,
+                "tokens_per_s": 10.0, **({"check": {}} if until else {})}
 
     def fake_loss(model, x, batch_size=8):
         blocks.append(x)
@@ -216,6 +219,15 @@ def test_pretrain_recall_mix(checkpoints, tmp_path, monkeypatch):
     assert pure.numel() >= 3 * TRAIN["batch_size"] * TRAIN["seq_len"] - 1  # its bytes, less the last EOS
     assert set(bytes(pure[pure < 256].tolist()).decode()) <= set("abcdefghijklmnopqrstuvwxyz0123456789=\n")
     assert rec["train_tokens"] == 20 and rec["train_seconds"] == 2.0 and rec["recall_mix"]["pure_seconds"] == 1.0
+    assert first["labels"] is None and first["until"] is None and rec["recall_mix"]["pure_steps_run"] == 3
+    # answer_loss: labels on the answers only; until: a constant lr after the warmup and a check every check_every
+    rec = pretrain("delta_net", ARCH["delta_net"], CORPUS, TRAIN, tmp_path / "d",
+                   recall_mix={**mix, "pure_steps": 3, "answer_loss": True, "until": 0.5, "check_every": 2})
+    first = calls[4]
+    assert first["cfg"].min_lr == first["cfg"].lr and first["until"][1:] == (0.5, 2)
+    labels = first["labels"]
+    assert labels.shape == first["stream"].shape and 0 < (labels != -100).float().mean() < 0.3
+    assert set(bytes(labels[labels != -100].tolist()).decode()) <= set("0123456789")
     with pytest.raises(ValueError, match=r"recall_mix fraction must be a number in \(0, 1\), got 1\.5"):
         pretrain("delta_net", ARCH["delta_net"], CORPUS, TRAIN, tmp_path / "x", recall_mix={"fraction": 1.5})
     assert not (tmp_path / "x").exists()
@@ -229,3 +241,32 @@ def test_pretrain_recall_phase_trains_and_logs(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "m" / "train_log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [2, 4, 6] and lines[0]["lr"] <= 5e-4 < lines[1]["lr"]
     assert rec["train_tokens"] == 6 * 2 * 32 and rec["recall_mix"]["pure_steps"] == 2
+
+
+def test_recall_phase_until_stops_at_the_check(tmp_path):
+    """until: the recall phase ends at the first check that reaches the target; a target it never reaches runs every
+    step, checking at each multiple of check_every and at the last step; the checks are logged."""
+    cfg = {**TRAIN, "steps": 2, "warmup": 1}
+    mix = {"n_pairs": [1, 2], "pure_steps": 5, "answer_loss": True, "check_every": 2}
+    rec = pretrain("delta_net", ARCH["delta_net"], CORPUS, cfg, tmp_path / "a", recall_mix={**mix, "until": 1e-9})
+    assert rec["recall_mix"]["pure_steps_run"] == 2 and rec["recall_mix"]["pure_check"]["step"] == 2
+    lines = [json.loads(x) for x in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [2, 4] and "recall_acc" in lines[0] and "recall_acc" not in lines[1]
+    assert rec["train_tokens"] == 4 * 2 * 32
+    rec = pretrain("delta_net", ARCH["delta_net"], CORPUS, cfg, tmp_path / "b", recall_mix={**mix, "until": 1.0})
+    lines = [json.loads(x) for x in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
+    assert rec["recall_mix"]["pure_steps_run"] == 5
+    assert [x["step"] for x in lines if "recall_acc" in x] == [2, 4, 5]
+    assert 0.0 <= rec["recall_mix"]["pure_check"]["recall_acc"] <= 1.0
+
+
+@pytest.mark.parametrize(("mix", "message"), [
+    ({"until": 0.8}, r"recall_mix until=0.8 needs pure_steps >= 1"),
+    ({"pure_steps": 3, "until": 1.5}, r"recall_mix until must be an accuracy in \(0, 1\] or null, got 1.5"),
+    ({"answer_loss": "yes"}, r"recall_mix answer_loss must be true or false, got 'yes'"),
+    ({"check_every": 0}, r"recall_mix check_every must be an int >= 1, got 0"),
+])
+def test_recall_mix_refuses(mix, message, tmp_path):
+    with pytest.raises((ValueError, TypeError), match=message):
+        pretrain("delta_net", ARCH["delta_net"], CORPUS, TRAIN, tmp_path / "x", recall_mix=mix)
+    assert not (tmp_path / "x").exists()

@@ -181,7 +181,8 @@ def test_recall_mix_settings_rejects(spec, match):
 def test_recall_mix_settings_defaults():
     assert RecallMixSettings.from_dict(None) == RecallMixSettings()
     out = RecallMixSettings.from_dict({"fraction": 0.5, "n_pairs": (2,)}).to_dict()
-    assert out == {"fraction": 0.5, "n_pairs": [2], "seed": 0, "pure_steps": 0, "pure_lr": 1e-3}
+    assert out == {"fraction": 0.5, "n_pairs": [2], "seed": 0, "pure_steps": 0, "pure_lr": 1e-3, "answer_loss": False,
+                   "check_every": 50}
     docs = rc.recall_stream_docs(1000, [2, 4], seed=1)
     assert docs == rc.recall_stream_docs(1000, [2, 4], seed=1)
     assert 1000 <= sum(len(d) + 1 for d in docs) < 1000 + 50  # stops at the first document over the budget
@@ -375,3 +376,50 @@ def test_documents_are_pinned():
         "fc658db32a39d59ea36e04df88ace6e3cb94c19bb72c68082d62accab4a4553d")
     assert hashlib.sha256("\n\n".join(train).encode()).hexdigest() == (
         "c688cdea57ad91f9ca2a84bc493b74408321e4058663f997746f7d2d2a5a3dd8")
+
+
+def test_answer_labels_mark_the_query_values():
+    """answer_labels: the ids are token_stream's; the labels keep exactly the query lines' value bytes."""
+    from statereduce.core.data import token_stream
+    from statereduce.core.tokenizer import byte_level_tokenizer
+    from statereduce.eval.recall import answer_labels
+
+    tok = byte_level_tokenizer()
+    docs = ["ab=12\ncd=34\ncd=34\nab=12", "xy=56\nxy=56"]
+    ids, labels = answer_labels(tok, docs)
+    assert torch.equal(ids, token_stream(tok, docs))
+    kept = "".join(chr(i) if lab != -100 else "_" for i, lab in zip(ids.tolist(), labels.tolist()))
+    assert kept == "_" * 15 + "34" + "_" * 4 + "12" + "_" * 10 + "56"  # the EOS between the documents too
+
+
+class _BigramLM(torch.nn.Module):
+    """A bigram model: the logits after a token are a fixed random row of that token."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.table = torch.randn(300, 300, generator=torch.Generator().manual_seed(seed))
+
+    def forward(self, input_ids):
+        return types.SimpleNamespace(logits=self.table[input_ids])
+
+
+def test_recall_accuracy_scores_like_multiple_choice():
+    """recall_accuracy against a hand count: each choice's summed bigram log-likelihood after the prompt, the best
+    choice against gold."""
+    from statereduce.core.tokenizer import byte_level_tokenizer
+    from statereduce.eval.recall import generate_recall_docs, recall_accuracy
+
+    tok = byte_level_tokenizer()
+    docs = generate_recall_docs(60, 4, seed=5)
+    for seed in range(3):
+        lm = _BigramLM(seed)
+        logp = torch.log_softmax(lm.table, dim=-1)
+        hits = 0
+        for d in docs:
+            scores = []
+            for choice in d["choices"]:
+                ids = tok(d["prompt"] + choice, add_special_tokens=False)["input_ids"]
+                n = len(choice)
+                scores.append(sum(float(logp[ids[k - 1], ids[k]]) for k in range(len(ids) - n, len(ids))))
+            hits += scores.index(max(scores)) == d["gold"]
+        assert recall_accuracy(lm, tok, docs) == hits / len(docs)

@@ -533,8 +533,15 @@ class RecallMixSettings(Settings):
         fraction: share of the mixed training stream's bytes that are recall documents, in (0, 1).
         n_pairs: context sizes; each document draws one uniformly (each 1..90).
         seed: draws the documents.
-        pure_steps: steps of a first, recall-only training phase (>= 0).
+        pure_steps: steps of a first, recall-only training phase (>= 0); with ``until``, its most steps.
         pure_lr: that phase's peak learning rate (> 0).
+        answer_loss: that phase's loss covers only the answers of its documents' query lines (the two value bytes
+            after ``key=``), not the random keys and values of the context, which no model can predict.
+        until: end that phase once the recall probe's accuracy on 64 documents of 4 pairs, drawn apart from the
+            probe's and the training documents, reaches this (in (0, 1]); checked every ``check_every`` steps.
+            Its lr then stays at ``pure_lr`` after the warmup (no cosine to an unknown end). None: all
+            ``pure_steps``, cosine to a tenth.
+        check_every: steps between two such checks.
     """
 
     section: ClassVar[str] = "recall_mix"
@@ -546,6 +553,9 @@ class RecallMixSettings(Settings):
     seed: int = 0
     pure_steps: int = 0
     pure_lr: float = 1e-3
+    answer_loss: bool = False
+    until: float | None = field(default=None, metadata=OPTIONAL)
+    check_every: int = 50
 
     def __post_init__(self):
         fraction, n_pairs = self.fraction, self.n_pairs
@@ -566,6 +576,17 @@ class RecallMixSettings(Settings):
         if not _is_number(self.pure_lr) or not self.pure_lr > 0:
             raise ValueError(f"recall_mix pure_lr must be a number > 0, got {self.pure_lr!r}")
         self._set("pure_lr", float(self.pure_lr))
+        if not isinstance(self.answer_loss, bool):
+            raise TypeError(f"recall_mix answer_loss must be true or false, got {self.answer_loss!r}")
+        if self.until is not None:
+            if not _is_number(self.until) or not 0.0 < self.until <= 1.0:
+                raise ValueError(f"recall_mix until must be an accuracy in (0, 1] or null, got {self.until!r}")
+            if self.pure_steps < 1:
+                raise ValueError(f"recall_mix until={self.until} needs pure_steps >= 1 (the phase's most steps), "
+                                 f"got {self.pure_steps}")
+            self._set("until", float(self.until))
+        if not _is_int(self.check_every) or self.check_every < 1:
+            raise ValueError(f"recall_mix check_every must be an int >= 1, got {self.check_every!r}")
         self._set("fraction", float(fraction))
         self._set("n_pairs", list(n_pairs))
 

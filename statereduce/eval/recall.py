@@ -55,6 +55,7 @@ from statereduce.eval.tasks import TASK_NAME_RE, write_multiple_choice_task
 from statereduce.common.settings import RECALL_MAX_PAIRS, RecallMixSettings, RecallProbeSettings
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 TASK_PREFIX = "recall_mqar"
@@ -269,6 +270,66 @@ def recall_stream_docs(n_bytes: int, n_pairs: Sequence[int], seed: int = 0) -> l
         docs.append(next(stream))
         total += joined_bytes(docs[-1])
     return docs
+
+
+def answer_labels(tokenizer, docs: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token stream of recall training documents (:func:`statereduce.core.data.token_stream`'s: joined with EOS)
+    and its labels for a loss on the answers alone: each query line's value tokens keep their id, every other
+    position (context lines, keys, separators) is -100, which the models' loss ignores.
+
+    Args:
+        tokenizer: the byte-level tokenizer (one token per byte; the documents are ASCII).
+        docs: documents of :func:`recall_train_doc`'s format (context lines, then as many query lines).
+
+    Returns:
+        ``(ids, labels)``, two 1-D LongTensors of one length.
+    """
+    import torch
+
+    from statereduce.core.data import token_stream
+
+    ids = token_stream(tokenizer, docs)
+    labels = torch.full_like(ids, -100)
+    start = 0
+    for doc in (d for d in docs if d):
+        n = len(tokenizer(doc, add_special_tokens=False)["input_ids"])
+        if n != len(doc.encode("utf-8")):
+            raise ValueError(f"answer_labels needs a byte-level tokenizer (one token per byte); "
+                             f"{type(tokenizer).__name__} gave {n} tokens for {len(doc.encode())} bytes")
+        lines = doc.split("\n")
+        offset = start
+        for i, line in enumerate(lines):
+            if i >= len(lines) // 2:  # query lines: the value follows the key and '='
+                value_at = offset + line.index(ASSIGN) + 1
+                labels[value_at:offset + len(line)] = ids[value_at:offset + len(line)]
+            offset += len(line) + 1
+        start += n + 1  # the document and the EOS after it
+    return ids, labels
+
+
+def recall_accuracy(model: nn.Module, tokenizer, docs: Sequence[Mapping[str, Any]]) -> float:
+    """Accuracy of ``model`` on probe documents (:func:`generate_recall_docs`), scored as lm-eval's
+    ``multiple_choice`` ``acc`` is (the summed log-likelihood of each choice after the prompt; the best one wins),
+    computed directly: the check of ``recall_mix.until`` during pretraining, which must not start lm-eval."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    hits = 0
+    with torch.no_grad():
+        for doc in docs:
+            prompt = tokenizer(doc["prompt"], add_special_tokens=False)["input_ids"]
+            choices = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in doc["choices"]]
+            width = max(map(len, choices))
+            x = torch.tensor([prompt + c + [0] * (width - len(c)) for c in choices])
+            logp = torch.log_softmax(model(input_ids=x).logits.float(), dim=-1)
+            scores = [
+                float(logp[j, len(prompt) - 1 + torch.arange(len(c)), torch.tensor(c)].sum())
+                for j, c in enumerate(choices)
+            ]
+            hits += int(max(range(len(scores)), key=scores.__getitem__) == doc["gold"])
+    model.train(was_training)
+    return hits / len(docs)
 
 
 def mix_recall_docs(

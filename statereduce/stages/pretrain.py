@@ -251,21 +251,40 @@ def _training_stream(tokenizer, corpus_spec: dict[str, Any],
     return token_stream(tokenizer, docs), record
 
 
-def _recall_phase(tokenizer, cfg: TrainSettings,
-                  mix: RecallMixSettings | None) -> tuple[torch.Tensor, TrainSettings] | None:
-    """``(stream, train settings)`` of the recall-only first phase (``mix.pure_steps`` steps at peak ``pure_lr``,
-    the corpus phase's warmup, cosine to a tenth), or None without one."""
+def _recall_phase(tokenizer, cfg: TrainSettings, mix: RecallMixSettings | None) -> dict[str, Any] | None:
+    """The recall-only first phase (``mix.pure_steps`` steps at peak ``pure_lr``, the corpus phase's warmup, cosine
+    to a tenth; with ``mix.until`` a constant lr after the warmup and a stop once the check passes), or None.
+
+    Returns:
+        ``{"stream", "labels", "cfg", "until"}``: the token stream, its labels (None: every next token;
+        ``mix.answer_loss``: :func:`~statereduce.eval.recall.answer_labels`), the phase's train settings and its
+        stop check (a callable ``model -> accuracy`` and the target, or None).
+    """
     n_pure = 0 if mix is None else int(mix.pure_steps)
     if n_pure <= 0:
         return None
-    from statereduce.eval.recall import recall_stream_docs
+    from statereduce.eval.recall import answer_labels, generate_recall_docs, recall_accuracy, recall_stream_docs
 
-    pure_cfg = cfg.replace(steps=n_pure, lr=mix.pure_lr, min_lr=None, warmup=min(cfg.warmup, n_pure - 1))
+    floor = mix.pure_lr if mix.until is not None else None
+    pure_cfg = cfg.replace(steps=n_pure, lr=mix.pure_lr, min_lr=floor, warmup=min(cfg.warmup, n_pure - 1))
     pure_docs = recall_stream_docs(n_pure * int(cfg.batch_size) * int(cfg.seq_len), mix.n_pairs, mix.seed)
-    return token_stream(tokenizer, pure_docs), pure_cfg
+    if mix.answer_loss:
+        stream, labels = answer_labels(tokenizer, pure_docs)
+    else:
+        stream, labels = token_stream(tokenizer, pure_docs), None
+    until = None
+    if mix.until is not None:
+        # 4-pair documents of a seed the probe (seed 0 of its eval settings) and the training stream never draw
+        check_docs = generate_recall_docs(UNTIL_DOCS, UNTIL_PAIRS, seed=UNTIL_SEED + int(mix.seed))
+        until = (lambda model: recall_accuracy(model, tokenizer, check_docs), float(mix.until), int(mix.check_every))
+    return {"stream": stream, "labels": labels, "cfg": pure_cfg, "until": until}
 
 
-def _train_phases(model: torch.nn.Module, stream: torch.Tensor, cfg: TrainSettings, pure: tuple | None,
+UNTIL_DOCS, UNTIL_PAIRS, UNTIL_SEED = 64, 4, 1000
+"""The documents of ``recall_mix.until``'s check: 64 of 4 pairs, seed 1000 + ``recall_mix.seed``."""
+
+
+def _train_phases(model: torch.nn.Module, stream: torch.Tensor, cfg: TrainSettings, pure: dict[str, Any] | None,
                   mix: dict[str, Any] | None, log_paths: list[Path], family: str) -> dict[str, Any]:
     """Run the recall-only phase ``pure`` (when given), then the corpus phase, logging both to ``log_paths``.
 
@@ -275,10 +294,14 @@ def _train_phases(model: torch.nn.Module, stream: torch.Tensor, cfg: TrainSettin
     """
     if pure is None:
         return train_loop(model, stream, cfg, log_paths, f"pretrain {family}", step_offset=0, append=False)
-    n_pure = int(pure[1].steps)
-    pure_stats = train_loop(model, pure[0], pure[1], log_paths, desc=f"pretrain {family} (recall only)")
+    pure_stats = train_loop(model, pure["stream"], pure["cfg"], log_paths, desc=f"pretrain {family} (recall only)",
+                            labels=pure["labels"], until=pure["until"])
     mix["pure_seconds"] = pure_stats["train_seconds"]
-    stats = train_loop(model, stream, cfg, log_paths, f"pretrain {family}", step_offset=n_pure, append=True)
+    mix["pure_steps_run"] = pure_stats["steps"]
+    if pure["until"] is not None:
+        mix["pure_check"] = pure_stats["check"]
+    stats = train_loop(model, stream, cfg, log_paths, f"pretrain {family}", step_offset=pure_stats["steps"],
+                       append=True)
     for key in ("train_tokens", "train_seconds", "train_cpu_seconds"):
         stats[key] += pure_stats[key]
     stats["tokens_per_s"] = stats["train_tokens"] / stats["train_seconds"]
@@ -293,6 +316,8 @@ def train_loop(
     desc: str = "pretrain",
     step_offset: int = 0,
     append: bool = False,
+    labels: torch.Tensor | None = None,
+    until: tuple[Any, float, int] | None = None,
 ) -> dict[str, Any]:
     """The optimisation loop of :func:`pretrain`.
 
@@ -301,11 +326,14 @@ def train_loop(
     ``cfg``, so a second call is a second training phase. Writes a JSONL line every ``log_every`` steps
     (and at the last step) to each of ``log_paths``: step (plus ``step_offset``), mean loss since the
     previous line, lr, grad norm, tokens/s, elapsed wall and process-CPU seconds; ``append`` appends to
-    the files instead of replacing them.
+    the files instead of replacing them. ``labels`` (a stream as long as ``stream``, -100 where no loss is taken)
+    replaces the next-token targets. ``until`` = ``(check, target, every)`` calls ``check(model)`` every ``every``
+    steps (and logs it as ``recall_acc``) and stops once it returns at least ``target``.
 
     Returns:
-        ``final_train_loss`` (mean loss of the last logged window), ``train_tokens``, ``train_seconds``,
-        ``train_cpu_seconds``, ``tokens_per_s``.
+        ``final_train_loss`` (mean loss of the last logged window), ``steps`` (run), ``train_tokens``,
+        ``train_seconds``, ``train_cpu_seconds``, ``tokens_per_s``, and with ``until`` ``check``: the last check's
+        step, accuracy and target.
     """
     batch_size, seq_len, steps = int(cfg.batch_size), int(cfg.seq_len), int(cfg.steps)
     model.train()
@@ -318,16 +346,18 @@ def train_loop(
         log_files = [stack.enter_context(open(p, "a" if append else "w")) for p in log_paths]
         recent: list[float] = []
         final_train_loss = float("nan")
+        done, check = 0, None
         t_start = t_window = time.perf_counter()
         cpu_start = time.process_time()
         bar = tqdm(range(steps), desc=desc, mininterval=5.0, unit="step")
         for step in bar:
             starts = torch.randint(0, stream.numel() - seq_len + 1, (batch_size,), generator=batch_gen)
             x = stream[starts[:, None] + offsets]
+            y = x if labels is None else labels[starts[:, None] + offsets]
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss = model(input_ids=x, labels=x).loss
+            loss = model(input_ids=x, labels=y).loss
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite training loss {float(loss)} at step {step}")
             opt.zero_grad(set_to_none=True)
@@ -335,7 +365,12 @@ def train_loop(
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg.grad_clip))
             opt.step()
             recent.append(loss.item())
-            if (step + 1) % int(cfg.log_every) == 0 or step + 1 == steps:
+            done = step + 1
+            passed = False
+            if until is not None and (done % until[2] == 0 or done == steps):
+                check = {"step": done, "recall_acc": until[0](model), "target": until[1]}
+                passed = check["recall_acc"] >= until[1]
+            if done % int(cfg.log_every) == 0 or done == steps or passed:
                 now = time.perf_counter()
                 rec = {
                     "step": step_offset + step + 1,
@@ -345,17 +380,22 @@ def train_loop(
                     "tokens_per_s": len(recent) * batch_size * seq_len / (now - t_window),
                     "elapsed_s": now - t_start,
                     "cpu_s": time.process_time() - cpu_start,
+                    **({"recall_acc": check["recall_acc"]} if check and check["step"] == done else {}),
                 }
                 for f in log_files:
                     f.write(json.dumps(rec) + "\n")
                     f.flush()
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 final_train_loss, recent, t_window = rec["loss"], [], now
+            if passed:
+                break
     train_s = time.perf_counter() - t_start
     return {
         "final_train_loss": final_train_loss,
-        "train_tokens": steps * batch_size * seq_len,
+        "steps": done,
+        "train_tokens": done * batch_size * seq_len,
         "train_seconds": train_s,
         "train_cpu_seconds": time.process_time() - cpu_start,
-        "tokens_per_s": steps * batch_size * seq_len / train_s,
+        "tokens_per_s": done * batch_size * seq_len / train_s,
+        **({"check": check} if until is not None else {}),
     }
