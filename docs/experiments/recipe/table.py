@@ -88,7 +88,9 @@ def run_seconds(root: Path) -> float:
 
 
 def fmt_ratio(paper: float, recipe: float) -> str:
-    return f"{paper / recipe:.1f}×" if recipe > 0 else "– (recipe loses nothing)"
+    if recipe > 0:
+        return f"{paper / recipe:.1f}×"
+    return "– (recipe loses nothing)" if paper > 0 else "– (neither loses)"
 
 
 def span(values: list[float]) -> str:
