@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def planned_jobs(targets: list[str], configfiles: list[str]) -> dict[str, int]:
     """{rule: jobs} of a from-scratch plan of ``targets``."""
-    cmd = [sys.executable, "-m", "snakemake", "-n", "--forceall", "--quiet", "rules", *targets]
+    cmd = [sys.executable, "-m", "snakemake", *targets, "-n", "--forceall", "--quiet", "rules"]
     for c in configfiles:
         cmd += ["--configfile", c]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measured", action="append", default=[], help="a finished run dir; its rules' means fill gaps")
     args = ap.parse_args(argv)
     record = json.loads((Path(args.run) / "run.json").read_text())
-    means = {rule: float(r["mean_s"]) for rule, r in record["rules"].items()}
+    means = {rule: float(r["mean_seconds"]) for rule, r in record["rules"].items()}
     for run_dir in args.measured:
         for rule, mean in measured_means(Path(run_dir)).items():
             means.setdefault(rule, mean)
@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     priced = {rule: n * means[rule] for rule, n in jobs.items() if rule in means}
     unpriced = {rule: n for rule, n in jobs.items() if rule not in means and rule != "all"}
     total = sum(priced.values())
-    job_s = sum(float(r["total_s"]) for r in record["rules"].values())
-    ratio = job_s / float(record["wall_s"])
+    job_s = sum(float(r["seconds"]) for r in record["rules"].values())
+    ratio = job_s / float(record["wall_seconds"])
     print(f"{' '.join(args.targets)} {' '.join('--configfile ' + c for c in args.configfile)}".strip())
     print(f"per-rule means from {args.run} ({record['cpu']}), {sum(jobs.values())} jobs planned")
     print("| rule | jobs | mean s | job s |\n| --- | ---: | ---: | ---: |")

@@ -223,7 +223,7 @@ def _config(**budgets):
 ])
 def test_bad_budgets_fail_before_any_job(budgets, method, message):
     cfg = _config(**budgets)
-    cfg["targets"]["methods"] = [method]
+    cfg["targets"]["methods"], cfg["targets"]["pcts"] = [method], [50]  # the messages' totals are 50%'s
     with pytest.raises(ConfigError, match=message) as err:
         validate_config(cfg)
     assert "\n" not in str(err.value)

@@ -72,6 +72,7 @@ def test_fallback_gives_the_unplanted_models_logits():
         assert torch.equal(model(ids).logits, clean)
 
 
+@pytest.mark.slow  # default tier under 3 min: a child process or a whole run; .ci/run runs it
 def test_stop_names_kernel_shape_versions_and_error_in_one_line():
     with pytest.raises(RuntimeError) as info:
         check.check_routes([_route(planted.WRONG_D_K)], "cpu", "stop")
@@ -83,6 +84,7 @@ def test_stop_names_kernel_shape_versions_and_error_in_one_line():
     assert check.torch_routed(planted.LAYER_MODULE, planted.KERNEL) == {}
 
 
+@pytest.mark.slow  # default tier under 3 min: a child process or a whole run; .ci/run runs it
 def test_a_fault_ends_its_child_and_the_next_route_is_still_checked():
     record = check.check_routes([_route(planted.FAULT_D_K), _route(planted.WRONG_D_K), _route(32)], "cpu")
     assert [e["outcome"] for e in record] == ["fault", "wrong", "right"]
@@ -90,6 +92,7 @@ def test_a_fault_ends_its_child_and_the_next_route_is_still_checked():
     assert [e["path"] for e in record] == ["torch", "torch", "fla"]
 
 
+@pytest.mark.slow  # default tier under 3 min: a child process or a whole run; .ci/run runs it
 def test_outcomes_are_cached_per_stack(monkeypatch, tmp_path):
     routes = [_route(planted.WRONG_D_K), _route(32)]
     first = check.check_routes(routes, "cpu")

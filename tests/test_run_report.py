@@ -232,6 +232,7 @@ def _report_of(output: str) -> list[str]:
     return lines[start:end]
 
 
+@pytest.mark.slow  # default tier under 3 min: a child process or a whole run; .ci/run runs it
 def test_a_real_run_prints_the_report_and_a_failed_job_its_log(own_checkpoint_run):
     work, cfg = own_checkpoint_run
     done = snakemake(work, "results/own/base/source.json", "--cores", "1", cfg=cfg)

@@ -46,7 +46,8 @@ OLD_DEFAULTS = {
                   "graph": True, "profile": True},
         "profile": {"batches": [1, 64], "steps": 10, "top": 30},
     },
-    st.RecallMixSettings: {"fraction": 0.2, "n_pairs": [1, 2], "seed": 0, "pure_steps": 0, "pure_lr": 1e-3},
+    st.RecallMixSettings: {"fraction": 0.2, "n_pairs": [1, 2], "seed": 0, "pure_steps": 0, "pure_lr": 1e-3,
+                           "answer_loss": False, "check_every": 50},
     st.RecallProbeSettings: {"levels": [4, 16, 64], "n_docs": 100, "seed": 0},
     st.DeviceSettings: {"dtype": "float32", "device": "cpu", "threads": 1},
     st.RftPlan: {"activate": True, "corpus": None, "gpus": 1, "settings": {}},
@@ -114,7 +115,7 @@ UNKNOWN = {
                       r"profile$",
     st.DecodeSettings: r"^unknown speed\.decode setting\(s\) \['bogus'\]; valid: prompt, batches, warmup, steps, ",
     st.RecallMixSettings: r"^unknown recall_mix keys \['bogus'\]; valid: fraction, n_pairs, seed, pure_steps, "
-                          r"pure_lr$",
+                          r"pure_lr, answer_loss, until, check_every$",
     st.RecallProbeSettings: r"^unknown recall_probe keys \['bogus'\]; valid: levels, n_docs, seed$",
     st.CalibrationSettings: r"^unknown calibration key\(s\) \['bogus'\]; valid: batch_size, corpus, n_samples, "
                             r"rows_per_head, seed, seq_len, split$",

@@ -184,6 +184,7 @@ for family, arch in {archs!r}.items():
 """
 
 
+@pytest.mark.slow  # default tier under 3 min: a child process or a whole run; .ci/run runs it
 def test_per_layer_model_decodes_through_every_routed_kernel_under_interpreter():
     """The stock layers with our in-place kernel and with fla's function plus a copy, and the fused step (packed
     projections, one conv launch per layer) around either, decode a model whose layers keep 8, 24, 24 and 8 channels

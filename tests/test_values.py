@@ -365,6 +365,7 @@ torch.save(out, sys.argv[1] + "/../../reloaded.pt")
 """
 
 
+@pytest.mark.slow  # default tier under 3 min: a child process or a whole run; .ci/run runs it
 def test_layers_with_different_value_widths_reload_in_a_fresh_process(tmp_path):
     """Every family's checkpoint with a key and a value width per layer, loaded by ``load_model`` in one fresh
     process: the logits of the pruned model, to the bit; cached decoding equals the forward."""
