@@ -423,3 +423,22 @@ def test_recall_accuracy_scores_like_multiple_choice():
                 scores.append(sum(float(logp[ids[k - 1], ids[k]]) for k in range(len(ids) - n, len(ids))))
             hits += scores.index(max(scores)) == d["gold"]
         assert recall_accuracy(lm, tok, docs) == hits / len(docs)
+
+
+@pytest.mark.parametrize("family", ["delta_net", "qwen3_5"])
+def test_choice_scores_in_batches_are_the_one_document_scores(family):
+    """Documents of 4 and 8 pairs (rows of different lengths, right-padded together) score as they do one at a time,
+    for every batch size: a row's scored positions never see another row or its padding."""
+    from statereduce.core.tokenizer import byte_level_tokenizer
+    from statereduce.eval.recall import choice_scores, generate_recall_docs, recall_accuracy
+
+    tok = byte_level_tokenizer()
+    model = tiny_model(family, vocab_size=257)
+    docs = generate_recall_docs(12, 4, seed=3) + generate_recall_docs(12, 8, seed=4)
+    docs = [docs[i] for i in torch.randperm(len(docs), generator=torch.Generator().manual_seed(0)).tolist()]
+    one = [choice_scores(model, tok, [d])[0] for d in docs]
+    for batch_docs in (5, 24):
+        assert torch.allclose(torch.tensor(choice_scores(model, tok, docs, batch_docs=batch_docs)),
+                              torch.tensor(one), rtol=0, atol=1e-4)
+    hits = sum(max(range(4), key=s.__getitem__) == d["gold"] for s, d in zip(one, docs))
+    assert recall_accuracy(model, tok, docs, batch_docs=5) == hits / len(docs)

@@ -307,29 +307,47 @@ def answer_labels(tokenizer, docs: Sequence[str]) -> tuple[torch.Tensor, torch.T
     return ids, labels
 
 
-def recall_accuracy(model: nn.Module, tokenizer, docs: Sequence[Mapping[str, Any]]) -> float:
+def recall_accuracy(model: nn.Module, tokenizer, docs: Sequence[Mapping[str, Any]], batch_docs: int = 32) -> float:
     """Accuracy of ``model`` on probe documents (:func:`generate_recall_docs`), scored as lm-eval's
     ``multiple_choice`` ``acc`` is (the summed log-likelihood of each choice after the prompt; the best one wins),
-    computed directly: the check of ``recall_mix.until`` during pretraining, which must not start lm-eval."""
+    computed directly: the check of ``recall_mix.until`` during pretraining, which must not start lm-eval.
+    ``batch_docs``: documents per forward (:func:`choice_scores`)."""
+    scores = choice_scores(model, tokenizer, docs, batch_docs)
+    hits = sum(int(max(range(len(s)), key=s.__getitem__) == doc["gold"]) for s, doc in zip(scores, docs))
+    return hits / len(docs)
+
+
+def choice_scores(model: nn.Module, tokenizer, docs: Sequence[Mapping[str, Any]],
+                  batch_docs: int = 32) -> list[list[float]]:
+    """Per document, the summed log-likelihood of each choice after the prompt. ``batch_docs`` documents go through
+    one forward, each choice a row right-padded with token 0 (the models are causal, so a row's scored positions
+    never see its padding)."""
     import torch
 
     was_training = model.training
     model.eval()
-    hits = 0
+    out: list[list[float]] = []
     with torch.no_grad():
-        for doc in docs:
-            prompt = tokenizer(doc["prompt"], add_special_tokens=False)["input_ids"]
-            choices = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in doc["choices"]]
-            width = max(map(len, choices))
-            x = torch.tensor([prompt + c + [0] * (width - len(c)) for c in choices])
+        for start in range(0, len(docs), batch_docs):
+            batch = docs[start:start + batch_docs]
+            rows, spans = [], []
+            for doc in batch:
+                prompt = tokenizer(doc["prompt"], add_special_tokens=False)["input_ids"]
+                for c in doc["choices"]:
+                    ids = tokenizer(c, add_special_tokens=False)["input_ids"]
+                    spans.append((len(prompt), ids))
+                    rows.append(prompt + ids)
+            width = max(map(len, rows))
+            x = torch.tensor([r + [0] * (width - len(r)) for r in rows])
             logp = torch.log_softmax(model(input_ids=x).logits.float(), dim=-1)
-            scores = [
-                float(logp[j, len(prompt) - 1 + torch.arange(len(c)), torch.tensor(c)].sum())
-                for j, c in enumerate(choices)
-            ]
-            hits += int(max(range(len(scores)), key=scores.__getitem__) == doc["gold"])
+            scores = [float(logp[j, n - 1 + torch.arange(len(c)), torch.tensor(c)].sum())
+                      for j, (n, c) in enumerate(spans)]
+            for doc in batch:
+                k = len(doc["choices"])
+                out.append(scores[:k])
+                scores = scores[k:]
     model.train(was_training)
-    return hits / len(docs)
+    return out
 
 
 def mix_recall_docs(

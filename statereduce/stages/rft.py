@@ -82,11 +82,11 @@ def _doc_hash(doc: str) -> str:
     return hashlib.sha256(doc.encode("utf-8")).hexdigest()
 
 
-def _tokenized(tokenizer, ordered: Sequence[str], start: int):
-    """``(document, token ids)`` of ``ordered`` from ``start`` on, tokenized 64 at a time so that a large split is not
-    tokenized whole."""
-    for i in range(start, len(ordered), 64):
-        chunk = ordered[i : i + 64]
+def _tokenized(tokenizer, ordered: Sequence[str], start: int, chunk_docs: int = 8):
+    """``(document, token ids)`` of ``ordered`` from ``start`` on, tokenized ``chunk_docs`` at a time: only the
+    documents read (a few, on the tiny default) and never a large split whole."""
+    for i in range(start, len(ordered), chunk_docs):
+        chunk = ordered[i : i + chunk_docs]
         yield from zip(chunk, tokenizer(list(chunk), add_special_tokens=False)["input_ids"])
 
 
