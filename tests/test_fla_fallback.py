@@ -91,6 +91,8 @@ SHAPES = [
     ("T48-chunk16-h0", 2, 48, 2, 2, 16, 12, 16, True, True, 0.3),
     ("T70-chunk64-h0-nol2", 1, 70, 1, 1, 8, 8, 64, True, False, 0.2),
     ("GVA-H2-HV4-T29-chunk8-h0", 2, 29, 2, 4, 16, 8, 8, True, True, None),
+    # below RECURRENT_AS_CHUNK tokens fused_recurrent runs its step loop, from it on the chunks
+    ("T9-chunk8-h0", 2, 9, 2, 2, 16, 8, 8, True, True, None),
 ]
 
 
@@ -99,6 +101,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 def test_delta_rule_matches_reference(shape, mode, gated):
     _, B, T, H, HV, K, V, chunk, h0, l2, scale = shape
+    assert (T < ff.RECURRENT_AS_CHUNK) == (shape[0] == "T9-chunk8-h0")
     if not gated and HV != H:
         pytest.skip("DeltaNet has no grouped value heads")
     x = make_inputs(B, T, H, HV, K, V, gated, h0)

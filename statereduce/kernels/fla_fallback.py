@@ -267,6 +267,11 @@ def _chunk_core(
     return o, (S if output_final_state else None)
 
 
+RECURRENT_AS_CHUNK = 16
+"""Inputs of at least this many tokens go to the chunked core from :func:`_recurrent_core` (on one CPU thread the
+step loop is faster below 16 tokens, the chunks from 16 on)."""
+
+
 def _recurrent_core(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -285,8 +290,16 @@ def _recurrent_core(
     Per step: decay ``S`` by ``exp(g_t)`` (and per-key ``exp(gk_t)`` / per-value ``exp(gv_t)``), then
     ``u = beta_t * (v_t - S^T k_t)``, ``S += k_t u^T``, ``o_t = S^T (scale q_t)``. ``beta`` is ``[B, T, HV]`` or
     head-wise ``[B, T, HV, V]``. Shapes otherwise as in :func:`_chunk_core`.
+
+    From :data:`RECURRENT_AS_CHUNK` tokens on, without per-key or per-value decay or head-wise ``beta``, the same
+    recurrence is computed in chunks (:func:`_chunk_core`; equal up to float rounding): a step loop over the whole
+    state costs more there (fla's layers take this path for every input of up to 64 tokens, e.g. the recall
+    probe's documents).
     """
     B, T, H, K = k.shape
+    if T >= RECURRENT_AS_CHUNK and gk is None and gv is None and beta.dim() == 3:
+        return _chunk_core(q, k, v, beta, g, initial_state=initial_state, output_final_state=output_final_state,
+                           scale=scale, chunk_size=64)
     V = v.shape[-1]
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state
     q = q * scale
