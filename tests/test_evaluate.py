@@ -143,6 +143,20 @@ def test_local_perplexity_matches_independent(model, tok, single_window):
     assert "word_perplexity,none" in doc["lm_eval"]["results"][et.HELDOUT]
 
 
+def test_lm_evals_environment_report_is_not_run(model, tok, tmp_path, monkeypatch):
+    """lm-eval's add_env_info (torch's collect_env: pip list and other programs, seconds a call) is not run: its keys
+    are dropped from eval.json anyway."""
+    import torch.utils.collect_env
+
+    calls = []
+    monkeypatch.setattr(torch.utils.collect_env, "get_pretty_env_info", lambda: calls.append(1) or "")
+    doc = ev.evaluate_and_write(model, tok, tmp_path / "eval.json",
+                                eval_cfg={"tasks": [], "batch_size": 1, "max_length": 256, "device": "cpu"},
+                                heldout_docs=DOCS[:1], checkpoint="results/tiny/l1_50/pruned", model_id="tiny")
+    assert calls == [] and "pretty_env_info" not in json.dumps(doc)
+    assert math.isfinite(doc["metrics"][et.HELDOUT]["bits_per_byte"])
+
+
 def test_rolling_windows_and_padded_batches_match_independent(model, tok, tmp_path):
     docs = [DOCS[1], DOCS[3] * 2, DOCS[0]]  # 92, ~120, 44 tokens: 3, 4 and 2 windows of 32, mixed lengths
     name = et.write_perplexity_task(docs, tmp_path, "rolling_ppl")

@@ -194,12 +194,23 @@ def _scoring_lm(model: nn.Module, tokenizer, batch_size: int | str, max_length: 
 
 
 def _simple_evaluate(model: nn.Module, lm, tasks: list[str], task_manager, **kwargs) -> dict:
-    """``lm_eval.simple_evaluate`` without samples; the model's train/eval mode is restored afterwards."""
+    """``lm_eval.simple_evaluate`` without samples; the model's train/eval mode is restored afterwards.
+
+    lm-eval's environment report (``add_env_info``: ``torch.utils.collect_env``, which runs ``pip list`` and other
+    programs, about 2 s a call on a CPU) is skipped: its keys are not among those kept (:data:`_RAW_KEYS`), and
+    eval.json records the versions itself."""
+    import contextlib
+    from unittest import mock
+
+    import lm_eval.evaluator
     from lm_eval import simple_evaluate
 
     was_training = model.training
+    quiet = (mock.patch.object(lm_eval.evaluator, "add_env_info", lambda storage: None)
+             if hasattr(lm_eval.evaluator, "add_env_info") else contextlib.nullcontext())
     try:
-        out = simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, log_samples=False, **kwargs)
+        with quiet:
+            out = simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, log_samples=False, **kwargs)
     finally:
         model.train(was_training)
     if out is None:  # only non-zero ranks get None; we never run distributed here
