@@ -53,6 +53,14 @@ def git_commit(folder: Path) -> str | None:
     return out.stdout.strip() or None
 
 
+
+def _command(command: str | None) -> str | None:
+    """The run's command line without the program's folder; ``python -m snakemake`` (whose argv[0] is snakemake's
+    ``__main__.py``, as ``dev/recall_check.py --run`` starts it) reads as ``snakemake``."""
+    if not command:
+        return None
+    return re.sub(r"^\S*/", "", command).replace("__main__.py", "snakemake", 1)
+
 def run_record(run_dir: Path, comparison: str, log: Path) -> dict:
     """``run.json`` of the run in ``run_dir`` whose table is ``comparison`` and whose Snakemake log is ``log``."""
     made = parse_made_on(comparison)
@@ -74,7 +82,7 @@ def run_record(run_dir: Path, comparison: str, log: Path) -> dict:
         "jobs": run.steps[1],
         "wall_seconds": round(run.wall_seconds, 1),
         "date": run.started.isoformat(timespec="seconds"),
-        "command": re.sub(r"^\S*/", "", run.command) if run.command else None,  # the program without its folder
+        "command": _command(run.command),
         "commit": git_commit(run_dir),
         "snakemake_log": log.name,
         "rules": rules,

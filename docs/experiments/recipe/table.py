@@ -88,8 +88,11 @@ def run_seconds(root: Path) -> float:
 
 
 def fmt_ratio(paper: float, recipe: float) -> str:
-    if recipe > 0:
+    """paper / recipe where both lose; otherwise which of them loses nothing (a ratio of signs means nothing)."""
+    if recipe > 0 and paper > 0:
         return f"{paper / recipe:.1f}×"
+    if recipe > 0:
+        return "– (paper's loses nothing)"
     return "– (recipe loses nothing)" if paper > 0 else "– (neither loses)"
 
 
@@ -122,7 +125,7 @@ def summary(rows: list[dict], paper_dir: Path, recipe_dir: Path) -> str:
                 cols.append("– | – | –")
                 continue
             cols.append(f"{pa['loss_bpb']:.4f} | {re_['loss_bpb']:.4f} | {fmt_ratio(pa['loss_bpb'], re_['loss_bpb'])}")
-            if re_["loss_bpb"] > 0:
+            if re_["loss_bpb"] > 0 and pa["loss_bpb"] > 0:
                 verdict[p]["ratios"].append(pa["loss_bpb"] / re_["loss_bpb"])
             best = min((r for r in rows if (r["model"], r["pct"]) == (model, p)), key=lambda r: r["loss_bpb"])
             if re_["loss_bpb"] <= best["loss_bpb"]:  # a tie (the budget chose the uniform widths) counts as lowest
