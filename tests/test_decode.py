@@ -233,6 +233,7 @@ def _check_all():
     _check_fixed_configs_agree()
 
 
+@pytest.mark.slow
 def test_kernel_matches_reference_under_interpreter():
     """The Triton kernel against float64 torch references (DeltaNet and Gated DeltaNet layouts, GVA, d_k not a power
     of two, fixed and default tiles), and whole stock fla models decoding through ``inplace_decode`` against the

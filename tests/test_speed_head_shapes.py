@@ -174,6 +174,7 @@ for family, (arch, shapes) in {cases!r}.items():
 """
 
 
+@pytest.mark.slow
 def test_head_shapes_decode_through_every_routed_kernel_under_interpreter():
     """The stock layers with our in-place kernel and with fla's function plus a copy, and the fused step around
     either, decode models cut on the value side (and on both sides, at widths that are not powers of two) like their

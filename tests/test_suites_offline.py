@@ -211,6 +211,7 @@ sys.meta_path.insert(0, Hidden())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hidden", [False, True], ids=["installed", "wonderwords-hidden"])
 def test_every_shipped_suite_task_loads_its_code(shipped_config, tmp_path, hidden):
     """Every lm-eval task of the shipped config's suites loads its code (:func:`load_task_code`) in a fresh

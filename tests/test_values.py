@@ -214,6 +214,7 @@ torch.save(out, sys.argv[1] + "/../../reloaded.pt")
 """
 
 
+@pytest.mark.slow
 def test_reload_in_a_fresh_process(tmp_path):
     """Every family's value-pruned checkpoint in one fresh process: the stock classes for fla and Qwen3.5,
     ``load_model`` for Mamba-2 (its config keeps head_dim and names d_v' in statereduce_value_dims)."""
