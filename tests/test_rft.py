@@ -201,6 +201,24 @@ def test_rft_modules_of_the_new_families():
     assert sorted(full) == sorted(f"model.layers.{i}.linear_attn.{m}" for i in (0, 1) for m in ("conv1d", "norm"))
 
 
+def test_every_family_declares_its_rft_targets_and_one_without_is_refused():
+    """What RFT trains is each family's own fact: every registered family declares it (no default), and a family
+    spec without one is refused in one line that names the families that declare theirs."""
+    from statereduce.families.base import FamilySpec, RftTargets, family_names
+
+    assert all(isinstance(ft.rft_targets(family), RftTargets) for family in family_names())
+    assert ft.rft_targets("qwen3_5").default_scope == "recurrent"
+    assert ft.rft_targets("mamba2").lora_excluded == ("out_proj",)
+
+    class Undeclared(FamilySpec):
+        family = "undeclared"
+
+    refused = r"^family 'undeclared' declares no RFT targets .*families that do: .*qwen3_5"
+    with pytest.raises(ValueError, match=refused) as err:
+        ft.targets_of(Undeclared)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("family", ["delta_net", "gated_deltanet"])
 def test_rft_modules(family):
     model = tiny_model(family)

@@ -23,7 +23,7 @@ Capture: q = C and k = B ``[b, T, G, N]`` where they enter ``mamba2_chunk_scan``
 no cache the layer first tries the fused ``mamba2_split_conv1d_scan_combined`` kernel (mamba_ssm, GPU), which
 bypasses both: calibration and Grad scores run the model in ``eval()``.
 
-RFT trains ``in_proj`` (LoRA), ``conv1d`` and the norms; ``out_proj`` stays frozen (:data:`statereduce.stages.rft.RFT_TARGETS`).
+RFT trains ``in_proj`` (LoRA), ``conv1d`` and the norms; ``out_proj`` stays frozen (``Mamba2Family.rft_targets``).
 
 Loading: fla registers its own ``mamba2`` model with the Auto classes once imported, so checkpoints load through
 transformers' ``Mamba2ForCausalLM`` explicitly (:attr:`causal_lm_class`). Its forward takes a cache as

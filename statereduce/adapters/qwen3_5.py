@@ -2,7 +2,7 @@
 
 Qwen3.5 interleaves Gated DeltaNet layers (``Qwen3_5GatedDeltaNet``, ``linear_attn`` of a decoder layer) with
 softmax-attention layers (``self_attn``; ``layer_types``, by default every fourth layer). Only the Gated DeltaNet
-layers are pruned and fine-tuned (``rft.scope: auto`` is ``recurrent`` here: :data:`statereduce.stages.rft.RFT_TARGETS`);
+layers are pruned and fine-tuned (``rft.scope: auto`` is ``recurrent`` here: ``Qwen35Family.rft_targets``);
 the attention layers, MLPs, embeddings and norms outside the mixers never change
 (apart from the scaling of ``norm_eps="exact"``, below).
 

@@ -138,6 +138,18 @@ class Dims(NamedTuple):
     head_v_dim: int  # d_v
 
 
+@dataclass(frozen=True)
+class RftTargets:
+    """What recovery fine-tuning trains in one family's models (:attr:`FamilySpec.rft_targets`,
+    :mod:`statereduce.stages.rft`)."""
+
+    #: the scope of ``rft.scope: auto``. Hybrids (Qwen3.5) set "recurrent": only their linear-attention components
+    #: train, their softmax layers and MLPs stay frozen (paper Table 4)
+    default_scope: str = "all"
+    #: names (last component) of ``nn.Linear`` modules inside the trained subtrees that get no LoRA and stay frozen
+    lora_excluded: tuple[str, ...] = ()
+
+
 class FamilySpec(ABC):
     """The config facts of one family (class attributes and classmethods only)."""
 
@@ -171,6 +183,9 @@ class FamilySpec(ABC):
     #: whether q and k have short convolutions in modules of their own, whose filters can be shared
     #: (``pretrain.share_conv``, :mod:`statereduce.adapters.conv_sharing`)
     qk_conv_modules: ClassVar[bool] = False
+    #: what recovery fine-tuning trains (:class:`RftTargets`). Every family declares it: a family without one is
+    #: refused when RFT starts (:func:`statereduce.stages.rft.rft_targets`), never given a default
+    rft_targets: ClassVar[RftTargets]
 
     @classmethod
     @abstractmethod

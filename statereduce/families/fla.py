@@ -3,13 +3,14 @@ own."""
 
 from __future__ import annotations
 
-from statereduce.families.base import FamilySpec
+from statereduce.families.base import FamilySpec, RftTargets
 
 
 class FlaFamily(FamilySpec):
     """An fla linear-attention family: softmax-attention layers of fla hybrids (``config.attn``) are not mixers."""
 
     speed_benchmark = True
+    rft_targets = RftTargets()  # every decoder block and the final norm (the paper's RFT of DeltaNet / Gated DeltaNet)
     qk_conv_modules = True
     config_overrides = {"fuse_cross_entropy": False}  # fla's fused loss is CUDA-only; the plain loss is exact
     norm_eps_field = "norm_eps"  # block norms, o_norm and the final norm (and attnres' norms) all read it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from statereduce.families.base import Dims, FamilySpec, LazyImport, StateShape, register_family
+from statereduce.families.base import Dims, FamilySpec, LazyImport, RftTargets, StateShape, register_family
 
 
 @register_family
@@ -15,6 +15,9 @@ class Mamba2Family(FamilySpec):
     model_types = ("mamba2",)
     config_class = LazyImport("transformers:Mamba2Config")
     uses_fla = False  # transformers' model; on CPU its PyTorch path, on CUDA mamba_ssm's kernels where installed
+    # the fused training kernel (mamba_ssm) reads out_proj.weight directly, so a LoRA on it would never run; peft
+    # refuses LoRA on a Mamba out_proj for that reason. RFT trains in_proj (LoRA), conv1d and the norms
+    rft_targets = RftTargets(lora_excluded=("out_proj",))
     kernel_scale = False
     # no kernel scale: B/C pruning with norm_eps="exact" changes nothing; keeping fewer value channels (head_dim)
     # changes the gated norm's group size, which the eps of this field compensates

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from statereduce.families.base import Dims, FamilySpec, LazyImport, StateShape, register_family
+from statereduce.families.base import Dims, FamilySpec, LazyImport, RftTargets, StateShape, register_family
 
 LINEAR = "linear_attention"
 
@@ -21,6 +21,7 @@ class Qwen35Family(FamilySpec):
     """Qwen3.5: ``linear_key_head_dim`` carries d_k of the Gated DeltaNet layers; attention layers stay."""
 
     family = "qwen3_5"
+    rft_targets = RftTargets(default_scope="recurrent")  # paper Table 4: only the recurrent components are fine-tuned
     model_types = ("qwen3_5_text", "qwen3_5")
     config_class = LazyImport("transformers.models.qwen3_5:Qwen3_5TextConfig")
     fla_gated_backward = True  # with fla installed, transformers binds fla's chunk_gated_delta_rule

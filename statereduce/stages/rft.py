@@ -10,8 +10,8 @@ times T^2 (Hinton et al., 2015), optionally plus the language-modelling cross en
 32k sequences of 2048 tokens, effective batch 16, AdamW, LR 1e-4 -> 1e-5 cosine with 5% warm-up, bf16.
 Afterwards LoRA is merged, and the result is a plain HF checkpoint of the pruned shapes.
 
-Which subtrees may train is registered per family (:data:`RFT_TARGETS`, :func:`rft_roots`): all decoder blocks for
-DeltaNet / Gated DeltaNet and Mamba-2, only the recurrent mixers for hybrids such as Qwen3.5.
+Which subtrees may train is declared by each family (``FamilySpec.rft_targets``, :func:`rft_roots`): all decoder
+blocks for DeltaNet / Gated DeltaNet and Mamba-2, only the recurrent mixers for hybrids such as Qwen3.5.
 
 Data: ``n_samples`` non-overlapping blocks of ``seq_len`` tokens of a corpus's ``train`` split (the same
 corpus sources as calibration), drawn with a seeded generator; documents equal to a held-out evaluation
@@ -35,7 +35,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +55,7 @@ from statereduce.core.runtime import (
     write_json,
 )
 from statereduce.common.settings import EvalSettings, RftPlan, RftSettings
+from statereduce.families.base import RftTargets
 
 RECORD_FILE = "rft_record.json"
 LOG_FILE = "train_log.jsonl"
@@ -193,32 +193,30 @@ def training_blocks(
 
 
 # ---- what fine-tuning trains, per family -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RftTargets:
-    """What recovery fine-tuning trains in one family's models (:data:`RFT_TARGETS`)."""
-
-    #: the scope of ``rft.scope: auto``. Hybrids (Qwen3.5) set "recurrent": only their linear-attention components
-    #: train, their softmax layers and MLPs stay frozen (paper Table 4)
-    default_scope: str = "all"
-    #: names (last component) of ``nn.Linear`` modules inside :func:`rft_roots` that get no LoRA and stay frozen
-    lora_excluded: tuple[str, ...] = ()
-
-
-RFT_TARGETS: dict[str, RftTargets] = {
-    # the fused training kernel (mamba_ssm) reads out_proj.weight directly, so a LoRA on it would never run; peft
-    # refuses LoRA on a Mamba out_proj for that reason. RFT trains in_proj (LoRA), conv1d and the norms.
-    "mamba2": RftTargets(lora_excluded=("out_proj",)),
-    "qwen3_5": RftTargets(default_scope="recurrent"),  # paper Table 4: only the recurrent components are fine-tuned
-}
-"""Family name -> its :class:`RftTargets`; a family not listed trains every decoder block (the defaults)."""
-
 RFT_SCOPES = tuple(s for s in RftSettings.valid("scope") if s != "auto")
 """What recovery fine-tuning may train (:func:`rft_roots`): ``rft.scope``'s values but ``auto``, which each family
-resolves (:attr:`RftTargets.default_scope`)."""
+resolves (``RftTargets.default_scope``)."""
 
 
 def rft_targets(family: str) -> RftTargets:
-    return RFT_TARGETS.get(family, RftTargets())
+    """What RFT trains in ``family``'s models: its :attr:`~statereduce.families.base.FamilySpec.rft_targets`.
+    Raises ValueError (one line) for a family that declares none."""
+    from statereduce.families.base import family_spec
+
+    return targets_of(family_spec(family))
+
+
+def targets_of(spec) -> RftTargets:
+    """``spec.rft_targets`` of a family spec class, or ValueError naming the families that declare one."""
+    from statereduce.families.base import family_names, family_spec
+
+    targets = getattr(spec, "rft_targets", None)
+    if not isinstance(targets, RftTargets):
+        declared = [f for f in family_names() if isinstance(getattr(family_spec(f), "rft_targets", None), RftTargets)]
+        raise ValueError(f"family {getattr(spec, 'family', spec.__name__)!r} declares no RFT targets (its FamilySpec's "
+                         f"rft_targets: the default scope and the Linear modules without LoRA); families that do: "
+                         f"{', '.join(declared)}")
+    return targets
 
 
 def rft_roots(adapter, scope: str) -> list[tuple[str, nn.Module]]:
