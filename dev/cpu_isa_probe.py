@@ -10,7 +10,7 @@ documented cap of its CPU kernels. Each runs in a fresh process, since the libra
 load. OUT.json gets, per ISA: torch's CPU capability, the final
 losses as exact hex floats, the SHA-256 of the trained weights and of the selection, and the wall time; and the CPU
 model and library versions. Two machines with the same versions would give equal ``avx2`` hashes if the cap made
-the numbers independent of the CPU; README ("The same numbers on another CPU") says what it found.
+the numbers independent of the CPU; docs/results.md ("Why the CPU matters") says what it found.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ README is touched. Every source is committed. Blocks (all by default):
 Each problem is one line naming the block, and makes the command exit 1: a block whose source is missing (the block
 is left as it is), a block that differs from what its source renders (``--check``: every line is compared), and a
 ``results`` and a ``recipe`` block made on different kinds of CPU (torch picks its kernels by the CPU, so another
-kind trains other numbers: README, "The same numbers on another CPU"; checked where both blocks are selected).
+kind trains other numbers: docs/results.md, "Why the CPU matters"; checked where both blocks are selected).
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     lines = [f"statereduce {__version__}: key/query channel pruning of linear-attention language models", ""]
     lines += ["Model families (adapters):", *_table(families()), ""]
-    lines += ["Selectors (method token: <selector>[-k|-q][.<calib>][@<budget>]):", *_table(selectors()), ""]
+    lines += ["Selectors (method token: <selector>[-k|-q|-v|-kv][.<calib>][@<budget>]):", *_table(selectors()), ""]
     budgets = configured_budgets(Path(args.config))
     if budgets:
         lines += ["Per-layer key budgets of the config (method token suffix @<budget>; docs/budgets.md):",

@@ -138,3 +138,19 @@ def test_the_vocabulary_decides_names_and_variants():
     assert layout.parse_method("drrqr-k") == layout.MethodSpec("drrqr", "k")  # the grammar alone allows it
     assert re.fullmatch(layout.method_regex(vocabulary), "l1-q.prose@b") and not re.fullmatch(
         layout.method_regex(vocabulary), "drrqr-k")
+
+
+def test_the_method_grammar_is_the_same_wherever_it_is_printed(capsys):
+    """The grammar the parser states is the one config.yaml's header, `python -m statereduce` and the docs print."""
+    from pathlib import Path
+
+    from statereduce.__main__ import main
+
+    root = Path(__file__).resolve().parents[1]
+    grammar = re.search(r"expected (<selector>\S+)", layout._token_help(None)).group(1)
+    assert grammar == "<selector>[-k|-q|-v|-kv][.<calib>][@<budget>]"
+    assert f"# Method tokens: {grammar}\n" in (root / "config.yaml").read_text()
+    assert main([]) == 0 and f"method token: {grammar}" in capsys.readouterr().out
+    for doc in ("statereduce/common/layout.py", "statereduce/selectors/registry.py"):
+        tokens = set(re.findall(r"<selector>\[[^\s`]*", (root / doc).read_text()))
+        assert tokens == {grammar}, (doc, tokens)

@@ -240,7 +240,7 @@ def _token_help(vocabulary: Vocabulary | None) -> str:
 
 
 def parse_method(token: str, vocabulary: Vocabulary | None = None) -> MethodSpec:
-    """Parse a method token ``<selector>[-k|-q][.<calib>][@<budget>]`` (module docstring) into a
+    """Parse a method token ``<selector>[-k|-q|-v|-kv][.<calib>][@<budget>]`` (module docstring) into a
     :class:`MethodSpec`; with ``vocabulary`` the selector must be in it and have the variant.
 
     Raises:
