@@ -53,13 +53,13 @@ def git_commit(folder: Path) -> str | None:
     return out.stdout.strip() or None
 
 
-
 def _command(command: str | None) -> str | None:
     """The run's command line without the program's folder; ``python -m snakemake`` (whose argv[0] is snakemake's
     ``__main__.py``, as ``dev/recall_check.py --run`` starts it) reads as ``snakemake``."""
     if not command:
         return None
     return re.sub(r"^\S*/", "", command).replace("__main__.py", "snakemake", 1)
+
 
 def run_record(run_dir: Path, comparison: str, log: Path) -> dict:
     """``run.json`` of the run in ``run_dir`` whose table is ``comparison`` and whose Snakemake log is ``log``."""

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -199,9 +200,6 @@ def _simple_evaluate(model: nn.Module, lm, tasks: list[str], task_manager, **kwa
     lm-eval's environment report (``add_env_info``: ``torch.utils.collect_env``, which runs ``pip list`` and other
     programs, about 2 s a call on a CPU) is skipped: its keys are not among those kept (:data:`_RAW_KEYS`), and
     eval.json records the versions itself."""
-    import contextlib
-    from unittest import mock
-
     import lm_eval.evaluator
     from lm_eval import simple_evaluate
 

@@ -340,12 +340,9 @@ def choice_scores(model: nn.Module, tokenizer, docs: Sequence[Mapping[str, Any]]
             width = max(map(len, rows))
             x = torch.tensor([r + [0] * (width - len(r)) for r in rows])
             logp = torch.log_softmax(model(input_ids=x).logits.float(), dim=-1)
-            scores = [float(logp[j, n - 1 + torch.arange(len(c)), torch.tensor(c)].sum())
-                      for j, (n, c) in enumerate(spans)]
-            for doc in batch:
-                k = len(doc["choices"])
-                out.append(scores[:k])
-                scores = scores[k:]
+            scores = iter(float(logp[j, n - 1 + torch.arange(len(c)), torch.tensor(c)].sum())
+                          for j, (n, c) in enumerate(spans))
+            out += [[next(scores) for _ in doc["choices"]] for doc in batch]
     model.train(was_training)
     return out
 

@@ -6,8 +6,9 @@ module (``rand.py``, ``l1.py``, ``swanda.py``, ``grad.py``, ``drrqr.py``) and re
 :func:`register_selector`; the workflow makes that module file an input of that selector's jobs only
 (``Selector.source_file``), so editing one selector recomputes only its own results.
 
-Method tokens (``<selector>[-k|-q|-v|-kv][.<calib>][@<budget>]``, grammar in :mod:`statereduce.common.layout`) name a selection
-in result paths ``results/{model}/{method}_{pct}/``; :func:`parse_method` reads one against the registered selectors.
+Method tokens (``<selector>[-k|-q|-v|-kv][.<calib>][@<budget>]``, grammar in :mod:`statereduce.common.layout`) name a
+selection in result paths ``results/{model}/{method}_{pct}/``; :func:`parse_method` reads one against the registered
+selectors.
 
 Most selectors keep a subset of channels (an index selection). A selector may instead return a semi-orthogonal
 transform ``T`` [d_k', d_k] per head (``pca``: paper App. B.3-B.5, C.6); an index selection is the special case
