@@ -35,12 +35,12 @@ if _taken:
 
 try:
     CFG = srconfig.validate_config(config)
+    STUDIES = srstudies.check_studies(CFG)  # study -> [(model, method, pct)]; empty without a `studies` block
 except srconfig.ConfigError as e:
     raise WorkflowError(str(e)) from None
 
 MODELS = CFG["models"]
 TARGETS = CFG["targets"]
-STUDIES = srstudies.check_studies(CFG)  # study -> [(model, method, pct)]; empty without a `studies` block
 
 
 wildcard_constraints:

@@ -36,6 +36,8 @@ import yaml
 
 from statereduce import config as srconfig
 from statereduce.common import layout
+from statereduce.studies import check_studies
+
 DEFAULT_TARGETS = ("all", "all_paper")
 """Target names besides ``results/{model}/...`` paths: the default target (``all``) and ``all_paper``."""
 
@@ -71,7 +73,9 @@ def load_config(configfiles: Sequence[str | Path] = (), base: str | Path = "conf
         if not Path(path).is_file():
             raise srconfig.ConfigError(f"config file {str(path)!r} not found (cwd {Path.cwd()})")
         cfg = merge(cfg, yaml.safe_load(Path(path).read_text()) or {})
-    return srconfig.validate_config(cfg)
+    cfg = srconfig.validate_config(cfg)
+    check_studies(cfg)
+    return cfg
 
 
 def target_models(cfg: dict, targets: Sequence[str]) -> dict[str, tuple[set[str], bool]]:
@@ -96,7 +100,7 @@ def target_models(cfg: dict, targets: Sequence[str]) -> dict[str, tuple[set[str]
                 for method in cfg["targets"]["methods"]:
                     add(model, method, rank=paper)
             if paper:
-                for cells in srconfig.check_studies(cfg).values():
+                for cells in check_studies(cfg).values():
                     for model, method, _pct in cells:
                         add(model, method, rank=True)
             continue

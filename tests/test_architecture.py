@@ -27,7 +27,11 @@ LAYERS = [
     ("adapters", ["adapters"]),
     ("selectors", ["selectors"]),
     ("core", ["core"]),
-    ("services", ["eval", "analysis", "speed", "config", "studies"]),
+    ("eval", ["eval"]),
+    ("config", ["config"]),
+    ("analysis", ["analysis"]),
+    ("speed", ["speed"]),
+    ("studies", ["studies"]),
     ("stages", ["stages"]),
 ]
 API = len(LAYERS)

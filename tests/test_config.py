@@ -18,6 +18,7 @@ from _paths import ROOT
 from _snakemake import snakemake
 
 from statereduce.config import ConfigError, validate_config
+from statereduce.studies import check_studies
 
 
 def _mutate(cfg: dict, case: str) -> dict:
@@ -247,7 +248,7 @@ def test_bad_studies_rejected(shipped_config, case):
     mutate, pattern = STUDY_CASES[case]
     mutate(cfg["studies"])
     with pytest.raises(ConfigError) as exc:
-        validate_config(cfg)
+        check_studies(validate_config(cfg))
     msg = str(exc.value)
     assert "\n" not in msg
     assert re.search(pattern, msg), msg
@@ -255,8 +256,6 @@ def test_bad_studies_rejected(shipped_config, case):
 
 def test_studies_cells(shipped_config):
     """The shipped studies expand to one target per cell; no block, no cells."""
-    from statereduce.config import check_studies
-
     cells = check_studies(validate_config(shipped_config))
     assert len(cells["calibration"]) == 2 * 2 * 4 and len(cells["scoring"]) == 2 * 4 * 3
     assert ("tiny-dn", "grad.prose", 75.0) in cells["calibration"]

@@ -10,7 +10,8 @@ import yaml
 from _paths import ROOT
 from _snakemake import dry_run_outputs
 
-from statereduce.config import ConfigError, check_studies, validate_config
+from statereduce.config import ConfigError, validate_config
+from statereduce.studies import check_studies
 from statereduce.studies.convolutions import convolution_frames
 
 STUDY = {"models": {"none": "tiny-dn", "head": "tiny-dn-shared", "all": "tiny-dn-shared-all"},

@@ -14,8 +14,8 @@ import yaml
 from _paths import ROOT
 from _snakemake import copy_workflow, job_outputs, snakemake
 
-from statereduce.config import ConfigError, full_schema, validate_config
-from statereduce.studies import get_study, outputs, registered
+from statereduce.config import ConfigError, validate_config
+from statereduce.studies import check_studies, get_study, outputs, registered, schema
 
 SHIPPED = ("budgets", "calibration", "convolutions", "scoring", "values")
 
@@ -30,7 +30,7 @@ def test_the_registry_finds_every_study_module():
     assert {s.rule for s in studies.values()} == {"budget_study", "calibration_study", "convolution_tables",
                                                  "scoring_ablation", "value_study"}
     for study in studies.values():
-        assert full_schema()["properties"]["studies"]["properties"][study.name] == study.schema
+        assert schema()["properties"][study.name] == study.schema
         assert set(outputs(study)) >= {t.name for t in study.tables} | {f.name for f in study.figures}
         assert all(t.caption.strip() and t.label for t in study.tables)
     with pytest.raises(ValueError, match=r"^unknown study 'pruning'; valid: budgets, calibration, convolutions, "
@@ -47,7 +47,7 @@ def test_a_study_block_is_checked_against_its_modules_schema(name, change, messa
     cfg = _config()
     change(cfg["studies"][name])
     with pytest.raises(ConfigError) as err:
-        validate_config(cfg)
+        check_studies(validate_config(cfg))
     assert "\n" not in str(err.value) and re.search(message, str(err.value)), str(err.value)
 
 
@@ -114,15 +114,3 @@ def test_a_new_study_is_one_module_and_its_config_block(tmp_path):
     assert out.returncode != 0
     assert "config error at studies.rft_gain: Additional properties are not allowed ('model' was unexpected)" in (
         out.stdout + out.stderr), (out.stdout + out.stderr)[-3000:]
-
-
-@pytest.mark.parametrize("first", ["statereduce.studies", "statereduce.config", "statereduce.studies.values"])
-def test_either_package_imports_first_in_a_fresh_process(first):
-    """A study rule's script imports the studies before anything of the config (and the config imports the
-    studies' registry): both orders work in a fresh interpreter."""
-    import subprocess
-    import sys
-
-    code = f"import {first}; from statereduce.studies import get_study; get_study('values')"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]

@@ -1,10 +1,11 @@
 """Workflow configuration: schema validation and semantic checks, before any job runs.
 
-``validate_config`` checks ``config.yaml`` against ``schemas/config.schema.yaml`` (unknown keys are errors; each
-study's block against its study's schema, :mod:`statereduce.studies`) and then what a schema cannot express: known
-families and selectors, method tokens, corpus and calibration references, that every targeted (model, pct) leaves
-at least one channel and a representable head size, and each study's own checks. Every error is one line naming the
-bad value and the valid choices.
+``validate_config`` checks ``config.yaml`` against ``schemas/config.schema.yaml`` (unknown keys are errors) and then
+what a schema cannot express: known families and selectors, method tokens, corpus and calibration references, that
+every targeted (model, pct) leaves at least one channel and a representable head size. Every error is one line naming
+the bad value and the valid choices. The blocks under ``studies:`` belong to the studies, a layer above this one:
+:func:`statereduce.studies.check_studies` checks each against its study's schema and checks, and the workflow runs
+both (``rules/common.smk``, :func:`statereduce.fetch.load_config`).
 
 The helpers that read and check one block at a time live in :mod:`statereduce.config.blocks` (all of them importable
 from here): the ``model_*`` helpers build each stage's typed settings (:mod:`statereduce.common.settings`) from the
@@ -40,32 +41,15 @@ from statereduce.config.blocks import (
     model_speed,
 )
 
-__all__ = [*blocks.__all__, "check_studies", "full_schema", "validate_config"]
-
-
-def check_studies(config: dict) -> dict:
-    """:func:`statereduce.studies.check_studies`, imported when called: the studies import this package's blocks, so
-    a process may import either package first (a study rule's script imports the studies)."""
-    from statereduce.studies import check_studies as check
-
-    return check(config)
-
-
-def full_schema() -> dict:
-    """``schemas/config.schema.yaml`` with each study's block schema under ``studies`` (:mod:`statereduce.studies`)."""
-    from statereduce.studies import registered
-
-    out = load_schema()
-    out["properties"]["studies"]["properties"] = {name: study.schema for name, study in registered().items()}
-    return out
+__all__ = [*blocks.__all__, "validate_config"]
 
 
 def validate_config(config: dict, schema: dict | None = None) -> dict:
-    """Validate ``config`` fully; return a canonical copy (sorted keys) with defaults filled.
-    Raises ConfigError (one line)."""
+    """Validate ``config`` (all but the contents of its ``studies`` blocks: :func:`statereduce.studies.check_studies`);
+    return a canonical copy (sorted keys) with defaults filled. Raises ConfigError (one line)."""
     from statereduce.families import family_names, family_spec
 
-    check_schema(config, schema or full_schema())
+    check_schema(config, schema or load_schema())
     cfg = canonical(copy.deepcopy(config))
     families = family_names()
     corpora = cfg["corpora"]
@@ -124,7 +108,6 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
             for method in t["methods"]:
                 check_reduction(cfg, model, pct, method)
                 check_budget_cell(cfg, model, method, pct)
-    check_studies(cfg)
     for name in cfg.get("speed", {}).get("models", []):
         if name not in cfg["models"]:
             raise ConfigError(f"speed.models: unknown model {name!r}; valid: {', '.join(sorted(cfg['models']))}")

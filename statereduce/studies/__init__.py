@@ -2,7 +2,7 @@
 
 A study module defines a :class:`~statereduce.studies.base.Study` (its config block's schema and check, its cells,
 its table job's inputs and params, its tables, figures and report captions) and registers it with
-:func:`~statereduce.studies.base.register`. Config validation (:func:`statereduce.config.validate_config`), the
+:func:`~statereduce.studies.base.register`. The check of the config's ``studies`` blocks (:func:`check_studies`), the
 workflow's study rules (``rules/studies.smk``: one rule per study) and ``all_paper`` iterate :func:`registered`, so a
 new study is a new module here plus its block under ``studies:`` in the config.
 """
@@ -14,9 +14,10 @@ import pkgutil
 from pathlib import Path
 
 from statereduce.common import layout
+from statereduce.config.blocks import check_schema, load_schema
 from statereduce.studies.base import Cell, Figure, Study, Table, register, _REGISTRY
 
-__all__ = ["Cell", "Figure", "Study", "Table", "register", "registered", "get_study", "check_studies", "outputs",
+__all__ = ["Cell", "Figure", "Study", "Table", "register", "registered", "get_study", "schema", "check_studies", "outputs",
            "write_outputs"]
 
 
@@ -40,18 +41,28 @@ def get_study(name: str) -> Study:
     return studies[name]
 
 
+def schema() -> dict:
+    """The JSON schema of the config's ``studies`` block: one property per registered study, its module's
+    :attr:`~statereduce.studies.base.Study.schema`; no other key."""
+    return {"type": "object", "additionalProperties": False,
+            "properties": {name: study.schema for name, study in registered().items()}}
+
+
 def check_studies(config: dict) -> dict[str, list[Cell]]:
-    """Check every block of ``studies`` (each study's :meth:`~statereduce.studies.base.Study.cells`) and list the
-    cells: study name -> ``[(model, method token, pct)]`` in table order; empty without a ``studies`` block.
+    """Check every block of ``studies`` against its study's schema and then its study's own checks
+    (:meth:`~statereduce.studies.base.Study.cells`), and list the cells: study name -> ``[(model, method token, pct)]``
+    in table order; empty without a ``studies`` block.
 
     Args:
-        config: the configuration (schema-valid: :func:`statereduce.config.validate_config` checks each block
-            against its study's schema first).
+        config: the configuration, validated by :func:`statereduce.config.validate_config` (which leaves the
+            contents of the ``studies`` blocks to this function).
 
     Raises:
         statereduce.config.ConfigError: one line naming the bad value and the valid ones.
     """
     blocks = config.get("studies") or {}
+    check_schema({"studies": blocks}, {"type": "object", "properties": {"studies": schema()},
+                                       "$defs": load_schema()["$defs"]})  # the blocks' $refs resolve there
     return {name: get_study(name).cells(config, block) for name, block in blocks.items()}
 
 

@@ -1,0 +1,116 @@
+"""Byte-identity of a refactor: build the same results at two commits and compare them file by file.
+
+    python dev/byte_identity.py build COMMIT OUT     # a worktree of COMMIT in OUT/tree; its results under OUT
+    python dev/byte_identity.py compare A B          # cmp every file of A's results against B's; exit 1 on a difference
+
+``build`` runs, in a fresh worktree of COMMIT with this checkout's virtual environment (the worktree's package first
+on ``PYTHONPATH``):
+
+- the default run (``snakemake --cores all``) and, on its four tiny models, the pruned checkpoints of every other kind
+  of cut: value (``drrqr-v``), joint (``drrqr-kv``), a joint split (``drrqr-kv@split``, ``grad-kv@layersplit``) and
+  per-layer key budgets (``drrqr@sens``, ``grad@energy``), at 75 %;
+- the test workflow's run (``tests/_workflow_run.build``: the default target, ``all_paper``, its budget cells, an
+  ``init:`` model and a local checkpoint) with its value and joint cells added.
+
+``compare`` walks both ``results/`` trees and compares every file byte for byte (``filecmp`` with ``shallow=False``,
+which is what ``cmp`` does), leaving out only the files that record time or place: ``logs/``, ``benchmarks/``,
+Snakemake's ``.snakemake/`` and the run report's timings (:data:`TIMED`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("tiny-dn", "tiny-gdn", "tiny-mamba2", "tiny-qwen35")
+EXTRA_METHODS = ("drrqr-v", "drrqr-kv", "drrqr-kv@split", "grad-kv@layersplit", "drrqr@sens", "grad@energy")
+WF_METHODS = ("drrqr-v", "drrqr-kv", "grad-kv@split")
+#: Files that record when or where a job ran, not what it computed (matched on the path's parts).
+TIMED = ("logs", "benchmarks", ".snakemake", "speed.json", "run_report.json", "timings.json")
+
+
+def run(cmd: list[str], cwd: Path, env: dict) -> None:
+    print("+", " ".join(cmd), f"(in {cwd})", flush=True)
+    subprocess.run(cmd, cwd=cwd, env=env, check=True)
+
+
+def build(commit: str, out: Path) -> None:
+    out = out.resolve()
+    tree = out / "tree"
+    out.mkdir(parents=True, exist_ok=True)
+    if not tree.exists():
+        run(["git", "worktree", "add", "--detach", str(tree), commit], ROOT, os.environ.copy())
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    py = sys.executable
+    run([py, "-m", "snakemake", "--cores", "all"], tree, env)
+    extras = [f"results/{m}/{meth}_75/pruned/model.safetensors" for m in MODELS for meth in EXTRA_METHODS]
+    run([py, "-m", "snakemake", *extras, "--cores", "all"], tree, env)
+    code = (
+        "import sys, yaml; from pathlib import Path; sys.path[:0] = ['tests']\n"
+        "import _workflow_run as w\n"
+        f"root = Path({str(out / 'wf')!r}); root.mkdir(exist_ok=True)\n"
+        "cfg = yaml.safe_load(w.CONFIG.read_text())\n"
+        "cfg['budgets']['split'] = {'policy': 'split', 'n_samples': 2}\n"
+        "w.CONFIG = root / 'config.yaml'; w.CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))\n"
+        f"w.BUDGET_TARGETS = w.BUDGET_TARGETS + tuple(f'results/wf-dn/{{m}}_50/eval.json' for m in {WF_METHODS!r})\n"
+        "w.build(root)\n"
+    )
+    run([py, "-c", code], tree, env)
+
+
+def results_of(out: Path) -> dict[str, Path]:
+    roots = {"default": out / "tree" / "results", "wf": out / "wf" / "run" / "run" / "results"}
+    roots["wf"] = next((p for p in (out / "wf" / "run" / "results", roots["wf"]) if p.exists()), roots["wf"])
+    return roots
+
+
+def files(root: Path) -> dict[str, Path]:
+    found = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if p.is_file() and not any(part in TIMED for part in rel.parts):
+            found[str(rel)] = p
+    return found
+
+
+def compare(a: Path, b: Path) -> int:
+    bad = 0
+    for name, ra in results_of(a).items():
+        rb = results_of(b)[name]
+        fa, fb = files(ra), files(rb)
+        only = sorted(set(fa) ^ set(fb))
+        differ = [k for k in sorted(set(fa) & set(fb)) if not filecmp.cmp(fa[k], fb[k], shallow=False)]
+        ckpts = [k for k in fa if k.endswith("model.safetensors")]
+        print(f"{name}: {len(fa)} files compared ({len(ckpts)} checkpoints), {len(differ)} differ, "
+              f"{len(only)} in one only")
+        for k in differ:
+            print(f"  differ: {k}")
+        for k in only:
+            print(f"  only in {'A' if k in fa else 'B'}: {k}")
+        bad += len(differ) + len(only)
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("commit")
+    b.add_argument("out", type=Path)
+    c = sub.add_parser("compare")
+    c.add_argument("a", type=Path)
+    c.add_argument("b", type=Path)
+    args = ap.parse_args(argv)
+    if args.cmd == "build":
+        build(args.commit, args.out)
+        return 0
+    return compare(args.a, args.b)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
