@@ -1,7 +1,8 @@
 """Decode-shaped GEMMs (64 rows) on the GPU: cuBLAS (torch's F.linear) against a plain Triton weight-streaming
 kernel over a small tile sweep, each timed as 24 launches on distinct weights in one CUDA graph (as in a decode
 step: every layer's weights come from HBM). Prints, per shape, µs per launch and TB/s of weight bytes, and writes
-JSON. It asks whether the fused decode step's projections leave bandwidth to a better kernel (docs/speed.md).
+JSON. It asks whether the fused decode step's projections leave bandwidth to a better kernel
+(docs/records/speed_h200.md, "Decode-shaped GEMMs").
 
     python scripts/bench_skinny_gemm.py OUT.json
 """

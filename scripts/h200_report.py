@@ -1,4 +1,5 @@
-"""The tables and figure of docs/speed.md ("All cells") from the recorded H200 runs in docs/results/.
+"""The tables of docs/records/speed_h200.md ("All cells") and the figure of docs/speed.md from the recorded H200 runs
+in docs/results/.
 
 Each model's cells come from several runs (one GPU call cannot measure everything); every ratio is still taken
 within one run: the runs below measure disjoint batch sizes (decode) or disjoint parts, and `speed_ratios` matches a
