@@ -5,7 +5,7 @@
 Builds each family's model the way ``scripts/check_rft_gpu.py`` does (same seed, conv filters N(0, 0.3), random
 pruning to ``--keep`` channels), runs one 2 x 512 batch through the torch kernels in float64, float32 and bfloat16,
 and prints the relative Frobenius difference of each against float64: the scale of rounding noise that the GPU
-reload check's comparison between two bf16 implementations has to be read against (docs/gpu_checks.md).
+reload check's comparison between two bf16 implementations has to be read against (docs/records/gpu_checks.md).
 """
 
 import argparse

@@ -203,7 +203,7 @@ def _guarded_again():
 
 
 def table(doc: dict[str, Any]) -> str:
-    """The Markdown of docs/gpu_checks.md ("The kernel check at run time") from a document this script wrote."""
+    """The Markdown of docs/records/gpu_checks.md ("The kernel check on an H100") from a document this script wrote."""
     st = doc["stack"]
     lines = [f"On {st['gpu']} (torch {st['torch']}, Triton {st['triton']}, fla {st['fla']}); "
              f"`{doc['command']}`."]

@@ -4,7 +4,7 @@ The check runs on CUDA in jobs; here it runs on the CPU against a planted DeltaN
 that the check's child process imports too: wrong by half at d_k 16, a dying process at d_k 24, right otherwise.
 The reference is statereduce.kernels.fla_fallback, which is also what the CPU binding calls, so a route that the
 check sends to PyTorch must give exactly the unplanted model's logits. scripts/check_kernels_gpu.py runs it on a GPU
-against fla's own kernels (docs/gpu_checks.md, "The check at run time").
+against fla's own kernels (docs/gpu_checks.md, "The kernel check at run time").
 """
 
 from __future__ import annotations
