@@ -1,14 +1,15 @@
-"""The test suite's measured figures in docs/testing.md: coverage, planted faults and times, from the runs that made them.
+"""The test suite's measured figures in docs/records/testing.md: coverage, planted faults and times, from the runs that
+made them.
 
     python dev/testing_figures.py time LABEL -- COMMAND...   # run COMMAND, record its wall time and CPU kind
     python dev/testing_figures.py render                      # print the figures block from docs/results/tests/
-    python dev/testing_figures.py write                       # put it into docs/testing.md between its markers
-    python dev/testing_figures.py check                       # exit 1 if docs/testing.md's block differs
+    python dev/testing_figures.py write                       # put it into docs/records/testing.md between its markers
+    python dev/testing_figures.py check                       # exit 1 if docs/records/testing.md's block differs
 
 The documents in docs/results/tests/ come from `dev/coverage_run.py` (`coverage_<when>_<tier>.json`; `<tier>_copies`
 with its `--copies`),
 `dev/planted_faults.py` (`faults_<when>.json`) and `time` above (`timings.json`); `<when>` is `before` or `after`
-(the checkouts docs/testing.md names), `<tier>` `default` or `all`.
+(the checkouts docs/records/testing.md names), `<tier>` `default` or `all`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "tests"
-DOC = ROOT / "docs" / "testing.md"
+DOC = ROOT / "docs" / "records" / "testing.md"
 BEGIN, END = "<!-- testing-figures: begin (dev/testing_figures.py write) -->", "<!-- testing-figures: end -->"
 
 

@@ -386,7 +386,7 @@ def test_default_runs_rft_helps_where_there_is_something_to_recover():
 
 
 def test_testing_page_figures_are_the_recorded_runs():
-    """docs/testing.md's coverage, planted-fault and time tables are what dev/testing_figures.py renders from the
-    documents in docs/results/tests/."""
+    """docs/records/testing.md's coverage, planted-fault and time tables are what dev/testing_figures.py renders from
+    the documents in docs/results/tests/."""
     figures = runpy.run_path(str(ROOT / "dev" / "testing_figures.py"))
     assert figures["main"](["check"]) == 0
