@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine of the paper-scale runs (configs/gpu_paper_scale.yaml, docs/paper_scale.md): install
 # the carried wheels (dev/gpu_wheels.txt), restore the carried Triton cache, run the workflow itself on the given
-# targets within a deadline, and return what docs/paper_scale.md reads.
+# targets within a deadline, and return what docs/records/paper_scale_h200.md reads.
 #
 #   dev/paper_scale_call.sh DEADLINE_S TARGET ...
 #

@@ -1,4 +1,4 @@
-"""The per-job table of docs/paper_scale.md from what dev/paper_scale_call.sh returns.
+"""The per-job table of docs/records/paper_scale_h200.md from what dev/paper_scale_call.sh returns.
 
     python dev/paper_scale_table.py RUN_DIR [--save docs/results/paper_scale_h200]
 

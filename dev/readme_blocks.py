@@ -10,8 +10,9 @@ README is touched. Every source is committed. Blocks (all by default):
   command, job count, wall time, date and commit), written by ``python dev/publish_run.py`` from a finished
   ``snakemake --cores all``.
 - ``install``: ``docs/results/install_size.json`` (``python dev/install_size.py``).
-- ``hub-cost``: the measurements of ``docs/paper_scale.md`` at the paper's sizes, from ``docs/results/paper_scale_*/``
-  (``jobs.json``, ``sizes.tsv``, ``rft.json``: ``python dev/paper_scale_table.py RUN --save DIR``).
+- ``hub-cost``: the measurements of ``docs/records/paper_scale_h200.md`` at the paper's sizes, from
+  ``docs/results/paper_scale_*/`` (``jobs.json``, ``sizes.tsv``, ``rft.json``: ``python dev/paper_scale_table.py RUN
+  --save DIR``).
 - ``recipe``: ``docs/experiments/recipe/summary.md``, verbatim, which names the CPU kind of its runs (the ``cpu``
   column of ``results.csv`` beside it; both written by ``docs/experiments/recipe/table.py``).
 
@@ -46,8 +47,8 @@ RUN_JSON = DEFAULT_RUN / "run.json"
 INSTALL = Path("docs/results/install_size.json")
 RECIPE = Path("docs/experiments/recipe/summary.md")
 RECIPE_CSV = RECIPE.with_name("results.csv")
-#: The paper-scale runs (docs/paper_scale.md), oldest first: a later run's measurement of a stage replaces an earlier
-#: one's (the later runs measured RFT with the ``micro_batch_size: auto`` of today's config), with the GPU each ran on.
+#: The paper-scale runs (docs/records/paper_scale_h200.md), oldest first: a later run's measurement of a stage replaces
+#: an earlier one's (the later runs measured RFT with the config's ``micro_batch_size: auto``), with the GPU each ran on.
 PAPER_SCALE_RUNS = (("docs/results/paper_scale_h200", "H200"), ("docs/results/paper_scale_h200_gdn", "H200"),
                     ("docs/results/paper_scale_h200_selectors", "H200"))
 HUB_MODELS = ("dn1.3b-init", "gdn1.3b-init")

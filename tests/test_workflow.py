@@ -279,7 +279,7 @@ def test_all_speed_plans_gpu_jobs_only_there(tmp_path):
 
 def test_every_rule_that_runs_a_job_records_a_benchmark():
     """Every rule with a job (script, shell or run) writes Snakemake's benchmark TSV (wall time, peak memory), which
-    docs/paper_scale.md reads; only target rules (inputs alone) have none."""
+    docs/records/paper_scale_h200.md reads; only target rules (inputs alone) have none."""
     missing = []
     for smk in sorted((ROOT / "rules").glob("*.smk")):
         for block in re.split(r"\n(?=rule \w+:)", smk.read_text()):
