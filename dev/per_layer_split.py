@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     from statereduce.core.data import load_split, token_blocks
     from statereduce.core.models import load_model
     from statereduce.core.slicing import cut_tensors, masked_cut
-    from statereduce.stages.select import select_cut, split_per_layer
+    from statereduce.stages.select import select_channels, split_per_layer
 
     torch.set_num_threads(2)
     rows = []
@@ -60,7 +60,7 @@ def main(argv=None) -> None:
                 cands = [(c["d_k_new"], c["d_v_new"]) for c in split["candidates"]]
                 cuts = {}
                 for k, v in cands:
-                    sel_rows, _ = select_cut(root / "weights" / "qk.h5", f"{sel}-kv", pct,
+                    sel_rows, _ = select_channels(root / "weights" / "qk.h5", f"{sel}-kv", pct,
                                              activations=root / "calib" / "default" / "activations.h5",
                                              grads=root / "calib" / "default" / "grad_scores.h5",
                                              options=split["options"], widths=(k, v))

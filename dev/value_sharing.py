@@ -52,7 +52,6 @@ def main(argv=None) -> None:
     from statereduce.core.models import load_model
     from statereduce.core.slicing import masked_values
     from statereduce.selectors.registry import head_rng, value_side
-    from statereduce.selectors.values import NEEDS
     from statereduce.stages.select import value_units
 
     rows = []
@@ -91,7 +90,7 @@ def main(argv=None) -> None:
                             stack.enter_context(masked_values(adapter, mixer, k.expand(hv, -1) if k.shape[0] == 1
                                                               else k))
                         result[f"{how}_bits"] = heldout_bits(model, blocks)
-                result["needs"] = sorted(NEEDS[sel])
+                result["needs"] = sorted(value_side(sel).needs)
                 rows.append(result)
                 print(json.dumps(result), file=sys.stderr)
 

@@ -118,9 +118,8 @@ def _split(a, method="drrqr-kv@split", pct=75, **settings):
 def _pruned_loss(a, method, pct, widths):
     """The calibration loss of the checkpoint pruned to the joint selection at ``widths`` (norm_eps exact): the
     reference the split stage's masked loss must equal."""
-    from statereduce.stages.select import select_cut
 
-    rows, meta = select_cut(a["weights"], method, pct, activations=a["activations"], grads=a["grads"],
+    rows, meta = select_channels(a["weights"], method, pct, activations=a["activations"], grads=a["grads"],
                             expect={"model": "t"}, widths=widths)
     path = write_selection(a["dir"] / f"ref_{widths[0]}x{widths[1]}.parquet", rows, meta)
     cut, got = read_selection(path, expect={"model": "t"})
@@ -191,9 +190,8 @@ def test_the_selection_of_a_split_token_keeps_the_chosen_widths(artifacts, tmp_p
                                  expect={"model": "t"}, allocation=path)
     assert (meta["d_k_new"], meta["d_v_new"]) == (doc["d_k_new"], doc["d_v_new"])
     assert meta["method"] == "drrqr-kv@split" and meta["budget"] == "split" and meta["split"]["policy"] == "split"
-    from statereduce.stages.select import select_cut
 
-    direct, _ = select_cut(a["weights"], "drrqr-kv", 75, activations=a["activations"], grads=a["grads"],
+    direct, _ = select_channels(a["weights"], "drrqr-kv", 75, activations=a["activations"], grads=a["grads"],
                            expect={"model": "t"}, widths=(doc["d_k_new"], doc["d_v_new"]))
     assert [(r[0], r[1], r[3], list(r[2].keep)) for r in rows] == [(r[0], r[1], r[3], list(r[2].keep)) for r in direct]
     sel = write_selection(tmp_path / "drrqr-kv@split_75.parquet", rows, meta)
@@ -249,9 +247,8 @@ def _write(a, name: str, doc: dict):
 def _per_layer_pruned_loss(a, method, pct, widths: dict):
     """The calibration loss of the checkpoint pruned to the joint selection with a d_k' x d_v' per layer (norm_eps
     exact), through the selection file: the reference of the per-layer losses."""
-    from statereduce.stages.select import select_cut
 
-    rows, meta = select_cut(a["weights"], method, pct, activations=a["activations"], grads=a["grads"],
+    rows, meta = select_channels(a["weights"], method, pct, activations=a["activations"], grads=a["grads"],
                             expect={"model": "t"}, widths=widths)
     name = "_".join(f"{k}x{v}" for k, v in widths.values())
     cut, got = read_selection(write_selection(a["dir"] / f"ref_layers_{name}.parquet", rows, meta),

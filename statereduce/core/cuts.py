@@ -6,18 +6,126 @@ is the same percent of every head's d_v x d_k state; of a joint cut (``-kv``), t
 split equally between the two sides (:func:`joint_widths`), or with a budget of policy ``split`` (``-kv@<budget>``)
 among the pairs of :func:`split_candidates` by calibration loss (:func:`statereduce.stages.select.choose_split`, whose
 artifact :func:`read_split` reads). :func:`cut_widths` gives (d_k', d_v') for any cut without a budget.
+
+A :class:`Cut` is what a method removes, typed: per linear-attention layer, the key width and (for a value or joint
+cut) the value width kept. :func:`plan_cut` builds it from a method token, a pct and the artifact that chose per-layer
+widths (an allocation, a split); the selection file records it (:meth:`Cut.widths_meta`, read back by
+:meth:`Cut.from_meta`), and pruning, the tables and the checkpoint's config read it from there.
 """
 
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from statereduce.common.layout import CUTS
 from statereduce.selectors.registry import n_keep_for, n_removed_for, no_channel_removed
+
+
+@dataclass(frozen=True)
+class Cut:
+    """What a method removes from every linear-attention layer of a model.
+
+    Attributes:
+        kind: "keys", "values" or "joint" (:data:`~statereduce.common.layout.CUTS`).
+        d_k: the heads' key width.
+        key_widths: {layer: d_k' kept} (d_k in every layer of a value cut).
+        d_v: the heads' value width (None where a key cut's artifacts do not record it).
+        value_widths: {layer: d_v' kept}; None for a key cut (every value channel stays).
+    """
+
+    kind: str
+    d_k: int
+    key_widths: Mapping[int, int]
+    d_v: int | None = None
+    value_widths: Mapping[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in CUTS:
+            raise ValueError(f"unknown cut {self.kind!r}; valid: {', '.join(CUTS)}")
+        if (self.value_widths is None) != (self.kind == "keys"):
+            raise ValueError(f"a {self.kind} cut " + ("has no value widths" if self.kind == "keys"
+                                                      else "needs its value widths"))
+        if self.value_widths is not None and sorted(self.value_widths) != sorted(self.key_widths):
+            raise ValueError(f"value widths of layers {sorted(self.value_widths)}, key widths of layers "
+                             f"{sorted(self.key_widths)}: a cut names the same layers on both sides")
+
+    @classmethod
+    def uniform(cls, kind: str, d_k: int, d_v: int | None, layers, k: int, v: int | None = None) -> Cut:
+        """Every layer of ``layers`` keeps d_k' = ``k`` (and d_v' = ``v`` for a value or joint cut)."""
+        layers = sorted(int(layer) for layer in layers)
+        return cls(kind, d_k, {layer: int(k) for layer in layers}, d_v,
+                   None if kind == "keys" else {layer: int(v) for layer in layers})
+
+    @classmethod
+    def per_layer(cls, kind: str, d_k: int, d_v: int | None, pairs: Mapping[int, tuple[int, int]]) -> Cut:
+        """Each layer keeps its own (d_k', d_v') of ``pairs`` (d_v' ignored for a key cut)."""
+        pairs = {int(layer): pair for layer, pair in sorted(pairs.items())}
+        return cls(kind, d_k, {layer: int(k) for layer, (k, _) in pairs.items()}, d_v,
+                   None if kind == "keys" else {layer: int(v) for layer, (_, v) in pairs.items()})
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any], layers) -> Cut:
+        """The cut a selection file's metadata records for the model's linear-attention ``layers`` (its
+        ``d_k_new``/``d_v_new``: one width for every layer or {"<layer>": width}, as :meth:`widths_meta` writes)."""
+        kind = meta.get("cut", "keys")
+        keys = _each(meta["d_k_new"], layers)
+        values = None if kind == "keys" else _each(meta["d_v_new"], layers)
+        return cls(kind, int(meta["d_k"]), keys, meta.get("d_v"), values)
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.key_widths)
+
+    @property
+    def pairs(self) -> dict[int, tuple[int, int]]:
+        """{layer: (d_k', d_v')} (d_v' = d_v where values are whole)."""
+        return {layer: (k, self.value_width(layer)) for layer, k in sorted(self.key_widths.items())}
+
+    def value_width(self, layer: int) -> int | None:
+        return self.d_v if self.value_widths is None else self.value_widths[layer]
+
+    @property
+    def cuts_values(self) -> bool:
+        return self.value_widths is not None
+
+    @property
+    def uniform_keys(self) -> bool:
+        """Whether every layer keeps the same key width."""
+        return len(set(self.key_widths.values())) == 1
+
+    @property
+    def uniform_values(self) -> bool:
+        """Whether every layer keeps the same value width (true for a key cut)."""
+        return self.value_widths is None or len(set(self.value_widths.values())) == 1
+
+    @property
+    def state_fraction(self) -> float:
+        """The share of the layers' d_v x d_k states kept (their mean)."""
+        return sum(k * v for k, v in self.pairs.values()) / (len(self.key_widths) * self.d_k * self.d_v)
+
+    def widths_meta(self) -> dict[str, Any]:
+        """The selection file's spelling of the widths: ``d_k_new`` (and ``d_v_new`` for a value or joint cut), the
+        width all layers keep, else {"<layer>": width}."""
+        out = {"d_k_new": _one_or_each(self.key_widths)}
+        if self.value_widths is not None:
+            out["d_v_new"] = _one_or_each(self.value_widths)
+        return out
+
+
+def _one_or_each(widths: Mapping[int, int]) -> int | dict[str, int]:
+    if len(set(widths.values())) == 1:
+        return next(iter(widths.values()))
+    return {str(layer): int(width) for layer, width in sorted(widths.items())}
+
+
+def _each(widths, layers) -> dict[int, int]:
+    if isinstance(widths, Mapping):
+        return {int(layer): int(w) for layer, w in sorted(widths.items(), key=lambda kv: int(kv[0]))}
+    return {int(layer): int(widths) for layer in sorted(layers)}
 
 
 #: the split artifact's format (:func:`read_split`)
@@ -124,6 +232,73 @@ def split_candidates(d_k: int, d_v: int, pct: float, key_widths: list[int],
     if not out:
         raise _no_pair(d_k, d_v, pct)
     return out
+
+
+def plan_cut(method: str, pct: float, d_k: int, d_v: int | None, layers, *, family: str | None = None,
+             allocation: str | Path | None = None, widths: tuple[int, int] | Mapping[int, tuple[int, int]] | None = None,
+             expect: Mapping[str, Any] | None = None) -> tuple[Cut, dict[str, Any]]:
+    """The :class:`Cut` of ``method`` at ``pct`` on a model of heads d_k x d_v and linear-attention ``layers``, and
+    what a selection records of the artifact that chose per-layer widths.
+
+    A key cut keeps ``n_keep_for(d_k, pct)`` in every layer, or with ``@<budget>`` the widths of its allocation
+    artifact (``allocation``, :func:`statereduce.core.budgets.read_allocation`; recorded as ``{"allocation":
+    ...}``). A value or joint cut keeps :func:`cut_widths` in every layer; a joint cut with ``@<budget>`` the widths
+    its split artifact chose (``allocation``, :func:`read_split`, per layer where it has them; recorded as
+    ``{"split": the artifact}``), or ``widths`` given directly (one (d_k', d_v') or {layer: (d_k', d_v')}: the split
+    stage's candidates). Pairs the family's config cannot hold are refused (:func:`split_check`).
+
+    Raises:
+        ValueError: one line, for an artifact the token does not take or lacks, or widths the family cannot hold.
+        ArtifactError: one line, for an artifact written for another job.
+    """
+    from statereduce.selectors import parse_method
+
+    spec = parse_method(method)
+    layers = sorted(int(layer) for layer in layers)
+    expect = dict(expect or {})
+    if spec.cut == "keys":
+        if widths is not None:
+            raise ValueError(f"method {method!r}: only a joint cut (-kv) takes a split of the state")
+        if (spec.budget is None) != (allocation is None):
+            raise ValueError(f"method {method!r} " + ("has no @<budget>: give no allocation" if spec.budget is None
+                                                      else "names a budget: give its allocation (rule allocate)"))
+        if allocation is None:
+            return Cut.uniform("keys", d_k, d_v, layers, n_keep_for(d_k, pct)), {}
+        from statereduce.core.budgets import read_allocation
+
+        doc = read_allocation(allocation, {**expect, "method": method, "pct": pct})
+        record = {"allocation": {"budget": doc["budget"], "policy": doc["allocation"]["policy"],
+                                 "key_dims": doc["key_dims"], "total": doc["allocation"]["total"],
+                                 "uniform_width": doc["uniform_width"]}}
+        return Cut("keys", d_k, {int(k): int(v) for k, v in doc["key_dims"].items()}, d_v), record
+    if widths is not None or spec.budget is not None:
+        if spec.cut != "joint":
+            raise ValueError(f"method {method!r}: only a joint cut (-kv) takes a split of the state")
+        if (widths is None) == (allocation is None):
+            raise ValueError(f"method {method!r}: give either the split artifact (rule split) or the widths")
+    elif allocation is not None:
+        raise ValueError(f"method {method!r} has no @<budget>: give no allocation")
+    check = split_check(family, d_k, d_v)
+    record = {}
+    if allocation is not None:
+        split = read_split(allocation, {**expect, "method": method, "pct": pct, "d_k": d_k, "d_v": d_v})
+        widths = split["d_k_new"], split["d_v_new"]
+        if "per_layer" in split:
+            widths = {int(layer): tuple(pair) for layer, pair in split["per_layer"]["widths"].items()}
+        record = {"split": split}
+    if isinstance(widths, Mapping):
+        pairs = {int(layer): (int(k), int(v)) for layer, (k, v) in widths.items()}
+        if sorted(pairs) != layers:
+            raise ValueError(f"per-layer widths name layers {sorted(pairs)}; the model's linear-attention layers are "
+                             f"{layers}")
+    elif widths is not None:
+        pairs = {layer: (int(widths[0]), int(widths[1])) for layer in layers}
+    else:
+        pairs = {layer: cut_widths(spec.cut, d_k, d_v, pct, check) for layer in layers}
+    if check is not None:
+        for pair in set(pairs.values()):
+            check(*pair)
+    return Cut.per_layer(spec.cut, d_k, d_v, pairs), record
 
 
 def split_check(family: str | None, d_k: int, d_v: int):

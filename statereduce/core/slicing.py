@@ -353,7 +353,7 @@ def masked_values(adapter: LinearAttentionAdapter, mixer: nn.Module, keep_v: tor
 
 def cut_tensors(rows) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """({layer: int64 [H, d_k']}, {layer: int64 [units, d_v']}) kept key and value channels of a joint cut's
-    selection rows (:func:`statereduce.stages.select.select_cut`: layer, head or unit, HeadSelection, side)."""
+    selection rows (:func:`statereduce.stages.select.select_channels`: layer, head or unit, HeadSelection, side)."""
     sides: dict[str, dict[int, dict[int, np.ndarray]]] = {"k": {}, "v": {}}
     for layer, unit, sel, side in rows:
         sides[side].setdefault(int(layer), {})[int(unit)] = np.asarray(sel.keep, np.int64)

@@ -32,6 +32,8 @@ import numpy as np
 from statereduce.common import layout
 from statereduce.common.layout import DEFAULT_VARIANT, NAME_PATTERN, VARIANTS, MethodSpec, unknown_selector
 
+#: What a value side may read (:class:`ValueSide`).
+VALUE_NEEDS = frozenset({"weights", "activations", "grad"})
 #: Data a selector may declare it needs (what the workflow must load for its jobs).
 NEEDS = frozenset({"weights", "activations", "xnorm", "grad"})
 #: Largest deviation of ``T T^T`` from the identity that a transform selection may have.
@@ -244,24 +246,57 @@ def selector_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-#: selector name -> its value side (:mod:`statereduce.selectors.values`): what ``-v`` / ``-kv`` tokens cut with
-_VALUE_SIDES: dict[str, Callable[..., HeadSelection]] = {}
+class ValueSide:
+    """The value side of a registered selector (:mod:`statereduce.selectors.values`): what its ``-v`` and ``-kv``
+    tokens cut with (use :func:`value_side`).
+
+    Attributes:
+        name: the selector's name.
+        needs: subset of {"weights", "activations", "grad"}: what the side reads (W_v, W_o and the output norm's
+            weight; calibration values V; Grad saliencies ``grad_v``).
+        fn: ``fn(data: ValueData, n_keep, *, rng, **options) -> HeadSelection``.
+        takes_options: whether ``fn`` takes the selector's options (config ``selectors.<name>``): it has ``**options``.
+    """
+
+    def __init__(self, name: str, needs: frozenset[str], fn: Callable[..., HeadSelection]) -> None:
+        self.name, self.needs, self.fn = name, needs, fn
+        self.takes_options = any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                 for p in inspect.signature(fn).parameters.values())
+        self.source_file = os.path.abspath(inspect.getsourcefile(fn) or inspect.getfile(fn))
+
+    def __call__(self, data: Any, n_keep: int, *, rng: np.random.Generator,
+                 options: Mapping[str, Any] | None = None) -> HeadSelection:
+        """The unit's selection of ``n_keep`` value channels; ``options`` reach ``fn`` where it takes them."""
+        return self.fn(data, n_keep, rng=rng, **(dict(options or {}) if self.takes_options else {}))
+
+    def __repr__(self) -> str:
+        return f"ValueSide({self.name!r}, needs={sorted(self.needs)})"
 
 
-def register_value_side(name: str) -> Callable[[Callable[..., HeadSelection]], Callable[..., HeadSelection]]:
+#: selector name -> its value side: what ``-v`` / ``-kv`` tokens cut with
+_VALUE_SIDES: dict[str, ValueSide] = {}
+
+
+def register_value_side(name: str, needs: Iterable[str]) -> Callable[[Callable[..., HeadSelection]],
+                                                                     Callable[..., HeadSelection]]:
     """Decorator registering ``fn(data: ValueData, n_keep, *, rng, **options) -> HeadSelection`` as the value side of
-    the registered selector ``name``: its method tokens then take ``-v`` and ``-kv``."""
+    the registered selector ``name``, reading ``needs`` (a subset of "weights", "activations", "grad"): its method
+    tokens then take ``-v`` and ``-kv``."""
+    needs = frozenset(needs)
+    if not needs or needs - VALUE_NEEDS:
+        raise ValueError(f"value side {name!r}: needs {sorted(needs)}; valid: a non-empty subset of "
+                         f"{sorted(VALUE_NEEDS)}")
 
     def decorator(fn):
         if name not in _REGISTRY:
             raise ValueError(f"value side for unknown selector {name!r}; valid: {', '.join(sorted(_REGISTRY))}")
-        _VALUE_SIDES[name] = fn
+        _VALUE_SIDES[name] = ValueSide(name, needs, fn)
         return fn
 
     return decorator
 
 
-def value_side(name: str) -> Callable[..., HeadSelection]:
+def value_side(name: str) -> ValueSide:
     """The value side of selector ``name``; one line naming the selectors that have one otherwise."""
     if name not in _VALUE_SIDES:
         raise ValueError(f"selector {name!r} has no value side; valid: {', '.join(sorted(_VALUE_SIDES))}")

@@ -59,24 +59,19 @@ class ValueData:
         return np.asarray(value, dtype=np.float64)
 
 
-#: What each value side reads: "weights" (W_v, W_o, w_norm), "activations" (V), "grad" (grad_v).
-NEEDS = {"rand": {"weights"}, "l1": {"weights"}, "swanda": {"weights", "activations"}, "grad": {"grad"},
-         "drrqr": {"activations"}}
-
-
-@register_value_side("rand")
+@register_value_side("rand", needs={"weights"})
 def rand_values(data: ValueData, n_keep: int, *, rng: np.random.Generator) -> HeadSelection:
     """A uniform subset of the unit's d_v channels from its own generator (the key side's ``rand``)."""
     return get_selector("rand")(HeadData(W_q=np.zeros((data.d_v, 1))), n_keep, rng=rng)
 
 
-@register_value_side("l1")
+@register_value_side("l1", needs={"weights"})
 def l1_values(data: ValueData, n_keep: int, *, rng: np.random.Generator) -> HeadSelection:
     """The key side's ``l1`` on the value projection's rows and the output projection's columns."""
     return get_selector("l1")(HeadData(W_q=data.need("W_v", "l1"), W_k=data.need("W_o", "l1")), n_keep, rng=rng)
 
 
-@register_value_side("swanda")
+@register_value_side("swanda", needs={"weights", "activations"})
 def swanda_values(data: ValueData, n_keep: int, *, rng: np.random.Generator) -> HeadSelection:
     """``||V[:, j]||_2 * ||w_j W_o[:, j]||_2``: the channel's calibration energy times what it writes."""
     w_o = data.need("W_o", "swanda")
@@ -85,13 +80,13 @@ def swanda_values(data: ValueData, n_keep: int, *, rng: np.random.Generator) -> 
     return top_k(np.linalg.norm(data.need("V", "swanda"), axis=0) * np.linalg.norm(w_o, axis=1), n_keep)
 
 
-@register_value_side("grad")
+@register_value_side("grad", needs={"grad"})
 def grad_values(data: ValueData, n_keep: int, *, rng: np.random.Generator) -> HeadSelection:
     """The largest Grad saliencies ``grad_v``."""
     return top_k(data.need("grad_v", "grad"), n_keep)
 
 
-@register_value_side("drrqr")
+@register_value_side("drrqr", needs={"activations"})
 def drrqr_values(data: ValueData, n_keep: int, *, rng: np.random.Generator, **options) -> HeadSelection:
     """The key side's ``drrqr`` on V alone (its variant "k" with K = V); the same options (``f``, ...)."""
     return get_selector("drrqr")(HeadData(K=data.need("V", "drrqr")), n_keep, variant="k", rng=rng, **options)

@@ -35,7 +35,10 @@ from statereduce.core.selection_file import (  # noqa: F401  (re-exported)
 )
 from statereduce.common.layout import MethodSpec
 from statereduce.common.settings import BudgetPlan
+from statereduce.core.artifacts import ArtifactError, remedy
+from statereduce.core.cuts import Cut, plan_cut
 from statereduce.selectors import HeadData, format_method, get_selector, n_keep_for, parse_method, select_heads
+from statereduce.selectors.registry import head_rng, value_side
 
 log = logging.getLogger(__name__)
 
@@ -71,74 +74,140 @@ def select_channels(
     workers: int = 1,
     expect: dict | None = None,
     allocation: str | Path | None = None,
-) -> tuple[list[tuple[int, int, object]], dict]:
-    """Select channels for every (layer, head) of a model.
+    widths: tuple[int, int] | Mapping[int, tuple[int, int]] | None = None,
+) -> tuple[list[tuple], dict]:
+    """Select the channels ``method`` keeps in every (layer, head) of a model: key channels, value channels or both.
+
+    The widths come from the method's :class:`~statereduce.core.cuts.Cut` (:func:`statereduce.core.cuts.plan_cut`);
+    the key side runs the method's selector at each layer's d_k' (:func:`run_selector`), the value side its
+    registered value side (:mod:`statereduce.selectors.values`) at each layer's d_v' for each value head.
 
     Args:
-        weights: the model's ``qk.h5`` (head rows of the q/k projections; also gives H, d_k, layers).
-        method: method token, e.g. ``drrqr``, ``l1-q``, ``grad.prose`` (see ``parse_method``); a value or joint cut
-            (``drrqr-v``, ``grad-kv``) goes to :func:`select_cut`.
-        pct: percent of key channels removed (of a value or joint cut: :mod:`statereduce.core.cuts`).
-        activations: ``activations.h5`` (needed by activation/xnorm-based selectors).
+        weights: the model's ``qk.h5`` (head rows of the q/k projections, and the value and output projections; also
+            gives H, d_k, d_v, layers).
+        method: method token, e.g. ``drrqr``, ``l1-q``, ``grad.prose``, ``drrqr@sens``, ``drrqr-v``, ``grad-kv@split``
+            (see ``parse_method``).
+        pct: percent removed: of key channels (a key cut), of value channels (``-v``) or of the state (``-kv``).
+        activations: ``activations.h5`` (needed by activation/xnorm-based selectors and value sides).
         grads: ``grad_scores.h5`` (needed by ``grad``).
         seed: selection seed (``rand``; tie-breaking elsewhere is deterministic).
-        options: selector options from the config (e.g. DRRQR's ``f``).
+        options: selector options from the config (e.g. DRRQR's ``f``); a value side gets them where it takes them.
         workers: heads selected in parallel (threads, single-threaded BLAS each).
         expect: what the job expects of its inputs (e.g. the rule's ``params.info``: ``model``, ``family``).
             ``weights`` must have been written for it, and ``activations``/``grads`` for it, for the method's
             calibration id and for the weights' head sizes (:func:`statereduce.core.artifacts.check_provenance`).
-        allocation: for a method with ``@<budget>``, its allocation artifact (:mod:`statereduce.stages.allocate`): each
-            layer keeps its own width; the metadata's ``d_k_new`` is then ``{"<layer>": width}`` (an int when every
-            layer keeps the same) and ``allocation`` summarises the policy. For a joint cut with ``@<budget>``, its
-            split artifact (:func:`statereduce.stages.select.choose_split`).
+        allocation: for a key cut with ``@<budget>``, its allocation artifact (:mod:`statereduce.stages.allocate`);
+            for a joint cut with ``@<budget>``, its split artifact (:func:`choose_split`).
+        widths: a joint cut's (d_k', d_v'), or {layer: (d_k', d_v')}, given directly (the split stage's candidates;
+            the metadata's method is then the token without its budget).
 
     Returns:
-        (rows, meta): rows of (layer, head, HeadSelection) and the file metadata (with the model and family).
+        (rows, meta): rows of (layer, head, HeadSelection) for a key cut, of (layer, unit or head, HeadSelection,
+        side "k" or "v") for a value or joint cut, and the file metadata: the model and family, the cut's widths
+        (``d_k_new``, and ``d_v_new``, ``value_units``, ``value_selection``, ``state_fraction`` for a value or joint
+        cut: :meth:`~statereduce.core.cuts.Cut.widths_meta`) and, with a budget, the allocation or split it read.
 
     Raises:
-        ArtifactError: one line, for an input written for another model, family, calibration or head size, or
-            one that cannot be read.
+        ValueError: one line, for an artifact the token does not take or lacks, or widths the family cannot hold.
+        ArtifactError: one line, for an input written for another model, family, calibration or head size, one
+            that cannot be read, or weights written before value channels were exported (a value or joint cut).
     """
     spec = parse_method(method)
-    if spec.cut != "keys":
-        return select_cut(weights, method, pct, activations=activations, grads=grads, seed=seed, options=options,
-                          workers=workers, expect=expect, allocation=allocation)
-    if (spec.budget is None) != (allocation is None):
-        raise ValueError(f"method {method!r} " + ("has no @<budget>: give no allocation" if spec.budget is None
-                                                  else "names a budget: give its allocation (rule allocate)"))
-    selector = get_selector(spec.selector)
-    wattrs = H5Artifact(weights).expect(expect)
-    d_k = int(wattrs["head_k_dim"])
-    n_keep = n_keep_for(d_k, pct)
-    needs = set(selector.needs)
-    if needs & {"activations", "xnorm"} and activations is None:
-        raise ValueError(f"selector {spec.selector!r} needs calibration activations (activations.h5)")
-    if "grad" in needs and grads is None:
-        raise ValueError(f"selector {spec.selector!r} needs gradient scores (grad_scores.h5)")
+    w = H5Artifact(weights)
+    wattrs = w.expect(expect)
+    if spec.cut != "keys" and "head_v_dim" not in wattrs:
+        raise ArtifactError(f"{weights} has no value weights (written before value channels were exported); "
+                            f"{remedy(Path(weights))}")
+    d_k, d_v = int(wattrs["head_k_dim"]), wattrs.get("head_v_dim")
+    d_v = None if d_v is None else int(d_v)
+    cut, record = plan_cut(method, pct, d_k, d_v, w.layers(), family=wattrs.get("family"), allocation=allocation,
+                           widths=widths, expect=expect)
+    if widths is not None:
+        method = format_method(spec.uniform)
+    needs = cut_needs(method)
     calib_expect = {**(expect or {}), "calibration": spec.calib, "num_heads": wattrs["num_heads"], "head_k_dim": d_k}
-    if activations is not None and needs & {"activations", "xnorm"}:
-        H5Artifact(activations).expect(calib_expect)
-    if grads is not None and "grad" in needs:
-        H5Artifact(grads).expect(calib_expect)
-    heads = head_data_iter(
-        Path(weights),
-        needs,
-        Path(activations) if activations and needs & {"activations", "xnorm"} else None,
-        Path(grads) if grads and "grad" in needs else None,
-    )
+    acts = H5Artifact(activations) if activations is not None and needs & {"activations", "xnorm"} else None
+    grad = H5Artifact(grads) if grads is not None and "grad" in needs else None
+    for need, art, what in (({"activations", "xnorm"}, acts, "calibration activations (activations.h5)"),
+                            ({"grad"}, grad, "gradient scores (grad_scores.h5)")):
+        if needs & need and art is None:
+            side = f"the value side of {spec.selector!r}" if spec.cut != "keys" and need & value_side_needs(spec) \
+                else f"selector {spec.selector!r}"
+            raise ValueError(f"{side} needs {what}")
+    for art in (acts, grad):
+        if art is not None:
+            art.expect(calib_expect)
     provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": wattrs.get("family"),
                   "base_checkpoint": json.loads(wattrs["base_checkpoint"]) if wattrs.get("base_checkpoint") else None}
-    widths = None
-    if allocation is not None:
-        from statereduce.core.budgets import read_allocation
+    rows, key_meta = [], None
+    if spec.cut != "values":
+        key_needs = set(get_selector(spec.selector).needs)
+        heads = head_data_iter(Path(weights), key_needs, Path(activations) if acts is not None else None,
+                               Path(grads) if grad is not None else None)
+        key_pct = pct if spec.cut == "keys" else 100.0 * (d_k - sum(cut.key_widths.values()) / len(cut.key_widths)) / d_k
+        key_rows, key_meta = run_selector(
+            heads, method if spec.cut == "keys" else format_method(spec.keys), key_pct, d_k=d_k,
+            num_heads=int(wattrs["num_heads"]), seed=seed, options=options, workers=workers,
+            provenance={**provenance, **record} if spec.cut == "keys" else provenance,
+            widths=None if spec.cut == "keys" and not record else cut.key_widths)
+        if spec.cut == "keys":
+            return key_rows, key_meta
+        rows = [(*row, "k") for row in key_rows]
+    value_rows = select_values(w, spec, cut, acts, grad, seed, options)
+    meta = {
+        "format": SELECTION_FORMAT,
+        "kind": "index",
+        **{k: v for k, v in provenance.items() if v is not None},
+        "method": method,
+        "selector": spec.selector,
+        "variant": spec.variant,
+        "calibration": spec.calib,
+        "budget": spec.budget if widths is None else None,
+        "cut": spec.cut,
+        "pct": pct,
+        "d_k": d_k,
+        "num_heads": int(wattrs["num_heads"]),
+        "d_v": d_v,
+        **cut.widths_meta(),
+        "value_units": max(sum(1 for r in value_rows if r[0] == layer) for layer in cut.layers),
+        "value_selection": "head",
+        "state_fraction": cut.state_fraction,
+        "seed": seed,
+        "options": options or {},
+        "package_version": __version__,
+    }
+    if key_meta is not None:
+        meta["key_pct"] = key_meta["pct"]
+    if "split" in record:
+        split = record["split"]
+        meta["split"] = {"budget": split["budget"], "policy": "split", "equal": split["equal"],
+                         "candidates": len(split["candidates"])}
+    return rows + value_rows, meta
 
-        doc = read_allocation(allocation, {**(expect or {}), "method": method, "pct": pct})
-        widths = {int(k): int(v) for k, v in doc["key_dims"].items()}
-        provenance = {**provenance, "allocation": {"budget": doc["budget"], "policy": doc["allocation"]["policy"],
-                                                   "key_dims": doc["key_dims"], "total": doc["allocation"]["total"],
-                                                   "uniform_width": doc["uniform_width"]}}
-    return run_selector(heads, method, pct, d_k=d_k, num_heads=int(wattrs["num_heads"]), seed=seed, options=options,
-                        workers=workers, provenance=provenance, widths=widths)
+
+def value_side_needs(spec: MethodSpec) -> set[str]:
+    """What the value side of ``spec``'s selector reads, as selection needs ("weights", "activations", "grad")."""
+    return set(value_side(spec.selector).needs)
+
+
+def select_values(w: H5Artifact, spec: MethodSpec, cut: Cut, acts: H5Artifact | None, grad: H5Artifact | None,
+                  seed: int, options: Mapping[str, Any] | None) -> list[tuple[int, int, object, str]]:
+    """The value rows (layer, unit, HeadSelection, "v") of a value or joint cut: the selector's value side at each
+    layer's d_v' (``cut.value_widths``), one unit per value head, with the arrays its needs name."""
+    side = value_side(spec.selector)
+
+    def layers():
+        for layer in w.layers():
+            names = ["W_v", "W_o"] + (["w_norm"] if "w_norm" in w.datasets(layer) else [])
+            arrays = w.read(layer, names)
+            if acts is not None and "activations" in side.needs:
+                arrays |= acts.read(layer, ["V"])
+            if grad is not None and "grad" in side.needs:
+                arrays |= grad.read(layer, ["grad_v"])
+            yield layer, arrays
+
+    return [(layer, unit, side(data, cut.value_widths[layer], rng=head_rng(seed, layer, unit), options=options), "v")
+            for layer, unit, data in value_units(layers())]
 
 
 def run_selector(
@@ -204,23 +273,19 @@ def run_selector(
 def cut_needs(method: str) -> set[str]:
     """What a method's selection reads: "weights", "activations", "xnorm", "grad" (its key selector's needs for a key
     or joint cut, its value side's for a value or joint cut)."""
-    from statereduce.selectors.values import NEEDS as VALUE_NEEDS
-
     spec = parse_method(method)
     needs = set(get_selector(spec.selector).needs) if spec.cut != "values" else {"weights"}
     if spec.cut != "keys":
-        needs |= VALUE_NEEDS[spec.selector] | {"weights"}
+        needs |= value_side_needs(spec) | {"weights"}
     return needs
 
 
 def cut_code_files(method: str) -> list[str]:
-    """:func:`selector_code_files` of the method's selector, with the value sides' module for a value or joint cut."""
+    """:func:`selector_code_files` of the method's selector, with its value side's module for a value or joint cut."""
     spec = parse_method(method)
     files = selector_code_files(spec.selector)
     if spec.cut != "keys":
-        from statereduce.selectors import values
-
-        files = sorted({*files, os.path.abspath(values.__file__)})
+        files = sorted({*files, value_side(spec.selector).source_file})
     return files
 
 
@@ -248,167 +313,7 @@ def value_units(layers: Iterable[tuple[int, Mapping[str, np.ndarray]]], pool: bo
                                       w_norm=a["w_norm"][0 if shared else h] if "w_norm" in a else None)
 
 
-def select_cut(
-    weights: str | Path,
-    method: str,
-    pct: float,
-    *,
-    activations: str | Path | None = None,
-    grads: str | Path | None = None,
-    seed: int = 0,
-    options: dict | None = None,
-    workers: int = 1,
-    expect: dict | None = None,
-    allocation: str | Path | None = None,
-    widths: tuple[int, int] | Mapping[int, tuple[int, int]] | None = None,
-) -> tuple[list[tuple[int, int, object, str]], dict]:
-    """The selection of a value cut (``-v``: the value side of its selector, :mod:`statereduce.selectors.values`, at
-    d_v' for each value head) or a joint cut (``-kv``: both sides, at the widths :func:`statereduce.core.cuts.joint_widths`
-    gives, or with ``@<budget>`` those its split artifact chose). Arguments as :func:`select_channels`; ``allocation``
-    is the split artifact (:func:`statereduce.core.cuts.read_split`) of a joint cut with a budget (its ``per_layer``
-    widths where it has them), ``widths`` a (d_k', d_v') of a joint cut given directly, or {layer: (d_k', d_v')} (the
-    split stage's candidates; the metadata's method is then the token without its budget). Where the layers' widths
-    differ, the metadata's ``d_k_new`` and ``d_v_new`` are {layer: width} and ``state_fraction`` the layers' mean.
-
-    Returns:
-        (rows, meta): rows of (layer, unit or head, HeadSelection, side "k" or "v") and the file metadata (``cut``;
-        ``d_v``, ``d_v_new``, ``value_units``, ``value_selection`` "layer" or "head", ``state_fraction`` kept).
-
-    Raises:
-        ArtifactError: one line, as :func:`select_channels`, or for artifacts written before value channels were
-            captured (no ``W_v``/``V``/``grad_v``).
-    """
-    from statereduce.core.artifacts import ArtifactError, remedy
-    from statereduce.core.cuts import cut_widths, split_check
-    from statereduce.selectors.registry import head_rng, value_side
-
-    spec = parse_method(method)
-    if spec.cut == "keys":
-        raise ValueError(f"method {method!r} cuts keys: select it with select_channels")
-    wattrs = H5Artifact(weights).expect(expect)
-    if "head_v_dim" not in wattrs:
-        raise ArtifactError(f"{weights} has no value weights (written before value channels were exported); "
-                            f"{remedy(Path(weights))}")
-    d_k, d_v, family = int(wattrs["head_k_dim"]), int(wattrs["head_v_dim"]), wattrs.get("family")
-    check = split_check(family, d_k, d_v)
-    w = H5Artifact(weights)
-
-    if widths is not None or spec.budget is not None:
-        if spec.cut != "joint":
-            raise ValueError(f"method {method!r}: only a joint cut (-kv) takes a split of the state")
-        if (widths is None) == (allocation is None):
-            raise ValueError(f"method {method!r}: give either the split artifact (rule split) or the widths")
-    elif allocation is not None:
-        raise ValueError(f"method {method!r} has no @<budget>: give no allocation")
-    split = None
-    if allocation is not None:
-        from statereduce.core.cuts import read_split
-
-        split = read_split(allocation, {**(expect or {}), "method": method, "pct": pct, "d_k": d_k, "d_v": d_v})
-        widths = split["d_k_new"], split["d_v_new"]
-        if "per_layer" in split:
-            widths = {int(layer): tuple(pair) for layer, pair in split["per_layer"]["widths"].items()}
-    if isinstance(widths, Mapping):
-        pairs = {int(layer): (int(k), int(v)) for layer, (k, v) in widths.items()}
-        if sorted(pairs) != sorted(w.layers()):
-            raise ValueError(f"per-layer widths name layers {sorted(pairs)}; the model's linear-attention layers are "
-                             f"{sorted(w.layers())}")
-    elif widths is not None:
-        pairs = {layer: (int(widths[0]), int(widths[1])) for layer in w.layers()}
-    else:
-        pairs = {layer: cut_widths(spec.cut, d_k, d_v, pct, check) for layer in w.layers()}
-    if widths is not None and allocation is None:
-        spec = MethodSpec(spec.selector, spec.variant, spec.calib, cut=spec.cut)
-        method = format_method(spec)
-    if check is not None:
-        for pair in set(pairs.values()):
-            check(*pair)
-    key_widths = {layer: k for layer, (k, _) in pairs.items()}
-    value_widths = {layer: v for layer, (_, v) in pairs.items()}
-    d_k_new = _one_or_each(key_widths)
-    d_v_new = _one_or_each(value_widths)
-    needs = cut_needs(method)
-    calib_expect = {**(expect or {}), "calibration": spec.calib, "num_heads": wattrs["num_heads"], "head_k_dim": d_k}
-    acts = H5Artifact(activations) if activations is not None and needs & {"activations", "xnorm"} else None
-    grad = H5Artifact(grads) if grads is not None and "grad" in needs else None
-    for art in (acts, grad):
-        if art is not None:
-            art.expect(calib_expect)
-    from statereduce.selectors.values import NEEDS as VALUE_NEEDS
-
-    vneeds = VALUE_NEEDS[spec.selector]
-    if "activations" in vneeds and acts is None:
-        raise ValueError(f"the value side of {spec.selector!r} needs calibration activations (activations.h5)")
-    if "grad" in vneeds and grad is None:
-        raise ValueError(f"the value side of {spec.selector!r} needs gradient scores (grad_scores.h5)")
-
-    def layers():
-        for layer in w.layers():
-            names = ["W_v", "W_o"] + (["w_norm"] if "w_norm" in w.datasets(layer) else [])
-            arrays = w.read(layer, names)
-            if acts is not None and "activations" in vneeds:
-                arrays |= acts.read(layer, ["V"])
-            if grad is not None and "grad" in vneeds:
-                arrays |= grad.read(layer, ["grad_v"])
-            yield layer, arrays
-
-    fn = value_side(spec.selector)
-    opts = dict(options or {}) if spec.selector == "drrqr" else {}
-    rows, units = [], {}
-    for layer, unit, data in value_units(layers()):
-        sel = fn(data, value_widths[layer], rng=head_rng(seed, layer, unit), **opts)
-        rows.append((layer, unit, sel, "v"))
-        units[layer] = units.get(layer, 0) + 1
-    provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": family,
-                  "base_checkpoint": json.loads(wattrs["base_checkpoint"]) if wattrs.get("base_checkpoint") else None}
-    meta_keys = {}
-    if spec.cut == "joint":
-        key_pct = 100.0 * (d_k - sum(key_widths.values()) / len(key_widths)) / d_k
-        heads = head_data_iter(Path(weights), set(get_selector(spec.selector).needs),
-                               Path(activations) if activations else None, Path(grads) if grads else None)
-        key_rows, meta_keys = run_selector(heads, format_method(spec.keys), key_pct, d_k=d_k,
-                                           num_heads=int(wattrs["num_heads"]), seed=seed, options=options,
-                                           workers=workers, provenance=provenance, widths=key_widths)
-        rows = [(*row, "k") for row in key_rows] + rows
-    meta = {
-        "format": SELECTION_FORMAT,
-        "kind": "index",
-        **{k: v for k, v in provenance.items() if v is not None},
-        "method": method,
-        "selector": spec.selector,
-        "variant": spec.variant,
-        "calibration": spec.calib,
-        "budget": spec.budget,
-        "cut": spec.cut,
-        "pct": pct,
-        "d_k": d_k,
-        "d_k_new": d_k_new,
-        "num_heads": int(wattrs["num_heads"]),
-        "d_v": d_v,
-        "d_v_new": d_v_new,
-        "value_units": max(units.values()),
-        "value_selection": "head",
-        "state_fraction": sum(k * v for k, v in pairs.values()) / (len(pairs) * d_k * d_v),
-        "seed": seed,
-        "options": options or {},
-        "package_version": __version__,
-    }
-    if meta_keys:
-        meta["key_pct"] = meta_keys["pct"]
-    if split is not None:
-        meta["split"] = {"budget": split["budget"], "policy": "split", "equal": split["equal"],
-                         "candidates": len(split["candidates"])}
-    return rows, meta
-
-
 # ---- the split of a joint cut (``-kv@<budget>``, policy ``split``) -----------------------------------------------
-def _one_or_each(widths: Mapping[int, int]) -> int | dict[str, int]:
-    """A selection's ``d_k_new`` or ``d_v_new`` metadata: the width all layers keep, else {layer: width}."""
-    if len(set(widths.values())) == 1:
-        return next(iter(widths.values()))
-    return {str(layer): int(width) for layer, width in sorted(widths.items())}
-
-
 def split_per_layer(model, blocks, batch: int, cuts: Mapping[tuple[int, int], tuple[dict, dict]],
                      uniform: tuple[int, int], uniform_loss: float, d_k: int, d_v: int,
                      progress: bool = True) -> dict[str, Any]:
@@ -471,7 +376,7 @@ def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan,
 
     Every pair of :func:`statereduce.core.cuts.split_candidates` at the pct's state (from the key-only cut through the
     equal split to the value-only cut, the key widths between them those the budget allows: ``floor``, ``multiple``,
-    ``powers_of_two``) is selected on both sides (:func:`select_cut`) and measured: the calibration loss of the whole
+    ``powers_of_two``) is selected on both sides (:func:`select_channels`) and measured: the calibration loss of the whole
     model with the dropped key and value channels zeroed (:func:`statereduce.core.slicing.masked_cut`), which is the
     loss of the checkpoint pruned to that pair under ``norm_eps: exact``. The pair of lowest loss is every layer's
     d_k' x d_v'. ``results/{model}/select/{method}_{pct}.split.json`` holds it, every candidate's widths, state share
@@ -481,7 +386,7 @@ def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan,
 
     Args:
         weights, activations, grads: the artifacts the joint cut's selection reads (as for
-            :func:`statereduce.stages.select.select_cut`).
+            :func:`select_channels`).
         method, pct: the method token and the percent of the state removed.
         plan: the token's budget (:class:`~statereduce.common.settings.BudgetPlan`, policy ``split``), with the
             calibration and corpus of the loss.
@@ -523,7 +428,7 @@ def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan,
         equal = None
     rows, cuts = [], {}
     for k, v in tqdm(candidates, desc="split", unit="pair", disable=not progress):
-        sel_rows, _ = select_cut(weights, method, pct, activations=activations, grads=grads, seed=seed,
+        sel_rows, _ = select_channels(weights, method, pct, activations=activations, grads=grads, seed=seed,
                                  options=dict(options or {}), workers=workers, expect=expect, widths=(k, v))
         cuts[k, v] = cut_tensors(sel_rows)
         with masked_cut(model, *cuts[k, v]):
