@@ -1,6 +1,7 @@
-"""Every relative link of the README and the docs pages resolves: the file or folder it names exists, and an anchor
-(``page.md#section``, or ``#section`` within the page) names a heading of that page, slugged as GitHub slugs it.
-Links inside code (fenced blocks, inline code) and links with a scheme (``https:``, ``mailto:``) are not checked."""
+"""Every relative link of the READMEs (the repository's, dev/, tests/) and the docs pages resolves: the file or folder
+it names exists, and an anchor (``page.md#section``, or ``#section`` within the page) names a heading of that page,
+slugged as GitHub slugs it. Links inside code (fenced blocks, inline code) and links with a scheme (``https:``,
+``mailto:``) are not checked."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 from _paths import ROOT
 
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "dev" / "README.md"]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "dev" / "README.md",
+         ROOT / "tests" / "README.md"]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
