@@ -33,6 +33,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,7 +45,13 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from statereduce.adapters import decoder_layers, get_adapter
 from statereduce.adapters.conv_sharing import model_conv_sharing, tie_qk_convs, untie_convs
+from statereduce.adapters.layout import module_names
+from statereduce.core.artifacts import check_prune_record
+from statereduce.core.checkpoints import checkpoint_provenance
+from statereduce.core.data import corpus_provenance, load_split, token_blocks
+from statereduce.core.models import check_kernels, kernel_check_record, load_model, save_checkpoint, torch_dtype
 from statereduce.core.runtime import (
     Schedule,
     atomic_dir,
@@ -55,7 +63,9 @@ from statereduce.core.runtime import (
     write_json,
 )
 from statereduce.common.settings import EvalSettings, RftPlan, RftSettings
-from statereduce.families.base import RftTargets
+from statereduce.eval.run import evaluate_checkpoint, evaluate_loaded
+from statereduce.eval.tasks import HELDOUT
+from statereduce.families.base import RftTargets, family_names, family_spec
 
 RECORD_FILE = "rft_record.json"
 LOG_FILE = "train_log.jsonl"
@@ -131,8 +141,6 @@ def rft_blocks(
         longest validation sequence ``L``, info: documents available, used for training and for validation,
         dropped, tokens; ``validation_hashes``: SHA-256 of the validation documents).
     """
-    from statereduce.core.data import token_blocks
-
     banned = {_doc_hash(d) for d in exclude}
     kept = [d for d in docs if d and _doc_hash(d) not in banned]
     g = torch.Generator().manual_seed(int(seed))
@@ -201,15 +209,11 @@ resolves (``RftTargets.default_scope``)."""
 def rft_targets(family: str) -> RftTargets:
     """What RFT trains in ``family``'s models: its :attr:`~statereduce.families.base.FamilySpec.rft_targets`.
     Raises ValueError (one line) for a family that declares none."""
-    from statereduce.families.base import family_spec
-
     return targets_of(family_spec(family))
 
 
 def targets_of(spec) -> RftTargets:
     """``spec.rft_targets`` of a family spec class, or ValueError naming the families that declare one."""
-    from statereduce.families.base import family_names, family_spec
-
     targets = getattr(spec, "rft_targets", None)
     if not isinstance(targets, RftTargets):
         declared = [f for f in family_names() if isinstance(getattr(family_spec(f), "rft_targets", None), RftTargets)]
@@ -227,9 +231,6 @@ def rft_roots(adapter, scope: str) -> list[tuple[str, nn.Module]]:
     never included. :func:`attach_lora` puts LoRA on the ``nn.Linear`` modules of these subtrees and trains their
     convolutions and norms fully.
     """
-    from statereduce.adapters import decoder_layers
-    from statereduce.adapters.layout import module_names
-
     if scope not in RFT_SCOPES:
         raise ValueError(f"unknown RFT scope {scope!r}; valid: {', '.join(RFT_SCOPES)}")
     model = adapter.model
@@ -278,8 +279,6 @@ def rft_modules(model: nn.Module, scope: str = "auto") -> tuple[list[str], list[
     ``lora_excluded`` (Mamba-2's ``out_proj``, which stays frozen); the modules there that train fully
     (:func:`trains_fully`: convolutions and norms) train fully. Names are full module names of ``model``.
     """
-    from statereduce.adapters import get_adapter
-
     adapter = get_adapter(model)
     targets = rft_targets(adapter.family)
     scope = targets.default_scope if scope == "auto" else scope
@@ -308,9 +307,7 @@ def attach_lora(model: nn.Module, cfg: RftSettings):
         model's q/k short-conv filters are shared (:func:`~statereduce.adapters.conv_sharing.model_conv_sharing`);
         shared filters stay tied while they train (:func:`~statereduce.adapters.conv_sharing.tie_qk_convs`).
     """
-    from peft import LoraConfig, get_peft_model
-
-    from statereduce.adapters import get_adapter
+    from peft import LoraConfig, get_peft_model  # peft: RFT's work only (test_job_imports)
 
     lora_targets, full, scope = rft_modules(model, cfg.scope)
     adapter = get_adapter(model)
@@ -440,51 +437,31 @@ def train(
         ``validation``: ``{"samples", "metric", "keep", "curve": [{"step", "loss", "kl", "ce"}, ...], "best_step",
         "kept_step"}``.
     """
-    from accelerate import Accelerator
+    from accelerate import Accelerator  # accelerate: RFT's work only (test_job_imports)
 
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     student, opt, params, steps, sched = _prepare_training(student, teacher, blocks, cfg, acc)
     autocast = _autocast(cfg.precision, acc.device)
     resume_file = Path(resume_dir) / RESUME_FILE if resume_dir is not None else None
     start_step, log_lines, val = _load_resume(resume_file, acc, student, opt)
-    bs, tokens_per_step = cfg.batch_size, cfg.batch_size * blocks.shape[1]
     student.train()
-    local = list(range(acc.process_index, bs, acc.num_processes))  # this process's positions within each batch
-    mbs, probe = cfg.micro_batch_size, None
-    if mbs == "auto":
-        mbs, probe = auto_micro_batch(student, teacher, blocks, cfg, acc, autocast, len(local))
-        opt.zero_grad(set_to_none=True)  # the probe's gradients are not training's
-    micro = [local[i : i + mbs] for i in range(0, len(local), mbs)]
+    local, micro, mbs, probe = _micro_batches(student, teacher, blocks, cfg, acc, autocast, opt)
     validate = val_blocks is not None and val_blocks.shape[0] > 0
     teacher_logits = TeacherLogits() if validate else None  # the teacher's validation logits, computed once
     if validate and start_step == 0:
         _validate(val, 0, student, teacher, val_blocks, cfg, acc, autocast, mbs, teacher_logits)
-    window: list[tuple[float, float, float]] = []
-    t_start = t_window = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        log_file = _open_log(stack, log_path, acc, log_lines)
         bar = tqdm(range(start_step, steps), desc=desc, initial=start_step, total=steps, mininterval=5.0, unit="step",
                    disable=not acc.is_main_process)
+        log = _TrainLog(_open_log(stack, log_path, acc, log_lines), log_lines, cfg.batch_size * blocks.shape[1], bar)
         for step in bar:
             lr = lr_at(step, sched)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            totals = _accumulate_step(student, teacher, blocks, step, cfg, local, micro, acc, autocast)
-            grad_norm = acc.clip_grad_norm_(params, float(cfg.grad_clip))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            totals = acc.reduce(totals, reduction="mean")
-            window.append(tuple(float(v) for v in totals))
+            totals, grad_norm = _optimizer_step(student, teacher, blocks, step, lr, cfg, local, micro, acc, autocast,
+                                                opt, params)
+            log.add(totals)
             done = step + 1
             if done % cfg.log_every == 0 or done == steps:
-                now = time.perf_counter()
-                rec = _log_record(window, done, lr, grad_norm, tokens_per_step, now - t_window, now - t_start)
-                log_lines.append(rec)
-                if log_file is not None:
-                    log_file.write(json.dumps(rec) + "\n")
-                    log_file.flush()
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['kl']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-                window, t_window = [], now
+                log.line(done, lr, grad_norm)
             if validate and (done % cfg.save_every == 0 or done == steps):
                 _validate(val, done, student, teacher, val_blocks, cfg, acc, autocast, mbs, teacher_logits)
                 bar.set_postfix(val=f"{val['curve'][-1][cfg.best_metric]:.4f}", best=val["best_step"])
@@ -492,7 +469,7 @@ def train(
                 _checkpoint(resume_file, acc, student, opt, done, log_lines, val)
             if stop_after is not None and done >= stop_after:
                 raise _Stop(f"stopped after step {done} (test hook)")
-    stats = _train_stats(steps, start_step, tokens_per_step, time.perf_counter() - t_start, log_lines, acc)
+    stats = _train_stats(steps, start_step, log.tokens_per_step, time.perf_counter() - log.t_start, log_lines, acc)
     if validate:
         stats["validation"] = _keep(val, student, cfg, acc, int(val_blocks.shape[0]))
     return {**stats, "micro_batch_size": mbs, **({"micro_batch_probe": probe} if probe is not None else {})}
@@ -726,6 +703,70 @@ def _open_log(stack: contextlib.ExitStack, log_path: str | Path | None, acc, log
     return log_file
 
 
+def _micro_batches(student, teacher: nn.Module, blocks: torch.Tensor, cfg: RftSettings, acc, autocast,
+                   opt) -> tuple[list[int], list[list[int]], int, dict[str, Any] | None]:
+    """This process's positions within each batch (every W-th of ``batch_size``) and their micro-batches of
+    ``cfg.micro_batch_size``, or with ``auto`` of the size :func:`auto_micro_batch` measures (its probe's gradients
+    dropped).
+
+    Returns:
+        ``(positions, micro-batches of positions, micro-batch size, probe record or None)``.
+    """
+    local = list(range(acc.process_index, cfg.batch_size, acc.num_processes))
+    mbs, probe = cfg.micro_batch_size, None
+    if mbs == "auto":
+        mbs, probe = auto_micro_batch(student, teacher, blocks, cfg, acc, autocast, len(local))
+        opt.zero_grad(set_to_none=True)  # the probe's gradients are not training's
+    micro = [local[i : i + mbs] for i in range(0, len(local), mbs)]
+    return local, micro, mbs, probe
+
+
+def _optimizer_step(student, teacher: nn.Module, blocks: torch.Tensor, step: int, lr: float, cfg: RftSettings,
+                    local: list[int], micro: list[list[int]], acc, autocast, opt,
+                    params: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
+    """Optimizer step ``step`` at learning rate ``lr``: this process's micro-batches (:func:`_accumulate_step`), the
+    gradient norm clipped to ``cfg.grad_clip``, AdamW's update.
+
+    Returns:
+        ``([loss, kl, ce]`` averaged over the processes, the gradient norm before clipping).
+    """
+    for group in opt.param_groups:
+        group["lr"] = lr
+    totals = _accumulate_step(student, teacher, blocks, step, cfg, local, micro, acc, autocast)
+    grad_norm = acc.clip_grad_norm_(params, float(cfg.grad_clip))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return acc.reduce(totals, reduction="mean"), grad_norm
+
+
+class _TrainLog:
+    """The JSONL log of a run: the ``(loss, kl, ce)`` of the optimizer steps since the last line, and the lines,
+    each appended to ``lines``, written to ``file`` (the main process's log; None elsewhere) and shown on the
+    progress bar ``bar``. Its clock (``t_start``, the run's seconds) starts when it is made."""
+
+    def __init__(self, file, lines: list[dict], tokens_per_step: int, bar):
+        self.file, self.lines, self.tokens_per_step, self.bar = file, lines, tokens_per_step, bar
+        self.window: list[tuple[float, float, float]] = []
+        self.t_start = self.t_window = time.perf_counter()
+
+    def add(self, totals: torch.Tensor) -> None:
+        """One optimizer step's ``[loss, kl, ce]``."""
+        self.window.append(tuple(float(v) for v in totals))
+
+    def line(self, done: int, lr: float, grad_norm) -> None:
+        """The line of the steps since the last one, ending at step ``done`` (:func:`_log_record`): kept, written and
+        shown; the window starts again."""
+        now = time.perf_counter()
+        rec = _log_record(self.window, done, lr, grad_norm, self.tokens_per_step, now - self.t_window,
+                          now - self.t_start)
+        self.lines.append(rec)
+        if self.file is not None:
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+        self.bar.set_postfix(loss=f"{rec['loss']:.4f}", kl=f"{rec['kl']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+        self.window, self.t_window = [], now
+
+
 def _accumulate_step(student, teacher: nn.Module, blocks: torch.Tensor, step: int, cfg: RftSettings,
                      local: list[int], micro: list[list[int]], acc, autocast) -> torch.Tensor:
     """Forward and backward passes of this process's micro-batches of optimizer step ``step``, gradients
@@ -864,21 +905,8 @@ def fine_tune(
         RuntimeError: ``device`` is CUDA and there is no CUDA GPU, or under ``torchrun`` accelerate did not join
             every process (each would train alone and write ``out_dir``).
     """
-    from accelerate import Accelerator
-
-    from statereduce.core.checkpoints import checkpoint_provenance
-    from statereduce.core.models import kernel_check_record, torch_dtype
-
     out_dir = Path(out_dir)
-    cpu = torch.device(device).type == "cpu"
-    if not cpu and not torch.cuda.is_available():  # accelerate would quietly train on the CPU
-        raise RuntimeError(f"RFT on device {device!r} needs a CUDA GPU and this machine has none "
-                           "(torch.cuda.is_available() is False); run it on a GPU node or give the model device: cpu")
-    acc = Accelerator(cpu=cpu)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if acc.num_processes != world:  # each process would train alone and write out_dir
-        raise RuntimeError(f"torchrun started {world} processes but accelerate joined {acc.num_processes} "
-                           f"(distributed type {acc.distributed_type}); every process would write {out_dir}")
+    acc, cpu = _accelerator(device, out_dir)
     seed_everything(int(cfg.seed))
     teacher, student, tokenizer, kernels = _load_pair(base_dir, pruned_dir, cfg, cpu, acc)
     checked = {name: kernel_check_record(m) for name, m in (("teacher", teacher), ("student", student))
@@ -896,22 +924,8 @@ def fine_tune(
         stats = train(peft_model, teacher, blocks, cfg, resume_dir=resume, accelerator=acc, stop_after=stop_after,
                       log_path=tmp / LOG_FILE if tmp is not None else None, val_blocks=val_blocks)
         del teacher
-        base = checkpoint_provenance(base_dir)  # the teacher's checkpoint; a local one with its files' SHA-256
-        record = {
-            "settings": cfg.to_dict(),
-            "schedule": _schedule(cfg).to_dict(),
-            "modules": modules,
-            "n_trainable": n_trainable,
-            "data": data,
-            "teacher": str(base_dir),
-            **({"base_checkpoint": base} if base is not None else {}),
-            "student": str(pruned_dir),
-            "saved_dtype": dtype,
-            "kernels": kernels,
-            **({"kernel_check": checked} if checked else {}),
-            "fingerprint": key,
-            **stats,
-        }
+        record = _rft_record(cfg, modules, n_trainable, data, base_dir, pruned_dir, dtype, kernels, checked, key,
+                             stats)
         if tmp is None:
             acc.wait_for_everyone()
             return record
@@ -924,14 +938,56 @@ def fine_tune(
     return record
 
 
+def _accelerator(device: str, out_dir: Path):
+    """The ``accelerate.Accelerator`` of a run on ``device``, and whether that is the CPU.
+
+    Raises:
+        RuntimeError: ``device`` is CUDA and there is no CUDA GPU (accelerate would quietly train on the CPU), or
+            under ``torchrun`` accelerate did not join every process (each would train alone and write ``out_dir``).
+    """
+    from accelerate import Accelerator  # accelerate: RFT's work only (test_job_imports)
+
+    cpu = torch.device(device).type == "cpu"
+    if not cpu and not torch.cuda.is_available():
+        raise RuntimeError(f"RFT on device {device!r} needs a CUDA GPU and this machine has none "
+                           "(torch.cuda.is_available() is False); run it on a GPU node or give the model device: cpu")
+    acc = Accelerator(cpu=cpu)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if acc.num_processes != world:
+        raise RuntimeError(f"torchrun started {world} processes but accelerate joined {acc.num_processes} "
+                           f"(distributed type {acc.distributed_type}); every process would write {out_dir}")
+    return acc, cpu
+
+
+def _rft_record(cfg: RftSettings, modules: dict[str, Any], n_trainable: int, data: dict[str, Any],
+                base_dir: str | Path, pruned_dir: str | Path, dtype: str, kernels: str, checked: dict[str, Any],
+                key: str, stats: dict[str, Any]) -> dict[str, Any]:
+    """The ``rft`` record of a run: settings, schedule, LoRA modules, data, teacher (with its checkpoint's provenance:
+    a local one with its files' SHA-256) and student, saved dtype, kernels (and their check on CUDA), the resume
+    fingerprint and :func:`train`'s statistics."""
+    base = checkpoint_provenance(base_dir)
+    return {
+        "settings": cfg.to_dict(),
+        "schedule": _schedule(cfg).to_dict(),
+        "modules": modules,
+        "n_trainable": n_trainable,
+        "data": data,
+        "teacher": str(base_dir),
+        **({"base_checkpoint": base} if base is not None else {}),
+        "student": str(pruned_dir),
+        "saved_dtype": dtype,
+        "kernels": kernels,
+        **({"kernel_check": checked} if checked else {}),
+        "fingerprint": key,
+        **stats,
+    }
+
+
 def _load_pair(base_dir: str | Path, pruned_dir: str | Path, cfg: RftSettings, cpu: bool, acc):
     """``(teacher, student, tokenizer, kernels)`` on this process's device: the teacher in float32 on CPU and
     bfloat16 on GPU, the student in float32. ``kernels`` is what the student's backward uses
     (the adapter's ``route_backward`` of ``cfg.kernels``: with ``torch`` fla's ops go to the torch fallbacks on
     CUDA too)."""
-    from statereduce.adapters import get_adapter
-    from statereduce.core.models import check_kernels, load_model
-
     here = "cpu" if cpu else acc.device  # under torchrun: this process's own GPU (cuda:LOCAL_RANK)
     teacher, tokenizer = load_model(base_dir, dtype="float32" if cpu else "bfloat16", device=here)
     student, _ = load_model(pruned_dir, dtype="float32", device=here)
@@ -945,8 +1001,6 @@ def _rft_data(tokenizer, corpus_spec: dict[str, Any], cfg: RftSettings,
               exclude_docs: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """The training and validation blocks of ``corpus_spec``'s ``train`` split (:func:`rft_blocks`) and their
     record."""
-    from statereduce.core.data import corpus_provenance, load_split
-
     corpus_spec = dict(corpus_spec)
     if corpus_spec.get("source") == "hf" and corpus_spec.get("max_bytes") is None:
         # read a bounded prefix of a large hub split: 8 bytes per token is generous for BPE tokenizers on text
@@ -984,8 +1038,6 @@ def _write_checkpoint(tmp: Path, model: nn.Module, tokenizer, pruned_dir: str | 
                       log_path: str | Path | None) -> None:
     """Write the merged model, the tokenizer, ``prune_record.json`` (the pruned checkpoint's, with ``record`` as
     its ``rft`` section) and ``rft_record.json`` into ``tmp``; copy the training log to ``log_path``."""
-    from statereduce.core.models import save_checkpoint
-
     prune_record = read_json(Path(pruned_dir) / "prune_record.json")
     prune_record["rft"] = record
     save_checkpoint(model, tokenizer, tmp)
@@ -1018,9 +1070,6 @@ def launch(
     The job description goes through a JSON file next to ``out_dir``; the package that imported this module
     is put first on the children's ``PYTHONPATH``. Raises ``subprocess.CalledProcessError`` on failure.
     """
-    import subprocess
-    import sys
-
     if torch.device(device).type == "cuda" and torch.cuda.device_count() < int(gpus):
         raise ValueError(f"rft.gpus {int(gpus)} needs {int(gpus)} CUDA devices and torch sees "
                          f"{torch.cuda.device_count()} "
@@ -1109,11 +1158,6 @@ def run_rft(pruned_dir: str | Path, base_dir: str | Path, out_dir: str | Path, p
     Returns:
         The ``eval.json`` document of the RFT checkpoint.
     """
-    from statereduce.core.data import load_split
-    from statereduce.eval.run import evaluate_checkpoint, evaluate_loaded
-    from statereduce.eval.tasks import HELDOUT
-    from statereduce.core.artifacts import check_prune_record
-
     check_prune_record(pruned_dir, {**info, **(extra or {})})
     exclude = load_split(eval_settings.corpus_spec, "heldout") if HELDOUT in eval_settings.tasks else []
     out: dict[str, Any] = {}
