@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from statereduce.adapters import adapter_class
+from statereduce.adapters.conv_sharing import tie_qk_convs
 from statereduce.core.data import corpus_provenance, load_split, token_stream
 from statereduce.core.models import build_random, save_checkpoint, tiny_config
 from statereduce.core.runtime import (  # noqa: F401  (lr_at re-exported)
@@ -34,6 +36,10 @@ from statereduce.common.settings import (
     DeviceSettings, InitSettings, PretrainSettings, RecallMixSettings, TrainSettings,
 )
 from statereduce.core.tokenizer import byte_level_tokenizer
+from statereduce.eval.recall import (
+    answer_labels, generate_recall_docs, joined_bytes, mix_recall_docs, recall_accuracy, recall_stream_docs,
+)
+from statereduce.families import check_share_conv
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -128,17 +134,12 @@ def pretrain(
         phase's share of ``train_seconds``; with that phase, ``train_tokens`` and the times cover both), and
         ``share_conv``.
     """
-    from statereduce.adapters import adapter_class
-    from statereduce.adapters.conv_sharing import tie_qk_convs
-    from statereduce.families import check_share_conv
-
     family_adapter = adapter_class(family)
     cfg, mix = train_cfg, recall_mix
     check_share_conv(family, share_conv, arch)
     family_adapter.install_fallbacks()
     torch.set_num_threads(int(cfg.threads))
-    seed = int(cfg.seed)
-    seed_everything(seed)
+    seed_everything(int(cfg.seed))
     tokenizer = byte_level_tokenizer()
     config = tiny_config(family, arch)
     stream, mix_record = _training_stream(tokenizer, corpus_spec, mix)
@@ -153,24 +154,32 @@ def pretrain(
         stats = _train_phases(model, stream, cfg, pure, mix_record, log_paths, family)
         untie()
         model.eval()
-        record = {
-            "family": family,
-            "arch": dict(arch),
-            "n_params": sum(p.numel() for p in model.parameters()),
-            "train": cfg.to_dict(),
-            "corpus": corpus_provenance(corpus_spec),
-            **({"recall_mix": mix_record} if mix_record is not None else {}),
-            "share_conv": share_conv,
-            **stats,
-            "eval_loss": _eval_losses(model, tokenizer, corpus_spec, cfg),
-            "eval_blocks": {"n": int(cfg.eval_blocks), "seq_len": int(cfg.seq_len), "seed": seed},
-            "loss_unit": "nats per token (byte-level tokenizer: nats per byte)",
-            "versions": versions(),
-        }
+        record = _pretrain_record(model, tokenizer, family, arch, cfg, corpus_spec, mix_record, share_conv, stats)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def _pretrain_record(model: torch.nn.Module, tokenizer, family: str, arch: dict[str, Any], cfg: TrainSettings,
+                     corpus_spec: dict[str, Any], mix_record: dict[str, Any] | None, share_conv: str,
+                     stats: dict[str, Any]) -> dict[str, Any]:
+    """The ``pretrain.json`` record of a trained ``model`` (:func:`pretrain`'s Returns): the run's settings, corpus
+    and training statistics ``stats``, and the calib/heldout losses measured here (:func:`_eval_losses`)."""
+    return {
+        "family": family,
+        "arch": dict(arch),
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "train": cfg.to_dict(),
+        "corpus": corpus_provenance(corpus_spec),
+        **({"recall_mix": mix_record} if mix_record is not None else {}),
+        "share_conv": share_conv,
+        **stats,
+        "eval_loss": _eval_losses(model, tokenizer, corpus_spec, cfg),
+        "eval_blocks": {"n": int(cfg.eval_blocks), "seq_len": int(cfg.seq_len), "seed": int(cfg.seed)},
+        "loss_unit": "nats per token (byte-level tokenizer: nats per byte)",
+        "versions": versions(),
+    }
 
 
 INIT_RECORD = "init.json"
@@ -242,8 +251,6 @@ def _training_stream(tokenizer, corpus_spec: dict[str, Any],
     docs = load_split(corpus_spec, "train")
     record = None
     if mix is not None:
-        from statereduce.eval.recall import joined_bytes, mix_recall_docs
-
         corpus_bytes = sum(map(joined_bytes, docs))
         docs, n_recall = mix_recall_docs(docs, mix.fraction, mix.n_pairs, mix.seed)
         byte_share = 1.0 - corpus_bytes / sum(map(joined_bytes, docs))
@@ -263,8 +270,6 @@ def _recall_phase(tokenizer, cfg: TrainSettings, mix: RecallMixSettings | None) 
     n_pure = 0 if mix is None else int(mix.pure_steps)
     if n_pure <= 0:
         return None
-    from statereduce.eval.recall import answer_labels, generate_recall_docs, recall_accuracy, recall_stream_docs
-
     floor = mix.pure_lr if mix.until is not None else None
     pure_cfg = cfg.replace(steps=n_pure, lr=mix.pure_lr, min_lr=floor, warmup=min(cfg.warmup, n_pure - 1))
     pure_docs = recall_stream_docs(n_pure * int(cfg.batch_size) * int(cfg.seq_len), mix.n_pairs, mix.seed)
@@ -355,36 +360,17 @@ def train_loop(
             x = stream[starts[:, None] + offsets]
             y = x if labels is None else labels[starts[:, None] + offsets]
             lr = lr_at(step, cfg)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            loss = model(input_ids=x, labels=y).loss
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite training loss {float(loss)} at step {step}")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg.grad_clip))
-            opt.step()
-            recent.append(loss.item())
+            loss, grad_norm = _train_step(model, opt, x, y, lr, float(cfg.grad_clip), step)
+            recent.append(loss)
             done = step + 1
             passed = False
             if until is not None and (done % until[2] == 0 or done == steps):
                 check = {"step": done, "recall_acc": until[0](model), "target": until[1]}
                 passed = check["recall_acc"] >= until[1]
             if done % int(cfg.log_every) == 0 or done == steps or passed:
-                now = time.perf_counter()
-                rec = {
-                    "step": step_offset + step + 1,
-                    "loss": sum(recent) / len(recent),
-                    "lr": lr,
-                    "grad_norm": float(grad_norm),
-                    "tokens_per_s": len(recent) * batch_size * seq_len / (now - t_window),
-                    "elapsed_s": now - t_start,
-                    "cpu_s": time.process_time() - cpu_start,
-                    **({"recall_acc": check["recall_acc"]} if check and check["step"] == done else {}),
-                }
-                for f in log_files:
-                    f.write(json.dumps(rec) + "\n")
-                    f.flush()
+                recall_acc = check["recall_acc"] if check and check["step"] == done else None
+                rec, now = _log_line(log_files, step_offset + step + 1, recent, lr, grad_norm, batch_size * seq_len,
+                                     t_window, t_start, cpu_start, recall_acc)
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 final_train_loss, recent, t_window = rec["loss"], [], now
             if passed:
@@ -399,3 +385,53 @@ def train_loop(
         "tokens_per_s": done * batch_size * seq_len / train_s,
         **({"check": check} if until is not None else {}),
     }
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, lr: float,
+                grad_clip: float, step: int) -> tuple[float, torch.Tensor]:
+    """One optimizer step of :func:`train_loop` at learning rate ``lr``: the model's loss on the batch ``x`` with
+    targets ``y``, its backward, the gradient norm clipped to ``grad_clip``, AdamW's update.
+
+    Returns:
+        ``(loss, gradient norm before clipping)``.
+    Raises:
+        FloatingPointError: the loss is not finite (at ``step``).
+    """
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss = model(input_ids=x, labels=y).loss
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite training loss {float(loss)} at step {step}")
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    return loss.item(), grad_norm
+
+
+def _log_line(log_files: list, step: int, recent: list[float], lr: float, grad_norm: torch.Tensor,
+              tokens_per_step: int, t_window: float, t_start: float, cpu_start: float,
+              recall_acc: float | None) -> tuple[dict[str, Any], float]:
+    """One JSONL line of :func:`train_loop`, written to each of ``log_files``: ``step``, the mean loss of the
+    ``recent`` steps, lr, grad norm, tokens/s since ``t_window``, the wall seconds since ``t_start`` and the
+    process-CPU seconds since ``cpu_start`` (``time.perf_counter()`` and ``time.process_time()`` values) and, when a
+    recall check ran at this step, its accuracy.
+
+    Returns:
+        ``(line, time.perf_counter() at it)``.
+    """
+    now = time.perf_counter()
+    rec = {
+        "step": step,
+        "loss": sum(recent) / len(recent),
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "tokens_per_s": len(recent) * tokens_per_step / (now - t_window),
+        "elapsed_s": now - t_start,
+        "cpu_s": time.process_time() - cpu_start,
+        **({"recall_acc": recall_acc} if recall_acc is not None else {}),
+    }
+    for f in log_files:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+    return rec, now
