@@ -39,10 +39,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 from tqdm import tqdm
 
 from statereduce import __version__
-from statereduce.adapters import get_adapter
+from statereduce.adapters import decoder_layers, get_adapter
 from statereduce.core.h5files import write_layers
 from statereduce.core.checkpoints import base_checkpoint
 from statereduce.core.models import check_kernels, kernel_check_record
@@ -211,12 +212,9 @@ def recomputed_layers(model: torch.nn.Module, enabled: bool = True) -> Iterator[
     if not enabled:
         yield
         return
-    from torch.utils.checkpoint import checkpoint
-
-    from statereduce.adapters.base import decoder_layers
 
     def run(forward, *args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     layers = list(decoder_layers(model))
     saved = [layer.__dict__.get("forward") for layer in layers]  # an instance-level forward (hooks) to restore
