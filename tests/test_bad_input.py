@@ -78,7 +78,7 @@ def test_matching_artifacts_pass_and_the_selection_records_model_and_family(arti
     assert meta["model"] == "tiny-dn" and meta["family"] == "delta_net"
     sel = write_selection(tmp_path / "drrqr_50.parquet", rows, meta)
     keep, meta2 = read_selection(sel, expect={**DN, "method": "drrqr", "pct": 50})
-    assert meta2 == meta and len(keep) == 2
+    assert meta2 == meta and len(keep.keys) == 2 and keep.values is None
 
 
 def test_calibration_and_head_size_are_checked(artifacts, tmp_path):

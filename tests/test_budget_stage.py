@@ -106,7 +106,8 @@ def test_every_policy_meets_the_total_with_floor_and_multiple(family, method, se
     assert all(w >= settings.floor and (w % settings.multiple == 0 or w == d_k) for w in widths), widths
     assert read_allocation(path, {"method": method, "pct": 50})["key_dims"] == doc["key_dims"]
     keep, meta = select(tmp_path, method, 50, path)
-    assert {str(layer): len(rows[0]) for layer, rows in keep.items()} == doc["key_dims"]
+    assert {str(layer): len(rows[0]) for layer, rows in keep.keys.items()} == doc["key_dims"]
+    assert {str(layer): w for layer, w in keep.cut.key_widths.items()} == doc["key_dims"]
     pruned = copy.deepcopy(model)
     record = prune_model(pruned, keep, meta, norm_eps="exact")
     if len(set(widths)) > 1:

@@ -145,8 +145,8 @@ def test_selection_from_artifacts_prunes_the_model(tmp_path, family):
         sel = write_selection(tmp_path / f"{method}.parquet", rows, meta)
         keep, meta2 = read_selection(sel)
         assert meta2 == meta
-        assert set(keep) == {i for i, _ in adapter.mixer_layers()}
-        assert all(len(k) == meta["d_k_new"] and k == sorted(k) for heads in keep.values() for k in heads)
+        assert set(keep.keys) == {i for i, _ in adapter.mixer_layers()} == set(keep.cut.key_widths)
+        assert all(len(k) == meta["d_k_new"] and k == sorted(k) for heads in keep.keys.values() for k in heads)
     pruned = tiny_model(family)
     record = prune_model(pruned, keep, meta)
     assert get_adapter(pruned).head_k_dim == adapter.head_k_dim // 2 and record.d_k_new == meta["d_k_new"]

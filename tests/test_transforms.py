@@ -111,9 +111,9 @@ def test_transform_selection_round_trips(tmp_path):
     rows = _rows()
     path = write_selection(tmp_path / "pca_62.5.parquet", rows, _meta())
     sel, meta = read_selection(path, expect={"model": "m", "method": "pca", "pct": 62.5})
-    assert meta["kind"] == "transform" and sorted(sel) == [0, 1]
+    assert meta["kind"] == "transform" and sel.kind == "transform" and sorted(sel.keys) == [0, 1]
     for lay, h, s in rows:
-        np.testing.assert_array_equal(sel[lay][h], s.transform)
+        np.testing.assert_array_equal(sel.keys[lay][h], s.transform)
 
 
 def test_corrupted_transform_selection_fails_in_one_line(tmp_path):
@@ -134,7 +134,7 @@ def test_index_files_of_format_1_still_read(tmp_path):
     meta = {k: v for k, v in _meta(kind="index", method="l1").items() if k not in ("format", "kind")}
     path = write_selection(tmp_path / "l1.parquet", rows, meta)
     sel, got = read_selection(path)
-    assert got["format"] == 1 and got["kind"] == "index" and sel == {0: [[0, 2, 5], [0, 2, 5]]}
+    assert got["format"] == 1 and got["kind"] == "index" and sel.keys == {0: [[0, 2, 5], [0, 2, 5]]}
     bad = [(0, h, HeadSelection(keep=np.array([5, 2, 0]))) for h in range(2)]
     with pytest.raises(ArtifactError, match="sorted"):
         read_selection(write_selection(tmp_path / "unsorted.parquet", bad, meta))

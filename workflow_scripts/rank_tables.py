@@ -13,7 +13,7 @@ for rank_path, sel_path in zip(snakemake.input.ranks, snakemake.input.selections
     doc = read_json(rank_path)
     key = (doc["provenance"]["model"], doc["provenance"]["method"], float(doc["provenance"]["pct"]))
     ranks[key] = doc
-    selections[key] = read_selection(sel_path, expect=dict(zip(("model", "method", "pct"), key)))[0]
+    selections[key] = read_selection(sel_path, expect=dict(zip(("model", "method", "pct"), key)))[0].keys
 baseline_docs = [read_json(p) for p in snakemake.input.baselines]
 baselines = {doc["provenance"]["model"]: doc for doc in baseline_docs}
 frames = write_rank_tables(ranks, baselines, selections, Path(snakemake.output.utilization).parent)

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from statereduce.core.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
+from statereduce.core.cuts import Cut
 from statereduce.selectors.registry import check_transform
 
 SELECTION_FORMAT = 2
@@ -59,11 +60,9 @@ def write_selection(path: str | Path, rows, meta: dict) -> Path:
     return path
 
 
-def read_selection(path: str | Path,
-                   expect: dict | None = None) -> tuple[dict[int, list[list[int]] | np.ndarray] | CutSelection, dict]:
-    """Read a selection file: ({layer: [kept indices of head 0, head 1, ...]}, metadata) for an index selection,
-    ({layer: float64 [H, d_k', d_k] transforms}, metadata) for a transform selection (``meta["kind"]``), and
-    (:class:`CutSelection`, metadata) for a value or joint cut (``meta["cut"]``).
+def read_selection(path: str | Path, expect: dict | None = None) -> tuple[Selection, dict]:
+    """Read a selection file: (:class:`Selection`, metadata), the selection's cut, kept key channels (or transforms,
+    ``meta["kind"]``) and kept value channels, checked against the metadata.
 
     Args:
         path: the Parquet file :func:`write_selection` wrote.
@@ -95,26 +94,42 @@ def read_selection(path: str | Path,
                             f"(index) or {SELECTION_FORMAT} (index or transform); {remedy(path)}")
     df = table.to_pydict()
     check_provenance(path, meta, expect)
-    cut = meta.get("cut", "keys")
-    if cut != "keys":
+    kind_of_cut = meta.get("cut", "keys")
+    keys = values = None
+    if kind_of_cut != "keys":
         values = _value_rows(path, df, meta)
-        keys = None
-        if cut == "joint":
+        if kind_of_cut == "joint":
             keys, _ = _key_rows(path, {name: [x for x, side in zip(col, df["side"]) if side == "k"]
                                        for name, col in df.items()}, meta, kind)
-        return CutSelection(keys, values), meta
-    return _key_rows(path, df, meta, kind)
+    else:
+        keys, _ = _key_rows(path, df, meta, kind)
+    layers = sorted(keys if keys is not None else values)
+    try:
+        cut = Cut.from_meta(meta, layers)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ArtifactError(f"{path}: its metadata names no valid widths ({err}); {remedy(path)}") from None
+    return Selection(cut, keys, values, kind), meta
 
 
 @dataclass(frozen=True)
-class CutSelection:
-    """What :func:`read_selection` returns for a value (``-v``) or joint (``-kv``) cut, and
-    :func:`statereduce.stages.prune.prune_model` takes: the key selection (None for a value cut: every key channel
-    stays) and {layer: int64 [units, d_v']} kept value channels, one row per value head or, where the heads share the
-    output norm (``meta["value_selection"] == "layer"``), one [d_v'] row for the layer."""
+class Selection:
+    """What a selection file holds (:func:`read_selection`), and what :func:`statereduce.stages.prune.prune_model`
+    takes.
 
+    Attributes:
+        cut: the :class:`~statereduce.core.cuts.Cut` (each layer's kept key and value widths).
+        keys: {layer: [kept key channels of head 0, head 1, ...]} (``kind`` "index") or {layer: float64 [H, d_k',
+            d_k]} transforms (``kind`` "transform"); None for a value cut (every key channel stays).
+        values: {layer: int64 [units, d_v']} kept value channels, one row per value head or, where the heads share
+            the output norm (``meta["value_selection"] == "layer"``), one [d_v'] row for the layer; None for a key
+            cut.
+        kind: "index" or "transform" (of the key side).
+    """
+
+    cut: Cut
     keys: dict | None
-    values: dict[int, np.ndarray]
+    values: dict[int, np.ndarray] | None
+    kind: str = "index"
 
 
 def _value_rows(path, df: dict, meta: dict) -> dict[int, np.ndarray]:

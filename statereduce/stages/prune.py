@@ -58,7 +58,7 @@ from statereduce.adapters import EpsAttribute, LinearAttentionAdapter, ScaledRow
 from statereduce.adapters.layout import EPS_ATTRIBUTES
 from statereduce.core.artifacts import PRUNE_RECORD, check_prune_record  # noqa: F401  (check_prune_record re-exported)
 from statereduce.core.checkpoints import base_checkpoint
-from statereduce.core.selection_file import CutSelection
+from statereduce.core.selection_file import Selection
 from statereduce.kernels.shapes import record_note
 from statereduce.core.models import save_checkpoint
 from statereduce.core.runtime import atomic_dir, versions
@@ -328,14 +328,16 @@ def is_transform_selection(selection: Mapping[int, Any]) -> bool:
 
 
 def check_keep(adapter: LinearAttentionAdapter, keep: Mapping[int, Any], *,
-               mixed: bool = False) -> tuple[dict[int, torch.Tensor], int | dict[int, int]]:
-    """Validate a selection against the model; return it as sorted LongTensors and d_k'.
+               mixed: bool = False) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
+    """Validate a selection against the model; return it as sorted LongTensors and each layer's d_k'.
 
     Args:
         adapter: the model's adapter.
         keep: {layer: [H, d_k'] channel indices} covering exactly the model's linear-attention layers.
-        mixed: allow layers to keep different widths (d_k' is then {layer: d_k'} where they differ); otherwise
-            every layer must keep the same d_k' (the stock configs hold one global d_k).
+        mixed: allow layers to keep different widths; otherwise every layer must keep the same d_k' (the stock
+            configs hold one global d_k).
+    Returns:
+        ({layer: sorted LongTensor [H, d_k']}, {layer: d_k'}).
     Raises:
         ValueError: one line naming the bad value.
     """
@@ -368,7 +370,7 @@ def check_keep(adapter: LinearAttentionAdapter, keep: Mapping[int, Any], *,
         out[layer] = idx
     if d_k_new is None:
         raise ValueError("the model has no linear-attention layers to prune")
-    return out, (d_k_new if len(set(widths.values())) == 1 else widths)
+    return out, widths
 
 
 # ---- value channels -----------------------------------------------------------------------------
@@ -420,7 +422,7 @@ def check_values(adapter: LinearAttentionAdapter, values: Mapping[int, Any], red
         adapter: the model's adapter.
         values: {layer: [HV, d_v'] or [d_v'] kept value channels} covering exactly the linear-attention layers.
         reduced_config: the config after the key cut (the value fields are written on top of it); None: the model's.
-        mixed: the layers may keep different widths (:func:`prune_mixed`: the config keeps the unpruned sizes and
+        mixed: the layers may keep different widths (:func:`prune_per_layer`: the config keeps the unpruned sizes and
             the plan's ``config_updates`` is None).
     Raises:
         ValueError: one line naming the bad value: layers, shape, range, repeats, widths that differ (unless
@@ -563,10 +565,10 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any] | None, meta: Mapping[
 
     Args:
         model: a loaded causal LM with an adapter.
-        keep: {layer: LongTensor [H, d_k']} kept channel indices per q/k head (the same for q and k); the
-            rows are sorted here, since channel order does not change the model. None keeps every key channel (a
-            value cut). A :class:`~statereduce.core.selection_file.CutSelection` (a value or joint cut's selection
-            file) gives both ``keep`` and ``values``. Or a transform selection,
+        keep: a :class:`~statereduce.core.selection_file.Selection` (a selection file's: its key and value
+            channels, of any cut), or {layer: LongTensor [H, d_k']} kept channel indices per q/k head (the same for
+            q and k); the rows are sorted here, since channel order does not change the model. None keeps every key
+            channel (a value cut). Or a transform selection,
             {layer: float [H, d_k', d_k]} with orthonormal rows per head (``pca``): the q and k projection rows
             become ``T_h W_h``, the q/k conv filters are mixed (App. B.4) or, where a head's filters are all equal,
             carried over exactly (App. B.5) (:func:`transform_rows`); the record's ``transform`` says how many.
@@ -584,7 +586,7 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any] | None, meta: Mapping[
         values: value channels to keep as well ("Value channels" below): {layer: [HV, d_v'] kept value channels per
             value head, or [d_v'] for all heads of the layer}; None keeps them all. Layers that keep different
             value widths (or different key widths) make a checkpoint that :func:`statereduce.core.models.load_model`
-            loads (:func:`prune_mixed`).
+            loads (:func:`prune_per_layer`).
     Returns:
         the :class:`PruneRecord`.
     Raises:
@@ -612,10 +614,10 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any] | None, meta: Mapping[
     norm_eps = PruneSettings(norm_eps=norm_eps).norm_eps  # a one-line ValueError for a bad value
     adapter = get_adapter(model)
     transforms = None
-    if isinstance(keep, CutSelection):  # a value or joint cut's selection file
-        if values is not None:
-            raise ValueError("values are given twice: in the CutSelection and as values=")
-        keep, values = keep.keys, keep.values
+    if isinstance(keep, Selection):  # a selection file's: its key and value sides
+        if values is not None and keep.values is not None:
+            raise ValueError("values are given twice: in the Selection and as values=")
+        keep, values = keep.keys, keep.values if keep.values is not None else values
     if keep is None:
         keep = {layer: torch.arange(adapter.head_k_dim).expand(adapter.num_heads, -1)
                 for layer, _ in adapter.mixer_layers()}
@@ -623,12 +625,10 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any] | None, meta: Mapping[
         transforms, d_k_new = check_transforms(adapter, keep)
         keep_t = {layer: torch.arange(d_k_new).expand(adapter.num_heads, -1) for layer in transforms}
     else:
-        keep_t, d_k_new = check_keep(adapter, keep, mixed=True)
-        if values is not None and not isinstance(d_k_new, dict):
-            if len(_value_widths(values)) > 1:  # the layers keep different value widths: one key width for every layer
-                d_k_new = {layer: d_k_new for layer in keep_t}
-        if isinstance(d_k_new, dict):
-            return prune_mixed(adapter, keep_t, d_k_new, meta, norm_eps, values=values)
+        keep_t, widths = check_keep(adapter, keep, mixed=True)
+        if len(set(widths.values())) > 1 or (values is not None and len(_value_widths(values)) > 1):
+            return prune_per_layer(adapter, keep_t, widths, meta, norm_eps, values=values)  # no stock config holds it
+        d_k_new = next(iter(widths.values()))
     config = adapter.config  # the text config of a multimodal checkpoint
     h, hv, d_k, d_v = adapter.dims(config)
     config_updates = adapter.config_updates(config, d_k_new)  # raises before any weight changes
@@ -716,7 +716,7 @@ def record_meta(adapter: LinearAttentionAdapter, meta: Mapping[str, Any],
     return meta, extra, str(source), base
 
 
-def prune_mixed(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Tensor], widths: Mapping[int, int],
+def prune_per_layer(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Tensor], widths: Mapping[int, int],
                 meta: Mapping[str, Any], norm_eps: str, values: Mapping[int, Any] | None = None) -> PruneRecord:
     """:func:`prune_model` for a selection whose layers keep different widths: per-layer key budgets, or value
     channels (``values``, as :func:`prune_model`'s) whose width differs between layers.

@@ -468,17 +468,14 @@ def rank_analysis(checkpoint: str | Path, settings: RankSettings, info: dict[str
     from statereduce.core.runtime import jsonable, read_json, write_json
     from statereduce.core.selection_file import read_selection
 
-    from statereduce.core.selection_file import CutSelection
-
     expected = {**info, **(extra or {})}
     keep = None
     if selection is not None:
         from statereduce.core.artifacts import check_prune_record
 
         check_prune_record(checkpoint, expected)
-        keep, sel_meta = read_selection(selection, expect=expected)
-        if isinstance(keep, CutSelection):  # a value or joint cut: its key side (None: every key channel kept)
-            keep = keep.keys
+        chosen, sel_meta = read_selection(selection, expect=expected)
+        keep = chosen.keys  # None for a value cut: every key channel kept
         expected.update(calibration=sel_meta.get("calibration"), num_heads=sel_meta.get("num_heads"),
                         head_k_dim=sel_meta.get("d_k"))
     if activations is not None:
