@@ -299,3 +299,18 @@ def test_interleaved_prefill_reads_the_config_it_is_given(tmp_path, capsys):
     assert err == [f"error: workflow config {str(missing)!r} not found; pass the workflow's config.yaml as "
                    "--config PATH"]
     assert not (tmp_path / "p.json").exists()
+
+
+def test_every_family_declares_its_decode_route_and_an_undeclared_one_is_refused():
+    """Decode routes are per-family facts: each registered family names its route (fla's in-place ones, or
+    StockDecode), and a family without one fails in one line instead of decoding unrouted."""
+    from statereduce.families import family_names
+    from statereduce.speed import inplace  # noqa: F401  (imports the modules that register routes)
+    from statereduce.speed.fla_decode import FlaRoute
+    from statereduce.speed.routes import StockDecode, registered_route
+
+    routes = {family: type(registered_route(family)) for family in family_names()}
+    assert routes["mamba2"] is routes["qwen3_5"] is StockDecode
+    assert all(issubclass(routes[f], FlaRoute) for f in ("delta_net", "gated_deltanet")), routes
+    with pytest.raises(ValueError, match=r"^family 'rwkv7' declares no decode route; routed: delta_net, "):
+        registered_route("rwkv7")

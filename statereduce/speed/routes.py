@@ -1,7 +1,9 @@
 """How each family's decoding is routed to in-place state updates, registered per family (:func:`register_route`).
 
-A family without a route decodes as it does (:class:`DecodeRoute`'s defaults); fla's DeltaNet and Gated DeltaNet
-register theirs in :mod:`statereduce.speed.fla_decode`. :mod:`statereduce.speed.inplace` imports those modules and
+Every family declares its route: fla's DeltaNet and Gated DeltaNet register theirs in
+:mod:`statereduce.speed.fla_decode`; Mamba-2 and Qwen3.5 register :class:`StockDecode` here (they decode as their
+transformers code does). :func:`registered_route` refuses a family that declared none, in one line, so that a new
+family's decode benchmark never falls back silently. :mod:`statereduce.speed.inplace` imports those modules and
 applies the routes.
 """
 
@@ -64,6 +66,19 @@ def register_route(family: str) -> Callable[[type[DecodeRoute]], type[DecodeRout
 
 
 def registered_route(family: str) -> DecodeRoute:
-    """The decode route registered for ``family``, or the default that routes nothing (the modules that register
-    routes are imported by :mod:`statereduce.speed.inplace`)."""
-    return _ROUTES.get(family, DecodeRoute())
+    """The decode route registered for ``family`` (the modules that register routes are imported by
+    :mod:`statereduce.speed.inplace`).
+
+    Raises:
+        ValueError: one line, for a family that registered no route.
+    """
+    if family not in _ROUTES:
+        raise ValueError(f"family {family!r} declares no decode route; routed: {', '.join(sorted(_ROUTES))} "
+                         "(register one with statereduce.speed.routes.register_route; StockDecode routes nothing)")
+    return _ROUTES[family]
+
+
+@register_route("mamba2")
+@register_route("qwen3_5")
+class StockDecode(DecodeRoute):
+    """The route of a family that decodes as its own code does: no patch, no packing, the default cache walk."""
