@@ -422,7 +422,7 @@ def check_values(adapter: LinearAttentionAdapter, values: Mapping[int, Any], red
         adapter: the model's adapter.
         values: {layer: [HV, d_v'] or [d_v'] kept value channels} covering exactly the linear-attention layers.
         reduced_config: the config after the key cut (the value fields are written on top of it); None: the model's.
-        mixed: the layers may keep different widths (:func:`prune_per_layer`: the config keeps the unpruned sizes and
+        mixed: the layers may keep different widths (:func:`per_layer_plan`: the config keeps the unpruned sizes and
             the plan's ``config_updates`` is None).
     Raises:
         ValueError: one line naming the bad value: layers, shape, range, repeats, widths that differ (unless
@@ -471,14 +471,10 @@ def check_values(adapter: LinearAttentionAdapter, values: Mapping[int, Any], red
     return ValuePlan(out, d_v, max(widths), frozenset(fold), None if mixed else updates)
 
 
-def apply_values(adapter: LinearAttentionAdapter, plan: ValuePlan, changes: dict[str, list[Any]]) -> dict[str, Any]:
-    """Slice ``plan``'s value channels out of every mixer, multiply each output norm's weight by sqrt(d_v/d_v'), and
-    write d_v' into the config (its fields, else :data:`VALUE_DIMS_FIELD`; both recorded in ``changes``).
-    Returns the record's ``values`` entry (without ``norm_eps``)."""
+def write_value_dims(adapter: LinearAttentionAdapter, plan: ValuePlan, changes: dict[str, list[Any]]) -> None:
+    """Write one d_v' for every layer into the config (its fields, else :data:`VALUE_DIMS_FIELD`; both recorded in
+    ``changes``), after :func:`slice_layers` has cut the value channels."""
     config = adapter.config
-    scale = math.sqrt(plan.d_v / plan.d_v_new)
-    for layer, mixer in adapter.mixer_layers():
-        cut_mixer_values(adapter, mixer, layer, plan, scale)
     if plan.config_updates is not None:
         for name, value in plan.config_updates.items():
             changes[name] = [getattr(config, name), value]
@@ -488,7 +484,6 @@ def apply_values(adapter: LinearAttentionAdapter, plan: ValuePlan, changes: dict
         dims = [plan.d_v_new if i in plan.keep else None for i in range(n_layers)]
         setattr(config, VALUE_DIMS_FIELD, dims)
         changes[VALUE_DIMS_FIELD] = [None, dims]
-    return values_entry(plan, scale)
 
 
 def cut_mixer_values(adapter: LinearAttentionAdapter, mixer: nn.Module, layer: int, plan: ValuePlan,
@@ -586,7 +581,7 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any] | None, meta: Mapping[
         values: value channels to keep as well ("Value channels" below): {layer: [HV, d_v'] kept value channels per
             value head, or [d_v'] for all heads of the layer}; None keeps them all. Layers that keep different
             value widths (or different key widths) make a checkpoint that :func:`statereduce.core.models.load_model`
-            loads (:func:`prune_per_layer`).
+            loads (:func:`per_layer_plan`).
     Returns:
         the :class:`PruneRecord`.
     Raises:
@@ -610,10 +605,38 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any] | None, meta: Mapping[
     :data:`~statereduce.families.base.VALUE_DIMS_FIELD`, which :func:`statereduce.core.models.load_model` reads (the
     stock ``from_pretrained`` refuses its weights' shapes).
     """
-    meta = dict(meta or {})
     norm_eps = PruneSettings(norm_eps=norm_eps).norm_eps  # a one-line ValueError for a bad value
     adapter = get_adapter(model)
-    transforms = None
+    keep_t, widths, transforms, values = key_side(adapter, keep, values)
+    one_width = transforms is not None or (len(set(widths.values())) == 1
+                                           and (values is None or len(_value_widths(values)) <= 1))
+    plan = (stock_plan if one_width else per_layer_plan)(adapter, widths, values, norm_eps, dict(meta or {}))
+    counts = slice_layers(adapter, plan, keep_t, transforms)
+    return (stock_record if one_width else per_layer_record)(adapter, plan, keep_t, transforms, counts)
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """What :func:`prune_model` does, checked before any weight changes (:func:`stock_plan`, :func:`per_layer_plan`):
+    each layer's key width and the mixer sizes that go with it, the value channels with each layer's output-norm
+    weight scale, each mixer's own output-norm eps (a per-layer cut under ``norm_eps="exact"``), and what the record
+    and the config write afterwards (:func:`stock_record`, :func:`per_layer_record`)."""
+
+    widths: dict[int, int]
+    mixer_updates: dict[int, dict[str, Any]]
+    norm_eps: str
+    record: tuple[dict[str, Any], dict[str, Any], str, dict[str, Any] | None]  # record_meta's (meta, extra, source, base)
+    value_plan: ValuePlan | None = None
+    value_scale: dict[int, float] = field(default_factory=dict)
+    output_eps: dict[int, float] = field(default_factory=dict)
+    config_updates: dict[str, Any] = field(default_factory=dict)  # a stock config's fields
+    eps_factor: float = 1.0  # a stock config's norm eps factor (norm_eps="exact")
+    eps_plan: EpsPlan | None = None
+
+
+def key_side(adapter: LinearAttentionAdapter, keep, values):
+    """:func:`prune_model`'s selection, checked: (sorted kept key channels {layer: LongTensor [H, d_k']}, each layer's
+    d_k', the transforms of a transform selection or None, the value selection or None)."""
     if isinstance(keep, Selection):  # a selection file's: its key and value sides
         if values is not None and keep.values is not None:
             raise ValueError("values are given twice: in the Selection and as values=")
@@ -624,18 +647,42 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any] | None, meta: Mapping[
     if is_transform_selection(keep):
         transforms, d_k_new = check_transforms(adapter, keep)
         keep_t = {layer: torch.arange(d_k_new).expand(adapter.num_heads, -1) for layer in transforms}
-    else:
-        keep_t, widths = check_keep(adapter, keep, mixed=True)
-        if len(set(widths.values())) > 1 or (values is not None and len(_value_widths(values)) > 1):
-            return prune_per_layer(adapter, keep_t, widths, meta, norm_eps, values=values)  # no stock config holds it
-        d_k_new = next(iter(widths.values()))
+        return keep_t, {layer: d_k_new for layer in transforms}, transforms, values
+    keep_t, widths = check_keep(adapter, keep, mixed=True)
+    return keep_t, widths, None, values
+
+
+def slice_layers(adapter: LinearAttentionAdapter, plan: PrunePlan, keep_t: Mapping[int, torch.Tensor],
+                 transforms: Mapping[int, torch.Tensor] | None) -> dict[str, int]:
+    """Slice every mixer as ``plan`` says: its kept key channels (rotated first for a transform selection), its kept
+    value channels with the output norm's weight scaled, and its own output-norm eps where the plan sets one. Returns
+    the conv filter counts of a transform selection (:func:`~statereduce.core.slicing.transform_rows`)."""
+    counts = {"mixed": 0, "shared": 0}
+    for layer, mixer in adapter.mixer_layers():
+        done = slice_mixer(adapter, mixer, keep_t[layer], plan.mixer_updates[layer],
+                           transforms[layer] if transforms is not None else None)
+        counts = {k: counts[k] + done[k] for k in counts}
+        if plan.value_plan is not None:
+            cut_mixer_values(adapter, mixer, layer, plan.value_plan, plan.value_scale[layer])
+        if layer in plan.output_eps:
+            for attr in adapter.layout(mixer).output_norm_eps():
+                setattr(attr.module, attr.attr, plan.output_eps[layer])
+    return counts
+
+
+def stock_plan(adapter: LinearAttentionAdapter, widths: Mapping[int, int], values: Mapping[int, Any] | None,
+               norm_eps: str, meta: Mapping[str, Any]) -> PrunePlan:
+    """The plan of a cut that one key width and one value width serve in every layer: the family's stock config
+    fields hold them (:meth:`~statereduce.adapters.LinearAttentionAdapter.config_updates`), and ``norm_eps="exact"``
+    scales the config's eps and the residual stream (:func:`plan_exact_norm_eps`)."""
+    d_k_new = next(iter(widths.values()))
     config = adapter.config  # the text config of a multimodal checkpoint
     h, hv, d_k, d_v = adapter.dims(config)
     config_updates = adapter.config_updates(config, d_k_new)  # raises before any weight changes
     mixer_updates = adapter.mixer_updates(config, d_k_new)
     facts = {"family": adapter.family, "d_k": d_k, "d_k_new": d_k_new, "num_heads": h, "num_v_heads": hv,
              "head_v_dim": d_v}
-    meta, extra, source, base = record_meta(adapter, meta, facts)
+    record = record_meta(adapter, meta, facts)
     eps_factor = d_k / d_k_new
     value_plan = None
     if values is not None:  # checked against the key-pruned config, before any weight changes
@@ -644,27 +691,34 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any] | None, meta: Mapping[
     eps_plan = None
     if norm_eps == "exact" and (adapter.kernel_scale or value_plan is not None) and eps_factor != 1:
         eps_plan = plan_exact_norm_eps(adapter)  # raises before any weight changes
+    scale = math.sqrt(d_v / value_plan.d_v_new) if value_plan is not None else None
+    return PrunePlan(dict(widths), dict.fromkeys(widths, mixer_updates), norm_eps, record, value_plan,
+                     {} if scale is None else dict.fromkeys(widths, scale), {}, config_updates, eps_factor, eps_plan)
 
-    counts = {"mixed": 0, "shared": 0}
-    for layer, mixer in adapter.mixer_layers():
-        done = slice_mixer(adapter, mixer, keep_t[layer], mixer_updates,
-                           transforms[layer] if transforms is not None else None)
-        counts = {k: counts[k] + done[k] for k in counts}
-    changes = {name: [getattr(config, name), value] for name, value in config_updates.items()}
-    for name, value in config_updates.items():
+
+def stock_record(adapter: LinearAttentionAdapter, plan: PrunePlan, keep_t: Mapping[int, torch.Tensor],
+                 transforms: Mapping[int, torch.Tensor] | None, counts: Mapping[str, int]) -> PruneRecord:
+    """Write a :func:`stock_plan`'s config fields (and under ``norm_eps="exact"`` its eps, :func:`exact_norm_eps`)
+    into the sliced model's config; its :class:`PruneRecord`."""
+    config, value_plan = adapter.config, plan.value_plan
+    h, hv, d_k, d_v = adapter.dims(config)
+    d_k_new = next(iter(plan.widths.values()))
+    meta, extra, source, base = plan.record
+    changes = {name: [getattr(config, name), value] for name, value in plan.config_updates.items()}
+    for name, value in plan.config_updates.items():
         setattr(config, name, value)
     value_entry = {}
     if value_plan is not None:
-        value_entry = apply_values(adapter, value_plan, changes)
+        write_value_dims(adapter, value_plan, changes)
+        value_entry = values_entry(value_plan, math.sqrt(value_plan.d_v / value_plan.d_v_new))
     eps_note = None
-    if norm_eps == "exact":
-        eps_note = exact_norm_eps(adapter, eps_factor, eps_plan, values=value_plan is not None)
+    if plan.norm_eps == "exact":
+        eps_note = exact_norm_eps(adapter, plan.eps_factor, plan.eps_plan, values=value_plan is not None)
         if eps_note["before"] != eps_note["after"]:
             changes[eps_note["field"]] = [eps_note["before"], eps_note["after"]]
     kernel_scale = kernel_scale_note(d_k, d_k_new, adapter.kernel_scale, eps_note)
     if value_plan is not None:
-        value_entry["norm_eps"] = value_eps_note(norm_eps, eps_note, d_v, value_plan.d_v_new)
-
+        value_entry["norm_eps"] = value_eps_note(plan.norm_eps, eps_note, d_v, value_plan.d_v_new)
     return PruneRecord(
         source_model=str(source),
         family=adapter.family,
@@ -716,10 +770,10 @@ def record_meta(adapter: LinearAttentionAdapter, meta: Mapping[str, Any],
     return meta, extra, str(source), base
 
 
-def prune_per_layer(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Tensor], widths: Mapping[int, int],
-                meta: Mapping[str, Any], norm_eps: str, values: Mapping[int, Any] | None = None) -> PruneRecord:
-    """:func:`prune_model` for a selection whose layers keep different widths: per-layer key budgets, or value
-    channels (``values``, as :func:`prune_model`'s) whose width differs between layers.
+def per_layer_plan(adapter: LinearAttentionAdapter, widths: Mapping[int, int], values: Mapping[int, Any] | None,
+                   norm_eps: str, meta: Mapping[str, Any]) -> PrunePlan:
+    """The plan of a cut whose layers keep different widths (per-layer key budgets, or value widths that differ
+    between layers), which no stock config holds.
 
     The config keeps the unpruned head sizes and gains :data:`~statereduce.core.slicing.KEY_DIMS_FIELD` (each decoder
     layer's d_k', None for other layers) and, with values, :data:`~statereduce.core.slicing.VALUE_DIMS_FIELD` (each
@@ -728,54 +782,61 @@ def prune_per_layer(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Te
     where they keep different value channels (:func:`fold_output_norm`). With ``norm_eps="exact"`` each mixer's own
     output norm gets eps times d_k/d_k'(layer) (with a kernel scale) times d_v/d_v'(layer)
     (:data:`~statereduce.core.slicing.OUTPUT_NORM_EPS_FIELD`): the checkpoint equals zero-masking to float precision
-    without touching the residual stream, so tied embeddings are no obstacle. The record's ``d_k_new`` is the widest
-    layer's; ``keep`` holds every layer's channels, ``kernel_scale["per_layer"]`` each layer's scale and ``values``
-    each layer's d_v' (``widths``) and weight scale."""
+    without touching the residual stream, so tied embeddings are no obstacle."""
     config = adapter.config
     h, hv, d_k, d_v = adapter.dims(config)
     for width in sorted(set(widths.values())):
         adapter.config_updates(config, width)  # raises before any weight changes for a width the family cannot hold
     value_plan = check_values(adapter, values, mixed=True) if values is not None else None
     facts = {"family": adapter.family, "d_k": d_k, "num_heads": h, "num_v_heads": hv, "head_v_dim": d_v}
-    meta, extra, source, base = record_meta(adapter, meta, facts)
-    n_layers = 1 + max(i for i, _ in adapter.mixer_layers())
-    n_layers = max(n_layers, getattr(config, "num_hidden_layers", n_layers))
-    key_dims = [widths.get(i) for i in range(n_layers)]
+    record = record_meta(adapter, meta, facts)
     value_widths = value_plan.widths if value_plan is not None else {}
-    value_dims = [value_widths.get(i) for i in range(n_layers)]
     eps_field = adapter.norm_eps_field
     eps = getattr(config, eps_field) if eps_field else None
     exact = norm_eps == "exact" and eps is not None and (adapter.kernel_scale or value_plan is not None)
+    output_eps = {}
+    for layer, width in widths.items():
+        factor = (d_k / width if adapter.kernel_scale else 1.0) * (
+            d_v / value_widths[layer] if layer in value_widths else 1.0)
+        if exact and factor != 1:
+            output_eps[layer] = eps * factor
+    value_scale = {layer: math.sqrt(d_v / value_widths[layer]) for layer in widths} if value_plan is not None else {}
+    return PrunePlan(dict(widths), {layer: adapter.mixer_updates(config, w) for layer, w in widths.items()}, norm_eps,
+                     record, value_plan, value_scale, output_eps)
 
-    def eps_factor(layer: int) -> float:
-        keys = d_k / key_dims[layer] if adapter.kernel_scale else 1.0
-        return keys * (d_v / value_dims[layer] if value_dims[layer] is not None else 1.0)
 
-    output_eps = [None if w is None or not exact or eps_factor(i) == 1 else eps * eps_factor(i)
-                  for i, w in enumerate(key_dims)]
-    for layer, mixer in adapter.mixer_layers():
-        slice_mixer(adapter, mixer, keep[layer], adapter.mixer_updates(config, widths[layer]))
-        if value_plan is not None:
-            cut_mixer_values(adapter, mixer, layer, value_plan, math.sqrt(d_v / value_dims[layer]))
-        if output_eps[layer] is not None:
-            for attr in adapter.layout(mixer).output_norm_eps():
-                setattr(attr.module, attr.attr, output_eps[layer])
+def per_layer_record(adapter: LinearAttentionAdapter, plan: PrunePlan, keep_t: Mapping[int, torch.Tensor],
+                     transforms: None, counts: Mapping[str, int]) -> PruneRecord:
+    """Write a :func:`per_layer_plan`'s per-layer fields into the sliced model's config; its :class:`PruneRecord`, whose
+    ``d_k_new`` is the widest layer's, ``keep`` every layer's channels, ``kernel_scale["per_layer"]`` each layer's
+    scale and ``values`` each layer's d_v' (``widths``) and weight scale."""
+    config, value_plan, widths = adapter.config, plan.value_plan, plan.widths
+    h, hv, d_k, d_v = adapter.dims(config)
+    meta, extra, source, base = plan.record
+    n_layers = 1 + max(i for i, _ in adapter.mixer_layers())
+    n_layers = max(n_layers, getattr(config, "num_hidden_layers", n_layers))
+    value_widths = value_plan.widths if value_plan is not None else {}
+    key_dims = [widths.get(i) for i in range(n_layers)]
+    output_eps = [plan.output_eps.get(i) for i in range(n_layers)]
+    eps_field = adapter.norm_eps_field
+    eps = getattr(config, eps_field) if eps_field else None
+    exact = plan.norm_eps == "exact" and eps is not None and (adapter.kernel_scale or value_plan is not None)
     setattr(config, KEY_DIMS_FIELD, key_dims)
     changes = {KEY_DIMS_FIELD: [None, key_dims]}
     value_entry = {}
     if value_plan is not None:
+        value_dims = [value_widths.get(i) for i in range(n_layers)]
         setattr(config, VALUE_DIMS_FIELD, value_dims)
         changes[VALUE_DIMS_FIELD] = [None, value_dims]
         scales = {str(layer): math.sqrt(d_v / w) for layer, w in sorted(value_widths.items())}
         value_entry = {
             **values_entry(value_plan, scales, value_widths),
-            "norm_eps": {"choice": norm_eps, "note": "each mixer's output-norm eps times d_v/d_v'(layer)"
+            "norm_eps": {"choice": plan.norm_eps, "note": "each mixer's output-norm eps times d_v/d_v'(layer)"
                          if exact else "the output norms keep the config's eps: equal to zero-masking up to it"},
         }
-    if any(e is not None for e in output_eps):
+    if plan.output_eps:
         setattr(config, OUTPUT_NORM_EPS_FIELD, output_eps)
         changes[OUTPUT_NORM_EPS_FIELD] = [None, output_eps]
-    kept = sum(widths.values())
     per_layer = {str(layer): kernel_scale_note(d_k, w, adapter.kernel_scale) for layer, w in sorted(widths.items())}
     scale = {"per_layer": per_layer,
              "note": "layers keep different widths; each mixer's kernel scale is 1/sqrt of its own d_k'"
@@ -786,13 +847,13 @@ def prune_per_layer(adapter: LinearAttentionAdapter, keep: Mapping[int, torch.Te
         source_model=source,
         family=adapter.family,
         method=str(meta.get("method", "custom")),
-        pct=meta["pct"] if "pct" in meta else 100.0 * (1 - kept / (len(widths) * d_k)),
+        pct=meta["pct"] if "pct" in meta else 100.0 * (1 - sum(widths.values()) / (len(widths) * d_k)),
         d_k=d_k,
         d_k_new=max(widths.values()),
         num_heads=h,
         num_v_heads=hv,
         head_v_dim=d_v,
-        keep={layer: idx.tolist() for layer, idx in keep.items()},
+        keep={layer: idx.tolist() for layer, idx in keep_t.items()},
         config_changes=changes,
         kernel_scale=scale,
         fla_kernel_shapes=mixed_shape_notes(adapter, widths, value_widths, d_v),
