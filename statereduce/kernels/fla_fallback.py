@@ -208,7 +208,25 @@ def _chunk_core(
     if T == 0:
         S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state
         return v.new_zeros(B, 0, H, V), (S if output_final_state else None)
-    C = chunk_size
+    q, k, v, beta, g = _chunked(q, k, v, beta, g, scale, chunk_size)
+    u0, w, intra, G, gamma = _ut_transform(q, k, v, beta, g)
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state
+    outs, S = _chunk_pass(q, k, u0, w, intra, G, gamma, S)
+    n, C = q.shape[2], q.shape[3]
+    o = torch.stack(outs, dim=2).reshape(B, H, n * C, V)[:, :, :T].transpose(1, 2)
+    return o, (S if output_final_state else None)
+
+
+def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
+             scale: float, C: int) -> tuple[torch.Tensor, ...]:
+    """:func:`_chunk_core`'s inputs in chunks of ``C`` tokens: ``T`` zero-padded to a multiple ``n * C``, heads
+    first, q scaled.
+
+    Returns:
+        ``(q, k [B, H, n, C, K], v [B, H, n, C, V], beta [B, H, n, C, 1], g [B, H, n * C] or None)``.
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
     pad = (-T) % C
     # [B, H, T, D]
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
@@ -225,6 +243,21 @@ def _chunk_core(
     k = k.reshape(B, H, n, C, K)
     v = v.reshape(B, H, n, C, V)
     beta = beta.reshape(B, H, n, C, 1)
+    return q, k, v, beta, g
+
+
+def _ut_transform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                  g: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """What every chunk of :func:`_chunk_core` computes on its own, for all chunks at once (chunked inputs of
+    :func:`_chunked`): the UT transform ``(I + A)^{-1}`` applied to ``diag(beta) V`` and ``diag(beta gamma) K``, and
+    the chunk's causal, decayed ``q k^T``.
+
+    Returns:
+        ``(u0, w, intra, G, gamma)``: ``U = u0 - w S_0`` solves the chunk's system for its start state ``S_0``;
+        ``intra`` ``[B, H, n, C, C]``; ``G`` the cumulative log-decay ``[B, H, n, C]`` and ``gamma = exp(G)``
+        ``[B, H, n, C, 1]`` (both None without ``g``).
+    """
+    B, H, n, C, _ = k.shape
     k_beta = k * beta
     v_beta = v * beta
 
@@ -236,7 +269,7 @@ def _chunk_core(
         gamma = G.exp().unsqueeze(-1)
         rhs_k = k_beta * gamma
     else:
-        G = None
+        G = gamma = None
         decay = lower_incl.to(q.dtype)
         rhs_k = k_beta
     A = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
@@ -246,8 +279,18 @@ def _chunk_core(
     u0 = T_inv @ v_beta
     w = T_inv @ rhs_k
     intra = (q @ k.transpose(-1, -2)) * decay
+    return u0, w, intra, G, gamma
 
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state
+
+def _chunk_pass(q: torch.Tensor, k: torch.Tensor, u0: torch.Tensor, w: torch.Tensor, intra: torch.Tensor,
+                G: torch.Tensor | None, gamma: torch.Tensor | None,
+                S: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The chunk-to-chunk pass of :func:`_chunk_core` (a Python loop over the ``n`` chunks): each chunk's ``U``, its
+    output from the state it starts with and its own ``intra`` part, and the state it hands on.
+
+    Returns:
+        ``(outputs [B, H, C, V] per chunk, final state [B, H, K, V])``.
+    """
     # unbind (not indexing) along the chunk dim: its backward is one stack instead of N zero-filled scatters
     u0_c, w_c, intra_c, k_c = u0.unbind(2), w.unbind(2), intra.unbind(2), k.unbind(2)
     q_c = (q if G is None else q * gamma).unbind(2)
@@ -256,15 +299,14 @@ def _chunk_core(
         k_dec_c = (k * (g_last - G).exp().unsqueeze(-1)).unbind(2)
         s_dec_c = g_last.exp().unsqueeze(-1).unbind(2)  # [B, H, 1, 1] each
     outs = []
-    for i in range(n):
+    for i in range(len(u0_c)):
         u = u0_c[i] - w_c[i] @ S
         outs.append(q_c[i] @ S + intra_c[i] @ u)
         if G is None:
             S = S + k_c[i].transpose(-1, -2) @ u
         else:
             S = S * s_dec_c[i] + k_dec_c[i].transpose(-1, -2) @ u
-    o = torch.stack(outs, dim=2).reshape(B, H, n * C, V)[:, :, :T].transpose(1, 2)
-    return o, (S if output_final_state else None)
+    return outs, S
 
 
 RECURRENT_AS_CHUNK = 16
