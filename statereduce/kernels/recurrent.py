@@ -26,11 +26,14 @@ import os
 from collections.abc import Iterator
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 TILE_CONFIGS = ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8))
 """(BV, num_warps) pairs the autotuner of :func:`recurrent_step` tries, each with and without streaming hints."""
 
-_STEP = None  # the autotuned Triton kernel, built on first use (importing triton.language needs no GPU)
+_STEP = None  # the autotuned Triton kernel (:func:`_kernel`), built on first use
 
 _PDL = True  # programmatic_launch's switch
 _TUNED: set[tuple] = set()  # autotuning keys of recurrent_step already launched once (without PDL)
@@ -69,13 +72,11 @@ def launch_options(device: torch.device) -> dict:
 
 
 def _kernel():
+    """:func:`step_kernel` autotuned over :data:`TILE_CONFIGS`, each with and without streaming hints; built on first
+    use."""
     global _STEP
     if _STEP is not None:
         return _STEP
-    import triton
-    import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
     # STREAM: load the state with evict-first and store it with the streaming (.cs) hint: each tile is touched once
     # per step, so keeping it in L2 only evicts the weights.
     configs = [triton.Config({"BV": bv, "STREAM": st}, num_warps=w) for bv, w in TILE_CONFIGS for st in (False, True)]
@@ -86,84 +87,116 @@ def _kernel():
     # NHB (the number of state tiles' rows of programs, rounded to a power of two) is in the key so that a tile
     # tuned on a batch of one is not reused at batch 64, where the best tile differs. cache_results keeps the
     # choice in TRITON_CACHE_DIR, as fla does for its kernels.
-    @triton.autotune(configs=configs, key=["K", "V", "STATE_V_FIRST", "USE_G", "NHB"], restore_value=["h"],
-                     do_bench=bench, cache_results=True)
-    @triton.jit
-    def step_kernel(q, k, v, beta, g, A_log, dt_bias, h, o, scale, NHB, s_q, s_k, s_v, s_b, s_g,
-                    H: tl.constexpr, HV: tl.constexpr,
-                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STREAM: tl.constexpr,
-                    STATE_V_FIRST: tl.constexpr, USE_G: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
-                    HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, ROUND_QK: tl.constexpr,
-                    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # let the next kernel's programs start while our last ones run (it waits for our results)
-            gdc_launch_dependents()
-        i_v = tl.program_id(0)
-        i_nh = tl.program_id(1).to(tl.int64)
-        i_n, i_hv = i_nh // HV, i_nh % HV
-        i_h = i_hv // (HV // H)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-
-        # the state first: the previous kernel does not write it (this layer's step of the previous token did), so
-        # with PDL its load overlaps that kernel's tail; q, k, v, beta and g are its outputs, read after gdc_wait
-        if STATE_V_FIRST:
-            p_h = h + i_nh * K * V + o_v[:, None] * K + o_k[None, :]
-            m_h = m_v[:, None] & m_k[None, :]
-        else:
-            p_h = h + i_nh * K * V + o_k[:, None] * V + o_v[None, :]
-            m_h = m_k[:, None] & m_v[None, :]
-        if STREAM:
-            b_h = tl.load(p_h, mask=m_h, other=0, eviction_policy="evict_first").to(tl.float32)
-        else:
-            b_h = tl.load(p_h, mask=m_h, other=0).to(tl.float32)
-        if PDL:
-            gdc_wait()
-
-        # s_*: each input's stride between sequences (heads and channels are packed within a sequence's row)
-        b_q = tl.load(q + i_n * s_q + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
-        b_k = tl.load(k + i_n * s_k + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
-        b_v = tl.load(v + i_n * s_v + i_hv * V + o_v, mask=m_v, other=0).to(tl.float32)
-        b_beta = tl.load(beta + i_n * s_b + i_hv).to(tl.float32)
-
-        if L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-            if ROUND_QK:  # as fla's DeltaNet, which normalises q and k in a kernel of their own dtype first
-                b_q = b_q.to(q.dtype.element_ty).to(tl.float32)
-                b_k = b_k.to(k.dtype.element_ty).to(tl.float32)
-        b_q = b_q * scale
-        if BETA_SIGMOID:
-            b_beta = tl.sigmoid(b_beta)
-            if NEG_EIGVAL:
-                b_beta = b_beta * 2
-        if USE_G:
-            b_g = tl.load(g + i_n * s_g + i_hv).to(tl.float32)
-            if GATE_IN_KERNEL:
-                if HAS_DT_BIAS:
-                    b_g = b_g + tl.load(dt_bias + i_hv).to(tl.float32)
-                # softplus with fla's threshold (x > 20: x)
-                b_sp = tl.where(b_g > 20.0, b_g, tl.log(1 + tl.exp(tl.minimum(b_g, 20.0))))
-                b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * b_sp
-            b_h = b_h * tl.exp(b_g)
-
-        if STATE_V_FIRST:
-            b_u = b_beta * (b_v - tl.sum(b_h * b_k[None, :], 1))
-            b_h = b_h + b_u[:, None] * b_k[None, :]
-            b_o = tl.sum(b_h * b_q[None, :], 1)
-        else:
-            b_u = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))
-            b_h = b_h + b_k[:, None] * b_u[None, :]
-            b_o = tl.sum(b_h * b_q[:, None], 0)
-        if STREAM:
-            tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_h, cache_modifier=".cs")
-        else:
-            tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_h)
-        tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-
-    _STEP = step_kernel
+    _STEP = triton.autotune(configs=configs, key=["K", "V", "STATE_V_FIRST", "USE_G", "NHB"], restore_value=["h"],
+                            do_bench=bench, cache_results=True)(step_kernel)
     return _STEP
+
+
+@triton.jit
+def step_kernel(q, k, v, beta, g, A_log, dt_bias, h, o, scale, NHB, s_q, s_k, s_v, s_b, s_g,
+                H: tl.constexpr, HV: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STREAM: tl.constexpr,
+                STATE_V_FIRST: tl.constexpr, USE_G: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
+                HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr, ROUND_QK: tl.constexpr,
+                BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PDL: tl.constexpr):
+    """One token's (gated) delta-rule step of one ``BV``-row tile of one sequence's value head: program
+    ``(i_v, i_nh)`` owns rows ``[i_v * BV, (i_v + 1) * BV)`` of the value dimension of state ``i_nh`` (sequence
+    ``i_nh // HV``, value head ``i_nh % HV``) against the whole key dimension."""
+    if PDL:  # let the next kernel's programs start while our last ones run (it waits for our results)
+        gdc_launch_dependents()
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1).to(tl.int64)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+
+    # the state first: the previous kernel does not write it (this layer's step of the previous token did), so
+    # with PDL its load overlaps that kernel's tail; q, k, v, beta and g are its outputs, read after gdc_wait
+    p_h, m_h = _state_tile(h, i_nh, o_k, o_v, m_k, m_v, K, V, STATE_V_FIRST)
+    if STREAM:
+        b_h = tl.load(p_h, mask=m_h, other=0, eviction_policy="evict_first").to(tl.float32)
+    else:
+        b_h = tl.load(p_h, mask=m_h, other=0).to(tl.float32)
+    if PDL:
+        gdc_wait()
+
+    # s_*: each input's stride between sequences (heads and channels are packed within a sequence's row)
+    b_q = tl.load(q + i_n * s_q + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
+    b_k = tl.load(k + i_n * s_k + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
+    b_v = tl.load(v + i_n * s_v + i_hv * V + o_v, mask=m_v, other=0).to(tl.float32)
+    b_beta = tl.load(beta + i_n * s_b + i_hv).to(tl.float32)
+    b_q, b_k, b_beta = _step_inputs(b_q, b_k, b_beta, q, k, scale, L2NORM, ROUND_QK, BETA_SIGMOID, NEG_EIGVAL)
+    if USE_G:
+        b_h = b_h * tl.exp(_log_decay(g, A_log, dt_bias, i_n, i_hv, s_g, GATE_IN_KERNEL, HAS_DT_BIAS))
+
+    b_h, b_o = _delta_update(b_h, b_q, b_k, b_v, b_beta, STATE_V_FIRST)
+    if STREAM:
+        tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_h, cache_modifier=".cs")
+    else:
+        tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_h)
+    tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _state_tile(h, i_nh, o_k, o_v, m_k, m_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+    """The pointers and mask of a program's state tile (:func:`step_kernel`), in either state layout."""
+    if STATE_V_FIRST:
+        p_h = h + i_nh * K * V + o_v[:, None] * K + o_k[None, :]
+        m_h = m_v[:, None] & m_k[None, :]
+    else:
+        p_h = h + i_nh * K * V + o_k[:, None] * V + o_v[None, :]
+        m_h = m_k[:, None] & m_v[None, :]
+    return p_h, m_h
+
+
+@triton.jit
+def _step_inputs(b_q, b_k, b_beta, q, k, scale, L2NORM: tl.constexpr, ROUND_QK: tl.constexpr,
+                 BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """q and k L2-normalised (and rounded to their dtype, ``ROUND_QK``) when ``L2NORM``, q scaled, beta through its
+    sigmoid (times 2, ``NEG_EIGVAL``) when ``BETA_SIGMOID``: all in float32."""
+    if L2NORM:
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        if ROUND_QK:  # as fla's DeltaNet, which normalises q and k in a kernel of their own dtype first
+            b_q = b_q.to(q.dtype.element_ty).to(tl.float32)
+            b_k = b_k.to(k.dtype.element_ty).to(tl.float32)
+    b_q = b_q * scale
+    if BETA_SIGMOID:
+        b_beta = tl.sigmoid(b_beta)
+        if NEG_EIGVAL:
+            b_beta = b_beta * 2
+    return b_q, b_k, b_beta
+
+
+@triton.jit
+def _log_decay(g, A_log, dt_bias, i_n, i_hv, s_g, GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """The log decay of value head ``i_hv`` of sequence ``i_n``: ``g``, or from its raw input with
+    ``GATE_IN_KERNEL``, ``-exp(A_log) * softplus(g + dt_bias)`` (fla's ``use_gate_in_kernel``)."""
+    b_g = tl.load(g + i_n * s_g + i_hv).to(tl.float32)
+    if GATE_IN_KERNEL:
+        if HAS_DT_BIAS:
+            b_g = b_g + tl.load(dt_bias + i_hv).to(tl.float32)
+        # softplus with fla's threshold (x > 20: x)
+        b_sp = tl.where(b_g > 20.0, b_g, tl.log(1 + tl.exp(tl.minimum(b_g, 20.0))))
+        b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * b_sp
+    return b_g
+
+
+@triton.jit
+def _delta_update(b_h, b_q, b_k, b_v, b_beta, STATE_V_FIRST: tl.constexpr):
+    """The delta rule on a (decayed) state tile: ``S <- S + beta k (v - S^T k)^T``, and the output ``S^T q``."""
+    if STATE_V_FIRST:
+        b_u = b_beta * (b_v - tl.sum(b_h * b_k[None, :], 1))
+        b_h = b_h + b_u[:, None] * b_k[None, :]
+        b_o = tl.sum(b_h * b_q[None, :], 1)
+    else:
+        b_u = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))
+        b_h = b_h + b_k[:, None] * b_u[None, :]
+        b_o = tl.sum(b_h * b_q[:, None], 0)
+    return b_h, b_o
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, *,
@@ -207,8 +240,6 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
                          f"{state.dtype}{'' if state.is_contiguous() else ', strided ' + str(state.stride())}")
     if beta.numel() != n * hv:
         raise ValueError(f"beta must hold one value per (sequence, head) = {n * hv}; got shape {tuple(beta.shape)}")
-    import triton
-
     # rows of packed heads: views into a wider row (a fused projection's output) are read in place
     q, k = _rows(q, n, h * kd), _rows(k, n, h * kd)
     v, beta = _rows(v, n, hv * vd), _rows(beta, n, hv)
@@ -253,7 +284,6 @@ def _rows(x: torch.Tensor, n: int, width: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 def fla_delta_rule_step(q, k, v, beta, state, *, scale=None, l2norm=False) -> torch.Tensor:
     """fla's DeltaNet recurrent kernel for one token with the final state written over ``state`` (``[N, H, K, V]``)."""
-    import triton
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.delta_rule.fused_recurrent import fused_recurrent_delta_rule_fwd_kernel
 
@@ -273,7 +303,6 @@ def fla_delta_rule_step(q, k, v, beta, state, *, scale=None, l2norm=False) -> to
 def fla_gated_delta_rule_step(q, k, v, beta, state, *, g=None, A_log=None, dt_bias=None, scale=None, l2norm=False,
                               beta_sigmoid=False, allow_neg_eigval=False, state_v_first=False) -> torch.Tensor:
     """fla's Gated DeltaNet recurrent kernel for one token with the final state written over ``state``."""
-    import triton
     from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel
 
     n, t, h, kd = k.shape
