@@ -30,6 +30,7 @@ This module imports nothing from the package above the kernels; the adapters nam
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import hashlib
@@ -50,6 +51,7 @@ from typing import Any
 
 import torch
 
+from statereduce.kernels import fla_fallback
 from statereduce.kernels.shapes import _needs_grad  # whether a kernel call will be differentiated
 
 log = logging.getLogger(__name__)
@@ -301,8 +303,6 @@ def bound_kernel(route: Route) -> Callable:
 
 def reference_kernel(route: Route) -> Callable:
     """The PyTorch reference of ``route``: :mod:`statereduce.kernels.fla_fallback`'s function of that name."""
-    from statereduce.kernels import fla_fallback
-
     return getattr(fla_fallback, route.reference)
 
 
@@ -544,8 +544,6 @@ def torch_routed(layer_module: str, kernel: str) -> dict[tuple[str, tuple[int, i
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The child process: check the routes of a JSON file, one JSON line per route to an output file."""
-    import argparse
-
     ap = argparse.ArgumentParser(
         prog="python -m statereduce.kernels.check",
         description="Check fla kernel routes against their PyTorch references in this process (the kernel check's "
