@@ -54,10 +54,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
+from torch.profiler import ProfilerActivity, profile
 
+from statereduce.adapters import adapter_class, adapter_for_config, get_adapter
 from statereduce.common.settings import (
     DecodeSettings, MixerSettings, PrefillSettings, SpeedProfileSettings, SpeedSettings,
 )
+from statereduce.config import model_speed, validate_config
+from statereduce.core.runtime import versions, write_json
+from statereduce.core.slicing import KEY_DIMS_FIELD, shape_mixers
+from statereduce.kernels import recurrent
+from statereduce.selectors import n_keep_for
+from statereduce.speed.inplace import FUSED, cache_tensors, inplace_decode, pack_for_decode, parse_kernel
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +85,6 @@ def speed_settings(overrides: Mapping[str, Any] | None = None) -> SpeedSettings:
 
 def check_kernels(settings: SpeedSettings) -> SpeedSettings:
     """``settings`` once each of its decode kernels is one this module runs (a one-line ValueError otherwise)."""
-    from statereduce.speed.inplace import parse_kernel
-
     for kernel in settings.decode.kernels:
         parse_kernel(kernel)
     return settings
@@ -92,10 +99,6 @@ def workflow_model(name: str, config: str | Path,
                    overrides: Mapping[str, Any] | None = None) -> tuple[str, dict, SpeedSettings]:
     """``(family, arch, settings)`` of model ``name`` of the workflow config file ``config``: its speed block, then
     ``overrides``. Raises ValueError (one line) for a missing file or an unknown model."""
-    import yaml
-
-    from statereduce.config import model_speed, validate_config
-
     if not Path(config).is_file():
         raise ValueError(f"workflow config {str(config)!r} not found; pass the workflow's config.yaml as --config PATH")
     cfg = validate_config(yaml.safe_load(Path(config).read_text()))
@@ -123,10 +126,6 @@ def model_config(family: str, arch: Mapping[str, Any], pct: float = 0,
     records each layer's d_k' in :data:`statereduce.core.slicing.KEY_DIMS_FIELD`, as the config of a checkpoint pruned
     with a per-layer budget does; :func:`build_model` then shapes each mixer to its width. ``pct`` must be 0 then.
     """
-    from statereduce.adapters import adapter_class
-    from statereduce.selectors import n_keep_for
-    from statereduce.core.slicing import KEY_DIMS_FIELD
-
     adapter = adapter_class(family)
     adapter.check_arch(dict(arch))
     config = adapter.config_class(**arch)
@@ -150,8 +149,6 @@ def head_shape_config(family: str, arch: Mapping[str, Any], d_k: int, d_v: int):
             (Mamba-2 names it per layer in :data:`statereduce.core.slicing.VALUE_DIMS_FIELD`, which the speed
             benchmark does not build).
     """
-    from statereduce.adapters import adapter_class
-
     adapter = adapter_class(family)
     adapter.check_arch(dict(arch))
     config = adapter.config_class(**arch)
@@ -185,8 +182,6 @@ def layer_key_dims(family: str, config, widths: Sequence[int | None]) -> list[in
         ValueError: one line, for the wrong number of widths, a None at a linear-attention layer, or a width the
             family cannot express (``config_updates``).
     """
-    from statereduce.adapters import adapter_class
-
     adapter = adapter_class(family)
     layers = adapter.mixer_layer_indices(config)
     n_layers = max(getattr(config, "num_hidden_layers", 0), 1 + max(layers, default=-1))
@@ -219,8 +214,6 @@ def layer_state_shapes(family: str, config) -> list:
     """The recurrent and conv state shape (:class:`~statereduce.families.base.StateShape`, per sequence) of every
     linear-attention layer of ``config``, in order: the config's one shape, or with
     :data:`statereduce.core.slicing.KEY_DIMS_FIELD` each layer's own (the config's at that layer's d_k')."""
-    from statereduce.adapters import adapter_class
-
     return list(adapter_class(family).config_layer_state_shapes(config).values())
 
 
@@ -230,9 +223,6 @@ def build_model(config, dtype: torch.dtype, device: str = "cuda"):
     (:data:`statereduce.core.slicing.KEY_DIMS_FIELD`) is built at the unpruned shape and each mixer shaped to its width
     (:func:`statereduce.core.slicing.shape_mixers`, as :func:`statereduce.core.models.load_model` loads such a
     checkpoint)."""
-    from statereduce.adapters import adapter_for_config
-    from statereduce.core.slicing import KEY_DIMS_FIELD, shape_mixers
-
     adapter = adapter_for_config(config)
     adapter.install_fallbacks()  # on CUDA: calls at shapes stock fla mishandles are padded
     torch.manual_seed(0)
@@ -291,8 +281,6 @@ def device_ms(fn: Callable[[], Any]) -> float:
     Beside the timed wall milliseconds this shows whether a call is host-bound: when the device is busy for much less
     than the wall time, the GPU waits for Python to launch kernels, and a smaller model cannot run faster.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -344,8 +332,6 @@ class GraphDecoder:
     """
 
     def __init__(self, model, batch: int, prompt: int, kernel: str, seed: int = 0):
-        from statereduce.speed.inplace import FUSED, cache_tensors, inplace_decode, pack_for_decode
-
         self.model, self.kernel = model, kernel
         vocab = model.config.vocab_size
         gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -396,8 +382,6 @@ def check_decoder(model, decoder: GraphDecoder, steps: int) -> float:
 def decode_cells(model, config, family: str, settings: DecodeSettings, bandwidth: float,
                  on_cell: Callable[[dict], None]) -> None:
     """Time the decode step of ``model`` for every batch and kernel of ``settings`` (``speed.decode``)."""
-    from statereduce.speed.inplace import FUSED, pack_for_decode
-
     for batch in settings.batches:
         bytes_ = step_bytes(model, config, family, batch)
         for kernel in settings.kernels:
@@ -523,8 +507,6 @@ def mixer_cells(config, settings: MixerSettings, dtype: torch.dtype, on_cell: Ca
     """Time one linear-attention layer's forward (the first mixer of a one-layer model of ``config``)."""
     one = copy.deepcopy(config)
     one.num_hidden_layers = 1
-    from statereduce.adapters import get_adapter
-
     layer = get_adapter(build_model(one, dtype)).mixer_layers()[0][1]  # the rest of the model is freed here
     _free()
     for batch in settings.batches:
@@ -557,10 +539,6 @@ def profile_cells(model, settings: SpeedProfileSettings, kernels: Iterable[str],
     Eager steps launch the same kernels as the graph, so this shows where a step's device time goes (the graph
     removes only the launch gaps). ``total_us`` is the sum over every kernel of the steps, per step.
     """
-    from torch.profiler import ProfilerActivity, profile
-
-    from statereduce.speed.inplace import inplace_decode
-
     vocab = model.config.vocab_size
     for batch in settings.batches:
         for kernel in kernels:
@@ -616,10 +594,6 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out
         ``head_shapes`` (per shape its widths, state bytes and state fraction, and its cells) and
         ``ratios["head_shapes"]``.
     """
-    from statereduce.adapters import adapter_class
-    from statereduce.kernels.recurrent import pdl_supported, programmatic_launch
-    from statereduce.core.runtime import versions, write_json
-
     require_cuda()
     parts = list(parts)
     bad = sorted(set(parts) - set(PARTS))
@@ -630,21 +604,11 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out
     adapter = adapter_class(family)
     allocations = {name: key_dims_record(family, arch, widths, pcts) for name, widths in (key_dims or {}).items()}
     shaped = {name: head_shape_record(family, arch, *shape) for name, shape in (head_shapes or {}).items()}
-    doc: dict[str, Any] = {
-        "model": model_name, "family": family, "arch": dict(arch), "settings": settings.to_dict(),
-        "parts": parts,
-        "weights": "random (speed does not depend on weight values); shapes from arch and the pruned config",
-        "device": torch.cuda.get_device_name(), "versions": versions(), "configs": {},
-        "decode": [], "prefill": [], "mixer": [], "profile": [], **(extra or {}),
-    }
-    if allocations:
-        doc["key_dims"] = allocations
-    if shaped:
-        doc["head_shapes"] = shaped
+    doc = _speed_document(family, arch, settings, parts, model_name, extra, allocations, shaped)
     if settings.blas:
         torch.backends.cuda.preferred_blas_library(settings.blas)
     doc["blas_library"] = str(torch.backends.cuda.preferred_blas_library())
-    doc["pdl"] = settings.pdl and pdl_supported(torch.device("cuda"))
+    doc["pdl"] = settings.pdl and recurrent.pdl_supported(torch.device("cuda"))
     capture_stream()  # its cuBLAS workspace exists before the first cell's memory is measured
     t0 = time.perf_counter()
     doc["copy_bandwidth_Bps"] = copy_bandwidth()
@@ -659,7 +623,7 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out
         config = model_config(family, arch, key_dims=record["widths"])
         _model_cells(config, family, settings, parts, dtype, record, {}, f"key_dims={name}", doc, save)
 
-    with programmatic_launch(settings.pdl):
+    with recurrent.programmatic_launch(settings.pdl):
         for pct in pcts:
             _speed_pct(family, arch, settings, parts, pct, dtype, adapter, doc, save)
             for name, record in allocations.items():  # right after the uniform cut of the same total
@@ -675,6 +639,26 @@ def run_speed(family: str, arch: Mapping[str, Any], settings: SpeedSettings, out
     return doc
 
 
+def _speed_document(family: str, arch: Mapping[str, Any], settings: SpeedSettings, parts: list[str],
+                    model_name: str | None, extra: Mapping[str, Any] | None, allocations: dict[str, dict],
+                    shaped: dict[str, dict]) -> dict[str, Any]:
+    """:func:`run_speed`'s document before its first measurement: the model, settings and parts, the device and
+    versions, empty cell lists, ``extra``, and the per-layer allocations and head shapes to time (where there are
+    any)."""
+    doc: dict[str, Any] = {
+        "model": model_name, "family": family, "arch": dict(arch), "settings": settings.to_dict(),
+        "parts": parts,
+        "weights": "random (speed does not depend on weight values); shapes from arch and the pruned config",
+        "device": torch.cuda.get_device_name(), "versions": versions(), "configs": {},
+        "decode": [], "prefill": [], "mixer": [], "profile": [], **(extra or {}),
+    }
+    if allocations:
+        doc["key_dims"] = allocations
+    if shaped:
+        doc["head_shapes"] = shaped
+    return doc
+
+
 def key_dims_record(family: str, arch: Mapping[str, Any], widths: Sequence[int | None], pcts: Iterable = ()) -> dict:
     """What a speed document records of a per-layer allocation before its cells: the widths per decoder layer, the
     unpruned d_k, the heads-weighted total of kept key channels, the removal pct it equals, the uniform ratio of
@@ -683,10 +667,6 @@ def key_dims_record(family: str, arch: Mapping[str, Any], widths: Sequence[int |
     Raises:
         ValueError: one line, for widths :func:`layer_key_dims` refuses.
     """
-    from statereduce.adapters import adapter_class
-    from statereduce.selectors import n_keep_for
-    from statereduce.core.slicing import KEY_DIMS_FIELD
-
     adapter = adapter_class(family)
     config = model_config(family, arch, key_dims=widths)
     h, _, d_k, _ = adapter.dims(config)
@@ -708,8 +688,6 @@ def head_shape_record(family: str, arch: Mapping[str, Any], d_k: int, d_v: int) 
     Raises:
         ValueError: one line, for widths :func:`head_shape_config` refuses.
     """
-    from statereduce.adapters import adapter_class
-
     adapter = adapter_class(family)
     full = adapter.config_state_shape(adapter.config_class(**arch))
     shape = adapter.config_state_shape(head_shape_config(family, arch, d_k, d_v))
@@ -772,8 +750,6 @@ def speed_ratios(doc: Mapping[str, Any]) -> dict[str, list[dict]]:
     against the baseline and, where the uniform cut of the same total was measured, ``vs_uniform`` (per-layer ms /
     uniform ms) and, for decode, ``bytes_vs_uniform`` (the ratio of the step's bytes).
     """
-    from statereduce.speed.inplace import FUSED
-
     out: dict[str, list[dict]] = {"decode": [], "prefill": [], "mixer": []}
     for part, key in _RATIO_KEYS.items():
         base = {tuple(c[k] for k in key): c for c in doc.get(part, []) if c["pct"] == 0 and "ms" in c}
@@ -935,8 +911,6 @@ def parse_key_dims(spec: str, index: int = 1) -> tuple[str, list[int | None]]:
     list, ``{"widths": [...]}`` (a per-layer budget's allocation) or ``{"statereduce_key_dims": [...]}`` (a pruned
     checkpoint's ``config.json``). The name defaults to the file's stem, else ``key_dims_<index>``.
     """
-    from statereduce.core.slicing import KEY_DIMS_FIELD
-
     name, sep, body = spec.partition("=")
     if not sep:
         name, body = "", spec
