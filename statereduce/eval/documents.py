@@ -138,33 +138,15 @@ def summarize(
         ``{"model", "method", "pct", "metrics": {"baseline", "pruned", "rft"}, "state": {"bytes_before",
         "bytes_after", "ratio", "d_k_before", "d_k_after", "key_dims_after"}, "provenance"}`` (``key_dims_after``: the
         pruned model's {layer: d_k'}, where its document has them; ``d_v_before`` and ``d_v_after`` where a value cut
-        changed d_v, and ``value_dims_after`` ({layer: d_v'}) where its layers keep different ones), plus ``"suites": {"baseline", "pruned",
-        "rft"}`` (the documents' suite averages) when any document has them, and ``"rft": {"steps", "kept_step",
-        "best_step", "metric", "val_loss_start", "val_loss_kept", "curve": [[step, val_loss], ...]}`` (the validation
-        loss is the record's ``metric``) when ``rft_record`` has a validation curve, else null. Raises ``ValueError`` if the documents were evaluated
-        on different tasks or windows (their metrics would not be comparable).
+        changed d_v, and ``value_dims_after`` ({layer: d_v'}) where its layers keep different ones), plus
+        ``"suites": {"baseline", "pruned", "rft"}`` (the documents' suite averages) when any document has them, and
+        ``"rft": {"steps", "kept_step", "best_step", "metric", "val_loss_start", "val_loss_kept", "curve": [[step,
+        val_loss], ...]}`` (the validation loss is the record's ``metric``) when ``rft_record`` has a validation curve,
+        else null. Raises ``ValueError`` if the documents were evaluated on different tasks or windows (their metrics
+        would not be comparable).
     """
-    missing = [k for k in ("model", "method", "pct") if k not in meta]
-    if missing:
-        raise ValueError(f"meta lacks {missing}; required: model, method, pct")
-    docs = {"baseline": baseline_eval, "pruned": pruned_eval}
-    if rft_eval is not None:
-        docs["rft"] = rft_eval
-    for stage, doc in docs.items():
-        for key in ("metrics", "state"):
-            if key not in doc:
-                raise ValueError(f"{stage} eval lacks {key!r} (keys: {sorted(doc)}); pass an eval.json document")
-    ref = _comparable(baseline_eval)
-    for stage, doc in docs.items():
-        if _comparable(doc) != ref:
-            raise ValueError(f"{stage} eval settings {_comparable(doc)} differ from baseline's {ref}; not comparable")
-    before = int(baseline_eval["state"]["state_bytes_per_sequence"])
-    after = int(pruned_eval["state"]["state_bytes_per_sequence"])
-    if rft_eval is not None and int(rft_eval["state"]["state_bytes_per_sequence"]) != after:
-        raise ValueError(
-            f"RFT state bytes {rft_eval['state']['state_bytes_per_sequence']} != pruned state bytes {after}; "
-            "RFT must not change shapes"
-        )
+    docs = _summarized_documents(baseline_eval, pruned_eval, rft_eval, meta)
+    state = _state_summary(baseline_eval["state"], pruned_eval["state"], rft_eval)
     provenance = {
         "evals": {stage: _brief_provenance(doc) for stage, doc in docs.items()},
         **{k: v for k, v in meta.items() if k not in ("model", "method", "pct")},
@@ -186,22 +168,57 @@ def summarize(
                 if any(doc.get("suites") for doc in docs.values())
                 else {}
             ),
-            "state": {
-                "bytes_before": before,
-                "bytes_after": after,
-                "ratio": after / before if before else None,
-                "d_k_before": baseline_eval["state"].get("d_k"),
-                "d_k_after": pruned_eval["state"].get("d_k"),
-                **({"key_dims_after": pruned_eval["state"]["key_dims"]} if "key_dims" in pruned_eval["state"] else {}),
-                **({"d_v_before": baseline_eval["state"]["d_v"], "d_v_after": pruned_eval["state"]["d_v"]}
-                   if baseline_eval["state"].get("d_v") != pruned_eval["state"].get("d_v") else {}),
-                **({"value_dims_after": pruned_eval["state"]["value_dims"]} if "value_dims" in pruned_eval["state"]
-                   else {}),
-            },
+            "state": state,
             "rft": _rft_brief(rft_record),
             "provenance": provenance,
         }
     )
+
+
+def _summarized_documents(baseline_eval: Mapping[str, Any], pruned_eval: Mapping[str, Any],
+                          rft_eval: Mapping[str, Any] | None, meta: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The documents :func:`summarize` compares, by stage (``rft`` where given), once ``meta`` names the model,
+    method and pct and every document has ``metrics`` and ``state`` and was evaluated on the baseline's tasks and
+    window (one-line ValueErrors)."""
+    missing = [k for k in ("model", "method", "pct") if k not in meta]
+    if missing:
+        raise ValueError(f"meta lacks {missing}; required: model, method, pct")
+    docs = {"baseline": baseline_eval, "pruned": pruned_eval}
+    if rft_eval is not None:
+        docs["rft"] = rft_eval
+    for stage, doc in docs.items():
+        for key in ("metrics", "state"):
+            if key not in doc:
+                raise ValueError(f"{stage} eval lacks {key!r} (keys: {sorted(doc)}); pass an eval.json document")
+    ref = _comparable(baseline_eval)
+    for stage, doc in docs.items():
+        if _comparable(doc) != ref:
+            raise ValueError(f"{stage} eval settings {_comparable(doc)} differ from baseline's {ref}; not comparable")
+    return docs
+
+
+def _state_summary(baseline: Mapping[str, Any], pruned: Mapping[str, Any],
+                   rft_eval: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The summary's ``state`` entry from the baseline's and the pruned model's ``state`` blocks (:func:`summarize`'s
+    Returns); a ValueError when the RFT checkpoint's state bytes differ from the pruned one's."""
+    before = int(baseline["state_bytes_per_sequence"])
+    after = int(pruned["state_bytes_per_sequence"])
+    if rft_eval is not None and int(rft_eval["state"]["state_bytes_per_sequence"]) != after:
+        raise ValueError(
+            f"RFT state bytes {rft_eval['state']['state_bytes_per_sequence']} != pruned state bytes {after}; "
+            "RFT must not change shapes"
+        )
+    return {
+        "bytes_before": before,
+        "bytes_after": after,
+        "ratio": after / before if before else None,
+        "d_k_before": baseline.get("d_k"),
+        "d_k_after": pruned.get("d_k"),
+        **({"key_dims_after": pruned["key_dims"]} if "key_dims" in pruned else {}),
+        **({"d_v_before": baseline["d_v"], "d_v_after": pruned["d_v"]} if baseline.get("d_v") != pruned.get("d_v")
+           else {}),
+        **({"value_dims_after": pruned["value_dims"]} if "value_dims" in pruned else {}),
+    }
 
 
 def _rft_brief(record: Mapping[str, Any] | None) -> dict | None:

@@ -38,9 +38,12 @@ from unittest import mock
 import torch
 from torch import nn
 
-from statereduce.eval.documents import state_record, write_eval_json
-from statereduce.eval.tasks import HELDOUT, write_perplexity_task
+from statereduce.core.checkpoints import base_checkpoint
+from statereduce.core.models import kernel_check_record
 from statereduce.core.runtime import jsonable
+from statereduce.eval.documents import state_record, write_eval_json
+from statereduce.eval.suites import summarize_suites
+from statereduce.eval.tasks import HELDOUT, write_perplexity_task
 
 EVAL_CFG_KEYS = (
     "tasks",
@@ -383,10 +386,6 @@ def evaluate_and_write(
         The written document: :func:`statereduce.eval.documents.eval_record` plus ``suites``
         (``{suite: {summary: value or None}}``) when ``eval_cfg["suites"]`` is non-empty.
     """
-    from statereduce.core.checkpoints import base_checkpoint
-    from statereduce.core.models import kernel_check_record
-    from statereduce.eval.suites import summarize_suites
-
     unknown = sorted(set(eval_cfg) - set(EVAL_CFG_KEYS))
     if unknown:
         raise ValueError(f"unknown eval_cfg keys {unknown}; valid: {', '.join(EVAL_CFG_KEYS)}")

@@ -5,9 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from statereduce.core.data import load_split
-from statereduce.eval.tasks import HELDOUT
 from statereduce.common.settings import EvalSettings
+from statereduce.core.data import load_split
+from statereduce.core.models import load_model
+from statereduce.eval.harness import evaluate_and_write
+from statereduce.eval.recall import recall_probe_writer
+from statereduce.eval.suites import expand_eval
+from statereduce.eval.tasks import HELDOUT
 
 
 def heldout_docs(corpus_spec: dict, max_docs: int | None, max_doc_bytes: int | None) -> list[str]:
@@ -32,8 +36,6 @@ def evaluate_checkpoint(checkpoint: str | Path, settings: EvalSettings, info: di
         out_path: the ``eval.json`` to write.
         extra: further provenance (e.g. the prune record's method and pct).
     """
-    from statereduce.core.models import load_model
-
     model, tokenizer = load_model(checkpoint, dtype=info["dtype"], device=info["device"])
     return evaluate_loaded(model, tokenizer, checkpoint, settings, info, out_path, extra)
 
@@ -50,9 +52,6 @@ def evaluate_loaded(model, tokenizer, checkpoint: str | Path, settings: EvalSett
     ``out_path`` is written under ``results/``) and scored in the same lm-eval call as the other tasks; the
     document gets a ``suites`` block of suite averages.
     """
-    from statereduce.eval.harness import evaluate_and_write
-    from statereduce.eval.suites import expand_eval
-
     settings = expand_eval(settings)
     tasks = list(settings.tasks)
     docs = None
@@ -62,8 +61,6 @@ def evaluate_loaded(model, tokenizer, checkpoint: str | Path, settings: EvalSett
     suites = list(settings.suites or [])
     local = {}
     if "recall_probe" in suites:
-        from statereduce.eval.recall import recall_probe_writer
-
         local["recall_probe"] = recall_probe_writer(settings.probe, tokenizer, settings.max_length)
     cfg = {"tasks": tasks, "batch_size": settings.batch_size, "max_length": settings.max_length,
            "limit": settings.limit}

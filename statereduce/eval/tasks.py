@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from statereduce.core.runtime import write_text_atomic
 
 HELDOUT = "heldout"
@@ -161,8 +163,6 @@ def write_local_task(
         raise ValueError(
             f"invalid task name {name!r}; use letters, digits, '_', '.', '-' (not starting with '.' or '-')"
         )
-    import yaml
-
     task_dir = Path(task_dir).resolve()
     task_dir.mkdir(parents=True, exist_ok=True)
     data_path = task_dir / f"{name}.jsonl"
