@@ -32,8 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from statereduce.selectors.registry import get_selector, n_keep_for
 from statereduce.common.settings import BudgetSettings
+from statereduce.core.artifacts import ArtifactError, read_json_artifact, remedy
+from statereduce.selectors.registry import get_selector, n_keep_for
 
 #: Allocations whose summed value is within this relative tolerance of the optimum count as tied (the
 #: tolerance is relative to ``sum_i max_w |values[i][w]|``); ties are broken toward the most uniform allocation.
@@ -196,6 +197,19 @@ def allocate(values: Sequence[Mapping[int, float]], total: int, *, heads: Sequen
     layers = _check_values(values)
     n = len(layers)
     h = _check_heads(heads, n)
+    steps, T = _scaled_steps(layers, h, total)
+    fwd, bwd = _dp_passes(layers, steps, T)
+    return _most_uniform(_optimal_edges(layers, steps, fwd, bwd, T), T)
+
+
+def _scaled_steps(layers: list[tuple[list[int], list[float]]], h: list[int], total: int) -> tuple[list[list[int]], int]:
+    """:func:`allocate`'s steps ``heads[i] * w`` and ``total`` divided by their common divisor ``g``.
+
+    Returns:
+        ``(scaled steps per layer, T = total / g)``.
+    Raises:
+        ValueError: (one line) ``total`` is not an integer, or no allocation meets it (:func:`_unreachable`).
+    """
     if not _is_int(total):
         raise ValueError(f"total={total!r} must be an integer (heads-weighted number of kept channels)")
     total = int(total)
@@ -209,9 +223,15 @@ def allocate(values: Sequence[Mapping[int, float]], total: int, *, heads: Sequen
         reach = _shift_or(reach, st)
     if total % g or not lo <= total <= hi or not (reach >> (total // g)) & 1:
         raise _unreachable(total, reach, g, lo, hi)
-    T = total // g
+    return steps, total // g
 
-    # Forward and backward passes over the scaled partial totals 0..T.
+
+def _dp_passes(layers: list[tuple[list[int], list[float]]], steps: list[list[int]],
+               T: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`allocate`'s forward and backward passes over the scaled partial totals ``0..T``: ``fwd[i, s]`` the best
+    value of layers ``< i`` summing to ``s``, ``bwd[i, s]`` the best value of layers ``>= i`` completing ``s`` to
+    ``T`` (``-inf`` where none does); both ``[L + 1, T + 1]``."""
+    n = len(layers)
     fwd = np.full((n + 1, T + 1), -np.inf)
     bwd = np.full((n + 1, T + 1), -np.inf)
     fwd[0, 0] = 0.0
@@ -226,10 +246,15 @@ def allocate(values: Sequence[Mapping[int, float]], total: int, *, heads: Sequen
             if s > T:
                 break
             np.maximum(bwd[i, : T + 1 - s], bwd[i + 1, s:] + v, out=bwd[i, : T + 1 - s])
-    best = float(fwd[n, T])
-    threshold = best - TIE_RTOL * sum(max(abs(v) for v in vals) for _, vals in layers)
+    return fwd, bwd
 
-    # Edges on optimal allocations, per layer as (width, scaled step, bitset of the partial totals s they leave).
+
+def _optimal_edges(layers: list[tuple[list[int], list[float]]], steps: list[list[int]], fwd: np.ndarray,
+                   bwd: np.ndarray, T: int) -> list[list[tuple[int, int, int]]]:
+    """The edges on optimal allocations (forward + value + backward within :data:`TIE_RTOL` of the optimum), per
+    layer as (width, scaled step, bitset of the partial totals s they leave)."""
+    best = float(fwd[len(layers), T])
+    threshold = best - TIE_RTOL * sum(max(abs(v) for v in vals) for _, vals in layers)
     edges: list[list[tuple[int, int, int]]] = []
     for i, (widths, vals) in enumerate(layers):
         row = []
@@ -240,7 +265,7 @@ def allocate(values: Sequence[Mapping[int, float]], total: int, *, heads: Sequen
             if mask.any():
                 row.append((w, s, _bits(mask)))
         edges.append(row)
-    return _most_uniform(edges, T)
+    return edges
 
 
 def _shift_or(reach: int, steps: Sequence[int]) -> int:
@@ -631,8 +656,6 @@ def read_allocation(path: str | Path, expect: Mapping[str, Any] | None = None) -
     Raises:
         ArtifactError: one line naming the file and the rule that rebuilds it.
     """
-    from statereduce.core.artifacts import ArtifactError, read_json_artifact, remedy
-
     doc = read_json_artifact(path, "allocation", ALLOCATION_FORMAT, "key_dims", expect)
     widths = {int(k): int(v) for k, v in doc["key_dims"].items()}
     if sum(widths.values()) != doc["uniform_width"] * len(widths):
