@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from statereduce.common.layout import format_pct
-from statereduce.core.runtime import atomic_file, json_number
+from statereduce.core.runtime import atomic_file, json_number, write_text_atomic
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -352,8 +352,6 @@ def markdown_html(text: str, title: str | None = None) -> str:
 
 def write_markdown_html(md_path: str | Path, out_html: str | Path) -> Path:
     """Write :func:`markdown_html` of the Markdown file ``md_path`` to ``out_html`` (atomically)."""
-    from statereduce.core.runtime import write_text_atomic
-
     return write_text_atomic(out_html, markdown_html(Path(md_path).read_text(encoding="utf-8")))
 
 

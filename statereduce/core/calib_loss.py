@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from statereduce.common.settings import BudgetPlan, BudgetSettings
+from statereduce.core.models import load_model
 
 
 def calibration_loss(model, blocks, batch_size: int) -> float:
     """Mean next-token cross-entropy (nats) of ``model`` over ``blocks`` [N, T]."""
-    import torch
+    import torch  # off the start-up of the allocate and select jobs, which import this module
 
     device = next(model.parameters()).device
     total, count = 0.0, 0
@@ -39,8 +40,7 @@ def loss_inputs(plan: BudgetPlan, base: str | Path | None, expect: Mapping[str, 
     n_samples, batch = settings.sizes(cal)
     model = blocks = None
     if load:
-        from statereduce.core.data import load_split, token_blocks
-        from statereduce.core.models import load_model
+        from statereduce.core.data import load_split, token_blocks  # torch: off the allocate job's start-up
 
         info = dict(expect or {})
         model, tokenizer = load_model(base, dtype=info.get("dtype"), device=info.get("device", "cpu"))

@@ -5,10 +5,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import math
 import os
+import platform
 import random
 import shutil
 import sys
@@ -18,6 +20,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from statereduce import __version__
 
 
 def start(log_path: str | Path | None, threads: int = 1, torch_threads: bool = True) -> logging.Logger:
@@ -69,8 +73,6 @@ class _PinThreadsOnImport:
         if name != "torch":
             return None
         sys.meta_path.remove(self)
-        import importlib.util
-
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.loader is not None:
             spec.loader = _ThenPinThreads(spec.loader, self.threads)
@@ -112,8 +114,6 @@ def cpu_kind() -> str:
     """The CPU this process runs on, as the provenance of its numbers: model name and widest vector extension, e.g.
     ``"AMD EPYC (AVX2)"``. The tiny models' CPU results depend on it: torch, MKL and oneDNN pick their kernels by the
     CPU, and kernels of different CPUs round differently (docs/results.md, "Why the CPU matters")."""
-    import platform
-
     found: dict[str, str] = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():  # the first processor's lines
@@ -242,8 +242,6 @@ def versions() -> dict[str, str | None]:
     provenance, the summary and speed documents). Read from the installed distributions' metadata, so nothing
     heavy is imported; a library that is not installed is ``None``.
     """
-    from statereduce import __version__
-
     out: dict[str, str | None] = {"statereduce": __version__, "cpu": cpu_kind()}
     for key, dist in VERSIONED_PACKAGES.items():
         try:
