@@ -15,6 +15,10 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
+import yaml
+
+from statereduce import __version__
+
 PACKAGE = Path(__file__).resolve().parent
 
 
@@ -27,14 +31,14 @@ def plain(doc: str | None) -> str:
 
 def families() -> list[tuple[str, str]]:
     """(family, description) of every registered adapter."""
-    from statereduce.adapters import adapter_class, adapter_families
+    from statereduce.adapters import adapter_class, adapter_families  # torch: not for --help
 
     return [(f, plain(adapter_class(f).__doc__)) for f in adapter_families()]
 
 
 def selectors() -> list[tuple[str, str]]:
     """(selector, description) of every registered selector: what it needs, its variants and options, its doc."""
-    from statereduce.selectors import get_selector, selector_names
+    from statereduce.selectors import get_selector, selector_names  # scipy: not for --help
 
     out = []
     for name in selector_names():
@@ -68,8 +72,6 @@ def clis() -> list[tuple[str, str]]:
 
 def configured_models(path: Path) -> tuple[str, list[tuple[str, str, str]]]:
     """(where it looked, [(model, family, source)]) of a workflow config; no models when the file is absent."""
-    import yaml
-
     where = str(path.resolve())
     if not path.is_file():
         return f"no config at {where} (give --config PATH)", []
@@ -100,8 +102,6 @@ def configured_models(path: Path) -> tuple[str, list[tuple[str, str, str]]]:
 
 def configured_budgets(path: Path) -> list[tuple[str, str]]:
     """[(budget, its settings)] of a workflow config's ``budgets`` block (method token suffix ``@<budget>``)."""
-    import yaml
-
     try:
         config = yaml.safe_load(path.read_text()) or {} if path.is_file() else {}
     except yaml.YAMLError:
@@ -134,8 +134,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", default="config.yaml",
                    help="workflow config whose models to list (default: config.yaml in the current directory)")
     args = p.parse_args(argv)
-    from statereduce import __version__
-
     lines = [f"statereduce {__version__}: key/query channel pruning of linear-attention language models", ""]
     lines += ["Model families (adapters):", *_table(families()), ""]
     lines += ["Selectors (method token: <selector>[-k|-q|-v|-kv][.<calib>][@<budget>]):", *_table(selectors()), ""]

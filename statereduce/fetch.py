@@ -36,6 +36,8 @@ import yaml
 
 from statereduce import config as srconfig
 from statereduce.common import layout
+from statereduce.common.settings import HubSettings
+from statereduce.core.checkpoints import CHECKPOINT_PATTERNS
 from statereduce.studies import check_studies
 
 DEFAULT_TARGETS = ("all", "all_paper")
@@ -118,8 +120,7 @@ def target_models(cfg: dict, targets: Sequence[str]) -> dict[str, tuple[set[str]
 def model_needs(cfg: dict, model: str, calibs: Iterable[str] = ("default",), rank: bool = False) -> ModelNeeds:
     """What the chain of ``model`` (base, calibration under ``calibs``, evaluation, RFT, and the rank analysis when
     ``rank``) reads from the network."""
-    from statereduce.eval.harness import task_metadata
-    from statereduce.common.settings import HubSettings
+    from statereduce.eval.harness import task_metadata  # torch: only once the config and targets are checked
 
     m = cfg["models"][model]
     needs = ModelNeeds(model)
@@ -173,8 +174,6 @@ def folder_bytes(folder: str | Path) -> int:
 def checkpoint_files(names: Iterable[str]) -> list[str]:
     """The files of a hub repo that loading reads (:data:`~statereduce.core.checkpoints.CHECKPOINT_PATTERNS`), with the
     ``pytorch_model*.bin`` weights left out where the repo has safetensors (transformers loads those)."""
-    from statereduce.core.checkpoints import CHECKPOINT_PATTERNS
-
     names = sorted(names)
     chosen = [n for n in names if "/" not in n and any(fnmatch.fnmatch(n, p) for p in CHECKPOINT_PATTERNS)]
     if any(n.endswith(".safetensors") for n in chosen):
@@ -242,7 +241,7 @@ def fetch_tasks(tasks: Sequence[str], metadata: dict | None = None, include_path
     """
     from huggingface_hub import constants
 
-    from statereduce.eval.harness import build_task_manager
+    from statereduce.eval.harness import build_task_manager  # torch: only once the config and targets are checked
 
     manager = build_task_manager(tasks, include_path, metadata=metadata)
     added, failed = {}, []
@@ -309,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--configfile", nargs="+", default=[], metavar="FILE",
                    help="config overlays merged over ./config.yaml in order, as snakemake's --configfile")
     args = p.parse_args(argv)
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # it reads HF_HOME when first imported
 
     try:
         cfg = load_config(args.configfile)
