@@ -17,6 +17,7 @@ selection was written for the reading job's model, method and pct.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -36,7 +37,8 @@ from statereduce.core.selection_file import (  # noqa: F401  (re-exported)
 from statereduce.common.layout import MethodSpec
 from statereduce.common.settings import BudgetPlan
 from statereduce.core.artifacts import ArtifactError, remedy
-from statereduce.core.cuts import Cut, plan_cut
+from statereduce.core.budgets import allowed_widths
+from statereduce.core.cuts import SPLIT_FORMAT, Cut, joint_widths, plan_cut, split_candidates, split_check
 from statereduce.selectors import HeadData, format_method, get_selector, n_keep_for, parse_method, select_heads
 from statereduce.selectors.registry import head_rng, value_side
 
@@ -62,20 +64,10 @@ def selector_code_files(name: str) -> list[str]:
     return sorted(files)
 
 
-def select_channels(
-    weights: str | Path,
-    method: str,
-    pct: float,
-    *,
-    activations: str | Path | None = None,
-    grads: str | Path | None = None,
-    seed: int = 0,
-    options: dict | None = None,
-    workers: int = 1,
-    expect: dict | None = None,
-    allocation: str | Path | None = None,
-    widths: tuple[int, int] | Mapping[int, tuple[int, int]] | None = None,
-) -> tuple[list[tuple], dict]:
+def select_channels(weights: str | Path, method: str, pct: float, *, activations: str | Path | None = None,
+                    grads: str | Path | None = None, seed: int = 0, options: dict | None = None, workers: int = 1,
+                    expect: dict | None = None, allocation: str | Path | None = None,
+                    widths: tuple[int, int] | Mapping[int, tuple[int, int]] | None = None) -> tuple[list[tuple], dict]:
     """Select the channels ``method`` keeps in every (layer, head) of a model: key channels, value channels or both.
 
     The widths come from the method's :class:`~statereduce.core.cuts.Cut` (:func:`statereduce.core.cuts.plan_cut`);
@@ -124,35 +116,19 @@ def select_channels(
                            widths=widths, expect=expect)
     if widths is not None:
         method = format_method(spec.uniform)
-    needs = cut_needs(method)
-    calib_expect = {**(expect or {}), "calibration": spec.calib, "num_heads": wattrs["num_heads"], "head_k_dim": d_k}
-    acts = H5Artifact(activations) if activations is not None and needs & {"activations", "xnorm"} else None
-    grad = H5Artifact(grads) if grads is not None and "grad" in needs else None
-    for need, art, what in (({"activations", "xnorm"}, acts, "calibration activations (activations.h5)"),
-                            ({"grad"}, grad, "gradient scores (grad_scores.h5)")):
-        if needs & need and art is None:
-            side = f"the value side of {spec.selector!r}" if spec.cut != "keys" and need & value_side_needs(spec) \
-                else f"selector {spec.selector!r}"
-            raise ValueError(f"{side} needs {what}")
-    for art in (acts, grad):
-        if art is not None:
-            art.expect(calib_expect)
+    acts, grad = calibration_inputs(method, activations, grads, {**(expect or {}), "calibration": spec.calib,
+                                                                 "num_heads": wattrs["num_heads"], "head_k_dim": d_k})
     provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": wattrs.get("family"),
                   "base_checkpoint": json.loads(wattrs["base_checkpoint"]) if wattrs.get("base_checkpoint") else None}
     rows, key_meta = [], None
     if spec.cut != "values":
-        key_needs = set(get_selector(spec.selector).needs)
-        heads = head_data_iter(Path(weights), key_needs, Path(activations) if acts is not None else None,
-                               Path(grads) if grad is not None else None)
-        key_pct = pct if spec.cut == "keys" else 100.0 * (d_k - sum(cut.key_widths.values()) / len(cut.key_widths)) / d_k
-        key_rows, key_meta = run_selector(
-            heads, method if spec.cut == "keys" else format_method(spec.keys), key_pct, d_k=d_k,
-            num_heads=int(wattrs["num_heads"]), seed=seed, options=options, workers=workers,
-            provenance={**provenance, **record} if spec.cut == "keys" else provenance,
-            widths=None if spec.cut == "keys" and not record else cut.key_widths)
+        heads = head_data_iter(Path(weights), set(get_selector(spec.selector).needs),
+                               Path(activations) if acts is not None else None, Path(grads) if grad is not None else None)
+        rows, key_meta = select_keys(heads, method, pct, cut, int(wattrs["num_heads"]), seed=seed, options=options,
+                                     workers=workers, provenance=provenance, record=record)
         if spec.cut == "keys":
-            return key_rows, key_meta
-        rows = [(*row, "k") for row in key_rows]
+            return rows, key_meta
+        rows = [(*row, "k") for row in rows]
     value_rows = select_values(w, spec, cut, acts, grad, seed, options)
     meta = {
         "format": SELECTION_FORMAT,
@@ -163,26 +139,75 @@ def select_channels(
         "variant": spec.variant,
         "calibration": spec.calib,
         "budget": spec.budget if widths is None else None,
-        "cut": spec.cut,
         "pct": pct,
-        "d_k": d_k,
         "num_heads": int(wattrs["num_heads"]),
-        "d_v": d_v,
-        **cut.widths_meta(),
-        "value_units": max(sum(1 for r in value_rows if r[0] == layer) for layer in cut.layers),
-        "value_selection": "head",
-        "state_fraction": cut.state_fraction,
+        **cut_meta(cut, value_rows, record),
         "seed": seed,
         "options": options or {},
         "package_version": __version__,
     }
     if key_meta is not None:
         meta["key_pct"] = key_meta["pct"]
+    return rows + value_rows, meta
+
+
+def select_keys(heads: Iterable[tuple[int, int, HeadData]], method: str, pct: float, cut: Cut, num_heads: int, *,
+                seed: int, options: Mapping[str, Any] | None, workers: int, provenance: Mapping[str, Any],
+                record: Mapping[str, Any]) -> tuple[list[tuple[int, int, object]], dict]:
+    """The key side of ``method``'s selection at ``cut.key_widths`` (:func:`run_selector`): a key cut's rows and
+    metadata (with its allocation's summary where a budget chose the widths), or a joint cut's key rows, whose
+    metadata's ``pct`` is the percent of key channels removed on average."""
+    spec, d_k = parse_method(method), cut.d_k
+    if spec.cut == "keys":
+        return run_selector(heads, method, pct, d_k=d_k, num_heads=num_heads, seed=seed, options=options,
+                            workers=workers, provenance={**provenance, **record},
+                            widths=cut.key_widths if record else None)
+    key_pct = 100.0 * (d_k - sum(cut.key_widths.values()) / len(cut.key_widths)) / d_k
+    return run_selector(heads, format_method(spec.keys), key_pct, d_k=d_k, num_heads=num_heads, seed=seed,
+                        options=options, workers=workers, provenance=provenance, widths=cut.key_widths)
+
+
+def calibration_inputs(method: str, activations: str | Path | None, grads: str | Path | None,
+                       expect: Mapping[str, Any]) -> tuple[H5Artifact | None, H5Artifact | None]:
+    """The calibration artifacts ``method``'s selection reads (:func:`cut_needs`), each checked against ``expect``
+    (the job's model, calibration and head sizes): (activations or None, gradient scores or None).
+
+    Raises:
+        ValueError: one line, for an artifact the selector or its value side needs and was not given.
+    """
+    spec, needs = parse_method(method), cut_needs(method)
+    acts = H5Artifact(activations) if activations is not None and needs & {"activations", "xnorm"} else None
+    grad = H5Artifact(grads) if grads is not None and "grad" in needs else None
+    for need, art, what in (({"activations", "xnorm"}, acts, "calibration activations (activations.h5)"),
+                            ({"grad"}, grad, "gradient scores (grad_scores.h5)")):
+        if needs & need and art is None:
+            side = f"the value side of {spec.selector!r}" if spec.cut != "keys" and need & value_side_needs(spec) \
+                else f"selector {spec.selector!r}"
+            raise ValueError(f"{side} needs {what}")
+    for art in (acts, grad):
+        if art is not None:
+            art.expect(expect)
+    return acts, grad
+
+
+def cut_meta(cut: Cut, value_rows: list[tuple], record: Mapping[str, Any]) -> dict[str, Any]:
+    """A value or joint cut's entries of the selection metadata: the cut and its widths
+    (:meth:`~statereduce.core.cuts.Cut.widths_meta`), the value units per layer, the state kept and, where a split
+    artifact chose the widths, its summary."""
+    out = {
+        "cut": cut.kind,
+        "d_k": cut.d_k,
+        "d_v": cut.d_v,
+        **cut.widths_meta(),
+        "value_units": max(sum(1 for r in value_rows if r[0] == layer) for layer in cut.layers),
+        "value_selection": "head",
+        "state_fraction": cut.state_fraction,
+    }
     if "split" in record:
         split = record["split"]
-        meta["split"] = {"budget": split["budget"], "policy": "split", "equal": split["equal"],
-                         "candidates": len(split["candidates"])}
-    return rows + value_rows, meta
+        out["split"] = {"budget": split["budget"], "policy": "split", "equal": split["equal"],
+                        "candidates": len(split["candidates"])}
+    return out
 
 
 def value_side_needs(spec: MethodSpec) -> set[str]:
@@ -367,6 +392,37 @@ def split_per_layer(model, blocks, batch: int, cuts: Mapping[tuple[int, int], tu
     }
 
 
+def equal_split(d_k: int, d_v: int, pct: float, check) -> list[int] | None:
+    """The equal split of the state at ``pct`` (:func:`~statereduce.core.cuts.joint_widths`) as the split artifact
+    records it, or None where the family holds no such pair."""
+    try:
+        return list(joint_widths(d_k, d_v, pct, check))
+    except ValueError:
+        return None
+
+
+def measure_splits(model, blocks, batch: int, candidates: list[tuple[int, int]], select, d_k: int, d_v: int,
+                   base_loss: float, progress: bool = True) -> tuple[list[dict[str, Any]], dict]:
+    """Each candidate pair (d_k', d_v') selected on both sides (``select(widths=pair)``: :func:`select_channels`) and
+    measured: the calibration loss with the dropped key and value channels zeroed. Returns (one row per candidate:
+    widths, state share, loss; {pair: its kept channels, :func:`~statereduce.core.slicing.cut_tensors`})."""
+    from tqdm.auto import tqdm
+
+    from statereduce.core.calib_loss import calibration_loss
+    from statereduce.core.slicing import cut_tensors, masked_cut
+
+    rows, cuts = [], {}
+    for k, v in tqdm(candidates, desc="split", unit="pair", disable=not progress):
+        sel_rows, _ = select(widths=(k, v))
+        cuts[k, v] = cut_tensors(sel_rows)
+        with masked_cut(model, *cuts[k, v]):
+            loss = calibration_loss(model, blocks, batch)
+        rows.append({"d_k_new": k, "d_v_new": v, "state_fraction": k * v / (d_k * d_v), "loss": loss})
+        log.info("d_k'=%d x d_v'=%d (%.4f of the state): loss %.5f (+%.5f)", k, v, k * v / (d_k * d_v), loss,
+                 loss - base_loss)
+    return rows, cuts
+
+
 def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan, *,
                  activations: str | Path | None = None, grads: str | Path | None = None,
                  base: str | Path | None = None, seed: int = 0, options: Mapping[str, Any] | None = None,
@@ -398,12 +454,7 @@ def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan,
     Raises:
         ValueError: one line, for a token that is not a joint cut with a budget, or a budget of another policy.
     """
-    from tqdm.auto import tqdm
-
-    from statereduce.core.budgets import allowed_widths
-    from statereduce.core.calib_loss import calibration_loss, loss_inputs
-    from statereduce.core.cuts import SPLIT_FORMAT, joint_widths, split_candidates, split_check
-    from statereduce.core.slicing import cut_tensors, masked_cut
+    from statereduce.core.calib_loss import calibration_loss, loss_inputs  # torch: off the selection jobs' start-up
 
     spec, settings = parse_method(method), plan.settings
     if spec.cut != "joint" or spec.budget is None:
@@ -422,20 +473,9 @@ def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan,
         settings = settings.replace(batch_size=settings.batch_size or blocks.shape[0])
     batch = settings.batch_size
     base_loss = calibration_loss(model, blocks, batch)
-    try:
-        equal = joint_widths(d_k, d_v, pct, check)
-    except ValueError:
-        equal = None
-    rows, cuts = [], {}
-    for k, v in tqdm(candidates, desc="split", unit="pair", disable=not progress):
-        sel_rows, _ = select_channels(weights, method, pct, activations=activations, grads=grads, seed=seed,
-                                 options=dict(options or {}), workers=workers, expect=expect, widths=(k, v))
-        cuts[k, v] = cut_tensors(sel_rows)
-        with masked_cut(model, *cuts[k, v]):
-            loss = calibration_loss(model, blocks, batch)
-        rows.append({"d_k_new": k, "d_v_new": v, "state_fraction": k * v / (d_k * d_v), "loss": loss})
-        log.info("d_k'=%d x d_v'=%d (%.4f of the state): loss %.5f (+%.5f)", k, v, k * v / (d_k * d_v), loss,
-                 loss - base_loss)
+    select = functools.partial(select_channels, weights, method, pct, activations=activations, grads=grads,
+                               seed=seed, options=dict(options or {}), workers=workers, expect=expect)
+    rows, cuts = measure_splits(model, blocks, batch, candidates, select, d_k, d_v, base_loss, progress)
     best = min(rows, key=lambda r: (r["loss"], abs(r["d_k_new"] / d_k - r["d_v_new"] / d_v)))
     layers = [int(x) for x in np.asarray(wattrs["layers"]).tolist()]
     provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": family}
@@ -458,7 +498,7 @@ def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan,
         "d_k_new": best["d_k_new"],
         "d_v_new": best["d_v_new"],
         "state_fraction": best["state_fraction"],
-        "equal": list(equal) if equal else None,
+        "equal": equal_split(d_k, d_v, pct, check),
         "base_loss": base_loss,
         "candidates": rows,
         **({"per_layer": per_layer} if per_layer is not None else {}),
