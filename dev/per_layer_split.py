@@ -2,7 +2,7 @@
 
 Rule ``split`` gives every layer the same d_k' x d_v', the candidate of lowest calibration loss; with the budget's
 ``per_layer: true`` each layer may take a different candidate of the same state share, so the total state stays the
-pct's (:func:`statereduce.stages.select.split_per_layer`: each layer in turn takes each candidate with the other
+pct's (:func:`statereduce.stages.select.state_split_per_layer`: each layer in turn takes each candidate with the other
 layers whole, and keeps its candidate of lowest calibration loss; the combination is kept where it beats the best
 uniform split). For each model, selector and pct this measures that combination beside the key-only cut and the
 uniform split, on the calibration blocks and on held-out blocks (dropped channels zeroed: the loss of the exact
@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     from statereduce.core.data import load_split, token_blocks
     from statereduce.core.models import load_model
     from statereduce.core.slicing import cut_tensors, masked_cut
-    from statereduce.stages.select import select_channels, split_per_layer
+    from statereduce.stages.select import select_channels, state_split_per_layer
 
     torch.set_num_threads(2)
     rows = []
@@ -84,7 +84,7 @@ def main(argv=None) -> None:
                     if abs(got - recorded[c]) > 1e-6 * recorded[c]:
                         raise SystemExit(f"{name} {sel} {pct}: {c} loss {got} is not the split artifact's {recorded[c]}")
                 # the workflow's choice (budget per_layer: true): each layer's lowest candidate with the others whole
-                per = split_per_layer(model, calib, batch, cuts, uniform_pair, recorded[uniform_pair], split["d_k"],
+                per = state_split_per_layer(model, calib, batch, cuts, uniform_pair, recorded[uniform_pair], split["d_k"],
                                       split["d_v"], progress=False)
                 chosen = {int(l): tuple(w) for l, w in per["widths"].items()}
                 combination = {l: tuple(map(int, min(per["layer_losses"][str(l)],

@@ -74,7 +74,7 @@ class AdapterContract:
         missing = sorted(name for name in declared if not hasattr(cls, name))
         assert not missing, f"{cls.__name__} lacks {missing}"
         assert issubclass(cls, family_spec(self.family)) and family_spec(self.family).family == self.family
-        from statereduce.adapters.layout import MixerLayout
+        from statereduce.adapters.mixer_layout import MixerLayout
 
         assert issubclass(cls.mixer_layout, MixerLayout)
         assert cls.qk_conv_modules == (cls.mixer_layout.qk_convs is not MixerLayout.qk_convs)

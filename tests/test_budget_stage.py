@@ -319,7 +319,7 @@ def _summary(model, method, pct, pre, post, acc):
 def test_the_budget_study_table_compares_each_budget_with_its_uniform_cut(tmp_path):
     from _study import write_study
 
-    from statereduce.studies.budgets import budget_wins
+    from statereduce.studies.budget_study import budget_wins
 
     study = {"models": ["a", "b"], "selectors": ["drrqr"], "budgets": ["energy"], "pcts": [75]}
     summaries = [_summary("a", "drrqr", 75, 3.0, 2.9, 0.5), _summary("a", "drrqr@energy", 75, 2.8, 2.95, 0.6),

@@ -115,8 +115,8 @@ BAD = ["", "DRRQR", "drrqr.default", "drrqr.Prose", "drrqr@", "drrqr@Big", "-k",
 def test_the_grammar_alone_reads_what_the_registry_reads(token):
     from statereduce.selectors import format_method, parse_method
 
-    spec = layout.parse_method(token)
-    assert spec == parse_method(token) == layout.parse_method(token, {"drrqr": ("kq",), "l1": ("kq", "k", "q"),
+    spec = layout.parse_token(token)
+    assert spec == parse_method(token) == layout.parse_token(token, {"drrqr": ("kq",), "l1": ("kq", "k", "q"),
                                                                       "grad": ("kq", "k", "q"), "pca-adv": ("kq", "k"),
                                                                       "swanda": ("kq", "k")})
     assert layout.format_method(spec) == format_method(spec) == token
@@ -125,17 +125,17 @@ def test_the_grammar_alone_reads_what_the_registry_reads(token):
 @pytest.mark.parametrize("token", BAD)
 def test_the_grammar_alone_refuses_a_bad_token_in_one_line(token):
     with pytest.raises(ValueError, match=r"^[^\n]*expected <selector>\[-k\|-q\|-v\|-kv\]\[\.<calib>\]\[@<budget>\][^\n]*$"):
-        layout.parse_method(token)
+        layout.parse_token(token)
 
 
 def test_the_vocabulary_decides_names_and_variants():
     vocabulary = {"drrqr": ("kq",), "l1": ("kq", "k", "q")}
     with pytest.raises(ValueError, match=r"^unknown selector 'drrq' in method token 'drrq-k' \(did you mean "
                                          r"'drrqr'\?\); valid: drrqr, l1$"):
-        layout.parse_method("drrq-k", vocabulary)
+        layout.parse_token("drrq-k", vocabulary)
     with pytest.raises(ValueError, match=r"^selector 'drrqr' in method token 'drrqr-k' has no variant 'k'; "):
-        layout.parse_method("drrqr-k", vocabulary)
-    assert layout.parse_method("drrqr-k") == layout.MethodSpec("drrqr", "k")  # the grammar alone allows it
+        layout.parse_token("drrqr-k", vocabulary)
+    assert layout.parse_token("drrqr-k") == layout.MethodSpec("drrqr", "k")  # the grammar alone allows it
     assert re.fullmatch(layout.method_regex(vocabulary), "l1-q.prose@b") and not re.fullmatch(
         layout.method_regex(vocabulary), "drrqr-k")
 

@@ -1,5 +1,5 @@
 """The split of a joint cut chosen by calibration loss (``<selector>-kv@<budget>``, policy ``split``): the grammar and
-config checks, the candidate pairs (statereduce.core.cuts.split_candidates), the split stage against an independent
+config checks, the candidate pairs (statereduce.core.cuts.state_split_candidates), the split stage against an independent
 reference (each candidate's masked loss equals the loss of the checkpoint pruned to it with ``norm_eps: exact``; the
 chosen pair is the lowest), the selection it drives, the artifact's checks, and the workflow's plan, on tiny random
 CPU models."""
@@ -18,11 +18,11 @@ from statereduce.common.settings import BudgetPlan, BudgetSettings
 from statereduce.core.artifacts import ArtifactError
 from statereduce.core.budgets import candidate_widths
 from statereduce.core.calib_loss import calibration_loss
-from statereduce.core.cuts import STATE_TOLERANCE, joint_widths, read_split, split_candidates
+from statereduce.core.cuts import STATE_TOLERANCE, joint_widths, read_state_split, state_split_candidates
 from statereduce.selectors import format_method, n_keep_for, parse_method
 from statereduce.stages.capture import capture_activations, export_qk_weights, grad_scores
 from statereduce.stages.prune import prune_model
-from statereduce.stages.select import choose_split, read_selection, select_channels, write_selection
+from statereduce.stages.select import choose_state_split, read_selection, select_channels, write_selection
 
 
 # ---- grammar, candidates, config ------------------------------------------------------------------------------------
@@ -39,7 +39,7 @@ def test_a_joint_cut_takes_a_budget_and_a_value_cut_does_not():
 @pytest.mark.parametrize("d_k, d_v", [(32, 32), (32, 64), (64, 64), (128, 128), (256, 512), (32, 16)])
 @pytest.mark.parametrize("pct", [50, 75])
 def test_split_candidates_run_from_key_only_to_value_only_at_the_pcts_state(d_k, d_v, pct):
-    got = split_candidates(d_k, d_v, pct, candidate_widths(d_k, 8, 8))
+    got = state_split_candidates(d_k, d_v, pct, candidate_widths(d_k, 8, 8))
     target = (1 - pct / 100) * d_k * d_v
     assert got == sorted(set(got))
     assert got[0] == (n_keep_for(d_k, pct), d_v) and got[-1] == (d_k, n_keep_for(d_v, pct))
@@ -59,7 +59,7 @@ def test_a_joint_cut_removes_a_channel_or_is_refused(d_k, d_v, pct):
     pct / 100) >= 1); then the equal split and every split candidate cut the state, and a side that the pct cuts to
     nothing is no candidate. Otherwise (a fraction written for a percent) both refuse in one line."""
     if round(max(d_k, d_v) * pct / 100) == 0:
-        for call in (lambda: joint_widths(d_k, d_v, pct), lambda: split_candidates(d_k, d_v, pct, [8, 16])):
+        for call in (lambda: joint_widths(d_k, d_v, pct), lambda: state_split_candidates(d_k, d_v, pct, [8, 16])):
             with pytest.raises(ValueError) as err:
                 call()
             assert str(err.value) == (
@@ -68,7 +68,7 @@ def test_a_joint_cut_removes_a_channel_or_is_refused(d_k, d_v, pct):
                 "removes half")
         return
     assert joint_widths(d_k, d_v, pct) != (d_k, d_v)
-    got = split_candidates(d_k, d_v, pct, candidate_widths(d_k, 8, 8))
+    got = state_split_candidates(d_k, d_v, pct, candidate_widths(d_k, 8, 8))
     assert got and (d_k, d_v) not in got  # the key-only cut of a pct that cuts no key is the whole state: left out
 
 
@@ -77,10 +77,10 @@ def test_split_candidates_skip_pairs_the_family_refuses():
         if v % 16:
             raise ValueError(f"d_v'={v} is not a multiple of 16")
 
-    got = split_candidates(64, 64, 50, candidate_widths(64, 8, 8), check)
+    got = state_split_candidates(64, 64, 50, candidate_widths(64, 8, 8), check)
     assert got and all(v % 16 == 0 for _, v in got)
     with pytest.raises(ValueError, match=r"no key and value widths of d_k=64, d_v=64 remove 50% of the state"):
-        split_candidates(64, 64, 50, [], lambda k, v: (_ for _ in ()).throw(ValueError("no")))
+        state_split_candidates(64, 64, 50, [], lambda k, v: (_ for _ in ()).throw(ValueError("no")))
 
 
 def test_the_config_pairs_split_budgets_with_joint_cuts_in_one_line():
@@ -111,7 +111,7 @@ def artifacts(request, tmp_path_factory):
 
 def _split(a, method="drrqr-kv@split", pct=75, **settings):
     plan = BudgetPlan(name="split", settings=BudgetSettings(policy="split", floor=4, multiple=4, **settings))
-    return choose_split(a["weights"], method, pct, plan, activations=a["activations"], grads=a["grads"],
+    return choose_state_split(a["weights"], method, pct, plan, activations=a["activations"], grads=a["grads"],
                         expect={"model": "t"}, model=a["model"], blocks=a["blocks"], progress=False)
 
 
@@ -135,7 +135,7 @@ def test_the_split_is_the_candidate_of_lowest_loss_and_each_loss_is_the_pruned_c
     doc = _split(a, f"{selector}-kv@split")
     assert all(torch.equal(before[k], v) for k, v in a["model"].state_dict().items())  # masks are undone
     pairs = [(c["d_k_new"], c["d_v_new"]) for c in doc["candidates"]]
-    assert pairs == split_candidates(doc["d_k"], doc["d_v"], 75, candidate_widths(doc["d_k"], 4, 4))
+    assert pairs == state_split_candidates(doc["d_k"], doc["d_v"], 75, candidate_widths(doc["d_k"], 4, 4))
     best = min(doc["candidates"], key=lambda c: c["loss"])
     assert (doc["d_k_new"], doc["d_v_new"]) == (best["d_k_new"], best["d_v_new"])
     assert doc["base_loss"] == pytest.approx(calibration_loss(a["model"], a["blocks"], 3), rel=1e-6)
@@ -214,7 +214,7 @@ def test_split_artifacts_are_checked_in_one_line(artifacts, tmp_path):
         path = tmp_path / f"{name}.split.json"
         path.write_text(json.dumps({**doc, **change}))
         with pytest.raises(ArtifactError, match=message) as err:
-            read_split(path, {"model": "t", "method": "drrqr-kv@split", "pct": 75, "d_k": doc["d_k"],
+            read_state_split(path, {"model": "t", "method": "drrqr-kv@split", "pct": 75, "d_k": doc["d_k"],
                               "d_v": doc["d_v"]})
         assert "\n" not in str(err.value) and "rule split rebuilds it" in str(err.value)
     with pytest.raises(ValueError, match=r"give either the split artifact \(rule split\) or the widths"):
@@ -341,7 +341,7 @@ def test_per_layer_split_artifacts_and_settings_are_checked_in_one_line(artifact
     ):
         path = _write(a, name, {**doc, "per_layer": {**per, **change}})
         with pytest.raises(ArtifactError, match=message) as err:
-            read_split(path, {"model": "t", "method": "drrqr-kv@split", "pct": 75})
+            read_state_split(path, {"model": "t", "method": "drrqr-kv@split", "pct": 75})
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match=r"budget per_layer=true .* takes policy 'split', not 'sensitivity'"):
         BudgetSettings(policy="sensitivity", per_layer=True)

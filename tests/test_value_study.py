@@ -1,4 +1,4 @@
-"""Study ``values`` (statereduce/studies/values.py): its cells, its checks, and its table and figure from planted
+"""Study ``values`` (statereduce/studies/value_study.py): its cells, its checks, and its table and figure from planted
 summaries and calibration activations."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from _paths import ROOT
 from statereduce.config.blocks import ConfigError
 from statereduce.core.h5files import write_layers
 from statereduce.studies import get_study, outputs, write_outputs
-from statereduce.studies.values import utilisation_frame, value_frame
+from statereduce.studies.value_study import utilisation_frame, value_frame
 
 BLOCK = {"models": ["m1", "m2"], "selectors": ["drrqr"], "pcts": [75], "recipe": "drrqr@sens", "split": "split",
          "split_layers": "layersplit"}

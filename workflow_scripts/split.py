@@ -6,10 +6,10 @@ from statereduce.core.runtime import start
 log = start(snakemake.log[0], snakemake.threads)
 from statereduce.common.settings import BudgetPlan  # noqa: E402
 from statereduce.core.runtime import write_json  # noqa: E402
-from statereduce.stages.select import choose_split  # noqa: E402
+from statereduce.stages.select import choose_state_split  # noqa: E402
 
 inp, selector, wc = snakemake.input, snakemake.params.selector, snakemake.wildcards
-doc = choose_split(
+doc = choose_state_split(
     inp.weights, wc.method, float(wc.pct), BudgetPlan.from_dict(snakemake.params.budget),
     activations=inp.get("activations"), grads=inp.get("grads"), base=Path(inp.base).parent, seed=selector["seed"],
     options=selector["options"], workers=snakemake.threads, expect=snakemake.params.info,

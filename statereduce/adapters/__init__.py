@@ -1,7 +1,7 @@
 """Model-family adapters; importing this package registers every family.
 
-See :mod:`statereduce.adapters.base` for the interface and how to add a family, :mod:`statereduce.adapters.layout` for
-the parts an adapter is composed of.
+See :mod:`statereduce.adapters.base` for the interface and how to add a family,
+:mod:`statereduce.adapters.mixer_layout` for the parts an adapter is composed of.
 """
 
 from __future__ import annotations

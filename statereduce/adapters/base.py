@@ -3,9 +3,9 @@
 An adapter wraps one loaded causal-LM. It is composed of its family's parts: the spec's config facts (each adapter
 subclasses its :class:`~statereduce.families.base.FamilySpec`: ``dims``, ``reduced_config``, ``mixer_layer_indices``,
 ``config_state_shape``, ``arch_dims``, ...; torch-free, so the workflow validates a run before any weights are
-loaded), one :class:`~statereduce.adapters.layout.MixerLayout` per linear-attention mixer (where its key/query
+loaded), one :class:`~statereduce.adapters.MixerLayout` per linear-attention mixer (where its key/query
 channels live: rows of separate or fused projections and depthwise convolutions, its key width, its output norm's
-eps) and the model's :class:`~statereduce.adapters.layout.ExactNorms` (what ``norm_eps="exact"`` scales and sets).
+eps) and the model's :class:`~statereduce.adapters.ExactNorms` (what ``norm_eps="exact"`` scales and sets).
 The adapter itself finds the mixers, captures K and Q as they enter the recurrence, reads the recurrent states, and
 says which class loads the family's checkpoints and which PyTorch fallbacks run it on CPU. Nothing outside
 ``statereduce/adapters`` may branch on ``model_type``; what fine-tuning trains (:mod:`statereduce.stages.rft`) and
@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from statereduce.adapters.layout import (  # noqa: F401  (re-exported)
+from statereduce.adapters.mixer_layout import (  # noqa: F401  (re-exported)
     EPS_ATTRIBUTES, ChannelRows, EpsAttribute, ExactNorms, MixerLayout, ScaledRows, WeightRows, head_major_rows,
 )
 from statereduce.families.base import (  # noqa: F401  (re-exported)
@@ -90,9 +90,9 @@ class LinearAttentionAdapter(FamilySpec):
     :class:`~statereduce.families.base.FamilySpec`, which each adapter subclasses, and each mixer's from its
     :attr:`mixer_layout`."""
 
-    #: the family's :class:`~statereduce.adapters.layout.MixerLayout` (one per linear-attention mixer)
+    #: the family's :class:`~statereduce.adapters.MixerLayout` (one per linear-attention mixer)
     mixer_layout: ClassVar[type[MixerLayout]]
-    #: the family's :class:`~statereduce.adapters.layout.ExactNorms` (``norm_eps="exact"``); the base class refuses
+    #: the family's :class:`~statereduce.adapters.ExactNorms` (``norm_eps="exact"``); the base class refuses
     exact_norms: ClassVar[type[ExactNorms]] = ExactNorms
 
     def __init__(self, model: nn.Module):
@@ -109,18 +109,18 @@ class LinearAttentionAdapter(FamilySpec):
         """(layer index, linear-attention mixer) for every prunable layer; softmax layers skipped."""
 
     def layouts(self) -> list[MixerLayout]:
-        """The :class:`~statereduce.adapters.layout.MixerLayout` of every mixer of :meth:`mixer_layers`, in order."""
+        """The :class:`~statereduce.adapters.MixerLayout` of every mixer of :meth:`mixer_layers`, in order."""
         return [self.mixer_layout(self, layer, mixer) for layer, mixer in self.mixer_layers()]
 
     def layout(self, mixer: nn.Module) -> MixerLayout:
-        """The :class:`~statereduce.adapters.layout.MixerLayout` of one mixer of :meth:`mixer_layers`."""
+        """The :class:`~statereduce.adapters.MixerLayout` of one mixer of :meth:`mixer_layers`."""
         for layer, m in self.mixer_layers():
             if m is mixer:
                 return self.mixer_layout(self, layer, mixer)
         raise ValueError(f"{type(mixer).__name__} is not a linear-attention mixer of this {self.family} model")
 
     def norms(self) -> ExactNorms:
-        """What ``norm_eps="exact"`` scales and sets in the model (:class:`~statereduce.adapters.layout.ExactNorms`)."""
+        """What ``norm_eps="exact"`` scales and sets in the model (:class:`~statereduce.adapters.ExactNorms`)."""
         return self.exact_norms(self)
 
     @property
@@ -207,7 +207,7 @@ class LinearAttentionAdapter(FamilySpec):
             cache: the fla ``Cache`` of a forward with ``use_cache=True`` (``out.past_key_values``).
         Returns:
             {layer index: S [B, HV, d_v, d_k]} for every layer of :meth:`mixer_layers`, d_k and d_v the layer's own
-            widths (:attr:`MixerLayout.key_dim <statereduce.adapters.layout.MixerLayout.key_dim>`, ``value_dim``).
+            widths (:attr:`MixerLayout.key_dim <statereduce.adapters.mixer_layout.MixerLayout.key_dim>`, ``value_dim``).
         Raises:
             ValueError: a layer's state is missing or not of the cache layout for the live config.
         """

@@ -68,7 +68,7 @@ def conv_sharing(mixer: nn.Module, num_heads: int, head_k_dim: int) -> str:
 def model_conv_sharing(adapter: LinearAttentionAdapter) -> str:
     """How the q/k filters of every linear-attention layer of ``adapter.model`` are shared: ``"all"`` when every
     layer shares them across the layer, else ``"head"`` when every layer shares them at least within each head, else
-    ``"none"`` (also for families whose layout does not tell, :meth:`~statereduce.adapters.layout.MixerLayout.conv_sharing`)."""
+    ``"none"`` (also for families whose layout does not tell, :meth:`~statereduce.adapters.MixerLayout.conv_sharing`)."""
     found = {layout.conv_sharing() for layout in adapter.layouts()}
     if found == {"all"}:
         return "all"
@@ -103,7 +103,7 @@ def tie_qk_convs(adapter: LinearAttentionAdapter, share: str) -> Callable[[], No
 
     Args:
         adapter: the adapter of the model to train (``num_heads``, and each layer's ``qk_convs`` and ``key_dim``:
-            :class:`~statereduce.adapters.layout.MixerLayout`).
+            :class:`~statereduce.adapters.MixerLayout`).
         share: one of :data:`~statereduce.families.base.SHARE_CONV`.
     Returns:
         ``untie()``: :func:`untie_convs` of the model, leaving every conv a stock module whose weight is a plain

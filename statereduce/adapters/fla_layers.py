@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from statereduce.adapters.base import LinearAttentionAdapter, decoder_layers
-from statereduce.adapters.layout import (
+from statereduce.adapters.mixer_layout import (
     ChannelRows, EpsAttribute, ExactNorms, MixerLayout, ScaledRows, ValueChannels, head_major_rows, module_names,
 )
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from statereduce.adapters.base import LazyImport, TransformersAdapter, decoder_layers, register_adapter
-from statereduce.adapters.layout import (
+from statereduce.adapters.mixer_layout import (
     ChannelRows, EpsAttribute, ExactNorms, MixerLayout, ScaledRows, ValueChannels, head_major_rows, module_names,
 )
 from statereduce.families.mamba2 import Mamba2Family

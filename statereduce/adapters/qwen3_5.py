@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from statereduce.adapters.base import TransformersAdapter, decoder_layers, register_adapter
-from statereduce.adapters.layout import (
+from statereduce.adapters.mixer_layout import (
     ChannelRows, EpsAttribute, ExactNorms, MixerLayout, ScaledRows, ValueChannels, head_major_rows, module_names,
 )
 from statereduce.families.qwen3_5 import Qwen35Family, text_config

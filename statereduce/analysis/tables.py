@@ -250,13 +250,13 @@ METRIC_LABELS = {
 def removed_label(df, pct: float) -> str:
     """What a pct removes in the rows of ``df`` at it: ``"50% of key channels removed"`` where every method cuts keys;
     with value (``-v``) or joint (``-kv``) cuts among them, what each removes."""
-    from statereduce.common.layout import parse_method
+    from statereduce.common.layout import parse_token
 
     methods = set(df.loc[df["pct"] == pct, "method"]) if {"pct", "method"} <= set(df.columns) else set()
     cuts = set()
     for m in methods:
         try:
-            cuts.add(parse_method(str(m)).cut)
+            cuts.add(parse_token(str(m)).cut)
         except ValueError:  # the baseline's row
             pass
     if cuts <= {"keys"}:

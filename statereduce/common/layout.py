@@ -34,12 +34,13 @@ calibration has no suffix, so ``drrqr`` and ``drrqr.default`` are not both valid
 ``@<budget>`` (``[a-z0-9]+``) names a per-layer key budget (:mod:`statereduce.core.budgets`): each layer keeps its own
 d_k' at the uniform cut's total; without it every layer keeps the same d_k'. On a joint cut (``-kv@<budget>``, a budget
 of policy ``split``) it chooses the split of the state between d_k' and d_v' by calibration loss instead of the equal
-split (:func:`statereduce.stages.select.choose_split`). A value cut (``-v``) takes no budget. Examples: ``drrqr``, ``l1-q``,
+split (:func:`statereduce.stages.select.choose_state_split`). A value cut (``-v``) takes no budget. Examples: ``drrqr``, ``l1-q``,
 ``grad-k``, ``pca-adv-k``, ``drrqr.prose``, ``grad-q.prose``, ``drrqr@energy``, ``grad.prose@sens``, ``drrqr-v``,
 ``grad-kv``, ``drrqr-kv@split``.
 
-:func:`parse_method` reads a token against a vocabulary (selector name -> its variants): the selector registry passes
-its own (:func:`statereduce.selectors.parse_method`); without one only the grammar is checked.
+:func:`parse_token` reads a token against a vocabulary (selector name -> its variants), or against the grammar alone
+without one; :func:`statereduce.selectors.parse_method` reads it against the registered selectors (the parser the
+rest of the package uses).
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ def _token_help(vocabulary: Vocabulary | None) -> str:
     )
 
 
-def parse_method(token: str, vocabulary: Vocabulary | None = None) -> MethodSpec:
+def parse_token(token: str, vocabulary: Vocabulary | None = None) -> MethodSpec:
     """Parse a method token ``<selector>[-k|-q|-v|-kv][.<calib>][@<budget>]`` (module docstring) into a
     :class:`MethodSpec`; with ``vocabulary`` the selector must be in it and have the variant.
 
@@ -288,14 +289,14 @@ def parse_method(token: str, vocabulary: Vocabulary | None = None) -> MethodSpec
 
 
 def format_method(spec: MethodSpec, vocabulary: Vocabulary | None = None) -> str:
-    """The canonical method token of a :class:`MethodSpec` (inverse of :func:`parse_method`)."""
+    """The canonical method token of a :class:`MethodSpec` (inverse of :func:`parse_token`)."""
     suffix = "" if spec.variant == DEFAULT_VARIANT else f"-{spec.variant}"
     if spec.cut != DEFAULT_CUT:
         suffix = f"-{CUT_SUFFIXES.get(spec.cut, spec.cut)}" + ("" if spec.variant == DEFAULT_VARIANT else "?")
     calib = "" if spec.calib == DEFAULT_CALIB else f".{spec.calib}"
     budget = "" if spec.budget is None else f"@{spec.budget}"
     token = f"{spec.selector}{suffix}{calib}{budget}"
-    if parse_method(token, vocabulary) != spec:  # validates selector, variant and calib
+    if parse_token(token, vocabulary) != spec:  # validates selector, variant and calib
         raise ValueError(f"MethodSpec {spec!r} has no canonical token; {_token_help(vocabulary)}")
     return token
 

@@ -362,7 +362,7 @@ class BudgetSettings(Settings):
     """``budgets.<name>``: a per-layer key budget (:mod:`statereduce.core.budgets`, :mod:`statereduce.stages.allocate`),
     used by method tokens ending in ``@<name>``. Every layer keeps its own d_k' (the same for its heads) so that the
     total of kept key channels equals the uniform cut's at the same pct. A budget of policy ``split`` serves joint cuts
-    (``<selector>-kv@<name>``) instead: it chooses one d_k' x d_v' for every layer (:func:`statereduce.stages.select.choose_split`).
+    (``<selector>-kv@<name>``) instead: it chooses one d_k' x d_v' for every layer (:func:`statereduce.stages.select.choose_state_split`).
 
     Args:
         policy: ``uniform`` (every layer the uniform cut's d_k': the plain method's checkpoint), ``spectrum`` (each
@@ -387,7 +387,7 @@ class BudgetSettings(Settings):
         batch_size: for ``sensitivity`` and ``split``: sequences per forward; None: the calibration's.
         per_layer: for ``split``: each layer may take its own candidate split (each layer's candidate of lowest
             calibration loss with the other layers whole, kept where the combination beats the best uniform split;
-            :func:`statereduce.stages.select.split_per_layer`); unset or false: one split for every layer.
+            :func:`statereduce.stages.select.state_split_per_layer`); unset or false: one split for every layer.
     """
 
     section: ClassVar[str] = "budgets"

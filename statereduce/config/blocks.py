@@ -461,7 +461,7 @@ def model_budget_plan(config: dict, model: str, method: str) -> BudgetPlan:
     """The budget plan of ``method`` (ending in ``@<budget>``) for ``model``: the budget's settings, the model's d_v
     where its config gives it and, for the ``sensitivity`` policy, the calibration of the token's ``.<calib>`` (its
     ``corpus`` spec is the workflow's to resolve)."""
-    spec = layout.parse_method(method)
+    spec = layout.parse_token(method)
     settings = model_budget(config, spec.budget)
     plan = BudgetPlan(name=spec.budget, settings=settings,
                       head_v_dim=(model_dims(config, model) or {}).get("head_v_dim"))
@@ -485,7 +485,7 @@ def check_budget_cell(config: dict, model: str, method: str, pct: float) -> None
     (:func:`check_budget_cut`); for a key cut the selector can take the budget (index selections; scores or an
     objective for ``greedy``), the floor fits d_k and the allowed widths meet the uniform cut's total
     (:func:`statereduce.core.budgets.check_budget`); for a joint cut some split of the pct's state is left
-    (:func:`statereduce.core.cuts.split_candidates`). A no-op for a method without a budget."""
+    (:func:`statereduce.core.cuts.state_split_candidates`). A no-op for a method without a budget."""
     from statereduce.core.budgets import check_budget, check_budget_selector
     from statereduce.families import family_spec
     from statereduce.selectors import parse_method
@@ -504,11 +504,11 @@ def check_budget_cell(config: dict, model: str, method: str, pct: float) -> None
         if spec.cut == "joint":
             if d_k is not None and d_v is not None:  # otherwise the split job checks the widths on the checkpoint
                 from statereduce.core.budgets import allowed_widths
-                from statereduce.core.cuts import split_candidates
-                from statereduce.core.cuts import split_check
+                from statereduce.core.cuts import state_split_candidates
+                from statereduce.core.cuts import state_pair_check
 
-                split_candidates(d_k, d_v, pct, allowed_widths(d_k, settings),
-                                 split_check(config["models"][model]["family"], d_k, d_v))
+                state_split_candidates(d_k, d_v, pct, allowed_widths(d_k, settings),
+                                 state_pair_check(config["models"][model]["family"], d_k, d_v))
             return
         check_budget_selector(settings, spec.selector)
         if d_k is not None and layers is not None:  # otherwise the allocate job checks the widths on the checkpoint

@@ -4,8 +4,8 @@
 (d_k, pct)); of a value cut (d_v' = ``n_keep_for(d_v, pct)``) (``-v``), the percent of value channels removed, which
 is the same percent of every head's d_v x d_k state; of a joint cut (``-kv``), the percent of the state removed,
 split equally between the two sides (:func:`joint_widths`), or with a budget of policy ``split`` (``-kv@<budget>``)
-among the pairs of :func:`split_candidates` by calibration loss (:func:`statereduce.stages.select.choose_split`, whose
-artifact :func:`read_split` reads). :func:`cut_widths` gives (d_k', d_v') for any cut without a budget.
+among the pairs of :func:`state_split_candidates` by calibration loss (:func:`statereduce.stages.select.choose_state_split`, whose
+artifact :func:`read_state_split` reads). :func:`cut_widths` gives (d_k', d_v') for any cut without a budget.
 
 A :class:`Cut` is what a method removes, typed: per linear-attention layer, the key width and (for a value or joint
 cut) the value width kept. :func:`plan_cut` builds it from a method token, a pct and the artifact that chose per-layer
@@ -128,8 +128,8 @@ def _each(widths, layers) -> dict[int, int]:
     return {int(layer): int(widths) for layer in sorted(layers)}
 
 
-#: the split artifact's format (:func:`read_split`)
-SPLIT_FORMAT = 1
+#: the split artifact's format (:func:`read_state_split`)
+STATE_SPLIT_FORMAT = 1
 #: how far (a fraction of the full state) a joint cut's state may be from the pct's for a more equal split
 STATE_TOLERANCE = 0.01
 
@@ -200,7 +200,7 @@ def cut_widths(cut: str, d_k: int, d_v: int, pct: float,
     raise ValueError(f"unknown cut {cut!r}; valid: {', '.join(CUTS)}")
 
 
-def split_candidates(d_k: int, d_v: int, pct: float, key_widths: list[int],
+def state_split_candidates(d_k: int, d_v: int, pct: float, key_widths: list[int],
                      check: Callable[[int, int], None] | None = None) -> list[tuple[int, int]]:
     """The (d_k', d_v') pairs a joint cut with a ``split`` budget chooses from at ``pct`` percent of the state, by
     ascending d_k': the value-only cut (d_k, ``n_keep_for(d_v, pct)``), the key-only cut (``n_keep_for(d_k, pct)``,
@@ -243,9 +243,9 @@ def plan_cut(method: str, pct: float, d_k: int, d_v: int | None, layers, *, fami
     A key cut keeps ``n_keep_for(d_k, pct)`` in every layer, or with ``@<budget>`` the widths of its allocation
     artifact (``allocation``, :func:`statereduce.core.budgets.read_allocation`; recorded as ``{"allocation":
     ...}``). A value or joint cut keeps :func:`cut_widths` in every layer; a joint cut with ``@<budget>`` the widths
-    its split artifact chose (``allocation``, :func:`read_split`, per layer where it has them; recorded as
+    its split artifact chose (``allocation``, :func:`read_state_split`, per layer where it has them; recorded as
     ``{"split": the artifact}``), or ``widths`` given directly (one (d_k', d_v') or {layer: (d_k', d_v')}: the split
-    stage's candidates). Pairs the family's config cannot hold are refused (:func:`split_check`).
+    stage's candidates). Pairs the family's config cannot hold are refused (:func:`state_pair_check`).
 
     Raises:
         ValueError: one line, for an artifact the token does not take or lacks, or widths the family cannot hold.
@@ -278,10 +278,10 @@ def plan_cut(method: str, pct: float, d_k: int, d_v: int | None, layers, *, fami
             raise ValueError(f"method {method!r}: give either the split artifact (rule split) or the widths")
     elif allocation is not None:
         raise ValueError(f"method {method!r} has no @<budget>: give no allocation")
-    check = split_check(family, d_k, d_v)
+    check = state_pair_check(family, d_k, d_v)
     record = {}
     if allocation is not None:
-        split = read_split(allocation, {**expect, "method": method, "pct": pct, "d_k": d_k, "d_v": d_v})
+        split = read_state_split(allocation, {**expect, "method": method, "pct": pct, "d_k": d_k, "d_v": d_v})
         widths = split["d_k_new"], split["d_v_new"]
         if "per_layer" in split:
             widths = {int(layer): tuple(pair) for layer, pair in split["per_layer"]["widths"].items()}
@@ -301,9 +301,9 @@ def plan_cut(method: str, pct: float, d_k: int, d_v: int | None, layers, *, fami
     return Cut.per_layer(spec.cut, d_k, d_v, pairs), record
 
 
-def split_check(family: str | None, d_k: int, d_v: int):
+def state_pair_check(family: str | None, d_k: int, d_v: int):
     """The check of a pair (d_k', d_v') the family's config must express, for :func:`joint_widths` and
-    :func:`split_candidates` (None without a family)."""
+    :func:`state_split_candidates` (None without a family)."""
     if family is None:
         return None
     from statereduce.families import family_spec
@@ -317,8 +317,8 @@ def split_check(family: str | None, d_k: int, d_v: int):
     return check
 
 
-def read_split(path: str | Path, expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A split artifact (:func:`statereduce.stages.select.choose_split`), checked against the reading job (model, family, method, pct, and
+def read_state_split(path: str | Path, expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A split artifact (:func:`statereduce.stages.select.choose_state_split`), checked against the reading job (model, family, method, pct, and
     ``d_k``/``d_v`` where given) and itself (its widths are one of its candidates, the lowest loss).
 
     Raises:
@@ -327,7 +327,7 @@ def read_split(path: str | Path, expect: Mapping[str, Any] | None = None) -> dic
     from statereduce.core.artifacts import ArtifactError, read_json_artifact, remedy
 
     expect = dict(expect or {})
-    doc = read_json_artifact(path, "split", SPLIT_FORMAT, "candidates", expect)
+    doc = read_json_artifact(path, "split", STATE_SPLIT_FORMAT, "candidates", expect)
     for key in ("d_k", "d_v"):
         if key in expect and doc.get(key) != expect[key]:
             raise ArtifactError(f"{path} was chosen for {key}={doc.get(key)!r}; this job has {expect[key]!r}; "

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from statereduce.adapters import ChannelRows, LinearAttentionAdapter
-from statereduce.adapters.layout import ValueChannels
+from statereduce.adapters.mixer_layout import ValueChannels
 from statereduce.adapters.conv_sharing import filters_equal
 from statereduce.families.base import KEY_DIMS_FIELD, VALUE_DIMS_FIELD  # noqa: F401  (the fields shaped from)
 

@@ -333,8 +333,8 @@ def method_regex() -> str:
 
 def parse_method(token: str) -> MethodSpec:
     """Parse a method token of a registered selector into a :class:`~statereduce.common.layout.MethodSpec`
-    (:func:`statereduce.common.layout.parse_method`)."""
-    return layout.parse_method(token, _vocabulary())
+    (:func:`statereduce.common.layout.parse_token`)."""
+    return layout.parse_token(token, _vocabulary())
 
 
 def format_method(spec: MethodSpec) -> str:

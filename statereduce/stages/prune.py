@@ -4,7 +4,7 @@ Per head h, a selector keeps an index set I_h of d_k' of the d_k key/query chann
 indices apply to the query and the key channels wherever they sit: fla's separate ``q_proj``/``k_proj``
 and q/k short convs, or the fused input projection and convolution of Mamba-2 (B and C per group) and
 Qwen3.5 (``in_proj_qkv``, ``conv1d``). The adapter names those modules and rows
-(:meth:`~statereduce.adapters.layout.MixerLayout.channel_rows`); two small verbs (:func:`slice_rows`,
+(:meth:`~statereduce.adapters.MixerLayout.channel_rows`); two small verbs (:func:`slice_rows`,
 :func:`set_mixer_dims`) change weights and shape metadata together, driven by one orchestrator,
 :func:`prune_model`, which also rewrites ``model.config`` through the adapter and returns a
 :class:`PruneRecord` of every decision. :func:`save_pruned` writes the stock HF checkpoint, the tokenizer
@@ -55,7 +55,7 @@ from torch import nn
 
 from statereduce import __version__
 from statereduce.adapters import EpsAttribute, LinearAttentionAdapter, ScaledRows, get_adapter
-from statereduce.adapters.layout import EPS_ATTRIBUTES
+from statereduce.adapters.mixer_layout import EPS_ATTRIBUTES
 from statereduce.core.artifacts import PRUNE_RECORD, check_prune_record  # noqa: F401  (check_prune_record re-exported)
 from statereduce.core.checkpoints import base_checkpoint
 from statereduce.core.selection_file import Selection
@@ -207,7 +207,7 @@ def plan_exact_norm_eps(adapter: LinearAttentionAdapter) -> EpsPlan:
         ``config_eps_attributes()``, the live eps attributes to set).
     Raises:
         ValueError: one line, when the construction cannot be stored for the model
-            (:meth:`~statereduce.adapters.layout.ExactNorms.check`: tied embeddings, the
+            (:meth:`~statereduce.adapters.ExactNorms.check`: tied embeddings, the
             spec's ``exact_norm_eps_refusal``), when a listed eps attribute does not hold the config's eps, when a
             module holds the config's eps in an attribute the adapter does not list (a layout the construction was
             not made for: that norm's input would not be scaled), or when a weight is listed twice.
@@ -625,7 +625,8 @@ class PrunePlan:
     widths: dict[int, int]
     mixer_updates: dict[int, dict[str, Any]]
     norm_eps: str
-    record: tuple[dict[str, Any], dict[str, Any], str, dict[str, Any] | None]  # record_meta's (meta, extra, source, base)
+    #: record_meta's (meta, extra, source, base)
+    record: tuple[dict[str, Any], dict[str, Any], str, dict[str, Any] | None]
     value_plan: ValuePlan | None = None
     value_scale: dict[int, float] = field(default_factory=dict)
     output_eps: dict[int, float] = field(default_factory=dict)

@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from statereduce.adapters import decoder_layers, get_adapter
 from statereduce.adapters.conv_sharing import model_conv_sharing, tie_qk_convs, untie_convs
-from statereduce.adapters.layout import module_names
+from statereduce.adapters.mixer_layout import module_names
 from statereduce.core.artifacts import check_prune_record
 from statereduce.core.checkpoints import checkpoint_provenance
 from statereduce.core.data import corpus_provenance, load_split, token_blocks

@@ -38,7 +38,7 @@ from statereduce.common.layout import MethodSpec
 from statereduce.common.settings import BudgetPlan
 from statereduce.core.artifacts import ArtifactError, remedy
 from statereduce.core.budgets import allowed_widths
-from statereduce.core.cuts import SPLIT_FORMAT, Cut, joint_widths, plan_cut, split_candidates, split_check
+from statereduce.core.cuts import STATE_SPLIT_FORMAT, Cut, joint_widths, plan_cut, state_split_candidates, state_pair_check
 from statereduce.selectors import HeadData, format_method, get_selector, n_keep_for, parse_method, select_heads
 from statereduce.selectors.registry import head_rng, value_side
 
@@ -89,7 +89,7 @@ def select_channels(weights: str | Path, method: str, pct: float, *, activations
             ``weights`` must have been written for it, and ``activations``/``grads`` for it, for the method's
             calibration id and for the weights' head sizes (:func:`statereduce.core.artifacts.check_provenance`).
         allocation: for a key cut with ``@<budget>``, its allocation artifact (:mod:`statereduce.stages.allocate`);
-            for a joint cut with ``@<budget>``, its split artifact (:func:`choose_split`).
+            for a joint cut with ``@<budget>``, its split artifact (:func:`choose_state_split`).
         widths: a joint cut's (d_k', d_v'), or {layer: (d_k', d_v')}, given directly (the split stage's candidates;
             the metadata's method is then the token without its budget).
 
@@ -339,7 +339,7 @@ def value_units(layers: Iterable[tuple[int, Mapping[str, np.ndarray]]], pool: bo
 
 
 # ---- the split of a joint cut (``-kv@<budget>``, policy ``split``) -----------------------------------------------
-def split_per_layer(model, blocks, batch: int, cuts: Mapping[tuple[int, int], tuple[dict, dict]],
+def state_split_per_layer(model, blocks, batch: int, cuts: Mapping[tuple[int, int], tuple[dict, dict]],
                      uniform: tuple[int, int], uniform_loss: float, d_k: int, d_v: int,
                      progress: bool = True) -> dict[str, Any]:
     """A split policy's ``per_layer`` choice: each layer in turn takes each candidate (``cuts``: its selections,
@@ -423,21 +423,21 @@ def measure_splits(model, blocks, batch: int, candidates: list[tuple[int, int]],
     return rows, cuts
 
 
-def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan, *,
+def choose_state_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan, *,
                  activations: str | Path | None = None, grads: str | Path | None = None,
                  base: str | Path | None = None, seed: int = 0, options: Mapping[str, Any] | None = None,
                  workers: int = 1, expect: Mapping[str, Any] | None = None, model=None, blocks=None,
                  progress: bool = True) -> dict[str, Any]:
     """Rule ``split``: the split artifact of a joint cut ``method`` (``<selector>-kv@<budget>``) at ``pct``.
 
-    Every pair of :func:`statereduce.core.cuts.split_candidates` at the pct's state (from the key-only cut through the
+    Every pair of :func:`statereduce.core.cuts.state_split_candidates` at the pct's state (from the key-only cut through the
     equal split to the value-only cut, the key widths between them those the budget allows: ``floor``, ``multiple``,
     ``powers_of_two``) is selected on both sides (:func:`select_channels`) and measured: the calibration loss of the whole
     model with the dropped key and value channels zeroed (:func:`statereduce.core.slicing.masked_cut`), which is the
     loss of the checkpoint pruned to that pair under ``norm_eps: exact``. The pair of lowest loss is every layer's
     d_k' x d_v'. ``results/{model}/select/{method}_{pct}.split.json`` holds it, every candidate's widths, state share
     and loss, the unpruned loss, the settings and the provenance; the selection of the same token reads it
-    (:func:`statereduce.core.cuts.read_split`). Cost: one selection of both sides and one pass over the calibration
+    (:func:`statereduce.core.cuts.read_state_split`). Cost: one selection of both sides and one pass over the calibration
     sequences per candidate.
 
     Args:
@@ -465,8 +465,8 @@ def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan,
                          f"(-kv@{plan.name}) takes policy 'split'")
     wattrs = H5Artifact(weights).expect(expect)
     d_k, d_v, family = int(wattrs["head_k_dim"]), int(wattrs["head_v_dim"]), wattrs.get("family")
-    check = split_check(family, d_k, d_v)
-    candidates = split_candidates(d_k, d_v, pct, allowed_widths(d_k, settings), check)
+    check = state_pair_check(family, d_k, d_v)
+    candidates = state_split_candidates(d_k, d_v, pct, allowed_widths(d_k, settings), check)
     if model is None:
         model, blocks, settings = loss_inputs(plan, base, expect)
     else:
@@ -481,10 +481,10 @@ def choose_split(weights: str | Path, method: str, pct: float, plan: BudgetPlan,
     provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": family}
     per_layer = None
     if settings.per_layer:
-        per_layer = split_per_layer(model, blocks, batch, cuts, (best["d_k_new"], best["d_v_new"]), best["loss"],
+        per_layer = state_split_per_layer(model, blocks, batch, cuts, (best["d_k_new"], best["d_v_new"]), best["loss"],
                                      d_k, d_v, progress)
     return {
-        "format": SPLIT_FORMAT,
+        "format": STATE_SPLIT_FORMAT,
         **{k: v for k, v in provenance.items() if v is not None},
         "method": method,
         "selector": spec.selector,

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from statereduce.common import layout
-from statereduce.common.layout import MethodSpec, format_method, format_pct, parse_method
+from statereduce.common.layout import MethodSpec, format_method, format_pct, parse_token
 from statereduce.config.blocks import ConfigError, check_budget_cell, check_reduction, model_budget
 from statereduce.studies.base import (
     KEY, PCTS, Figure, Study, Table, known_models, known_selectors, register, summary_paths, unique_list,
@@ -82,7 +82,7 @@ uniform cut, whose total every budget keeps.
         """Every cell's summary and every budget cell's allocation (the uniform cells have none)."""
         return {"summaries": summary_paths(cells),
                 "allocations": [layout.path(layout.ALLOCATION, model=m, method=method, pct=pct)
-                                for m, method, pct in cells if parse_method(method).budget is not None]}
+                                for m, method, pct in cells if parse_token(method).budget is not None]}
 
     def frames(self, inputs, params):
         from statereduce.core.runtime import read_json

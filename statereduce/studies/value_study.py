@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from statereduce.common.layout import MethodSpec, format_method, format_pct, parse_method
+from statereduce.common.layout import MethodSpec, format_method, format_pct, parse_token
 from statereduce.config.blocks import ConfigError, check_budget_cell, check_method, check_reduction, model_budget
 from statereduce.studies.base import (
     PCTS, Figure, Study, Table, known_models, known_selectors, register, summary_paths, unique_list,
@@ -77,7 +77,7 @@ and selector of ``studies.values`` (lower is better).
                 check_method(config, recipe)
             except ConfigError as e:
                 raise ConfigError(f"{where}.recipe: {e}") from None
-            if parse_method(recipe).cut != "keys":
+            if parse_token(recipe).cut != "keys":
                 raise ConfigError(f"{where}.recipe: {recipe!r} is not a key-only method; valid: e.g. drrqr@sens")
         for key in ("split", "split_layers"):
             if block.get(key) is None:
