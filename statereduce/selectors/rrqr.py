@@ -133,42 +133,6 @@ def strong_rrqr(
     Returns:
         A :class:`StrongRRQRResult`.
     """
-    blocks, n, k, f, reduction, rtol, max_swaps = _checked_arguments(M, k, f, reduction, rtol, max_swaps)
-    if reduction == "gram":
-        R, perm, rank = _reduce_gram(blocks, rtol)
-    else:
-        R, perm, rank = _reduce_qr(blocks[0] if len(blocks) == 1 else np.concatenate(blocks), rtol)
-
-    k_eff = min(k, rank)
-    n_swaps = 0
-    max_rho = 0.0
-    w2 = None
-    if 0 < k_eff < n:
-        n_swaps, max_rho, w2 = _swap_loop(R, perm, k_eff, f * f, max_swaps)
-    if k_eff < n and (n_swaps > 0 or k_eff < k):
-        _pivot_trailing(R, perm, k_eff)
-    omega = _omega(R[:k, :k], w2 if k_eff == k else None, rtol * abs(R[0, 0]))
-    return StrongRRQRResult(
-        perm=perm.astype(np.int64),
-        R=R,
-        k=k,
-        rank=rank,
-        n_swaps=n_swaps,
-        max_rho=max_rho,
-        omega=omega,
-        f=f,
-        reduction=reduction,
-    )
-
-
-def _checked_arguments(M: np.ndarray | Sequence[np.ndarray], k: int, f: float, reduction: str, rtol: float | None,
-                       max_swaps: int | None) -> tuple[list[np.ndarray], int, int, float, str, float, int]:
-    """:func:`strong_rrqr`'s arguments checked (one-line ValueErrors) and its defaults resolved: ``reduction="auto"``
-    by the data's precision, ``rtol`` from the data's and the reduction's noise floor, ``max_swaps`` from n.
-
-    Returns:
-        ``(row blocks of M, n, k, f, reduction, rtol, max_swaps)``.
-    """
     blocks = [np.asarray(b) for b in M] if isinstance(M, (list, tuple)) else [np.asarray(M)]
     shapes = [b.shape for b in blocks]
     if not blocks or any(len(sh) != 2 for sh in shapes) or len({sh[1] for sh in shapes}) != 1:
@@ -199,17 +163,37 @@ def _checked_arguments(M: np.ndarray | Sequence[np.ndarray], k: int, f: float, r
         raise ValueError(f"rtol={rtol} must be in [0, 1)")
     if max_swaps is None:
         max_swaps = 1000 + 100 * n
-    return blocks, n, k, f, reduction, rtol, max_swaps
 
+    if reduction == "gram":
+        R, perm, rank = _reduce_gram(blocks, rtol)
+    else:
+        R, perm, rank = _reduce_qr(blocks[0] if len(blocks) == 1 else np.concatenate(blocks), rtol)
 
-def _pivot_trailing(R: np.ndarray, perm: np.ndarray, k_eff: int) -> None:
-    """Re-triangularise the trailing block of ``R`` (it is kept dense during the swaps) in column-pivoted order, in
-    place, with ``perm`` and the top-right block permuted alike; this also fills the ``k - rank`` slots of a
-    rank-deficient M by largest residual."""
-    Ct, piv = sla.qr(R[k_eff:, k_eff:], mode="r", pivoting=True, check_finite=False)
-    R[k_eff:, k_eff:] = Ct
-    R[:k_eff, k_eff:] = R[:k_eff, k_eff:][:, piv]
-    perm[k_eff:] = perm[k_eff:][piv]
+    k_eff = min(k, rank)
+    n_swaps = 0
+    max_rho = 0.0
+    w2 = None
+    if 0 < k_eff < n:
+        n_swaps, max_rho, w2 = _swap_loop(R, perm, k_eff, f * f, max_swaps)
+    if k_eff < n and (n_swaps > 0 or k_eff < k):
+        # Re-triangularise the trailing block (it is kept dense during the swaps) in column-pivoted
+        # order, which also fills the k - rank slots of a rank-deficient M by largest residual.
+        Ct, piv = sla.qr(R[k_eff:, k_eff:], mode="r", pivoting=True, check_finite=False)
+        R[k_eff:, k_eff:] = Ct
+        R[:k_eff, k_eff:] = R[:k_eff, k_eff:][:, piv]
+        perm[k_eff:] = perm[k_eff:][piv]
+    omega = _omega(R[:k, :k], w2 if k_eff == k else None, rtol * abs(R[0, 0]))
+    return StrongRRQRResult(
+        perm=perm.astype(np.int64),
+        R=R,
+        k=k,
+        rank=rank,
+        n_swaps=n_swaps,
+        max_rho=max_rho,
+        omega=omega,
+        f=f,
+        reduction=reduction,
+    )
 
 
 def _gram(blocks: list[np.ndarray]) -> np.ndarray:
