@@ -280,10 +280,19 @@ def get_selector_options(wildcards):
 
 
 def get_eval(wildcards):
+    """The model's eval settings (suites expanded, the heldout corpus resolved) as the jobs' params. Snakemake reruns
+    a job whose params' repr changed, so the keys keep the order finished runs recorded: a recall_probe block that
+    the suite expansion filled in (none in the model's eval block) comes after the suites' additions, and
+    corpus_spec last."""
     ev = srconfig.model_eval(CFG, wildcards.model)
     if "heldout" in ev.tasks:
         ev = ev.replace(corpus_spec=get_corpus_spec(srconfig.model_eval_corpus(CFG, wildcards.model)))
-    return ev.to_dict()
+    params = ev.to_dict()
+    if "recall_probe" in params and "recall_probe" not in MODELS[wildcards.model].get("eval", {}):
+        params["recall_probe"] = params.pop("recall_probe")
+        if "corpus_spec" in params:
+            params["corpus_spec"] = params.pop("corpus_spec")
+    return params
 
 
 def model_info(wildcards):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from _paths import ROOT
 
 from statereduce.eval import suites as su
 from statereduce.common.settings import EvalSettings, RecallProbeSettings
@@ -76,17 +77,40 @@ def test_expand_recall_probe_fills_defaults():
     assert ev.probe == RecallProbeSettings(levels=[8], n_docs=5)
 
 
-def test_expansion_keeps_the_key_order_of_the_rules_params():
-    """A configured recall_probe block keeps its place (config order: before suites); one the suite adds comes last,
-    after metadata and task_max_length, as before the settings were typed (the params' repr is what Snakemake
-    compares)."""
-    configured = su.expand_eval(EvalSettings.from_dict({"recall_probe": {"levels": [8]}, "suites": ["recall_probe"]}))
-    assert list(configured.to_dict())[-2:] == ["recall_probe", "suites"]
-    added = su.expand_eval(EvalSettings.from_dict({"suites": ["recall", "recall_probe"]}))
-    assert list(added.to_dict())[-4:] == ["suites", "metadata", "task_max_length", "recall_probe"]
-    assert EvalSettings.from_dict(added.to_dict()).to_dict() == added.to_dict()
-    with_spec = added.replace(corpus_spec={"source": "embedded"}).to_dict()
-    assert list(with_spec)[-2:] == ["recall_probe", "corpus_spec"]
+def _workflow_function(name: str, **globals_):
+    """A function of rules/common.smk (plain Python in a Snakemake file), run on stand-ins for the workflow's
+    globals."""
+    lines = (ROOT / "rules" / "common.smk").read_text().splitlines()
+    start = lines.index(next(line for line in lines if line.startswith(f"def {name}(")))
+    end = next(i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace())
+    scope = dict(globals_)
+    exec(compile("\n".join(lines[start:end]), "rules/common.smk", "exec"), scope)
+    return scope[name]
+
+
+def test_the_workflows_eval_params_keep_the_key_order_finished_runs_recorded():
+    """The settings are in field order; the workflow's params (get_eval) put a recall_probe block the suite added
+    after metadata and task_max_length, and corpus_spec last, as finished runs recorded them (Snakemake compares the
+    params' repr). A configured block keeps its field's place."""
+    from types import SimpleNamespace
+
+    from statereduce import config as srconfig
+
+    def params(block, heldout_spec=None):
+        cfg = {"models": {"m": {"eval": block}}}
+        get_eval = _workflow_function(
+            "get_eval", MODELS=cfg["models"], CFG=cfg, get_corpus_spec=lambda name: heldout_spec,
+            srconfig=SimpleNamespace(model_eval=srconfig.model_eval, model_eval_corpus=lambda c, m: "embedded"))
+        return list(get_eval(SimpleNamespace(model="m")))
+
+    added = params({"suites": ["recall", "recall_probe"], "tasks": []})
+    assert added[-4:] == ["suites", "metadata", "task_max_length", "recall_probe"]
+    with_spec = params({"suites": ["recall_probe"], "tasks": ["heldout"]}, {"source": "embedded"})
+    assert with_spec[-2:] == ["recall_probe", "corpus_spec"]
+    configured = params({"recall_probe": {"levels": [8]}, "suites": ["recall_probe"], "tasks": []})
+    assert configured[-2:] == ["recall_probe", "suites"]
+    plain = su.expand_eval(EvalSettings.from_dict({"suites": ["recall", "recall_probe"]}))
+    assert list(plain.to_dict()) == [n for n in EvalSettings.field_names() if n in plain.to_dict()]
 
 
 @pytest.mark.parametrize(

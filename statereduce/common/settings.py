@@ -316,27 +316,11 @@ class EvalSettings(Settings):
     metadata: dict | None = field(default=None, metadata=OPTIONAL)
     task_max_length: dict | None = field(default=None, metadata=OPTIONAL)
     corpus_spec: dict | None = field(default=None, metadata=OPTIONAL)
-    # the recall_probe block comes after metadata and task_max_length where the suite's expansion added it
-    _probe_last: bool = field(default=False, repr=False)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None = None) -> EvalSettings:
-        order = list(d or {})
-        last = "recall_probe" in order and "suites" in order and order.index("recall_probe") > order.index("suites")
-        return super().from_dict(d).replace(_probe_last=last)
 
     @property
     def probe(self) -> RecallProbeSettings:
         """The ``recall_probe`` block, typed, defaults filled."""
         return RecallProbeSettings.coerce(self.recall_probe)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()
-        if self._probe_last and "recall_probe" in out:
-            out["recall_probe"] = out.pop("recall_probe")
-            if "corpus_spec" in out:
-                out["corpus_spec"] = out.pop("corpus_spec")
-        return out
 
 
 # ---- pruning ------------------------------------------------------------------------------------------------------

@@ -191,7 +191,6 @@ def expand_eval(settings: EvalSettings) -> EvalSettings:
         changes["task_max_length"] = windows
     if "recall_probe" in names:
         changes["recall_probe"] = settings.probe.to_dict()
-        changes["_probe_last"] = settings._probe_last or settings.recall_probe is None
     return settings.replace(**changes)
 
 
