@@ -40,6 +40,7 @@ from torch import nn
 from statereduce.adapters import LinearAttentionAdapter, adapter_class, adapter_families, get_adapter
 from statereduce.stages.allocate import allocation_document
 from statereduce.core.budgets import policy_needs
+from statereduce.core.cuts import Cut
 from statereduce.stages.capture import activation_arrays, grad_score_arrays, qk_weight_arrays
 from statereduce.core.models import build_random
 from statereduce.stages.pretrain import mean_loss
@@ -95,10 +96,15 @@ class Selection:
         return str(self.meta["kind"])
 
     @property
+    def cut(self) -> Cut:
+        """The :class:`~statereduce.core.cuts.Cut`: each layer's kept key width."""
+        return Cut.from_meta(self.meta, sorted({layer for layer, _, _ in self.rows}))
+
+    @property
     def d_k_new(self) -> int | dict[int, int]:
         """Channels each head keeps, d_k'; {layer: d_k'} for a selection whose layers keep different widths."""
-        d = self.meta["d_k_new"]
-        return {int(k): int(v) for k, v in d.items()} if isinstance(d, dict) else int(d)
+        widths = self.cut.key_widths
+        return next(iter(widths.values())) if self.cut.uniform_keys else dict(widths)
 
     def channels(self) -> dict[int, np.ndarray]:
         """{layer: int64 [H, d_k'] kept channel indices}, or for a transform selection {layer: float64 [H, d_k', d_k]}:

@@ -14,7 +14,7 @@ from _models import tiny_inputs, tiny_model
 from statereduce.adapters import get_adapter
 from statereduce.core.artifacts import ArtifactError
 from statereduce.core.cuts import STATE_TOLERANCE, cut_widths, joint_widths
-from statereduce.core.selection_file import Selection
+from statereduce.core.selection_file import KeptChannels
 from statereduce.selectors import format_method, parse_method
 from statereduce.selectors.registry import value_side
 from statereduce.selectors.values import ValueData
@@ -161,7 +161,7 @@ def test_a_value_or_joint_selection_prunes_what_it_names(artifacts, method):
                                  expect={"model": "t"})
     path = write_selection(a["dir"] / f"{method}.parquet", rows, meta)
     cut, got = read_selection(path, expect={"model": "t", "method": method, "pct": 75})
-    assert isinstance(cut, Selection) and cut.cut.kind == ("values" if method.endswith("-v") else "joint")
+    assert isinstance(cut, KeptChannels) and cut.cut.kind == ("values" if method.endswith("-v") else "joint")
     assert set(cut.cut.value_widths.values()) == {got["d_v_new"]}
     assert meta["state_fraction"] == pytest.approx(0.25)
     assert got["value_selection"] == "head"  # fla folds its shared norm weight into the output projection

@@ -60,9 +60,9 @@ def write_selection(path: str | Path, rows, meta: dict) -> Path:
     return path
 
 
-def read_selection(path: str | Path, expect: dict | None = None) -> tuple[Selection, dict]:
-    """Read a selection file: (:class:`Selection`, metadata), the selection's cut, kept key channels (or transforms,
-    ``meta["kind"]``) and kept value channels, checked against the metadata.
+def read_selection(path: str | Path, expect: dict | None = None) -> tuple[KeptChannels, dict]:
+    """Read a selection file: (:class:`KeptChannels`, metadata): the selection's cut, kept key channels (or
+    transforms, ``meta["kind"]``) and kept value channels, checked against the metadata.
 
     Args:
         path: the Parquet file :func:`write_selection` wrote.
@@ -108,11 +108,11 @@ def read_selection(path: str | Path, expect: dict | None = None) -> tuple[Select
         cut = Cut.from_meta(meta, layers)
     except (KeyError, TypeError, ValueError) as err:
         raise ArtifactError(f"{path}: its metadata names no valid widths ({err}); {remedy(path)}") from None
-    return Selection(cut, keys, values, kind), meta
+    return KeptChannels(cut, keys, values, kind), meta
 
 
 @dataclass(frozen=True)
-class Selection:
+class KeptChannels:
     """What a selection file holds (:func:`read_selection`), and what :func:`statereduce.stages.prune.prune_model`
     takes.
 

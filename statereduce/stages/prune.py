@@ -58,7 +58,7 @@ from statereduce.adapters import EpsAttribute, LinearAttentionAdapter, ScaledRow
 from statereduce.adapters.mixer_layout import EPS_ATTRIBUTES
 from statereduce.core.artifacts import PRUNE_RECORD, check_prune_record  # noqa: F401  (check_prune_record re-exported)
 from statereduce.core.checkpoints import base_checkpoint
-from statereduce.core.selection_file import Selection
+from statereduce.core.selection_file import KeptChannels
 from statereduce.kernels.shapes import record_note
 from statereduce.core.models import save_checkpoint
 from statereduce.core.runtime import atomic_dir, versions
@@ -560,7 +560,7 @@ def prune_model(model: nn.Module, keep: Mapping[int, Any] | None, meta: Mapping[
 
     Args:
         model: a loaded causal LM with an adapter.
-        keep: a :class:`~statereduce.core.selection_file.Selection` (a selection file's: its key and value
+        keep: a :class:`~statereduce.core.selection_file.KeptChannels` (a selection file's: its key and value
             channels, of any cut), or {layer: LongTensor [H, d_k']} kept channel indices per q/k head (the same for
             q and k); the rows are sorted here, since channel order does not change the model. None keeps every key
             channel (a value cut). Or a transform selection,
@@ -638,9 +638,9 @@ class PrunePlan:
 def key_side(adapter: LinearAttentionAdapter, keep, values):
     """:func:`prune_model`'s selection, checked: (sorted kept key channels {layer: LongTensor [H, d_k']}, each layer's
     d_k', the transforms of a transform selection or None, the value selection or None)."""
-    if isinstance(keep, Selection):  # a selection file's: its key and value sides
+    if isinstance(keep, KeptChannels):  # a selection file's: its key and value sides
         if values is not None and keep.values is not None:
-            raise ValueError("values are given twice: in the Selection and as values=")
+            raise ValueError("values are given twice: in the KeptChannels and as values=")
         keep, values = keep.keys, keep.values if keep.values is not None else values
     if keep is None:
         keep = {layer: torch.arange(adapter.head_k_dim).expand(adapter.num_heads, -1)
