@@ -40,6 +40,7 @@ from statereduce.config.blocks import (
     model_rank,
     model_speed,
 )
+from statereduce.families import family_names, family_spec
 
 __all__ = [*blocks.__all__, "validate_config"]
 
@@ -47,8 +48,6 @@ __all__ = [*blocks.__all__, "validate_config"]
 def validate_config(config: dict, schema: dict | None = None) -> dict:
     """Validate ``config`` (all but the contents of its ``studies`` blocks: :func:`statereduce.studies.check_studies`);
     return a canonical copy (sorted keys) with defaults filled. Raises ConfigError (one line)."""
-    from statereduce.families import family_names, family_spec
-
     check_schema(config, schema or load_schema())
     cfg = canonical(copy.deepcopy(config))
     families = family_names()

@@ -31,6 +31,11 @@ from statereduce.common.settings import (
     Settings,
     SpeedPlan,
 )
+from statereduce.core.checkpoints import weight_files
+from statereduce.eval.recall import RecallLevel
+from statereduce.eval.suites import expand_eval
+from statereduce.families import check_family, family_names, family_spec
+from statereduce.families import check_share_conv as check_family_share_conv
 
 __all__ = [
     "ConfigError",
@@ -188,8 +193,6 @@ def model_eval(config: dict, model: str) -> EvalSettings:
     ``metadata``, per-task windows (``task_max_length``) and ``recall_probe`` settings; without suites
     the settings are exactly the configured ones. Raises ConfigError (one line) for an unknown suite.
     """
-    from statereduce.eval.suites import expand_eval
-
     try:
         return expand_eval(EvalSettings.from_dict(config["models"][model].get("eval", {})))
     except (TypeError, ValueError) as e:
@@ -209,8 +212,6 @@ def check_eval(config: dict, model: str) -> EvalSettings:
         check_split(config, corpus, "heldout", f"models.{model}.eval",
                     "the heldout task reads it; set eval.corpus to another corpus")
     if ev.recall_probe is not None:
-        from statereduce.eval.recall import RecallLevel
-
         try:
             names = [RecallLevel.parse(lv).task_name for lv in ev.probe.levels]
         except (TypeError, ValueError) as e:
@@ -310,8 +311,6 @@ def model_speed(config: dict, model: str) -> SpeedPlan:
     checkpoint. ``settings`` are the top-level ``speed`` block updated by the model's own ``speed`` block (part
     blocks key by key), which update :class:`~statereduce.common.settings.SpeedSettings` (checked here).
     """
-    from statereduce.families import family_names, family_spec
-
     m = config["models"][model]
     if not family_spec(m["family"]).speed_benchmark:
         covered = ", ".join(f for f in family_names() if family_spec(f).speed_benchmark)
@@ -346,8 +345,6 @@ def model_dims(config: dict, model: str) -> dict | None:
     an arch key the family's config class does not take. A hub model's are its ``dims``; a ``local`` model's are its
     ``dims``, else read the same way from its checkpoint's ``config.json`` (its ``text_config`` where it has one).
     """
-    from statereduce.families import family_spec
-
     m = config["models"][model]
     block = next((b for b in ("pretrain", "init") if b in m), None)
     if block is not None:
@@ -364,8 +361,6 @@ def model_dims(config: dict, model: str) -> dict | None:
 def _checkpoint_dims(family: str, folder: str) -> dict | None:
     """(num_heads, head_k_dim, head_v_dim) from a checkpoint folder's ``config.json`` through the adapter's
     ``arch_dims``; None when it cannot be read that way (the jobs check the loaded model)."""
-    from statereduce.families import family_spec
-
     cls = family_spec(family)
     try:
         cfg = json.loads((Path(folder).expanduser() / "config.json").read_text())
@@ -392,7 +387,6 @@ def check_reduction(config: dict, model: str, pct: float, method: str | None = N
     ``local`` checkpoint whose config.json the family cannot read, ``dims`` without ``head_k_dim``) is refused in one
     line, so that no job is planned for a ratio that may keep no channel."""
     from statereduce.core.cuts import cut_widths
-    from statereduce.families import family_spec
     from statereduce.selectors import parse_method
 
     cut = "keys" if method is None else parse_method(method).cut
@@ -473,8 +467,6 @@ def model_budget_plan(config: dict, model: str, method: str) -> BudgetPlan:
 def model_mixer_layers(config: dict, model: str) -> int | None:
     """The number of linear-attention layers of ``model`` when its config gives its architecture (``pretrain`` or
     ``init`` models), else None (the jobs read it off the checkpoint)."""
-    from statereduce.families import family_spec
-
     m = config["models"][model]
     block = next((b for b in ("pretrain", "init") if b in m), None)
     return None if block is None else len(family_spec(m["family"]).arch_mixer_layers(m[block]["arch"]))
@@ -486,8 +478,8 @@ def check_budget_cell(config: dict, model: str, method: str, pct: float) -> None
     objective for ``greedy``), the floor fits d_k and the allowed widths meet the uniform cut's total
     (:func:`statereduce.core.budgets.check_budget`); for a joint cut some split of the pct's state is left
     (:func:`statereduce.core.cuts.state_split_candidates`). A no-op for a method without a budget."""
-    from statereduce.core.budgets import check_budget, check_budget_selector
-    from statereduce.families import family_spec
+    from statereduce.core.budgets import allowed_widths, check_budget, check_budget_selector
+    from statereduce.core.cuts import state_pair_check, state_split_candidates
     from statereduce.selectors import parse_method
 
     spec = parse_method(method)
@@ -503,10 +495,6 @@ def check_budget_cell(config: dict, model: str, method: str, pct: float) -> None
     try:
         if spec.cut == "joint":
             if d_k is not None and d_v is not None:  # otherwise the split job checks the widths on the checkpoint
-                from statereduce.core.budgets import allowed_widths
-                from statereduce.core.cuts import state_split_candidates
-                from statereduce.core.cuts import state_pair_check
-
                 state_split_candidates(d_k, d_v, pct, allowed_widths(d_k, settings),
                                  state_pair_check(config["models"][model]["family"], d_k, d_v))
             return
@@ -570,8 +558,6 @@ def check_checkpoint_family(model: str, family: str, where: str, checkpoint: str
     Raises:
         ConfigError: one line naming the model, the checkpoint, its ``model_type`` and the family's.
     """
-    from statereduce.families import check_family
-
     try:
         check_family(checkpoint, revision, family)
     except ValueError as e:
@@ -587,7 +573,6 @@ def check_local(model: str, path: str | None) -> None:
     """
     if path is None:
         return
-    from statereduce.core.checkpoints import weight_files
 
     folder = Path(path).expanduser()
     if not folder.is_dir():
@@ -625,10 +610,8 @@ def check_share_conv(model: str, family: str, pretrain: PretrainSettings) -> Non
     Raises:
         ConfigError: one line naming the model, the value and what is valid.
     """
-    from statereduce.families import check_share_conv as check
-
     try:
-        check(family, pretrain.share_conv, pretrain.arch)
+        check_family_share_conv(family, pretrain.share_conv, pretrain.arch)
     except ValueError as e:
         raise ConfigError(f"models.{model}.pretrain.share_conv: {e}") from None
 

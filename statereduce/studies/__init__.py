@@ -15,6 +15,7 @@ from pathlib import Path
 
 from statereduce.common import layout
 from statereduce.config.blocks import check_schema, load_schema
+from statereduce.core.runtime import write_text_atomic
 from statereduce.studies.base import Cell, Figure, Study, Table, register, _REGISTRY
 
 __all__ = ["Cell", "Figure", "Study", "Table", "register", "registered", "get_study", "schema", "check_studies", "outputs",
@@ -85,7 +86,6 @@ def write_outputs(study: Study, inputs: dict[str, list[str]], params: dict, path
         ValueError: a study whose :meth:`~statereduce.studies.base.Study.frames` misses one of its tables.
     """
     from statereduce.analysis.figures import markdown_html
-    from statereduce.core.runtime import write_text_atomic
 
     frames = study.frames(inputs, params)
     missing = [t.name for t in study.tables if t.name not in frames]

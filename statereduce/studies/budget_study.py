@@ -11,6 +11,7 @@ from pathlib import Path
 from statereduce.common import layout
 from statereduce.common.layout import MethodSpec, format_method, format_pct, parse_token
 from statereduce.config.blocks import ConfigError, check_budget_cell, check_reduction, model_budget
+from statereduce.core.runtime import json_number, read_json
 from statereduce.studies.base import (
     KEY, PCTS, Figure, Study, Table, known_models, known_selectors, register, summary_paths, unique_list,
 )
@@ -85,15 +86,11 @@ uniform cut, whose total every budget keeps.
                                 for m, method, pct in cells if parse_token(method).budget is not None]}
 
     def frames(self, inputs, params):
-        from statereduce.core.runtime import read_json
-
         df = budget_frame([read_json(p) for p in inputs["summaries"]], params,
                           [read_json(p) for p in inputs["allocations"]])
         return {"budget_study": (df, markdown(df, params))}
 
     def draw(self, inputs, params, outputs):
-        from statereduce.core.runtime import read_json
-
         allocations_figure([read_json(p) for p in inputs["allocations"]], outputs["budget_allocations"])
 
 
@@ -110,7 +107,6 @@ def budget_frame(summaries: list[dict], block: dict, allocations: list[dict]):
     import pandas as pd
 
     from statereduce.analysis.tables import STAGES, recall_mean
-    from statereduce.core.runtime import json_number
 
     by_cell = {(s["model"], s["method"], float(s["pct"])): s for s in summaries}
     allocations = {(a["model"], a["method"], float(a["pct"])): a for a in allocations}

@@ -7,6 +7,7 @@ from __future__ import annotations
 from statereduce.common.layout import MethodSpec, format_method, format_pct
 from statereduce.common.settings import CalibrationSettings
 from statereduce.config.blocks import ConfigError, check_reduction, model_calibration
+from statereduce.core.runtime import read_json
 from statereduce.studies.base import (
     KEY, Study, Table, known_models, known_selectors, register, summary_paths, unique_list,
 )
@@ -96,7 +97,6 @@ every variant. "–" marks a value that was not computed; nothing is filled in. 
 
     def frames(self, inputs, params):
         from statereduce.analysis.tables import cells_frame
-        from statereduce.core.runtime import read_json
 
         block = params["block"]
         labels = {m: {v: calibration_label(s, by_variant.get("default")) for v, s in by_variant.items()}

@@ -8,6 +8,7 @@ from __future__ import annotations
 from statereduce.common import layout
 from statereduce.common.layout import MethodSpec, format_method, format_pct
 from statereduce.config.blocks import ConfigError, check_reduction, model_pretrain
+from statereduce.core.runtime import read_json
 from statereduce.families import SHARE_CONV  # Table 14's rows, in the paper's order
 from statereduce.studies.base import PCTS, Study, Table, known_selectors, register, unique_list
 
@@ -93,8 +94,6 @@ was not computed. The long CSV is ``results/tables/pca_convolutions.csv``.
         return {"block": block, "cells": [list(c) for c in cells]}
 
     def frames(self, inputs, params):
-        from statereduce.core.runtime import read_json
-
         block = params["block"]
         baselines = {m: read_json(p) for m, p in zip(_models(block), inputs["baselines"], strict=True)}
         pruned = {tuple(c): read_json(p) for c, p in zip(params["cells"], inputs["pruned"], strict=True)}

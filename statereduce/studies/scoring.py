@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from statereduce.common.layout import MethodSpec, format_method, format_pct
 from statereduce.config.blocks import ConfigError, check_reduction
+from statereduce.core.runtime import read_json
 from statereduce.studies.base import Study, Table, known_models, known_selectors, register, summary_paths, unique_list
 
 #: Scoring variants in Table 16's column order, with the paper's column labels.
@@ -60,7 +61,6 @@ computed; nothing is filled in. The long CSV is ``results/tables/scoring_ablatio
 
     def frames(self, inputs, params):
         from statereduce.analysis.tables import cells_frame
-        from statereduce.core.runtime import read_json
 
         cells = [{"model": m, "selector": s, "variant": v, "method": method, "pct": float(params["pct"])}
                  for m, s, v, method in _cells(params)]

@@ -9,8 +9,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from statereduce.common import layout
 from statereduce.common.layout import MethodSpec, format_method, format_pct, parse_token
 from statereduce.config.blocks import ConfigError, check_budget_cell, check_method, check_reduction, model_budget
+from statereduce.core.runtime import json_number, read_json
 from statereduce.studies.base import (
     PCTS, Figure, Study, Table, known_models, known_selectors, register, summary_paths, unique_list,
 )
@@ -100,21 +102,15 @@ and selector of ``studies.values`` (lower is better).
         return cells
 
     def inputs(self, config, block, cells):
-        from statereduce.common import layout
-
         return {"summaries": summary_paths(cells),
                 "activations": [layout.path(layout.ACTIVATIONS, model=m, calib="default") for m in block["models"]]}
 
     def frames(self, inputs, params):
-        from statereduce.core.runtime import read_json
-
         df = value_frame([read_json(p) for p in inputs["summaries"]], params)
         use = utilisation_frame(dict(zip(params["models"], inputs["activations"])))
         return {"value_study": (df, markdown(df, params, use))}
 
     def draw(self, inputs, params, outputs):
-        from statereduce.core.runtime import read_json
-
         df = value_frame([read_json(p) for p in inputs["summaries"]], params)
         loss_figure(df, params, outputs["value_loss"])
 
@@ -154,7 +150,6 @@ def value_frame(summaries: list[dict], block: dict):
     import pandas as pd
 
     from statereduce.analysis.tables import STAGES, recall_mean
-    from statereduce.core.runtime import json_number
 
     by_cell = {(s["model"], s["method"], float(s["pct"])): s for s in summaries}
     rows = []
