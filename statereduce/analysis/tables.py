@@ -10,13 +10,15 @@ per (model, method, pct, stage) with every metric.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from statereduce.common.layout import format_pct
-from statereduce.core.runtime import json_number
+from statereduce.common.layout import format_pct, parse_token
+from statereduce.core.runtime import cpu_kind, json_number, write_text_atomic
+from statereduce.eval.suites import local_tasks, suite_stderr, suite_summary
 
 PRIMARY = ("heldout", "bits_per_byte")  # (task, metric) shown first when present
 # Metrics the Markdown table shows, when present: byte-level models on the embedded corpus are compared
@@ -111,8 +113,6 @@ def _suite_stderr_columns(suites: dict | None, metrics: dict) -> dict[str, float
     """``{"suite/summary_stderr": se}`` for every suite average of ``suites`` whose items all carry a standard error
     in ``metrics`` (:func:`statereduce.eval.suites.suite_stderr`); none where one lacks it, or where the average
     recomputed from ``metrics`` is not the recorded one (the items would not be the averaged ones)."""
-    from statereduce.eval.suites import local_tasks, suite_stderr, suite_summary
-
     out = {}
     for suite, block in (suites or {}).items():
         tasks = local_tasks(suite, metrics)
@@ -250,8 +250,6 @@ METRIC_LABELS = {
 def removed_label(df, pct: float) -> str:
     """What a pct removes in the rows of ``df`` at it: ``"50% of key channels removed"`` where every method cuts keys;
     with value (``-v``) or joint (``-kv``) cuts among them, what each removes."""
-    from statereduce.common.layout import parse_token
-
     methods = set(df.loc[df["pct"] == pct, "method"]) if {"pct", "method"} <= set(df.columns) else set()
     cuts = set()
     for m in methods:
@@ -402,8 +400,6 @@ def made_on_line(summaries: list[dict], baselines: dict[str, dict]) -> str:
     (:func:`statereduce.core.runtime.cpu_kind`);
     torch, MKL and oneDNN pick their kernels by it, so the trained numbers depend on it (README, "The same numbers
     on another CPU")."""
-    from statereduce.core.runtime import cpu_kind
-
     cpus = _doc_cpus(summaries, baselines)
     line = MADE_ON + ("; ".join(cpus) if cpus else "CPU not recorded")
     cap = torch_cpu_capability() if cpus == [cpu_kind()] else None
@@ -413,8 +409,6 @@ def made_on_line(summaries: list[dict], baselines: dict[str, dict]) -> str:
 def parse_made_on(md: str) -> tuple[list[str], str | None] | None:
     """(CPU kinds, torch CPU capability or None) from the :data:`MADE_ON` line of a comparison Markdown; None
     without one."""
-    import re
-
     for line in md.splitlines():
         if line.startswith(MADE_ON):
             m = re.fullmatch(r"(.*?)(?:, torch CPU capability (\S+))?\.", line[len(MADE_ON):])
@@ -460,8 +454,6 @@ def write_comparison(
     Returns:
         The frame of :func:`comparison_frame`.
     """
-    from statereduce.core.runtime import write_text_atomic
-
     df = comparison_frame(summaries, baselines)
     write_text_atomic(md_path, comparison_document(df, made_on_line(summaries, baselines)))
     write_text_atomic(csv_path, df.to_csv(index=False))
@@ -567,8 +559,6 @@ def write_rank_tables(
     out_dir: str | Path,
 ) -> dict[str, pd.DataFrame]:
     """Write ``rank_utilization``, ``conditioning`` and ``overlap`` (``.md`` and ``.csv``) into ``out_dir``."""
-    from statereduce.core.runtime import write_text_atomic
-
     util, cond = rank_frames(ranks, baselines)
     d_k = {m: int(doc["model"]["d_k"]) for m, doc in baselines.items()}
     over = overlap_frame(selections, d_k)
