@@ -22,6 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from statereduce.common.layout import CUTS
+from statereduce.core.artifacts import ArtifactError, read_json_artifact, remedy
+from statereduce.core.budgets import read_allocation
+from statereduce.families import family_spec
+from statereduce.selectors import parse_method
 from statereduce.selectors.registry import n_keep_for, n_removed_for, no_channel_removed
 
 
@@ -251,8 +255,6 @@ def plan_cut(method: str, pct: float, d_k: int, d_v: int | None, layers, *, fami
         ValueError: one line, for an artifact the token does not take or lacks, or widths the family cannot hold.
         ArtifactError: one line, for an artifact written for another job.
     """
-    from statereduce.selectors import parse_method
-
     spec = parse_method(method)
     layers = sorted(int(layer) for layer in layers)
     expect = dict(expect or {})
@@ -264,7 +266,6 @@ def plan_cut(method: str, pct: float, d_k: int, d_v: int | None, layers, *, fami
                                                       else "names a budget: give its allocation (rule allocate)"))
         if allocation is None:
             return Cut.uniform("keys", d_k, d_v, layers, n_keep_for(d_k, pct)), {}
-        from statereduce.core.budgets import read_allocation
 
         doc = read_allocation(allocation, {**expect, "method": method, "pct": pct})
         record = {"allocation": {"budget": doc["budget"], "policy": doc["allocation"]["policy"],
@@ -306,7 +307,6 @@ def state_pair_check(family: str | None, d_k: int, d_v: int):
     :func:`state_split_candidates` (None without a family)."""
     if family is None:
         return None
-    from statereduce.families import family_spec
 
     fspec = family_spec(family)
 
@@ -324,8 +324,6 @@ def read_state_split(path: str | Path, expect: Mapping[str, Any] | None = None) 
     Raises:
         ArtifactError: one line naming the file and the rule that rebuilds it.
     """
-    from statereduce.core.artifacts import ArtifactError, read_json_artifact, remedy
-
     expect = dict(expect or {})
     doc = read_json_artifact(path, "split", STATE_SPLIT_FORMAT, "candidates", expect)
     for key in ("d_k", "d_v"):

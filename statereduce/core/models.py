@@ -26,6 +26,8 @@ from statereduce.common.settings import DeviceSettings
 from statereduce.core.checkpoints import BASE_ATTR, SOURCE_FILE, checkpoint_provenance, checkpoint_sha256
 from statereduce.core.runtime import write_json
 from statereduce.core.tokenizer import VOCAB_SIZE
+from statereduce.families import check_family, model_type_family
+from statereduce.families.base import KEY_DIMS_FIELD, VALUE_DIMS_FIELD
 
 if TYPE_CHECKING:
     import torch
@@ -163,8 +165,6 @@ def write_hub_source(
     check_dtype(dtype)
     sha, resolved = resolve_revision(hub_id, revision)
     if family is not None:
-        from statereduce.families import check_family
-
         check_family(hub_id, sha if resolved else revision, family, download=resolved)
     record: dict[str, Any] = {
         "hub_id": hub_id,
@@ -225,8 +225,6 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
     from statereduce.adapters import adapter_for_config
-    from statereduce.families import model_type_family
-    from statereduce.core.slicing import KEY_DIMS_FIELD, VALUE_DIMS_FIELD
 
     base = Path(base)
     source_file = base / SOURCE_FILE
@@ -320,9 +318,7 @@ def load_mixed_widths(cls, folder: Path, config, dtype: torch.dtype, overrides: 
     from safetensors.torch import load_file
 
     from statereduce.adapters import get_adapter
-    from statereduce.core.slicing import (
-        KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD, VALUE_DIMS_FIELD, shape_mixers, shape_values,
-    )
+    from statereduce.core.slicing import OUTPUT_NORM_EPS_FIELD, shape_mixers, shape_values
 
     if not (folder / "model.safetensors").is_file():
         raise ValueError(f"{folder} holds a checkpoint with per-layer widths but no model.safetensors (a local "

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from statereduce.adapters import ChannelRows, LinearAttentionAdapter
+from statereduce.adapters import ChannelRows, LinearAttentionAdapter, get_adapter
 from statereduce.adapters.mixer_layout import ValueChannels
 from statereduce.adapters.conv_sharing import filters_equal
 from statereduce.families.base import KEY_DIMS_FIELD, VALUE_DIMS_FIELD  # noqa: F401  (the fields shaped from)
@@ -364,8 +364,6 @@ def cut_tensors(rows) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]
 def masked_cut(model: nn.Module, keys: Mapping[int, torch.Tensor], values: Mapping[int, torch.Tensor]) -> ExitStack:
     """A context in which ``model`` has every layer's dropped key channels (``keys``: {layer: [H, d_k']}) and value
     channels (``values``: {layer: [units, d_v']}) zeroed: the joint cut under ``norm_eps: exact``."""
-    from statereduce.adapters import get_adapter
-
     adapter = get_adapter(model)
     mixers = dict(adapter.mixer_layers())
     stack = ExitStack()
