@@ -39,6 +39,8 @@ from statereduce.adapters.mixer_layout import (  # noqa: F401  (re-exported)
 from statereduce.families.base import (  # noqa: F401  (re-exported)
     Dims, FamilySpec, LazyImport, StateShape, attach_adapter, family_names, family_spec, registered,
 )
+from statereduce.kernels import fla_fallback, routing
+from statereduce.kernels.check import BACKWARD, Route
 
 
 def register_adapter(cls: type[LinearAttentionAdapter]) -> type[LinearAttentionAdapter]:
@@ -260,8 +262,6 @@ class LinearAttentionAdapter(FamilySpec):
         :attr:`checked_kernels` at each head shape of the model's linear-attention layers (q/k heads, value heads,
         each layer's key and value widths), in the forward and, with ``backward``, in the backward of the kernels a
         training step differentiates (:data:`~statereduce.kernels.check.BACKWARD`)."""
-        from statereduce.kernels.check import BACKWARD, Route
-
         shapes = sorted({(self.num_heads, s.num_heads, s.d_k, s.d_v) for s in self.layer_state_shapes().values()})
         setup = f"{type(self).__module__}:{type(self).__qualname__}"
         flags = tuple(sorted(self.kernel_flags.items()))
@@ -277,7 +277,6 @@ class LinearAttentionAdapter(FamilySpec):
         that runs no fla code (:attr:`uses_fla`) has nothing to route, and fla is not imported."""
         if not cls.uses_fla:
             return
-        from statereduce.kernels import fla_fallback
 
         fla_fallback.install(torch_device_types=torch_device_types)
 
@@ -289,7 +288,6 @@ class LinearAttentionAdapter(FamilySpec):
         fallbacks (fla's kernels are Triton-only)."""
         if requested != "auto":
             return requested
-        from statereduce.kernels import routing
 
         return "torch" if cls.fla_gated_backward and routing.fla_refuses_gated_backward(device) else "fla"
 

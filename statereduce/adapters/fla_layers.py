@@ -15,9 +15,11 @@ from typing import Any, ClassVar
 from torch import nn
 
 from statereduce.adapters.base import LinearAttentionAdapter, decoder_layers
+from statereduce.adapters.conv_sharing import conv_sharing
 from statereduce.adapters.mixer_layout import (
     ChannelRows, EpsAttribute, ExactNorms, MixerLayout, ScaledRows, ValueChannels, head_major_rows, module_names,
 )
+from statereduce.kernels import shapes
 
 
 class FlaMixerLayout(MixerLayout):
@@ -66,8 +68,6 @@ class FlaMixerLayout(MixerLayout):
     def conv_sharing(self) -> str:
         """How ``q_conv1d`` / ``k_conv1d`` filters are shared: "head" (equal within each head), "all" (equal across
         the layer) or "none" (paper App. B.5, Table 14; :mod:`statereduce.adapters.conv_sharing`)."""
-        from statereduce.adapters.conv_sharing import conv_sharing
-
         return conv_sharing(self.mixer, self.adapter.num_heads, self.key_dim)
 
 
@@ -108,7 +108,6 @@ class FlaAdapter(LinearAttentionAdapter):
         """The torch fallbacks (base class), then the shape guard on the layer module's kernels
         (:data:`padded_kernels`): CUDA calls at a head shape stock fla mishandles go through a zero-padded call."""
         super().install_fallbacks(torch_device_types)
-        from statereduce.kernels import shapes
 
         shapes.install(cls.layer_module, cls.padded_kernels)
 

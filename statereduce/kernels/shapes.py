@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from statereduce.kernels.fla_fallback import torch_device_types
+
 #: where the sweep ran
 MEASURED_ON = "fla 0.6.0, Triton 3.6.0, torch 2.11.0+cu130, NVIDIA H200"
 #: where the values sweep (:data:`VALUE_FAULTY`) ran
@@ -228,8 +230,6 @@ def guard(inner: Callable[..., Any], kernel: str, table: Table = FAULTY,
     differentiated); every other
     call (and every call that :mod:`~statereduce.kernels.fla_fallback` routes to its torch kernels, which take any
     shape) goes to ``inner`` unchanged. fla's delta-rule kernels take q, k, v first (positional or keyword)."""
-    from statereduce.kernels.fla_fallback import torch_device_types
-
     @functools.wraps(inner)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         q = args[0] if args else kwargs.get("q")

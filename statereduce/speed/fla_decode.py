@@ -45,6 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from statereduce.adapters.base import LazyImport, adapter_class
+from statereduce.kernels import conv
+from statereduce.kernels.recurrent import fla_delta_rule_step, fla_gated_delta_rule_step, recurrent_step
 from statereduce.speed.routes import DecodeRoute, Patch, register_route
 
 
@@ -220,8 +222,6 @@ def _one_token(x: torch.Tensor, device_types: tuple[str, ...]) -> bool:
 def _mixer_forward(route, original, kernel: str, device_types: tuple[str, ...]):
     from fla.layers.utils import get_layer_cache, update_layer_cache
 
-    from statereduce.kernels import conv  # triton: imported when a model is patched, not with the adapters
-
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
                 output_attentions=False, **kwargs):
         plan = mixer_plan(route, self)
@@ -350,8 +350,6 @@ class DeltaNetRoute(FlaRoute):
 
     @classmethod
     def fused_recurrent_step(cls, layer, kernel, q, k, v, tail, state, extra=None):
-        from statereduce.kernels.recurrent import recurrent_step
-
         beta, l2 = tail[..., :layer.num_heads], layer.qk_norm == "l2"
         if kernel == "statereduce":  # L2 norms (rounded as fla's DeltaNet does) and beta's sigmoid in the kernel
             return recurrent_step(q, k, v, beta, state, l2norm=l2, round_qk=l2, beta_sigmoid=True,
@@ -366,8 +364,6 @@ class DeltaNetRoute(FlaRoute):
 
 def _inplace_delta_rule(original, kernel: str, device_types: tuple[str, ...]):
     """fla's one-token recurrent function, routed to ``kernel``'s in-place step (speed.inplace)."""
-    from statereduce.kernels.recurrent import fla_delta_rule_step, recurrent_step
-
     def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None, output_final_state=False,
                                    use_qk_l2norm_in_kernel=False, cu_seqlens=None):
         if not one_token_call(q, initial_state, cu_seqlens, device_types):
@@ -409,8 +405,6 @@ class GatedDeltaNetRoute(FlaRoute):
 
     @classmethod
     def fused_recurrent_step(cls, layer, kernel, q, k, v, tail, state, extra=None):
-        from statereduce.kernels.recurrent import recurrent_step
-
         hv = layer.num_v_heads
         a, beta = tail[..., :hv], tail[..., hv:2 * hv]
         opts = {"A_log": layer.A_log, "dt_bias": layer.dt_bias, "allow_neg_eigval": layer.allow_neg_eigval}
@@ -428,8 +422,6 @@ class GatedDeltaNetRoute(FlaRoute):
 
 def _inplace_gated_delta_rule(original, kernel: str, device_types: tuple[str, ...]):
     """fla's one-token recurrent function, routed to ``kernel``'s in-place step (speed.inplace)."""
-    from statereduce.kernels.recurrent import fla_gated_delta_rule_step, recurrent_step
-
     def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
                                          initial_state=None, output_final_state=False,
                                          use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
