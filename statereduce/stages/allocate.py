@@ -56,6 +56,9 @@ from statereduce.core.budgets import (
 from statereduce.selectors import HeadData, get_selector, head_rng, n_keep_for, parse_method
 from statereduce.common.settings import BudgetPlan, BudgetSettings
 from statereduce.core.calib_loss import calibration_loss, loss_inputs  # noqa: F401  (calibration_loss re-exported)
+from statereduce.core.artifacts import ArtifactError, read_json_artifact, remedy
+from statereduce.core.h5files import H5Artifact, layer_head_data
+from statereduce.families import family_spec
 
 log = logging.getLogger(__name__)
 
@@ -253,9 +256,6 @@ def _budget_inputs(weights: str | Path, method: str, plan: BudgetPlan, *, activa
     """What rules allocate and budget_values read: head sizes, layers, the per-layer data callable, the width check,
     the provenance, the settings as recorded (``sensitivity``: with its batch size), and with ``load`` the model and
     calibration blocks of the sensitivity loss."""
-    from statereduce.families import family_spec
-    from statereduce.core.h5files import H5Artifact, layer_head_data
-
     spec, settings, head_v_dim = parse_method(method), plan.settings, plan.head_v_dim
     wattrs = H5Artifact(weights).expect(expect)
     d_k, h, family = int(wattrs["head_k_dim"]), int(wattrs["num_heads"]), wattrs.get("family")
@@ -322,8 +322,6 @@ def read_values(path: str | Path, expect: Mapping[str, Any] | None = None) -> tu
     Raises:
         ArtifactError: one line naming the file and the rule that rebuilds it.
     """
-    from statereduce.core.artifacts import ArtifactError, read_json_artifact, remedy
-
     expect = dict(expect or {})
     doc = read_json_artifact(path, "budget values", VALUES_FORMAT, "values", expect)
     for key in ("settings", "d_k", "layers", "seed", "options"):

@@ -41,6 +41,7 @@ Mamba-2's scan has no scale: there pruning equals zeroing the dropped B/C channe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -143,8 +144,6 @@ def load_prune_record(path: str | os.PathLike) -> PruneRecord:
 
 def transform_note(transforms: Mapping[int, torch.Tensor], counts: Mapping[str, int]) -> dict[str, Any]:
     """The record's ``transform`` entry: a digest of the float64 transforms, and the conv filter counts."""
-    import hashlib
-
     digest = hashlib.sha256()
     for layer in sorted(transforms):
         digest.update(transforms[layer].to(torch.float64).contiguous().numpy().tobytes())

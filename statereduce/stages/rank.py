@@ -30,7 +30,13 @@ from torch import nn
 from statereduce import __version__
 from statereduce.adapters import get_adapter
 from statereduce.eval.documents import layer_mean
-from statereduce.core.runtime import jsonable
+from statereduce.core.artifacts import check_prune_record
+from statereduce.core.checkpoints import base_checkpoint
+from statereduce.core.data import load_split, token_blocks
+from statereduce.core.h5files import H5Artifact
+from statereduce.core.models import kernel_check_record, load_model
+from statereduce.core.runtime import jsonable, read_json, write_json
+from statereduce.core.selection_file import read_selection
 from statereduce.selectors.overlap import as_layers, head_keep, keep_overlap  # noqa: F401  (keep_overlap re-exported)
 from statereduce.common.settings import RankSettings
 
@@ -461,18 +467,9 @@ def rank_analysis(checkpoint: str | Path, settings: RankSettings, info: dict[str
     ``extra``'s method and pct): a pruned checkpoint's ``prune_record.json`` and the ``selection``, and the
     ``activations`` for the selection's calibration id and head sizes (:mod:`statereduce.core.artifacts`).
     """
-    from statereduce.core.checkpoints import base_checkpoint
-    from statereduce.core.data import load_split, token_blocks
-    from statereduce.core.h5files import H5Artifact
-    from statereduce.core.models import kernel_check_record, load_model
-    from statereduce.core.runtime import jsonable, read_json, write_json
-    from statereduce.core.selection_file import read_selection
-
     expected = {**info, **(extra or {})}
     keep = None
     if selection is not None:
-        from statereduce.core.artifacts import check_prune_record
-
         check_prune_record(checkpoint, expected)
         chosen, sel_meta = read_selection(selection, expect=expected)
         keep = chosen.keys  # None for a value cut: every key channel kept

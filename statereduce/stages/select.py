@@ -38,9 +38,11 @@ from statereduce.common.layout import MethodSpec
 from statereduce.common.settings import BudgetPlan
 from statereduce.core.artifacts import ArtifactError, remedy
 from statereduce.core.budgets import allowed_widths
+from statereduce.core.calib_loss import calibration_loss, loss_inputs
 from statereduce.core.cuts import STATE_SPLIT_FORMAT, Cut, joint_widths, plan_cut, state_split_candidates, state_pair_check
 from statereduce.selectors import HeadData, format_method, get_selector, n_keep_for, parse_method, select_heads
 from statereduce.selectors.registry import head_rng, value_side
+from statereduce.selectors.values import ValueData
 
 log = logging.getLogger(__name__)
 
@@ -320,8 +322,6 @@ def value_units(layers: Iterable[tuple[int, Mapping[str, np.ndarray]]], pool: bo
     that the heads share is every head's). With ``pool``, where the heads share their output norm (``w_norm`` has one
     row) the layer is one unit instead (heads pooled: V stacked, weights side by side, Grad summed): one selection
     per layer, which ``dev/value_sharing.py`` compares with one per head."""
-    from statereduce.selectors.values import ValueData
-
     for layer, a in layers:
         hv = next(a[n].shape[0] for n in ("W_v", "W_o", "V", "grad_v") if n in a)
         shared = "w_norm" in a and a["w_norm"].shape[0] == 1
@@ -355,7 +355,6 @@ def state_split_per_layer(model, blocks, batch: int, cuts: Mapping[tuple[int, in
     """
     from tqdm.auto import tqdm
 
-    from statereduce.core.calib_loss import calibration_loss
     from statereduce.core.slicing import masked_cut
 
     layers = sorted(cuts[uniform][0])
@@ -408,7 +407,6 @@ def measure_splits(model, blocks, batch: int, candidates: list[tuple[int, int]],
     widths, state share, loss; {pair: its kept channels, :func:`~statereduce.core.slicing.cut_tensors`})."""
     from tqdm.auto import tqdm
 
-    from statereduce.core.calib_loss import calibration_loss
     from statereduce.core.slicing import cut_tensors, masked_cut
 
     rows, cuts = [], {}
@@ -454,8 +452,6 @@ def choose_state_split(weights: str | Path, method: str, pct: float, plan: Budge
     Raises:
         ValueError: one line, for a token that is not a joint cut with a budget, or a budget of another policy.
     """
-    from statereduce.core.calib_loss import calibration_loss, loss_inputs  # torch: off the selection jobs' start-up
-
     spec, settings = parse_method(method), plan.settings
     if spec.cut != "joint" or spec.budget is None:
         raise ValueError(f"method {method!r}: a split is chosen for a joint cut with a budget, "
