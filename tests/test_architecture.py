@@ -3,11 +3,14 @@ is its folder's (the package root holds the api layer alone: a new top-level mod
 and it imports only from its own layer or lower ones (stages never from each other); the kernel layer imports nothing
 else from the package, the family specs only the common vocabulary and no torch (config validation reads them:
 planning a run imports no torch), the adapters only kernels, specs and the common vocabulary; code that drives models reads family facts from the adapters
-(no fla layer modules of its own); and no two modules import each other, at top level or inside functions."""
+(no fla layer modules of its own); no two modules import each other, at top level or inside functions; and only the
+modules that docs/architecture.md names under "Imports inside functions" import inside functions."""
 
 from __future__ import annotations
 
 import ast
+import fnmatch
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +19,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "statereduce"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 #: docs/architecture.md's map, lowest layer first: (layer, the package's folders in it). The package root is the api
 #: layer and holds :data:`API_MODULES` only; the package itself (``__init__``: ``__version__``) imports nothing and
@@ -231,3 +235,67 @@ def test_the_walk_sees_imports_inside_functions(tmp_path):
         assert {"statereduce.core.runtime", "statereduce.kernels.conv"} <= _imports(tmp_path / "probe.py")
     finally:
         del MODULES["_probe"]
+
+
+# ---- imports inside functions: only in the modules docs/architecture.md names ----------------------------------------
+INNER_SECTION = "Imports inside functions"
+
+
+def inner_imports(path: Path) -> list[str]:
+    """``function:line`` of every import statement inside a function body of ``path`` (methods and nested functions
+    too; imports at module level or in a class body are not inside a function)."""
+    out = []
+
+    def visit(node: ast.AST, function: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name if function is None else f"{function}.{child.name}")
+            elif isinstance(child, (ast.Import, ast.ImportFrom)) and function is not None:
+                out.append(f"{function}:{child.lineno}")
+            else:
+                visit(child, function)
+
+    visit(ast.parse(path.read_text(), str(path)), None)
+    return out
+
+
+def inner_import_modules(doc: str) -> list[str]:
+    """The module paths (relative to ``statereduce/``; a glob such as ``studies/*.py`` names a folder's modules) that
+    the section "Imports inside functions" of ``doc`` (docs/architecture.md) names in backticks."""
+    m = re.search(rf"^## {INNER_SECTION}\n(.*?)(?=^## |\Z)", doc, re.S | re.M)
+    if m is None:
+        raise AssertionError(f"docs/architecture.md has no section {INNER_SECTION!r}")
+    return re.findall(r"`([\w./*]+\.py)`", m.group(1))
+
+
+def inner_import_violations(package: Path = PACKAGE, doc: str | None = None) -> list[str]:
+    """A module of ``package`` with an import inside a function that the section does not name, and a name of the
+    section that matches no module with one (a line left behind when the imports moved to the top)."""
+    listed = inner_import_modules(ARCHITECTURE.read_text() if doc is None else doc)
+    found = {p.relative_to(package).as_posix(): inner_imports(p) for p in sorted(package.rglob("*.py"))}
+    found = {rel: where for rel, where in found.items() if where}
+    out = [f"statereduce/{rel} imports inside {', '.join(where)}: move the imports to its top, or name the module "
+           f"and why in docs/architecture.md, \"{INNER_SECTION}\""
+           for rel, where in found.items() if not any(fnmatch.fnmatch(rel, pattern) for pattern in listed)]
+    out += [f"docs/architecture.md, \"{INNER_SECTION}\", names {pattern}: no module of that name imports inside a "
+            "function; drop or correct its line" for pattern in listed
+            if not any(fnmatch.fnmatch(rel, pattern) for rel in found)]
+    return out
+
+
+def test_only_the_modules_the_architecture_names_import_inside_functions():
+    """An import inside a function keeps a heavy library off a start-up that does not need it; every module that
+    has one is named, with its reason, in docs/architecture.md, and every module named there has one."""
+    assert inner_import_violations() == []
+
+
+def test_the_inner_import_check_fails_on_a_planted_import_and_a_stale_line(tmp_path):
+    copy = _planted_copy(tmp_path)
+    path = copy / "core" / "artifacts.py"
+    path.write_text(path.read_text() + "\n\ndef _planted():\n    import json\n")
+    found = inner_import_violations(copy)
+    assert len(found) == 1 and found[0].startswith("statereduce/core/artifacts.py imports inside _planted:"), found
+    doc = ARCHITECTURE.read_text().replace("* `stages/rft.py`", "* `stages/rtf.py`")  # a misspelt line
+    found = inner_import_violations(PACKAGE, doc)
+    assert len(found) == 2 and found[0].startswith("statereduce/stages/rft.py imports inside attach_lora:"), found
+    assert "names stages/rtf.py: no module of that name imports inside a function" in found[1], found
