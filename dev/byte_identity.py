@@ -13,15 +13,22 @@ on ``PYTHONPATH``):
   ``init:`` model and a local checkpoint) with its value and joint cells added.
 
 ``compare`` walks both ``results/`` trees and compares every file byte for byte (``filecmp`` with ``shallow=False``,
-which is what ``cmp`` does), leaving out only the files that record time or place: ``logs/``, ``benchmarks/``,
-Snakemake's ``.snakemake/`` and the run report's timings (:data:`TIMED`).
+which is what ``cmp`` does), leaving out the folders that record time or place: ``logs/``, ``benchmarks/``,
+Snakemake's ``.snakemake/`` and the speed records (:data:`TIMED`). A JSON, JSON-lines or HDF5 file that differs is
+compared again with the entries that record when, how fast, at which commit or in which temporary folder a job ran
+masked (:data:`VOLATILE`: wall times, tokens/s, dates, the lm-eval temp folder, the git hash, and the RFT
+fingerprint, a hash over the base model's ``pretrain.json`` and its wall time); one equal then is counted "equal but
+for time and place", listed by name, and anything else is a difference. Checkpoints (``model.safetensors``,
+``config.json``), selections and tables must be equal byte for byte.
 """
 
 from __future__ import annotations
 
 import argparse
 import filecmp
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +39,49 @@ EXTRA_METHODS = ("drrqr-v", "drrqr-kv", "drrqr-kv@split", "grad-kv@layersplit", 
 WF_METHODS = ("drrqr-v", "drrqr-kv", "grad-kv@split")
 #: Files that record when or where a job ran, not what it computed (matched on the path's parts).
 TIMED = ("logs", "benchmarks", ".snakemake", "speed.json", "run_report.json", "timings.json")
+#: Keys of JSON documents and HDF5 attributes that record when, how fast, at which commit or where a job ran.
+VOLATILE = re.compile(r"(seconds|_s$|per_s$|^date$|^created$|^time|git_hash|include_path|cache_dir|data_files|"
+                      r"config_source|fingerprint)")
+
+
+def _masked(doc):
+    if isinstance(doc, dict):
+        return {k: _masked(v) for k, v in doc.items() if not VOLATILE.search(str(k))}
+    if isinstance(doc, list):
+        return [_masked(v) for v in doc]
+    return doc
+
+
+def equal_but_for_time(a: Path, b: Path) -> bool:
+    """Whether two JSON, JSON-lines or HDF5 files are equal once their :data:`VOLATILE` entries are masked."""
+    if a.suffix == ".json":
+        return _masked(json.loads(a.read_text())) == _masked(json.loads(b.read_text()))
+    if a.suffix == ".jsonl":
+        la, lb = a.read_text().splitlines(), b.read_text().splitlines()
+        return len(la) == len(lb) and all(_masked(json.loads(x)) == _masked(json.loads(y)) for x, y in zip(la, lb))
+    if a.suffix == ".h5":
+        import h5py
+        import numpy as np
+
+        def same(x, y) -> bool:
+            return np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+
+        with h5py.File(a) as fa, h5py.File(b) as fb:
+            names = []
+            fa.visit(names.append)
+            nodes = [("/", fa["/"], fb["/"])]
+            for n in names:
+                if n not in fb:
+                    return False
+                nodes.append((n, fa[n], fb[n]))
+            for _, x, y in nodes:
+                if isinstance(x, h5py.Dataset) and not np.array_equal(x[()], y[()]):
+                    return False
+                keys = {k for k in (*x.attrs, *y.attrs) if not VOLATILE.search(k)}
+                if any(k not in x.attrs or k not in y.attrs or not same(x.attrs[k], y.attrs[k]) for k in keys):
+                    return False
+        return True
+    return False
 
 
 def run(cmd: list[str], cwd: Path, env: dict) -> None:
@@ -84,10 +134,14 @@ def compare(a: Path, b: Path) -> int:
         rb = results_of(b)[name]
         fa, fb = files(ra), files(rb)
         only = sorted(set(fa) ^ set(fb))
-        differ = [k for k in sorted(set(fa) & set(fb)) if not filecmp.cmp(fa[k], fb[k], shallow=False)]
+        unequal = [k for k in sorted(set(fa) & set(fb)) if not filecmp.cmp(fa[k], fb[k], shallow=False)]
+        timed = [k for k in unequal if equal_but_for_time(fa[k], fb[k])]
+        differ = [k for k in unequal if k not in timed]
         ckpts = [k for k in fa if k.endswith("model.safetensors")]
-        print(f"{name}: {len(fa)} files compared ({len(ckpts)} checkpoints), {len(differ)} differ, "
-              f"{len(only)} in one only")
+        kinds = sorted({Path(k).name for k in timed})
+        print(f"{name}: {len(fa)} files compared ({len(ckpts)} checkpoints): {len(fa) - len(unequal) - len(only)} "
+              f"byte-identical, {len(timed)} equal but for time and place ({', '.join(kinds) or 'none'}), "
+              f"{len(differ)} differ, {len(only)} in one only")
         for k in differ:
             print(f"  differ: {k}")
         for k in only:
