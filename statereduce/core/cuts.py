@@ -76,8 +76,9 @@ class Cut:
         """The cut a selection file's metadata records for the model's linear-attention ``layers`` (its
         ``d_k_new``/``d_v_new``: one width for every layer or {"<layer>": width}, as :meth:`widths_meta` writes)."""
         kind = meta.get("cut", "keys")
-        keys = _each(meta["d_k_new"], layers)
-        values = None if kind == "keys" else _each(meta["d_v_new"], layers)
+        keys = {layer: int(w) for layer, w in layer_widths(meta["d_k_new"], layers).items()}
+        values = None if kind == "keys" else {
+            layer: int(w) for layer, w in layer_widths(meta["d_v_new"], layers).items()}
         return cls(kind, int(meta["d_k"]), keys, meta.get("d_v"), values)
 
     @property
@@ -126,10 +127,12 @@ def _one_or_each(widths: Mapping[int, int]) -> int | dict[str, int]:
     return {str(layer): int(width) for layer, width in sorted(widths.items())}
 
 
-def _each(widths, layers) -> dict[int, int]:
+def layer_widths(widths, layers) -> dict[int, Any]:
+    """{layer: width} of a selection file's ``d_k_new`` or ``d_v_new`` (:meth:`Cut.widths_meta`'s spelling: one width
+    for every layer of ``layers``, or {"<layer>": width} naming its own layers); the one reader of that spelling."""
     if isinstance(widths, Mapping):
-        return {int(layer): int(w) for layer, w in sorted(widths.items(), key=lambda kv: int(kv[0]))}
-    return {int(layer): int(widths) for layer in sorted(layers)}
+        return {int(layer): w for layer, w in sorted(widths.items(), key=lambda kv: int(kv[0]))}
+    return dict.fromkeys((int(layer) for layer in sorted(layers)), widths)
 
 
 #: the split artifact's format (:func:`read_state_split`)

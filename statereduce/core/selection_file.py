@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from statereduce.core.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
-from statereduce.core.cuts import Cut
+from statereduce.core.cuts import Cut, layer_widths
 from statereduce.selectors.registry import check_transform
 
 SELECTION_FORMAT = 2
@@ -139,14 +139,14 @@ def _value_rows(path, df: dict, meta: dict) -> dict[int, np.ndarray]:
     for layer, unit, value, side in zip(df["layer"], df["head"], df["keep"], df["side"]):
         if side == "v":
             by_layer.setdefault(layer, {})[unit] = value
-    units, d_v, d_new = meta.get("value_units"), meta.get("d_v"), meta.get("d_v_new")
+    units, d_v = meta.get("value_units"), meta.get("d_v")
     values = {}
-    widths = d_new if isinstance(d_new, dict) else None
-    if widths is not None and sorted(int(k) for k in widths) != sorted(by_layer):
+    widths = layer_widths(meta.get("d_v_new"), by_layer)
+    if sorted(widths) != sorted(by_layer):
         raise ArtifactError(f"{path}: value rows of layers {sorted(by_layer)} where the metadata's d_v_new names "
-                            f"{sorted(int(k) for k in widths)}; {remedy(path)}")
+                            f"{sorted(widths)}; {remedy(path)}")
     for layer, rows in sorted(by_layer.items()):
-        d_new = widths[str(layer)] if widths is not None else d_new
+        d_new = widths[layer]
         if units is not None and sorted(rows) != list(range(int(units))):
             raise ArtifactError(f"{path}: layer {layer} has value units {sorted(rows)} where the metadata says "
                                 f"value_units={units}; {remedy(path)}")
@@ -169,11 +169,11 @@ def _key_rows(path, df: dict, meta: dict, kind: str):
     for layer, head, value in zip(df["layer"], df["head"], df[column]):
         by_layer.setdefault(layer, {})[head] = value
     try:
-        widths = meta.get("d_k_new")
-        if isinstance(widths, dict) and sorted(int(k) for k in widths) != sorted(by_layer):
-            raise ValueError(f"layers {sorted(by_layer)} where the metadata's d_k_new names {sorted(map(int, widths))}")
-        out = {layer: _check_heads(heads, kind, {**meta, "d_k_new": widths[str(layer)]} if isinstance(widths, dict)
-                                   else meta) for layer, heads in by_layer.items()}
+        widths = layer_widths(meta.get("d_k_new"), by_layer)
+        if sorted(widths) != sorted(by_layer):
+            raise ValueError(f"layers {sorted(by_layer)} where the metadata's d_k_new names {sorted(widths)}")
+        out = {layer: _check_heads(heads, kind, {**meta, "d_k_new": widths[layer]})
+               for layer, heads in by_layer.items()}
     except (ValueError, RuntimeError) as err:
         raise ArtifactError(f"{path}: {err}; {remedy(path)}") from None
     return out, meta
