@@ -265,14 +265,15 @@ def run_selector(
     """
     spec = parse_method(method)
     selector = get_selector(spec.selector)
-    n_keep = n_keep_for(d_k, pct) if widths is None else dict(widths)
-    rows = select_heads(selector, heads, n_keep, spec.variant, seed, options or {}, workers=workers)
-    if isinstance(n_keep, dict):  # select_heads refuses a layer the widths lack; here the reverse
-        extra = sorted(set(n_keep) - {r[0] for r in rows})
+    if widths is None:
+        n_keep = n_keep_for(d_k, pct)
+        rows = select_heads(selector, heads, n_keep, spec.variant, seed, options or {}, workers=workers)
+    else:
+        rows = select_heads(selector, heads, dict(widths), spec.variant, seed, options or {}, workers=workers)
+        extra = sorted(set(widths) - {r[0] for r in rows})  # select_heads refuses a layer the widths lack
         if extra:
             raise ValueError(f"the widths name layers {extra} that the model's linear-attention layers lack")
-        one = set(n_keep.values())
-        n_keep = one.pop() if len(one) == 1 else {str(k): v for k, v in sorted(n_keep.items())}
+        n_keep = Cut("keys", d_k, {int(k): int(v) for k, v in widths.items()}).widths_meta()["d_k_new"]
     kinds = {"transform" if r[2].transform is not None else "index" for r in rows}
     if len(kinds) > 1:
         raise RuntimeError(f"selector {spec.selector!r} returned index and transform selections for different heads")
