@@ -44,16 +44,32 @@ VOLATILE = re.compile(r"(seconds|_s$|per_s$|^date$|^created$|^time|git_hash|incl
                       r"config_source|fingerprint)")
 
 
+#: The two build folders being compared: a path under either reads as "<OUT>" (a local checkpoint's recorded path).
+PLACES: list[str] = []
+
+
 def _masked(doc):
     if isinstance(doc, dict):
         return {k: _masked(v) for k, v in doc.items() if not VOLATILE.search(str(k))}
     if isinstance(doc, list):
         return [_masked(v) for v in doc]
+    if isinstance(doc, str):
+        for place in PLACES:
+            doc = doc.replace(place, "<OUT>")
     return doc
 
 
 def equal_but_for_time(a: Path, b: Path) -> bool:
-    """Whether two JSON, JSON-lines or HDF5 files are equal once their :data:`VOLATILE` entries are masked."""
+    """Whether two JSON, JSON-lines, Parquet or HDF5 files are equal once their :data:`VOLATILE` entries are masked and
+    the build folders' paths (:data:`PLACES`) read alike."""
+    if a.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        ta, tb = pq.read_table(a), pq.read_table(b)
+        return ta.to_pydict() == tb.to_pydict() and all(
+            _masked(json.loads(ta.schema.metadata[k])) == _masked(json.loads(tb.schema.metadata[k]))
+            for k in ta.schema.metadata or {} if k == b"statereduce") and \
+            set(ta.schema.metadata or {}) == set(tb.schema.metadata or {})
     if a.suffix == ".json":
         return _masked(json.loads(a.read_text())) == _masked(json.loads(b.read_text()))
     if a.suffix == ".jsonl":
@@ -64,7 +80,12 @@ def equal_but_for_time(a: Path, b: Path) -> bool:
         import numpy as np
 
         def same(x, y) -> bool:
-            return np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+            if isinstance(x, np.ndarray):
+                return np.array_equal(x, y)
+            if isinstance(x, (str, bytes)) and isinstance(y, (str, bytes)):
+                x, y = (v.decode() if isinstance(v, bytes) else v for v in (x, y))
+                return _masked(x) == _masked(y)
+            return x == y
 
         with h5py.File(a) as fa, h5py.File(b) as fb:
             names = []
@@ -129,6 +150,7 @@ def files(root: Path) -> dict[str, Path]:
 
 
 def compare(a: Path, b: Path) -> int:
+    PLACES[:] = [str(a.resolve()), str(b.resolve())]
     bad = 0
     for name, ra in results_of(a).items():
         rb = results_of(b)[name]
