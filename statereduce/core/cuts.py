@@ -94,18 +94,9 @@ class Cut:
         return self.d_v if self.value_widths is None else self.value_widths[layer]
 
     @property
-    def cuts_values(self) -> bool:
-        return self.value_widths is not None
-
-    @property
     def uniform_keys(self) -> bool:
         """Whether every layer keeps the same key width."""
         return len(set(self.key_widths.values())) == 1
-
-    @property
-    def uniform_values(self) -> bool:
-        """Whether every layer keeps the same value width (true for a key cut)."""
-        return self.value_widths is None or len(set(self.value_widths.values())) == 1
 
     @property
     def state_fraction(self) -> float:

@@ -632,6 +632,7 @@ class PrunePlan:
     config_updates: dict[str, Any] = field(default_factory=dict)  # a stock config's fields
     eps_factor: float = 1.0  # a stock config's norm eps factor (norm_eps="exact")
     eps_plan: EpsPlan | None = None
+    exact: bool = False  # a per-layer cut's output norms get their own eps (norm_eps="exact" where it applies)
 
 
 def key_side(adapter: LinearAttentionAdapter, keep, values):
@@ -710,7 +711,7 @@ def stock_record(adapter: LinearAttentionAdapter, plan: PrunePlan, keep_t: Mappi
     value_entry = {}
     if value_plan is not None:
         write_value_dims(adapter, value_plan, changes)
-        value_entry = values_entry(value_plan, math.sqrt(value_plan.d_v / value_plan.d_v_new))
+        value_entry = values_entry(value_plan, next(iter(plan.value_scale.values())))
     eps_note = None
     if plan.norm_eps == "exact":
         eps_note = exact_norm_eps(adapter, plan.eps_factor, plan.eps_plan, values=value_plan is not None)
@@ -802,7 +803,7 @@ def per_layer_plan(adapter: LinearAttentionAdapter, widths: Mapping[int, int], v
             output_eps[layer] = eps * factor
     value_scale = {layer: math.sqrt(d_v / value_widths[layer]) for layer in widths} if value_plan is not None else {}
     return PrunePlan(dict(widths), {layer: adapter.mixer_updates(config, w) for layer, w in widths.items()}, norm_eps,
-                     record, value_plan, value_scale, output_eps)
+                     record, value_plan, value_scale, output_eps, exact=exact)
 
 
 def per_layer_record(adapter: LinearAttentionAdapter, plan: PrunePlan, keep_t: Mapping[int, torch.Tensor],
@@ -818,9 +819,8 @@ def per_layer_record(adapter: LinearAttentionAdapter, plan: PrunePlan, keep_t: M
     value_widths = value_plan.widths if value_plan is not None else {}
     key_dims = [widths.get(i) for i in range(n_layers)]
     output_eps = [plan.output_eps.get(i) for i in range(n_layers)]
-    eps_field = adapter.norm_eps_field
+    eps_field, exact = adapter.norm_eps_field, plan.exact
     eps = getattr(config, eps_field) if eps_field else None
-    exact = plan.norm_eps == "exact" and eps is not None and (adapter.kernel_scale or value_plan is not None)
     setattr(config, KEY_DIMS_FIELD, key_dims)
     changes = {KEY_DIMS_FIELD: [None, key_dims]}
     value_entry = {}
