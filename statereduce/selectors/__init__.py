@@ -1,7 +1,8 @@
 """Channel selectors (paper Sec. 3.4): which key/query channels each head keeps.
 
-Importing this package registers every selector; each lives in its own module so that the workflow can
-make that file an input of its own jobs only. See :mod:`statereduce.selectors.registry` for the API, and
+Importing this package registers every selector (``rand``, ``l1``, ``swanda``, ``grad``, ``drrqr``, ``ghost``,
+``pca``, ``pca-adv``); each lives in its own module so that the workflow can make that file an input of its own jobs
+only. See :mod:`statereduce.selectors.registry` for the API, and
 :mod:`statereduce.common.layout` for the method-token grammar ``<selector>[-k|-q|-v|-kv][.<calib>][@<budget>]``
 that :func:`parse_method` reads against the registered selectors; :mod:`statereduce.selectors.values` holds the value
 side of the selectors that have one (``-v``, ``-kv``).
@@ -12,7 +13,7 @@ To add a selector: write ``selectors/<name>.py`` with a function decorated by
 
 from __future__ import annotations
 
-from statereduce.selectors import drrqr, grad, l1, pca, rand, swanda  # noqa: F401  (registration)
+from statereduce.selectors import drrqr, ghost, grad, l1, pca, rand, swanda  # noqa: F401  (registration)
 from statereduce.selectors import values  # noqa: F401, E402  (the value sides; after the selectors they extend)
 from statereduce.common.layout import DEFAULT_CALIB, DEFAULT_VARIANT, VARIANTS, MethodSpec
 from statereduce.selectors.registry import (
