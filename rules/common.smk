@@ -1,5 +1,6 @@
 # Config validation, wildcard constraints and every input function (the command line's checks: cli.smk; conda
 # environments, GPU resources and report items: resources.smk). Stage files hold only rules.
+import importlib.util
 import os
 import re
 import sys
@@ -17,7 +18,7 @@ from snakemake_interface_executor_plugins.settings import ExecMode
 from statereduce import config as srconfig
 from statereduce import studies as srstudies
 from statereduce.common import layout
-from statereduce.selectors import METHOD_REGEX, parse_method
+from statereduce.selectors import METHOD_REGEX, method_regex, parse_method
 from statereduce.stages.select import selector_code_files
 from statereduce.common.settings import HubSettings
 
@@ -41,6 +42,13 @@ except srconfig.ConfigError as e:
 
 MODELS = CFG["models"]
 TARGETS = CFG["targets"]
+
+
+#: method tokens without / with +<fit>: rule prune makes the former's checkpoints, rule prune_fit the latter's
+METHOD_PLAIN_REGEX = method_regex(fit=False)
+METHOD_FIT_REGEX = method_regex(fit=True)
+#: the compensation's code (statereduce/stages/fit.py), an input of rule fit, found without importing it (torch)
+FIT_CODE = importlib.util.find_spec("statereduce.stages.fit").origin
 
 
 wildcard_constraints:
@@ -177,6 +185,9 @@ def get_select_inputs(wildcards):
     srconfig.check_reduction(CFG, wildcards.model, float(wildcards.pct), wildcards.method)
     spec = parse_method(wildcards.method)
     from statereduce.stages.select import cut_code_files, cut_needs
+    if spec.fit is not None:
+        raise WorkflowError(f"method {wildcards.method!r} re-fits the selection of {_selection_token(wildcards.method)!r}: "
+                            f"it has no selection file of its own")
 
     needs = cut_needs(wildcards.method)
     inputs = {"weights": layout.path(layout.QK_WEIGHTS, model=wildcards.model),
@@ -343,6 +354,32 @@ def get_summary_inputs(wildcards):
     return inputs
 
 
+def _selection_token(method):
+    """The method token without +<fit> (MethodSpec.selection): the cut whose selection a fitted method reads."""
+    return method.partition("+")[0]
+
+
+def get_fit_selection(wildcards):
+    """The selection file of a method (of the token without +<fit>, for a fitted method)."""
+    return layout.path(layout.SELECTION, model=wildcards.model, method=_selection_token(wildcards.method),
+                       pct=wildcards.pct)
+
+
+@checked
+def get_fit_inputs(wildcards):
+    """Rule fit: the base model, the selection of the token without +<fit>, and the fit's code."""
+    srconfig.check_method(CFG, wildcards.method)
+    srconfig.check_reduction(CFG, wildcards.model, float(wildcards.pct), _selection_token(wildcards.method))
+    return {"base": get_base(wildcards), "checkpoint": get_checkpoint_files(wildcards),
+            "selection": get_fit_selection(wildcards), "code": [here_relative(FIT_CODE)]}
+
+
+def get_fit(wildcards):
+    """The method token's fit plan (config.model_fit_plan), with its calibration's corpus spec."""
+    plan = srconfig.model_fit_plan(CFG, wildcards.model, wildcards.method)
+    return plan.replace(corpus=get_corpus_spec(plan.calibration.corpus)).to_dict()
+
+
 def get_prune(wildcards):
     """Pruning settings of the model (config.model_prune)."""
     return srconfig.model_prune(CFG, wildcards.model).to_dict()
@@ -358,7 +395,7 @@ def get_rank_inputs(wildcards):
     spec = parse_method(wildcards.method)
     stage = layout.path(layout.STAGE, model=wildcards.model, method=wildcards.method, pct=wildcards.pct)
     return {"pruned": f"{stage}/pruned/config.json", "baseline": layout.path(layout.BASELINE_RANK, model=wildcards.model),
-            "selection": layout.path(layout.SELECTION, model=wildcards.model, method=wildcards.method, pct=wildcards.pct),
+            "selection": get_fit_selection(wildcards),
             "activations": layout.path(layout.ACTIVATIONS, model=wildcards.model, calib=spec.calib)}
 
 

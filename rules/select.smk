@@ -89,3 +89,31 @@ rule select_channels:
         conda_env("fla")
     script:
         "../workflow_scripts/select_channels.py"
+
+
+rule fit:
+    """The output projections of a method with +<fit> re-fitted on calibration tokens (statereduce.stages.fit): the
+    base model pruned with the selection of the token without +<fit>, then each cut mixer's output projection solved
+    by damped least squares, layer by layer (results/{model}/select/{method}_{pct}.fit.safetensors). The fit's code is
+    an input: editing it reruns the fits and what depends on them."""
+    wildcard_constraints:
+        method=METHOD_FIT_REGEX,
+    input:
+        unpack(get_fit_inputs),
+    output:
+        layout.FIT,
+    params:
+        info=model_info,
+        fit=get_fit,
+        prune=get_prune,
+    threads: model_threads
+    resources:
+        gpu=gpu_of,
+    log:
+        "logs/fit/{model}/{method}_{pct}.log",
+    benchmark:
+        "benchmarks/fit/{model}/{method}_{pct}.tsv"
+    conda:
+        conda_env("fla")
+    script:
+        "../workflow_scripts/fit.py"

@@ -15,13 +15,14 @@ input use it, so that the layout is written down here only.
     results/{model}/select/{method}_{pct}.allocation.json   per-layer key widths of a method with @<budget>
     results/{model}/select/{method}_{pct}.split.json        d_k' and d_v' of a joint cut with @<budget> (policy split)
     results/{model}/select/{method}.values.json    a measured budget's per-width values (every pct's allocation)
+    results/{model}/select/{method}_{pct}.fit.safetensors   re-fitted output projections of a method with +<fit>
     results/{model}/baseline/             eval.json, rank.json, speed.json of the unpruned model
     results/{model}/{method}_{pct}/       pruned/, rft/, eval.json (the summary), rank.json, speed.json
     results/tables/, results/figures/     across models
 
 Method tokens name a selection in these paths (``{method}``)::
 
-    <selector>[-k|-q|-v|-kv][.<calib>][@<budget>]
+    <selector>[-k|-q|-v|-kv][.<calib>][@<budget>][+<fit>]
 
 Selector names are ``[a-z][a-z0-9]*`` words joined by dashes (``pca-adv``); none ends in ``-k``, ``-q``, ``-v`` or
 ``-kv``. ``-k`` / ``-q`` score from the key / query side only (paper App. C.7, Table 16); no suffix scores from both
@@ -36,7 +37,10 @@ d_k' at the uniform cut's total; without it every layer keeps the same d_k'. On 
 of policy ``split``) it chooses the split of the state between d_k' and d_v' by calibration loss instead of the equal
 split (:func:`statereduce.stages.select.choose_state_split`). A value cut (``-v``) takes no budget. Examples: ``drrqr``, ``l1-q``,
 ``grad-k``, ``pca-adv-k``, ``drrqr.prose``, ``grad-q.prose``, ``drrqr@energy``, ``grad.prose@sens``, ``drrqr-v``,
-``grad-kv``, ``drrqr-kv@split``.
+``grad-kv``, ``drrqr-kv@split``. ``+<fit>`` (``[a-z0-9]+``) names a compensation under ``fits:``
+(:mod:`statereduce.stages.fit`): the same selection (the token without ``+<fit>``, :attr:`MethodSpec.selection`), then
+each cut mixer's output projection re-fitted on calibration tokens before the checkpoint is written
+(``drrqr+fit``, ``drrqr@sens+fit``, ``grad-kv@layersplit+fit``).
 
 :func:`parse_token` reads a token against a vocabulary (selector name -> its variants), or against the grammar alone
 without one; :func:`statereduce.selectors.parse_method` reads it against the registered selectors (the parser the
@@ -48,7 +52,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
 RESULTS = "results"
@@ -64,6 +68,7 @@ GRAD_SCORES = f"{CALIB}/grad_scores.h5"
 SELECTION = f"{MODEL}/select/{{method}}_{{pct}}.parquet"
 ALLOCATION = f"{MODEL}/select/{{method}}_{{pct}}.allocation.json"
 SPLIT = f"{MODEL}/select/{{method}}_{{pct}}.split.json"
+FIT = f"{MODEL}/select/{{method}}_{{pct}}.fit.safetensors"
 BUDGET_VALUES = f"{MODEL}/select/{{method}}.values.json"
 BASELINE = f"{MODEL}/baseline"
 BASELINE_EVAL = f"{BASELINE}/eval.json"
@@ -143,7 +148,8 @@ def parse(target: str) -> ResultPath | None:
         return ResultPath(model, folder, rest, stage=method, method=method)
     stage = folder
     if folder == "select":
-        stage = rest[0].removesuffix(".parquet").removesuffix(".allocation.json").removesuffix(".split.json")
+        stage = (rest[0].removesuffix(".parquet").removesuffix(".allocation.json").removesuffix(".split.json")
+                 .removesuffix(".fit.safetensors"))
     method, sep, pct = stage.rpartition("_")
     if not sep:
         return ResultPath(model, folder, rest, stage=stage)
@@ -187,6 +193,7 @@ CUT_SUFFIXES = {"values": "v", "joint": "kv"}
 DEFAULT_CALIB = "default"
 CALIB_PATTERN = r"[a-z0-9]+"
 BUDGET_PATTERN = r"[a-z0-9]+"
+FIT_PATTERN = r"[a-z0-9]+"
 NAME_PATTERN = r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*"
 """Selector names: lowercase words joined by dashes; none may end in ``-k`` or ``-q`` (the variant suffixes)."""
 
@@ -198,13 +205,21 @@ keys (``v``, ``kv``: a selector with a value side)."""
 @dataclass(frozen=True)
 class MethodSpec:
     """A parsed method token: selector name, scoring variant ("kq", "k", "q"), calibration id, per-layer key
-    budget (None: every layer keeps the same d_k') and cut ("keys", "values", "joint")."""
+    budget (None: every layer keeps the same d_k'), cut ("keys", "values", "joint") and compensation (``fit``: a name
+    under ``fits:``; None: the kept weights stay as they were)."""
 
     selector: str
     variant: str = DEFAULT_VARIANT
     calib: str = DEFAULT_CALIB
     budget: str | None = None
     cut: str = DEFAULT_CUT
+    fit: str | None = None
+
+    @property
+    def selection(self) -> MethodSpec:
+        """The same cut without compensation: the token whose selection file (and budget artifacts) a ``+<fit>``
+        method reads."""
+        return MethodSpec(self.selector, self.variant, self.calib, self.budget, self.cut)
 
     @property
     def uniform(self) -> MethodSpec:
@@ -227,21 +242,22 @@ def unknown_selector(name: str, vocabulary: Vocabulary, context: str = "") -> Va
 
 def _token_help(vocabulary: Vocabulary | None) -> str:
     if vocabulary is None:
-        return (f"expected <selector>[-k|-q|-v|-kv][.<calib>][@<budget>] with selector matching {NAME_PATTERN}, calib "
-                f"matching {CALIB_PATTERN} (omit it for the default calibration), budget matching {BUDGET_PATTERN} "
-                "(omit it for the uniform cut)")
+        return (f"expected <selector>[-k|-q|-v|-kv][.<calib>][@<budget>][+<fit>] with selector matching "
+                f"{NAME_PATTERN}, calib matching {CALIB_PATTERN} (omit it for the default calibration), budget matching "
+                f"{BUDGET_PATTERN} (omit it for the uniform cut), fit matching {FIT_PATTERN} (omit it for none)")
     with_kq = [n for n, v in sorted(vocabulary.items()) if set(v) & {"k", "q"}]
     with_v = [n for n, v in sorted(vocabulary.items()) if set(v) & set(CUT_SUFFIXES.values())]
     return (
-        f"expected <selector>[-k|-q|-v|-kv][.<calib>][@<budget>] with selector in "
+        f"expected <selector>[-k|-q|-v|-kv][.<calib>][@<budget>][+<fit>] with selector in "
         f"{{{', '.join(sorted(vocabulary))}}}, -k/-q only for {{{', '.join(with_kq)}}}, -v/-kv only for "
         f"{{{', '.join(with_v)}}} (-v without @<budget>), calib matching {CALIB_PATTERN} (omit it for the default "
-        f"calibration), budget matching {BUDGET_PATTERN} (omit it for the uniform cut)"
+        f"calibration), budget matching {BUDGET_PATTERN} (omit it for the uniform cut), fit matching {FIT_PATTERN} "
+        "(omit it for none)"
     )
 
 
 def parse_token(token: str, vocabulary: Vocabulary | None = None) -> MethodSpec:
-    """Parse a method token ``<selector>[-k|-q|-v|-kv][.<calib>][@<budget>]`` (module docstring) into a
+    """Parse a method token ``<selector>[-k|-q|-v|-kv][.<calib>][@<budget>][+<fit>]`` (module docstring) into a
     :class:`MethodSpec`; with ``vocabulary`` the selector must be in it and have the variant.
 
     Raises:
@@ -249,7 +265,16 @@ def parse_token(token: str, vocabulary: Vocabulary | None = None) -> MethodSpec:
     """
     if not isinstance(token, str) or not token:
         raise ValueError(f"bad method token {token!r}; {_token_help(vocabulary)}")
-    rest, at, budget = token.partition("@")
+    token_cut, plus, fit = token.partition("+")
+    if plus and not re.fullmatch(FIT_PATTERN, fit):
+        raise ValueError(f"bad fit id {fit!r} in method token {token!r}; {_token_help(vocabulary)}")
+    spec = _parse_cut(token_cut, token, vocabulary)
+    return replace(spec, fit=fit) if plus else spec
+
+
+def _parse_cut(token_cut: str, token: str, vocabulary: Vocabulary | None) -> MethodSpec:
+    """:func:`parse_token` of the token without its ``+<fit>``."""
+    rest, at, budget = token_cut.partition("@")
     if at and not re.fullmatch(BUDGET_PATTERN, budget):
         raise ValueError(f"bad budget id {budget!r} in method token {token!r}; {_token_help(vocabulary)}")
     head, dot, calib = rest.partition(".")
@@ -295,18 +320,20 @@ def format_method(spec: MethodSpec, vocabulary: Vocabulary | None = None) -> str
         suffix = f"-{CUT_SUFFIXES.get(spec.cut, spec.cut)}" + ("" if spec.variant == DEFAULT_VARIANT else "?")
     calib = "" if spec.calib == DEFAULT_CALIB else f".{spec.calib}"
     budget = "" if spec.budget is None else f"@{spec.budget}"
-    token = f"{spec.selector}{suffix}{calib}{budget}"
+    fit = "" if spec.fit is None else f"+{spec.fit}"
+    token = f"{spec.selector}{suffix}{calib}{budget}{fit}"
     if parse_token(token, vocabulary) != spec:  # validates selector, variant and calib
         raise ValueError(f"MethodSpec {spec!r} has no canonical token; {_token_help(vocabulary)}")
     return token
 
 
-def method_regex(vocabulary: Vocabulary) -> str:
+def method_regex(vocabulary: Vocabulary, fit: bool | None = None) -> str:
     """Regex (unanchored, for Snakemake ``wildcard_constraints``) matching exactly the valid method tokens of
-    ``vocabulary``."""
+    ``vocabulary``: with or without ``+<fit>`` (``fit`` None), only with it (True) or only without it (False)."""
     alts = []
     for name in sorted(vocabulary, key=lambda s: (-len(s), s)):
         extra = [v for v in vocabulary[name] if v != DEFAULT_VARIANT]
         alts.append(re.escape(name) + (f"(?:-(?:{'|'.join(extra)}))?" if extra else ""))
     calib = rf"(?:\.(?!{DEFAULT_CALIB}(?![a-z0-9])){CALIB_PATTERN})?"
-    return f"(?:{'|'.join(alts)}){calib}(?:@{BUDGET_PATTERN})?"
+    plus = {None: f"(?:\\+{FIT_PATTERN})?", True: f"\\+{FIT_PATTERN}", False: ""}[fit]
+    return f"(?:{'|'.join(alts)}){calib}(?:@{BUDGET_PATTERN})?{plus}"

@@ -345,8 +345,9 @@ class PruneSettings(Settings):
 class BudgetSettings(Settings):
     """``budgets.<name>``: a per-layer key budget (:mod:`statereduce.core.budgets`, :mod:`statereduce.stages.allocate`),
     used by method tokens ending in ``@<name>``. Every layer keeps its own d_k' (the same for its heads) so that the
-    total of kept key channels equals the uniform cut's at the same pct. A budget of policy ``split`` serves joint cuts
-    (``<selector>-kv@<name>``) instead: it chooses one d_k' x d_v' for every layer (:func:`statereduce.stages.select.choose_state_split`).
+    total of kept key channels equals the uniform cut's at the same pct. A budget of policy ``split`` or ``joint``
+    serves joint cuts (``<selector>-kv@<name>``) instead: it chooses d_k' x d_v'
+    (:func:`statereduce.stages.select.choose_state_split`).
 
     Args:
         policy: ``uniform`` (every layer the uniform cut's d_k': the plain method's checkpoint), ``spectrum`` (each
@@ -355,20 +356,25 @@ class BudgetSettings(Settings):
             other scoring selectors' score mass) or ``sensitivity`` (the calibration loss when that layer alone is cut
             to each width by the selector, the others kept whole); for joint cuts only, ``split`` (the calibration loss of
             the whole model cut to each key/value split of the pct's state, from the key-only to the value-only cut,
-            the lowest kept).
+            the lowest kept) and ``joint`` (each layer's share of the state and its split together: the calibration
+            loss of each layer alone cut to each d_k' x d_v', then the pairs of least summed loss increase within 1% of
+            the pct's total state, kept where they beat the best uniform split;
+            :func:`statereduce.stages.select.state_split_joint`).
         statistic: for ``spectrum``: ``energy`` (share of the second moment's trace in the top-w eigenvalues) or
             ``effective_rank`` (channels up to each layer's effective rank are worth the same everywhere).
-        floor: the fewest channels a layer may keep (``split``: the fewest key channels of a candidate split).
+        floor: the fewest channels a layer may keep (``split``: the fewest key channels of a candidate split;
+            ``joint``: of either side).
         multiple: kept widths are multiples of this (or the full d_k); 8 or 16 suit the GPU kernels (``split``: the
-            candidates' key widths, each with the value width nearest the pct's state).
+            candidates' key widths, each with the value width nearest the pct's state; ``joint``: the key and the
+            value widths a layer may take, the full d_k and d_v among them).
         powers_of_two: keep only widths that are powers of two (or the full d_k): the GPU kernels hold a head's key
             channels in a tile of the next power of two, so a width just above one (80, 144) costs decode time
             beyond its bytes (docs/speed.md, "Per-layer key widths").
         normalize: for ``greedy``: compare layers by the share of their own objective (true) or by its raw value
             (false: Grad's saliency is a first-order loss estimate on one scale across layers).
-        n_samples: for ``sensitivity`` and ``split``: calibration sequences of the loss (the model's calibration sequences, the
-            first ``n_samples``); None: all of them.
-        batch_size: for ``sensitivity`` and ``split``: sequences per forward; None: the calibration's.
+        n_samples: for ``sensitivity``, ``split`` and ``joint``: calibration sequences of the loss (the model's
+            calibration sequences, the first ``n_samples``); None: all of them.
+        batch_size: for ``sensitivity``, ``split`` and ``joint``: sequences per forward; None: the calibration's.
         per_layer: for ``split``: each layer may take its own candidate split (each layer's candidate of lowest
             calibration loss with the other layers whole, kept where the combination beats the best uniform split;
             :func:`statereduce.stages.select.state_split_per_layer`); unset or false: one split for every layer.
@@ -376,7 +382,8 @@ class BudgetSettings(Settings):
 
     section: ClassVar[str] = "budgets"
 
-    policy: str = choice("spectrum", ("uniform", "spectrum", "greedy", "sensitivity", "split"), label="budget policy")
+    policy: str = choice("spectrum", ("uniform", "spectrum", "greedy", "sensitivity", "split", "joint"),
+                         label="budget policy")
     statistic: str = choice("energy", ("energy", "effective_rank"), label="budget statistic")
     floor: int = 8
     multiple: int = 8
@@ -428,6 +435,71 @@ class BudgetPlan(Settings):
     name: str = ""
     settings: BudgetSettings = field(default_factory=BudgetSettings)
     head_v_dim: int | None = None
+    calibration: CalibrationSettings | None = field(default=None, metadata=OPTIONAL)
+    corpus: dict | None = field(default=None, metadata=OPTIONAL)
+
+
+# ---- compensation after the cut ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FitSettings(Settings):
+    """``fits.<name>``: a compensation after the cut (:mod:`statereduce.stages.fit`), used by method tokens ending in
+    ``+<name>``: each cut mixer's output projection re-fitted by damped least squares on calibration tokens.
+
+    Args:
+        scope: ``layer`` (one solve over all of a layer's projection columns: the heads' outputs may mix) or ``head``
+            (one solve per value head, its own columns).
+        target: ``stream`` (match the unpruned model's residual stream after the mixer: the fit also takes up the
+            error that reached the layer; with ``scope: layer`` only) or ``mixer`` (match the unpruned mixer's output).
+        damping: the ridge toward the plain cut's weights, as a share of the mean input energy (> 0).
+        n_samples: calibration sequences the fit reads (the first ``n_samples`` of the token's calibration); None:
+            all of them.
+        batch_size: sequences per forward; None: the calibration's.
+    """
+
+    section: ClassVar[str] = "fits"
+
+    scope: str = choice("layer", ("layer", "head"), label="fit scope")
+    target: str = choice("stream", ("stream", "mixer"), label="fit target")
+    damping: float = 0.1
+    n_samples: int | None = field(default=None, metadata=OPTIONAL)
+    batch_size: int | None = field(default=None, metadata=OPTIONAL)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.damping, bool) or not isinstance(self.damping, (int, float)) or not self.damping > 0:
+            raise ValueError(f"fit damping={self.damping!r} must be a number > 0 (0.1: a tenth of the mean input "
+                             "energy)")
+        if self.target == "stream" and self.scope != "layer":
+            raise ValueError("fit target 'stream' matches the whole residual stream, which one head cannot; use scope "
+                             "'layer' with it, or target 'mixer' with scope 'head'")
+        for name in ("n_samples", "batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"fit {name}={value!r} must be a positive integer (or unset)")
+
+    def sizes(self, calibration: CalibrationSettings) -> tuple[int, int]:
+        """``(n_samples, batch_size)`` of the fit over ``calibration``'s sequences."""
+        n = calibration.n_samples if self.n_samples is None else min(self.n_samples, calibration.n_samples)
+        return n, calibration.batch_size if self.batch_size is None else self.batch_size
+
+
+@dataclass(frozen=True)
+class FitPlan(Settings):
+    """What rule ``fit`` needs of a method token's ``+<fit>`` (:func:`statereduce.config.model_fit_plan`; the rule's
+    params carry ``to_dict()``).
+
+    Args:
+        name: the fit's id (``fits.<name>``).
+        settings: its :class:`FitSettings`.
+        calibration: the calibration whose sequences it reads (the token's ``.<calib>``).
+        corpus: that calibration corpus's spec, resolved by the workflow for the job.
+    """
+
+    section: ClassVar[str] = "fit plan"
+    nested: ClassVar[Mapping[str, type[Settings]]] = {"settings": FitSettings, "calibration": CalibrationSettings}
+
+    name: str = ""
+    settings: FitSettings = field(default_factory=FitSettings)
     calibration: CalibrationSettings | None = field(default=None, metadata=OPTIONAL)
     corpus: dict | None = field(default=None, metadata=OPTIONAL)
 

@@ -34,6 +34,7 @@ from statereduce.config.blocks import (
     check_split,
     load_schema,
     model_budget,
+    model_fit,
     model_calibration,
     model_prune,
     model_pretrain,
@@ -101,6 +102,8 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
         check_method(cfg, method)
     for name in cfg.get("budgets") or {}:
         model_budget(cfg, name)
+    for name in cfg.get("fits") or {}:
+        model_fit(cfg, name)
     for model in t["models"]:
         for pct in t["pcts"]:
             check_reduction(cfg, model, pct)

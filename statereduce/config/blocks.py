@@ -22,6 +22,8 @@ from statereduce.common import layout
 from statereduce.common.settings import (
     BudgetPlan,
     BudgetSettings,
+    FitPlan,
+    FitSettings,
     CalibrationSettings,
     EvalSettings,
     PretrainSettings,
@@ -58,6 +60,8 @@ __all__ = [
     "model_budget",
     "model_budget_plan",
     "model_calibration",
+    "model_fit",
+    "model_fit_plan",
     "model_dims",
     "model_eval",
     "model_eval_corpus",
@@ -427,16 +431,23 @@ def check_method(config: dict, method: str) -> None:
         )
     if spec.budget is not None:
         check_budget_cut(model_budget(config, spec.budget), spec, method)
+    if spec.fit is not None:
+        model_fit(config, spec.fit)
+        if spec.selector in ("pca", "pca-adv"):
+            raise ConfigError(f"method {method!r}: +{spec.fit} re-fits the output projection of a channel selection; "
+                              f"{spec.selector!r} rotates the heads instead (drop +{spec.fit})")
 
 
 def check_budget_cut(settings: BudgetSettings, spec, method: str) -> None:
-    """A budget of policy ``split`` serves joint cuts (``-kv@<budget>``) only, and a joint cut takes no other."""
-    if (settings.policy == "split") != (spec.cut == "joint"):
+    """A budget of policy ``split`` or ``joint`` serves joint cuts (``-kv@<budget>``) only, and a joint cut takes no
+    other."""
+    if (settings.policy in ("split", "joint")) != (spec.cut == "joint"):
         if spec.cut == "joint":
             raise ConfigError(f"method {method!r}: budgets.{spec.budget} has policy {settings.policy!r}, which chooses "
-                              f"per-layer key widths; a joint cut (-kv@<budget>) takes a budget of policy 'split'")
-        raise ConfigError(f"method {method!r}: budgets.{spec.budget} has policy 'split', which chooses the split of a "
-                          f"joint cut; use it as <selector>-kv@{spec.budget}")
+                              f"per-layer key widths; a joint cut (-kv@<budget>) takes a budget of policy 'split' or "
+                              f"'joint'")
+        raise ConfigError(f"method {method!r}: budgets.{spec.budget} has policy {settings.policy!r}, which chooses the "
+                          f"split of a joint cut; use it as <selector>-kv@{spec.budget}")
 
 
 def model_budget(config: dict, budget: str) -> BudgetSettings:
@@ -451,6 +462,26 @@ def model_budget(config: dict, budget: str) -> BudgetSettings:
         raise ConfigError(f"budgets.{budget}: {e}") from None
 
 
+def model_fit(config: dict, fit: str) -> FitSettings:
+    """The settings of ``fits.<fit>`` (:class:`~statereduce.common.settings.FitSettings`)."""
+    fits = config.get("fits") or {}
+    if fit not in fits:
+        raise ConfigError(f"unknown fit {fit!r} (method token suffix +{fit}); valid: "
+                          f"{', '.join(sorted(fits)) or '(none defined: add a fits block)'}")
+    try:
+        return FitSettings.from_dict(fits[fit])
+    except ValueError as e:
+        raise ConfigError(f"fits.{fit}: {e}") from None
+
+
+def model_fit_plan(config: dict, model: str, method: str) -> FitPlan:
+    """The fit plan of ``method`` (ending in ``+<fit>``) for ``model``: the fit's settings and the calibration of the
+    token's ``.<calib>`` (its ``corpus`` spec is the workflow's to resolve)."""
+    spec = layout.parse_token(method)
+    return FitPlan(name=spec.fit, settings=model_fit(config, spec.fit),
+                   calibration=model_calibration(config, model, spec.calib))
+
+
 def model_budget_plan(config: dict, model: str, method: str) -> BudgetPlan:
     """The budget plan of ``method`` (ending in ``@<budget>``) for ``model``: the budget's settings, the model's d_v
     where its config gives it and, for the ``sensitivity`` policy, the calibration of the token's ``.<calib>`` (its
@@ -459,7 +490,7 @@ def model_budget_plan(config: dict, model: str, method: str) -> BudgetPlan:
     settings = model_budget(config, spec.budget)
     plan = BudgetPlan(name=spec.budget, settings=settings,
                       head_v_dim=(model_dims(config, model) or {}).get("head_v_dim"))
-    if settings.policy in ("sensitivity", "split"):
+    if settings.policy in ("sensitivity", "split", "joint"):
         plan = plan.replace(calibration=model_calibration(config, model, spec.calib))
     return plan
 
@@ -477,8 +508,10 @@ def check_budget_cell(config: dict, model: str, method: str, pct: float) -> None
     (:func:`check_budget_cut`); for a key cut the selector can take the budget (index selections; scores or an
     objective for ``greedy``), the floor fits d_k and the allowed widths meet the uniform cut's total
     (:func:`statereduce.core.budgets.check_budget`); for a joint cut some split of the pct's state is left
-    (:func:`statereduce.core.cuts.state_split_candidates`). A no-op for a method without a budget."""
-    from statereduce.core.budgets import allowed_widths, check_budget, check_budget_selector
+    (:func:`statereduce.core.cuts.state_split_candidates`) and, for policy ``joint``, some choice of a pair per layer
+    within 1% of the pct's total state (:func:`statereduce.core.budgets.check_joint_budget`). A no-op for a method
+    without a budget."""
+    from statereduce.core.budgets import allowed_widths, check_budget, check_budget_selector, check_joint_budget
     from statereduce.core.cuts import state_pair_check, state_split_candidates
     from statereduce.selectors import parse_method
 
@@ -495,8 +528,10 @@ def check_budget_cell(config: dict, model: str, method: str, pct: float) -> None
     try:
         if spec.cut == "joint":
             if d_k is not None and d_v is not None:  # otherwise the split job checks the widths on the checkpoint
-                state_split_candidates(d_k, d_v, pct, allowed_widths(d_k, settings),
-                                 state_pair_check(config["models"][model]["family"], d_k, d_v))
+                check = state_pair_check(config["models"][model]["family"], d_k, d_v)
+                uniform = state_split_candidates(d_k, d_v, pct, allowed_widths(d_k, settings), check)
+                if settings.policy == "joint" and layers is not None:
+                    check_joint_budget(d_k, d_v, pct, layers, settings, check, uniform)
             return
         check_budget_selector(settings, spec.selector)
         if d_k is not None and layers is not None:  # otherwise the allocate job checks the widths on the checkpoint

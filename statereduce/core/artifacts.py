@@ -28,6 +28,7 @@ REBUILT_BY = {
     ".allocation.json": "allocate",
     ".split.json": "split",
     ".values.json": "budget_values",
+    ".fit.safetensors": "fit",
     "prune_record.json": "prune",
 }
 

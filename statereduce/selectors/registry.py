@@ -326,9 +326,10 @@ def get_selector(name: str) -> Selector:
 # Method tokens
 
 
-def method_regex() -> str:
-    """Regex (unanchored, for Snakemake ``wildcard_constraints``) matching exactly the valid method tokens."""
-    return layout.method_regex(_vocabulary())
+def method_regex(fit: bool | None = None) -> str:
+    """Regex (unanchored, for Snakemake ``wildcard_constraints``) matching exactly the valid method tokens (``fit``:
+    :func:`statereduce.common.layout.method_regex`'s)."""
+    return layout.method_regex(_vocabulary(), fit)
 
 
 def parse_method(token: str) -> MethodSpec:
