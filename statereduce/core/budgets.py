@@ -662,3 +662,140 @@ def read_allocation(path: str | Path, expect: Mapping[str, Any] | None = None) -
         raise ArtifactError(f"{path}: widths {widths} do not add up to the uniform total "
                             f"{doc['uniform_width']} x {len(widths)}; {remedy(path)}")
     return doc
+
+
+# ----------------------------------------------------------------------------------------------------
+# Joint budgets (policy ``joint``): each layer its own (d_k', d_v') at the pct's total state
+
+#: How far (a fraction of it) a joint budget's total state may be from the pct's total state.
+JOINT_TOLERANCE = 0.01
+
+
+def joint_bounds(d_k: int, d_v: int, pct: float, n_layers: int) -> tuple[float, int, int]:
+    """The pct's total state of ``n_layers`` layers per head, ``n_layers (1 - pct/100) d_k d_v``, and the least and
+    most total ``sum_l d_k'(l) d_v'(l)`` a joint budget may keep: within :data:`JOINT_TOLERANCE` of it.
+
+    The pct's total is the uniform key-only (or value-only) cut's wherever ``d_k pct/100`` is whole (64 channels at
+    50% or 75%); every linear-attention layer has the same heads, so the bounds hold for the heads-weighted total too.
+    """
+    n_layers = _check_pos_int(n_layers, "n_layers")
+    if not 0 < pct < 100:
+        raise ValueError(f"pct={pct!r} is invalid for a joint budget; valid: a percent of the state in (0, 100)")
+    target = n_layers * (1 - pct / 100) * d_k * d_v
+    lo = math.ceil(round(target * (1 - JOINT_TOLERANCE), 6))
+    return target, lo, math.floor(round(target * (1 + JOINT_TOLERANCE), 6))
+
+
+def joint_pairs(d_k: int, d_v: int, settings: BudgetSettings, check=None,
+                extra: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+    """The (d_k', d_v') pairs a layer may keep under a joint budget, ascending: every key width of
+    :func:`allowed_widths` (``floor``, ``multiple``, ``powers_of_two``, the full d_k) with every value width of the same
+    rule on d_v (the floor at most d_v), the whole layer (d_k, d_v) among them, and the pairs of ``extra`` (the
+    uniform split candidates, :func:`statereduce.core.cuts.state_split_candidates`); less those ``check(d_k', d_v')``
+    refuses by raising ValueError (a pair the family's config cannot hold)."""
+    keys = allowed_widths(d_k, settings)
+    values = allowed_widths(d_v, settings.replace(floor=min(settings.floor, d_v)))
+    out = []
+    for k, v in sorted({(k, v) for k in keys for v in values} | {(int(k), int(v)) for k, v in extra}):
+        try:
+            if check is not None and (k, v) != (d_k, d_v):
+                check(k, v)
+        except ValueError:
+            continue
+        out.append((k, v))
+    return out
+
+
+def joint_usable(pairs: Sequence[tuple[int, int]], n_layers: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The pairs of ``pairs`` (every layer's candidates) that lie on some choice of one pair per layer whose total
+    state ``sum_l d_k' d_v'`` is in ``[lo, hi]``: the ones worth measuring (a pair too large for the others to make up
+    for is left out)."""
+    n_layers = _check_pos_int(n_layers, "n_layers")
+    states = sorted({k * v for k, v in pairs})
+    others = 1  # bit t: the other n_layers - 1 layers can keep a total t
+    for _ in range(n_layers - 1):
+        others = _shift_or(others, states)
+    window = (1 << (hi - lo + 1)) - 1
+    out = []
+    for k, v in pairs:
+        start = lo - k * v
+        bits = (others >> start) & window if start >= 0 else (others & (window >> -start)) if hi >= k * v else 0
+        if bits:
+            out.append((k, v))
+    return out
+
+
+def joint_allocate(increases: Sequence[Mapping[tuple[int, int], float]], lo: int, hi: int, *, target: float,
+                   d_k: int, d_v: int) -> list[tuple[int, int]]:
+    """One (d_k', d_v') per layer with the least summed loss increase whose total state ``sum_l d_k' d_v'`` lies in
+    ``[lo, hi]``: a multiple-choice knapsack solved exactly by dynamic programming over the total state (divided by
+    the states' common divisor), in ``O(layers x pairs x hi / g)``.
+
+    Ties (within :data:`TIE_RTOL` of the optimum, relative to the summed largest increases) go to the total nearest
+    ``target``, then, layer by layer from the last, to the pair whose kept fractions ``d_k'/d_k`` and ``d_v'/d_v`` are
+    closest, then the larger d_k'.
+
+    Args:
+        increases: per layer ``{(d_k', d_v'): loss increase}`` (finite; lower is better).
+        lo, hi: the least and most total state (:func:`joint_bounds`).
+        target: the pct's total state (the tie-break's).
+        d_k, d_v: the full widths (the tie-break's fractions).
+
+    Raises:
+        ValueError: one line, for malformed increases or when no choice meets ``[lo, hi]``.
+    """
+    if isinstance(increases, (str, Mapping)) or not isinstance(increases, Sequence) or not increases:
+        raise ValueError("increases must be a non-empty sequence of {(d_k', d_v'): loss increase} per layer")
+    layers = []
+    for i, layer in enumerate(increases):
+        if not isinstance(layer, Mapping) or not layer:
+            raise ValueError(f"increases[{i}] must be a non-empty {{(d_k', d_v'): loss increase}} mapping")
+        rows = sorted((int(k), int(v), float(c)) for (k, v), c in layer.items())
+        bad = [(k, v) for k, v, c in rows if k < 1 or v < 1 or not math.isfinite(c)]
+        if bad:
+            raise ValueError(f"increases[{i}][{bad[0]}] is not a pair of positive widths with a finite increase")
+        layers.append(rows)
+    g = math.gcd(*(k * v for rows in layers for k, v, _ in rows))
+    T = hi // g
+    fwd = np.full((len(layers) + 1, T + 1), np.inf)
+    fwd[0, 0] = 0.0
+    for i, rows in enumerate(layers):
+        for k, v, c in rows:
+            s = k * v // g
+            if s <= T:
+                np.minimum(fwd[i + 1, s:], fwd[i, : T + 1 - s] + c, out=fwd[i + 1, s:])
+    totals = [t for t in range(-(-lo // g), T + 1) if np.isfinite(fwd[-1, t])]
+    if not totals:
+        lo_all = sum(min(k * v for k, v, _ in rows) for rows in layers)
+        hi_all = sum(max(k * v for k, v, _ in rows) for rows in layers)
+        raise ValueError(f"no choice of one (d_k', d_v') per layer keeps a total state in [{lo}, {hi}] (the layers' "
+                         f"pairs keep totals in [{lo_all}, {hi_all}], multiples of {g})")
+    tol = TIE_RTOL * max(sum(max(abs(c) for _, _, c in rows) for rows in layers), 1e-300)
+    best = min(fwd[-1, t] for t in totals)
+    t = min((t for t in totals if fwd[-1, t] <= best + tol), key=lambda t: (abs(t * g - target), t))
+    out = []
+    for i in range(len(layers) - 1, -1, -1):
+        ok = [(k, v) for k, v, c in layers[i] if k * v // g <= t and fwd[i, t - k * v // g] + c <= fwd[i + 1, t] + tol]
+        k, v = min(ok, key=lambda p: (abs(p[0] / d_k - p[1] / d_v), -p[0]))
+        out.append((k, v))
+        t -= k * v // g
+    return out[::-1]
+
+
+def check_joint_budget(d_k: int, d_v: int, pct: float, n_layers: int, settings: BudgetSettings, check=None,
+                       extra: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+    """Check before any job that a joint budget can meet the pct's total state: some choice of the pairs of
+    :func:`joint_pairs` keeps a total within :data:`JOINT_TOLERANCE` of it; return those pairs.
+
+    Raises:
+        ValueError: one line, naming the bounds and what the pairs reach.
+    """
+    pairs = joint_pairs(d_k, d_v, settings, check, extra)
+    target, lo, hi = joint_bounds(d_k, d_v, pct, n_layers)
+    if not joint_usable(pairs, n_layers, lo, hi):  # bitsets: no knapsack over the totals at config-check time
+        states = [k * v for k, v in pairs]
+        raise ValueError(f"pct {pct}: {n_layers} layers of d_k x d_v = {d_k} x {d_v} keep {target:g} in all per head "
+                         f"({target / n_layers:g} a layer) within {JOINT_TOLERANCE:.0%}; no choice of one (d_k', d_v') "
+                         f"per layer keeps a total state in [{lo}, {hi}] (the layers' pairs keep totals in "
+                         f"[{n_layers * min(states)}, {n_layers * max(states)}], multiples of {math.gcd(*states)})")
+    return pairs

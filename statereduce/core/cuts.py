@@ -332,7 +332,17 @@ def read_state_split(path: str | Path, expect: Mapping[str, Any] | None = None) 
     if per_layer is not None:
         widths = per_layer.get("widths") or {}
         layers = sorted(int(layer) for layer in widths)
-        bad = [f"{layer}: {w}" for layer, w in widths.items() if tuple(w) not in pairs]
+        if per_layer.get("policy") == "joint":  # each layer one of its measured pairs, at the pct's total state
+            measured = per_layer.get("layer_losses") or {}
+            bad = [f"{layer}: {w}" for layer, w in widths.items()
+                   if not (isinstance(w, list) and len(w) == 2) or f"{w[0]}x{w[1]}" not in measured.get(layer, {})]
+            lo, hi = per_layer.get("bounds") or (0, 0)
+            total = 0 if bad else sum(k * v for k, v in widths.values())
+            if not bad and per_layer.get("kept") != "uniform" and not lo <= total <= hi:
+                raise ArtifactError(f"{path}: its per-layer widths keep a total state of {total}, outside its bounds "
+                                    f"[{lo}, {hi}]; {remedy(path)}")
+        else:
+            bad = [f"{layer}: {w}" for layer, w in widths.items() if tuple(w) not in pairs]
         if layers != sorted(doc.get("layers") or []) or bad or per_layer.get("loss", math.inf) > pairs[chosen]:
             raise ArtifactError(f"{path}: its per-layer widths ({', '.join(bad) or 'layers ' + str(layers)}) are not "
                                 f"candidates of every layer at or below the uniform split's loss; {remedy(path)}")

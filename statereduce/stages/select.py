@@ -37,7 +37,9 @@ from statereduce.core.selection_file import (  # noqa: F401  (re-exported)
 from statereduce.common.layout import MethodSpec
 from statereduce.common.settings import BudgetPlan
 from statereduce.core.artifacts import ArtifactError, remedy
-from statereduce.core.budgets import allowed_widths
+from statereduce.core.budgets import (
+    JOINT_TOLERANCE, allowed_widths, joint_allocate, joint_bounds, joint_pairs, joint_usable,
+)
 from statereduce.core.calib_loss import calibration_loss, loss_inputs
 from statereduce.core.cuts import STATE_SPLIT_FORMAT, Cut, joint_widths, plan_cut, state_split_candidates, state_pair_check
 from statereduce.selectors import HeadData, format_method, get_selector, n_keep_for, parse_method, select_heads
@@ -45,6 +47,10 @@ from statereduce.selectors.registry import head_rng, value_side
 from statereduce.selectors.values import ValueData
 
 log = logging.getLogger(__name__)
+
+#: The budget policies of a joint cut (``-kv@<budget>``): ``split`` (one split of the state, or with ``per_layer`` a
+#: split per layer at the pct's state) and ``joint`` (each layer's share of the state and its split together).
+JOINT_POLICIES = ("split", "joint")
 
 #: Version of the selection file layout: 1 had only index selections (no ``transform`` column, no ``format`` key).
 
@@ -207,7 +213,8 @@ def cut_meta(cut: Cut, value_rows: list[tuple], record: Mapping[str, Any]) -> di
     }
     if "split" in record:
         split = record["split"]
-        out["split"] = {"budget": split["budget"], "policy": "split", "equal": split["equal"],
+        out["split"] = {"budget": split["budget"], "policy": (split.get("settings") or {}).get("policy", "split"),
+                        "equal": split["equal"],
                         "candidates": len(split["candidates"])}
     return out
 
@@ -392,6 +399,96 @@ def state_split_per_layer(model, blocks, batch: int, cuts: Mapping[tuple[int, in
     }
 
 
+def state_split_joint(model, blocks, batch: int, select, cuts: Mapping[tuple[int, int], tuple[dict, dict]],
+                      uniform: tuple[int, int], uniform_loss: float, base_loss: float, *, d_k: int, d_v: int,
+                      pct: float, settings, check=None, progress: bool = True) -> dict[str, Any]:
+    """A ``joint`` budget's choice: one d_k' x d_v' per layer, its share of the state and its split chosen together.
+
+    Every layer takes, with the other layers whole, every pair of :func:`statereduce.core.budgets.joint_pairs` (the
+    budget's key widths times its value widths, the whole layer, and the uniform split candidates ``cuts``) that some
+    choice within :data:`statereduce.core.budgets.JOINT_TOLERANCE` of the pct's total state can hold
+    (:func:`statereduce.core.budgets.joint_usable`), and its calibration loss is measured with the dropped channels
+    zeroed; the channels of each width come from the selector (``select(widths=pair)``: :func:`select_channels`, one
+    call per key or value width, the uniform candidates' reused). :func:`statereduce.core.budgets.joint_allocate`
+    then picks one pair per layer with the least summed loss increase whose total state is within 1% of the pct's.
+    The combination's loss is measured; it is the artifact's choice where it is below the best uniform split's
+    (``uniform_loss``), else every layer takes ``uniform``.
+
+    Returns:
+        the split artifact's ``per_layer`` entry: ``policy`` ("joint"), ``widths`` ({layer: [d_k', d_v']} chosen),
+        ``kept`` ("joint" or "uniform"), ``loss`` (the chosen widths'), ``combination`` and ``combination_loss`` (the
+        knapsack's choice and its loss, whether kept or not), ``predicted_increase`` (its summed single-layer
+        increases), the total state per head (``state_total``: sum over layers of d_k' d_v'), the pct's
+        (``target_total``), the bounds, the best uniform split's (``uniform_total``) and the ratios to the two,
+        ``state_fraction`` (the mean over layers), ``pairs`` (the pairs measured) and ``layer_losses`` ({layer:
+        {"<d_k'>x<d_v'>": loss}}, the whole layer's being the unpruned loss).
+    """
+    from tqdm.auto import tqdm
+
+    from statereduce.core.slicing import cut_tensors, masked_cut
+
+    layers = sorted(cuts[uniform][0])
+    target, lo, hi = joint_bounds(d_k, d_v, pct, len(layers))
+    pairs = joint_usable(joint_pairs(d_k, d_v, settings, check, list(cuts)), len(layers), lo, hi)
+    if not pairs:
+        raise ValueError(f"no (d_k', d_v') of d_k x d_v = {d_k} x {d_v} keeps a total state within "
+                         f"{JOINT_TOLERANCE:.0%} of {target:g} over {len(layers)} layers")
+    keys = {k: cut[0] for (k, _), cut in cuts.items() if k < d_k}  # the kept channels of each width
+    values = {v: cut[1] for (_, v), cut in cuts.items() if v < d_v}
+    for k, v in pairs:
+        if (k < d_k and k not in keys) or (v < d_v and v not in values):
+            sel_keys, sel_values = cut_tensors(select(widths=(k, v))[0])
+            keys.setdefault(k, sel_keys)
+            values.setdefault(v, sel_values)
+
+    def loss_of(choice: Mapping[int, tuple[int, int]]) -> float:
+        with masked_cut(model, {layer: keys[k][layer] for layer, (k, _) in choice.items() if k < d_k},
+                        {layer: values[v][layer] for layer, (_, v) in choice.items() if v < d_v}):
+            return calibration_loss(model, blocks, batch)
+
+    layer_losses: dict[int, dict[tuple[int, int], float]] = {}
+    with tqdm(total=len(layers) * len(pairs), desc="joint per layer", unit="pair", disable=not progress) as bar:
+        for layer in layers:
+            layer_losses[layer] = {}
+            for pair in pairs:
+                layer_losses[layer][pair] = base_loss if pair == (d_k, d_v) else loss_of({layer: pair})
+                bar.update()
+            if (d_k, d_v) not in layer_losses[layer]:
+                layer_losses[layer][d_k, d_v] = base_loss
+    increases = [{pair: x - base_loss for pair, x in layer_losses[layer].items() if pair in pairs} for layer in layers]
+    combination = dict(zip(layers, joint_allocate(increases, lo, hi, target=target, d_k=d_k, d_v=d_v)))
+    combination_loss = loss_of(combination)
+    predicted = sum(layer_losses[layer][pair] - base_loss for layer, pair in combination.items())
+    log.info("joint: %s (state %d of %g), loss %.5f, predicted %+.5f (the best uniform split %dx%d: %.5f)",
+             ", ".join(f"{layer}: {k}x{v}" for layer, (k, v) in combination.items()),
+             sum(k * v for k, v in combination.values()), target, combination_loss, predicted, *uniform, uniform_loss)
+    if combination_loss < uniform_loss:
+        chosen, loss, kept = combination, combination_loss, "joint"
+    else:
+        chosen, loss, kept = {layer: uniform for layer in layers}, uniform_loss, "uniform"
+    total = sum(k * v for k, v in chosen.values())
+    uniform_total = len(layers) * uniform[0] * uniform[1]
+    return {
+        "policy": "joint",
+        "widths": {str(layer): list(pair) for layer, pair in chosen.items()},
+        "kept": kept,
+        "loss": loss,
+        "combination": {str(layer): list(pair) for layer, pair in combination.items()},
+        "combination_loss": combination_loss,
+        "predicted_increase": predicted,
+        "state_total": total,
+        "target_total": target,
+        "bounds": [lo, hi],
+        "ratio": total / target,
+        "uniform_total": uniform_total,
+        "ratio_to_uniform": total / uniform_total,
+        "state_fraction": total / (len(layers) * d_k * d_v),
+        "pairs": [list(pair) for pair in pairs],
+        "layer_losses": {str(layer): {f"{k}x{v}": x for (k, v), x in sorted(losses.items())}
+                         for layer, losses in layer_losses.items()},
+    }
+
+
 def equal_split(d_k: int, d_v: int, pct: float, check) -> list[int] | None:
     """The equal split of the state at ``pct`` (:func:`~statereduce.core.cuts.joint_widths`) as the split artifact
     records it, or None where the family holds no such pair."""
@@ -437,13 +534,16 @@ def choose_state_split(weights: str | Path, method: str, pct: float, plan: Budge
     d_k' x d_v'. ``results/{model}/select/{method}_{pct}.split.json`` holds it, every candidate's widths, state share
     and loss, the unpruned loss, the settings and the provenance; the selection of the same token reads it
     (:func:`statereduce.core.cuts.read_state_split`). Cost: one selection of both sides and one pass over the calibration
-    sequences per candidate.
+    sequences per candidate. With ``per_layer`` (policy ``split``) each layer may then take its own candidate
+    (:func:`state_split_per_layer`); with policy ``joint`` each layer its own share of the state and its split
+    (:func:`state_split_joint`): the artifact's ``per_layer`` entry, which the selection reads before the uniform pair.
 
     Args:
         weights, activations, grads: the artifacts the joint cut's selection reads (as for
             :func:`select_channels`).
         method, pct: the method token and the percent of the state removed.
-        plan: the token's budget (:class:`~statereduce.common.settings.BudgetPlan`, policy ``split``), with the
+        plan: the token's budget (:class:`~statereduce.common.settings.BudgetPlan`, policy ``split`` or ``joint``),
+            with the
             calibration and corpus of the loss.
         base: the base checkpoint folder (the model whose loss is measured).
         seed, options, workers: the selector's seed, options and threads.
@@ -457,9 +557,9 @@ def choose_state_split(weights: str | Path, method: str, pct: float, plan: Budge
     if spec.cut != "joint" or spec.budget is None:
         raise ValueError(f"method {method!r}: a split is chosen for a joint cut with a budget, "
                          f"e.g. {format_method(spec.uniform.keys)}-kv@{plan.name or 'split'}")
-    if settings.policy != "split":
+    if settings.policy not in JOINT_POLICIES:
         raise ValueError(f"budgets.{plan.name}: policy {settings.policy!r} chooses per-layer key widths; a joint cut "
-                         f"(-kv@{plan.name}) takes policy 'split'")
+                         f"(-kv@{plan.name}) takes policy 'split' or 'joint'")
     wattrs = H5Artifact(weights).expect(expect)
     d_k, d_v, family = int(wattrs["head_k_dim"]), int(wattrs["head_v_dim"]), wattrs.get("family")
     check = state_pair_check(family, d_k, d_v)
@@ -477,7 +577,11 @@ def choose_state_split(weights: str | Path, method: str, pct: float, plan: Budge
     layers = [int(x) for x in np.asarray(wattrs["layers"]).tolist()]
     provenance = {"model": (expect or {}).get("model") or wattrs.get("model"), "family": family}
     per_layer = None
-    if settings.per_layer:
+    if settings.policy == "joint":
+        per_layer = state_split_joint(model, blocks, batch, select, cuts, (best["d_k_new"], best["d_v_new"]),
+                                      best["loss"], base_loss, d_k=d_k, d_v=d_v, pct=pct, settings=settings,
+                                      check=check, progress=progress)
+    elif settings.per_layer:
         per_layer = state_split_per_layer(model, blocks, batch, cuts, (best["d_k_new"], best["d_v_new"]), best["loss"],
                                      d_k, d_v, progress)
     return {
