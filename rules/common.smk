@@ -47,8 +47,8 @@ TARGETS = CFG["targets"]
 #: method tokens without / with +<fit>: rule prune makes the former's checkpoints, rule prune_fit the latter's
 METHOD_PLAIN_REGEX = method_regex(fit=False)
 METHOD_FIT_REGEX = method_regex(fit=True)
-#: the compensation's code (statereduce/stages/fit.py), an input of rule fit, found without importing it (torch)
-FIT_CODE = importlib.util.find_spec("statereduce.stages.fit").origin
+#: the compensation's code (statereduce/core/fit.py), an input of rule fit, found without importing it (torch)
+FIT_CODE = importlib.util.find_spec("statereduce.core.fit").origin
 
 
 wildcard_constraints:

@@ -92,7 +92,7 @@ rule select_channels:
 
 
 rule fit:
-    """The output projections of a method with +<fit> re-fitted on calibration tokens (statereduce.stages.fit): the
+    """The output projections of a method with +<fit> re-fitted on calibration tokens (statereduce.core.fit): the
     base model pruned with the selection of the token without +<fit>, then each cut mixer's output projection solved
     by damped least squares, layer by layer (results/{model}/select/{method}_{pct}.fit.safetensors). The fit's code is
     an input: editing it reruns the fits and what depends on them."""

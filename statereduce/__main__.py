@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     lines = [f"statereduce {__version__}: key/query channel pruning of linear-attention language models", ""]
     lines += ["Model families (adapters):", *_table(families()), ""]
-    lines += ["Selectors (method token: <selector>[-k|-q|-v|-kv][.<calib>][@<budget>]):", *_table(selectors()), ""]
+    lines += ["Selectors (method token: <selector>[-k|-q|-v|-kv][.<calib>][@<budget>][+<fit>]):", *_table(selectors()), ""]
     budgets = configured_budgets(Path(args.config))
     if budgets:
         lines += ["Per-layer key budgets of the config (method token suffix @<budget>; docs/budgets.md):",

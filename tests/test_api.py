@@ -197,7 +197,8 @@ def dn():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda m, s: api.select(m, s, "drrqx"), r"unknown selector 'drrqx'.*did you mean 'drrqr'.*valid: drrqr, grad"),
+    (lambda m, s: api.select(m, s, "drrqx"),
+     r"unknown selector 'drrqx'.*did you mean 'drrqr'.*valid: drrqr, ghost, grad"),
     (lambda m, s: api.select(m, s, "rand-k"), r"'rand'.* has no variant 'k'"),
     (lambda m, s: api.select(m, s, "drrqr", pct=150), r"pct=150 must be in \(0, 100\)"),
     (lambda m, s: api.select(m, s, "drrqr", pct="half"), r"pct='half' must be a number in \(0, 100\)"),

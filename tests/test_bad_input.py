@@ -259,7 +259,7 @@ def test_local_checkpoint_must_be_a_folder_with_config_json(shipped_config, tmp_
 # ---- 2. a requested path naming something unknown -----------------------------------------------------------------
 @pytest.mark.parametrize("target, message", [
     ("results/tiny-dn/foo_75/eval.json",
-     "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, pca, pca-adv, rand, swanda"),
+     "unknown selector 'foo' in method token 'foo'; valid: drrqr, ghost, grad, l1, pca, pca-adv, rand, swanda"),
     ("results/nomodel/drrqr_75/eval.json",
      "unknown model 'nomodel'; valid: codestral7b, dn1.3b, dn370m, gdn1.3b, gdn370m, mamba2-370m, qwen35-9b, "
      "tiny-dn, tiny-dn-shared, tiny-dn-shared-all, tiny-gdn, tiny-mamba2, tiny-qwen35"),
@@ -378,7 +378,7 @@ def _dry_run(workdir: Path, *targets: str, cfg: dict | None = None) -> subproces
 
 @pytest.mark.parametrize("target, message", [
     ("results/tiny-dn/foo_75/eval.json",
-     "unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, pca, pca-adv, rand, swanda"),
+     "unknown selector 'foo' in method token 'foo'; valid: drrqr, ghost, grad, l1, pca, pca-adv, rand, swanda"),
     ("results/nomodel/drrqr_75/eval.json", "unknown model 'nomodel'; valid: "),
     ("results/tiny-dn/drrqr_0.5/eval.json",
      "model 'tiny-dn' at pct 0.5: pct 0.5 removes no key channel of d_k=64 (round(64*0.5/100) = 0); pcts are percent "

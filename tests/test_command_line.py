@@ -57,8 +57,8 @@ def test_a_bad_target_fails_in_one_line_wherever_it_stands(tmp_path, args):
     text = out.stdout + out.stderr
     assert out.returncode != 0
     assert _message_line(text, "results/tiny-dn/foo_50/eval.json: ") == (
-        "results/tiny-dn/foo_50/eval.json: unknown selector 'foo' in method token 'foo'; valid: drrqr, grad, l1, "
-        "pca, pca-adv, rand, swanda")
+        "results/tiny-dn/foo_50/eval.json: unknown selector 'foo' in method token 'foo'; valid: drrqr, ghost, grad, "
+        "l1, pca, pca-adv, rand, swanda")
     assert "Traceback" not in text and "Job stats" not in text
 
 

@@ -222,7 +222,7 @@ STUDY_CASES = {
     ),
     "unknown_selector": (
         lambda s: s["scoring"]["selectors"].append("wanda"),
-        r"^studies\.scoring\.selectors: unknown selector 'wanda'; valid: drrqr, grad, l1, pca, pca-adv, swanda$",
+        r"^studies\.scoring\.selectors: unknown selector 'wanda'; valid: drrqr, ghost, grad, l1, pca, pca-adv, swanda$",
     ),
     "calibration_free_selector": (
         lambda s: s["calibration"]["selectors"].append("l1"),

@@ -1,4 +1,4 @@
-"""Compensation after the cut (statereduce.stages.fit, method tokens ``+<fit>``), tiny random CPU models.
+"""Compensation after the cut (statereduce.core.fit, method tokens ``+<fit>``), tiny random CPU models.
 
 1. The solver: where the unpruned projection input is an exact linear map of the pruned one, the fit reproduces the
    unpruned output to float64 precision; where nothing changed, it returns the plain cut's weights.
@@ -26,7 +26,7 @@ from statereduce.adapters import get_adapter
 from statereduce.common.settings import FitSettings
 from statereduce.core.artifacts import ArtifactError
 from statereduce.core.tokenizer import byte_level_tokenizer
-from statereduce.stages.fit import (
+from statereduce.core.fit import (
     FitResult,
     LayerStats,
     apply_fit,

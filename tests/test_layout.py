@@ -148,7 +148,7 @@ def test_the_method_grammar_is_the_same_wherever_it_is_printed(capsys):
 
     root = Path(__file__).resolve().parents[1]
     grammar = re.search(r"expected (<selector>\S+)", layout._token_help(None)).group(1)
-    assert grammar == "<selector>[-k|-q|-v|-kv][.<calib>][@<budget>]"
+    assert grammar == "<selector>[-k|-q|-v|-kv][.<calib>][@<budget>][+<fit>]"
     assert f"# Method tokens: {grammar}\n" in (root / "config.yaml").read_text()
     assert main([]) == 0 and f"method token: {grammar}" in capsys.readouterr().out
     for doc in ("statereduce/common/layout.py", "statereduce/selectors/registry.py"):

@@ -19,7 +19,7 @@ from statereduce.selectors import (
     selector_names,
 )
 
-ALL = ["drrqr", "grad", "l1", "rand", "swanda"]  # the index selectors; pca and pca-adv: tests/test_transforms.py
+ALL = ["drrqr", "ghost", "grad", "l1", "rand", "swanda"]  # index selectors; pca, pca-adv: tests/test_transforms.py
 TRANSFORMS = ["pca", "pca-adv"]
 RNG = np.random.default_rng(0)
 
@@ -39,6 +39,7 @@ def test_registry_names_needs_and_source_files():
     needs = {n: set(get_selector(n).needs) for n in ALL}
     assert needs == {
         "drrqr": {"activations"},
+        "ghost": {"activations"},
         "grad": {"grad"},
         "l1": {"weights"},
         "rand": {"weights"},

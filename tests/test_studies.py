@@ -17,7 +17,7 @@ from _snakemake import copy_workflow, job_outputs, snakemake
 from statereduce.config import ConfigError, validate_config
 from statereduce.studies import check_studies, get_study, outputs, registered, schema
 
-SHIPPED = ("budgets", "calibration", "convolutions", "scoring", "values")
+SHIPPED = ("budgets", "calibration", "compensation", "convolutions", "scoring", "values")
 
 
 def _config() -> dict:
@@ -27,13 +27,13 @@ def _config() -> dict:
 def test_the_registry_finds_every_study_module():
     studies = registered()
     assert tuple(studies) == SHIPPED
-    assert {s.rule for s in studies.values()} == {"budget_study", "calibration_study", "convolution_tables",
-                                                 "scoring_ablation", "value_study"}
+    assert {s.rule for s in studies.values()} == {"budget_study", "calibration_study", "compensation_study",
+                                                 "convolution_tables", "scoring_ablation", "value_study"}
     for study in studies.values():
         assert schema()["properties"][study.name] == study.schema
         assert set(outputs(study)) >= {t.name for t in study.tables} | {f.name for f in study.figures}
         assert all(t.caption.strip() and t.label for t in study.tables)
-    with pytest.raises(ValueError, match=r"^unknown study 'pruning'; valid: budgets, calibration, convolutions, "
+    with pytest.raises(ValueError, match=r"^unknown study 'pruning'; valid: budgets, calibration, compensation, convolutions, "
                                          r"scoring, values$"):
         get_study("pruning")
 

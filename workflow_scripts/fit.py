@@ -5,7 +5,8 @@ from statereduce.core.runtime import start
 
 log = start(snakemake.log[0], snakemake.threads)
 from statereduce.common.settings import FitPlan, PruneSettings  # noqa: E402
-from statereduce.stages.fit import fit_selection, write_fit  # noqa: E402
+from statereduce.core.fit import write_fit  # noqa: E402
+from statereduce.stages.prune import fit_selection  # noqa: E402
 
 inp, wc = snakemake.input, snakemake.wildcards
 result, doc = fit_selection(Path(inp.base).parent, inp.selection, wc.method, float(wc.pct),

@@ -7,7 +7,7 @@ from statereduce.core.runtime import start
 log = start(snakemake.log[0], snakemake.threads)
 from statereduce.core.models import load_model  # noqa: E402
 from statereduce.core.selection_file import read_selection  # noqa: E402
-from statereduce.stages.fit import apply_fit, read_fit  # noqa: E402
+from statereduce.core.fit import apply_fit, read_fit  # noqa: E402
 from statereduce.stages.prune import prune_model, save_pruned  # noqa: E402
 from statereduce.eval.run import evaluate_loaded  # noqa: E402
 from statereduce.common.settings import EvalSettings, PruneSettings  # noqa: E402

@@ -38,7 +38,7 @@ of policy ``split``) it chooses the split of the state between d_k' and d_v' by 
 split (:func:`statereduce.stages.select.choose_state_split`). A value cut (``-v``) takes no budget. Examples: ``drrqr``, ``l1-q``,
 ``grad-k``, ``pca-adv-k``, ``drrqr.prose``, ``grad-q.prose``, ``drrqr@energy``, ``grad.prose@sens``, ``drrqr-v``,
 ``grad-kv``, ``drrqr-kv@split``. ``+<fit>`` (``[a-z0-9]+``) names a compensation under ``fits:``
-(:mod:`statereduce.stages.fit`): the same selection (the token without ``+<fit>``, :attr:`MethodSpec.selection`), then
+(:mod:`statereduce.core.fit`): the same selection (the token without ``+<fit>``, :attr:`MethodSpec.selection`), then
 each cut mixer's output projection re-fitted on calibration tokens before the checkpoint is written
 (``drrqr+fit``, ``drrqr@sens+fit``, ``grad-kv@layersplit+fit``).
 

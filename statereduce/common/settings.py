@@ -442,7 +442,7 @@ class BudgetPlan(Settings):
 # ---- compensation after the cut ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FitSettings(Settings):
-    """``fits.<name>``: a compensation after the cut (:mod:`statereduce.stages.fit`), used by method tokens ending in
+    """``fits.<name>``: a compensation after the cut (:mod:`statereduce.core.fit`), used by method tokens ending in
     ``+<name>``: each cut mixer's output projection re-fitted by damped least squares on calibration tokens.
 
     Args:

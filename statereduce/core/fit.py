@@ -1,5 +1,5 @@
 """Compensation after the cut: re-fit each cut mixer's output projection on calibration tokens (method tokens with
-``+<fit>``, e.g. ``drrqr@sens+fit``).
+``+<fit>``, e.g. ``drrqr@sens+fit``); :func:`statereduce.stages.prune.fit_selection` is rule ``fit``'s entry.
 
 Selection only chooses which channels stay; the weights that stay are left as they were. This stage changes them:
 for every linear-attention layer whose key or value width was cut, it re-solves the columns of the mixer's output
@@ -29,10 +29,8 @@ loads them into the sliced model, which stays a plain checkpoint of the smaller 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,12 +44,7 @@ from tqdm.auto import tqdm
 
 from statereduce.adapters import get_adapter
 from statereduce.adapters.base import decoder_layers
-from statereduce.common.layout import parse_token
 from statereduce.core.artifacts import ArtifactError, check_provenance, missing, remedy, unreadable
-from statereduce.core.data import load_split, token_blocks
-from statereduce.core.models import load_model
-from statereduce.core.selection_file import read_selection
-from statereduce.stages.prune import prune_model
 
 FIT_FORMAT = 1
 SCOPES = ("head", "layer")
@@ -253,49 +246,7 @@ def fit_out_projections(teacher: nn.Module, student: nn.Module, blocks: torch.Te
     return result
 
 
-# ---- the stage: rule fit writes the artifact, rule prune_fit loads it -------------------------------------------
-def fit_selection(base: str | os.PathLike, selection: str | os.PathLike, method: str, pct: float, plan,
-                  *, norm_eps: str, expect: Mapping[str, Any] | None = None, progress: bool = True,
-                  model=None, tokenizer=None) -> tuple[FitResult, dict[str, Any]]:
-    """Rule ``fit``: prune a copy of the base model with ``selection`` (the token without ``+<fit>``), fit its output
-    projections (``plan``: a :class:`~statereduce.common.settings.FitPlan`) on the first ``n_samples`` calibration
-    sequences, and return the :class:`FitResult` with the artifact's metadata. ``model``/``tokenizer``: the loaded
-    base (else loaded from ``base``)."""
-    spec = parse_token(method)
-    if spec.fit is None:
-        raise ValueError(f"method {method!r} has no +<fit>: nothing to fit")
-    info = dict(expect or {})
-    settings, cal = plan.settings, plan.calibration
-    if cal is None or plan.corpus is None:
-        raise ValueError(f"fit {plan.name!r} needs its calibration and corpus (the workflow resolves them)")
-    start = time.perf_counter()
-    if model is None:
-        model, tokenizer = load_model(base, dtype=info.get("dtype"), device=info.get("device", "cpu"))
-    selection_method = _selection_token(method)
-    keep, meta = read_selection(selection, expect={**info, "method": selection_method, "pct": float(pct)})
-    student = copy.deepcopy(model)
-    prune_model(student, keep, meta, norm_eps=norm_eps)
-    n_samples, batch = settings.sizes(cal)
-    blocks = token_blocks(tokenizer, load_split(dict(plan.corpus), cal.split), cal.n_samples, cal.seq_len,
-                          cal.seed)[:n_samples]
-    result = fit_out_projections(model, student, blocks, scope=settings.scope, damping=settings.damping,
-                                 batch_size=batch, target=settings.target, progress=progress)
-    doc = {
-        "format": FIT_FORMAT, "model": info.get("model"), "family": info.get("family"), "method": method,
-        "pct": float(pct), "selection_method": selection_method, "selection": str(selection),
-        "calibration": spec.calib, "fit": plan.name, "settings": settings.to_dict(), "norm_eps": norm_eps,
-        "n_samples": int(n_samples), "seq_len": int(cal.seq_len), "residual_scale": result.scale,
-        "layers": {str(k): v for k, v in sorted(result.layers.items())},
-        "seconds": round(time.perf_counter() - start, 3),
-    }
-    return result, doc
-
-
-def _selection_token(method: str) -> str:
-    """The token without ``+<fit>`` (:attr:`~statereduce.common.layout.MethodSpec.selection`), as written."""
-    return method.partition("+")[0]
-
-
+# ---- the artifact: rule fit writes it, rule prune_fit loads it ----------------------------------------------
 def write_fit(path: str | os.PathLike, result: FitResult, doc: Mapping[str, Any]) -> Path:
     """Write the fit artifact atomically: the fitted weights (safetensors) with ``doc`` as its metadata."""
     path = Path(path)

@@ -3,7 +3,7 @@
 Importing this package registers every selector (``rand``, ``l1``, ``swanda``, ``grad``, ``drrqr``, ``ghost``,
 ``pca``, ``pca-adv``); each lives in its own module so that the workflow can make that file an input of its own jobs
 only. See :mod:`statereduce.selectors.registry` for the API, and
-:mod:`statereduce.common.layout` for the method-token grammar ``<selector>[-k|-q|-v|-kv][.<calib>][@<budget>]``
+:mod:`statereduce.common.layout` for the method-token grammar ``<selector>[-k|-q|-v|-kv][.<calib>][@<budget>][+<fit>]``
 that :func:`parse_method` reads against the registered selectors; :mod:`statereduce.selectors.values` holds the value
 side of the selectors that have one (``-v``, ``-kv``).
 

@@ -6,7 +6,7 @@ module (``rand.py``, ``l1.py``, ``swanda.py``, ``grad.py``, ``drrqr.py``) and re
 :func:`register_selector`; the workflow makes that module file an input of that selector's jobs only
 (``Selector.source_file``), so editing one selector recomputes only its own results.
 
-Method tokens (``<selector>[-k|-q|-v|-kv][.<calib>][@<budget>]``, grammar in :mod:`statereduce.common.layout`) name a
+Method tokens (``<selector>[-k|-q|-v|-kv][.<calib>][@<budget>][+<fit>]``, grammar in :mod:`statereduce.common.layout`) name a
 selection in result paths ``results/{model}/{method}_{pct}/``; :func:`parse_method` reads one against the registered
 selectors.
 

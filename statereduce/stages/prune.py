@@ -41,11 +41,13 @@ Mamba-2's scan has no scale: there pruning equals zeroing the dropped B/C channe
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,9 +61,12 @@ from statereduce.adapters import EpsAttribute, LinearAttentionAdapter, ScaledRow
 from statereduce.adapters.mixer_layout import EPS_ATTRIBUTES
 from statereduce.core.artifacts import PRUNE_RECORD, check_prune_record  # noqa: F401  (check_prune_record re-exported)
 from statereduce.core.checkpoints import base_checkpoint
-from statereduce.core.selection_file import KeptChannels
+from statereduce.common.layout import parse_token
+from statereduce.core.data import load_split, token_blocks
+from statereduce.core.fit import FIT_FORMAT, FitResult, fit_out_projections
+from statereduce.core.selection_file import KeptChannels, read_selection
 from statereduce.kernels.shapes import record_note
-from statereduce.core.models import save_checkpoint
+from statereduce.core.models import load_model, save_checkpoint
 from statereduce.core.runtime import atomic_dir, versions
 from statereduce.common.settings import PruneSettings
 from statereduce.core.slicing import (  # noqa: F401  (the slicing verbs re-exported)
@@ -894,3 +899,46 @@ def save_pruned(model: nn.Module, tokenizer, record: PruneRecord, out_dir: str |
         save_checkpoint(model, tokenizer, tmp)
         (tmp / RECORD_NAME).write_text(record.to_json() + "\n")
     return out_dir
+
+
+# ---- compensation: rule fit (statereduce.core.fit) -----------------------------------------------------------------
+def fit_selection(base: str | os.PathLike, selection: str | os.PathLike, method: str, pct: float, plan,
+                  *, norm_eps: str, expect: Mapping[str, Any] | None = None, progress: bool = True,
+                  model=None, tokenizer=None) -> tuple[FitResult, dict[str, Any]]:
+    """Rule ``fit``: prune a copy of the base model with ``selection`` (the token without ``+<fit>``), fit its output
+    projections (``plan``: a :class:`~statereduce.common.settings.FitPlan`) on the first ``n_samples`` calibration
+    sequences, and return the :class:`FitResult` with the artifact's metadata. ``model``/``tokenizer``: the loaded
+    base (else loaded from ``base``)."""
+    spec = parse_token(method)
+    if spec.fit is None:
+        raise ValueError(f"method {method!r} has no +<fit>: nothing to fit")
+    info = dict(expect or {})
+    settings, cal = plan.settings, plan.calibration
+    if cal is None or plan.corpus is None:
+        raise ValueError(f"fit {plan.name!r} needs its calibration and corpus (the workflow resolves them)")
+    start = time.perf_counter()
+    if model is None:
+        model, tokenizer = load_model(base, dtype=info.get("dtype"), device=info.get("device", "cpu"))
+    selection_method = _selection_token(method)
+    keep, meta = read_selection(selection, expect={**info, "method": selection_method, "pct": float(pct)})
+    student = copy.deepcopy(model)  # the base stays whole: it gives the targets
+    prune_model(student, keep, meta, norm_eps=norm_eps)
+    n_samples, batch = settings.sizes(cal)
+    blocks = token_blocks(tokenizer, load_split(dict(plan.corpus), cal.split), cal.n_samples, cal.seq_len,
+                          cal.seed)[:n_samples]
+    result = fit_out_projections(model, student, blocks, scope=settings.scope, damping=settings.damping,
+                                 batch_size=batch, target=settings.target, progress=progress)
+    doc = {
+        "format": FIT_FORMAT, "model": info.get("model"), "family": info.get("family"), "method": method,
+        "pct": float(pct), "selection_method": selection_method, "selection": str(selection),
+        "calibration": spec.calib, "fit": plan.name, "settings": settings.to_dict(), "norm_eps": norm_eps,
+        "n_samples": int(n_samples), "seq_len": int(cal.seq_len), "residual_scale": result.scale,
+        "layers": {str(k): v for k, v in sorted(result.layers.items())},
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+    return result, doc
+
+
+def _selection_token(method: str) -> str:
+    """The token without ``+<fit>`` (:attr:`~statereduce.common.layout.MethodSpec.selection`), as written."""
+    return method.partition("+")[0]
