@@ -15,6 +15,8 @@ README is touched. Every source is committed. Blocks (all by default):
   --save DIR``).
 - ``recipe``: ``docs/experiments/recipe/summary.md``, verbatim, which names the CPU kind of its runs (the ``cpu``
   column of ``results.csv`` beside it; both written by ``docs/experiments/recipe/table.py``).
+- ``compensation``: ``docs/experiments/compensation/goal.md``, verbatim (the best new cell of the compensation study
+  against the recipe, with the CPU kind of its runs; written by ``docs/experiments/compensation/table.py``).
 
 Each problem is one line naming the block, and makes the command exit 1: a block whose source is missing (the block
 is left as it is), a block that differs from what its source renders (``--check``: every line is compared), and a
@@ -46,6 +48,7 @@ COMPARISON = DEFAULT_RUN / "comparison.md"
 RUN_JSON = DEFAULT_RUN / "run.json"
 INSTALL = Path("docs/results/install_size.json")
 RECIPE = Path("docs/experiments/recipe/summary.md")
+COMPENSATION = Path("docs/experiments/compensation/goal.md")
 RECIPE_CSV = RECIPE.with_name("results.csv")
 #: The paper-scale runs (docs/records/paper_scale_h200.md), oldest first: a later run's measurement of a stage replaces
 #: an earlier one's (the later runs measured RFT with the config's ``micro_batch_size: auto``), with the GPU each ran on.
@@ -290,6 +293,11 @@ def render_recipe(root: Path) -> str:
     return rebase_links(text, RECIPE.parent).strip("\n") + "\n"
 
 
+def render_compensation(root: Path) -> str:
+    text = _read(root, COMPENSATION, "python docs/experiments/compensation/table.py RUN_DIR writes it")
+    return rebase_links(text, COMPENSATION.parent).strip("\n") + "\n"
+
+
 def rebase_links(text: str, folder: Path) -> str:
     """``text``'s relative Markdown links, written relative to ``folder``, rewritten relative to the repository root
     (where the README that includes the text lies); URLs and in-page anchors stay."""
@@ -306,6 +314,7 @@ BLOCKS: dict[str, Block] = {
     "install": Block(str(INSTALL), render_install),
     "hub-cost": Block("docs/results/paper_scale_*/", render_hub_cost),
     "recipe": Block(str(RECIPE), render_recipe),
+    "compensation": Block(str(COMPENSATION), render_compensation),
 }
 #: Blocks whose numbers must come from one kind of CPU, each with the file that names its kind and how it is read;
 #: the first names the kind, the others are checked against it.

@@ -226,3 +226,43 @@ def test_bad_fit_settings_fail_in_one_line(bad, message):
     with pytest.raises(ValueError, match=message) as err:
         FitSettings.from_dict(bad)
     assert "\n" not in str(err.value)
+
+
+# ---- the token, the config and the workflow ---------------------------------------------------------------------
+def test_the_token_names_its_selection():
+    import re
+
+    from statereduce.common.layout import MethodSpec, format_method
+    from statereduce.selectors import method_regex, parse_method
+
+    spec = parse_method("drrqr-kv@layersplit+fit")
+    assert spec.fit == "fit" and spec.selection == MethodSpec("drrqr", budget="layersplit", cut="joint")
+    assert format_method(spec) == "drrqr-kv@layersplit+fit" and format_method(spec.selection) == "drrqr-kv@layersplit"
+    for token, plain, fitted in (("drrqr", True, False), ("drrqr@sens+fit", False, True), ("grad+fithead", False, True)):
+        assert bool(re.fullmatch(method_regex(fit=False), token)) == plain
+        assert bool(re.fullmatch(method_regex(fit=True), token)) == fitted
+        assert re.fullmatch(method_regex(), token)
+    with pytest.raises(ValueError, match=r"bad fit id 'Fit'"):
+        parse_method("drrqr+Fit")
+
+
+def test_the_config_check_names_the_fits(shipped_config):
+    from statereduce.config import ConfigError, check_method, validate_config
+
+    check_method(shipped_config, "pca+fit")  # any selector: the fit reads only the pruned model
+    with pytest.raises(ConfigError, match=r"^unknown fit 'fitt' \(method token suffix \+fitt\); valid: fit, fithead$"):
+        check_method(shipped_config, "drrqr+fitt")
+    bad = copy.deepcopy(shipped_config)
+    bad["fits"]["fit"]["scope"] = "head"
+    with pytest.raises(ConfigError, match=r"fits\.fit: fit target 'stream' matches the whole residual stream"):
+        validate_config(bad)
+
+
+def test_the_workflow_plans_fit_then_prune_fit(tmp_path):
+    from _snakemake import dry_run_outputs
+
+    jobs = dry_run_outputs(tmp_path, "results/tiny-dn/drrqr@sens+fit_75/pruned/eval.json")
+    assert jobs["fit"] == ["results/tiny-dn/select/drrqr@sens+fit_75.fit.safetensors"]
+    assert "results/tiny-dn/drrqr@sens+fit_75/pruned/eval.json" in jobs["prune_fit"]
+    assert "prune" not in jobs  # the selection is drrqr@sens's: nothing of the plain cut is pruned
+    assert jobs["select_channels"] == ["results/tiny-dn/select/drrqr@sens_75.parquet"]

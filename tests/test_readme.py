@@ -39,7 +39,7 @@ def _dev_module(name: str):
 
 rb = _dev_module("readme_blocks")
 publish_run = _dev_module("publish_run")
-NAMES = ("results", "install", "hub-cost", "recipe")
+NAMES = ("results", "install", "hub-cost", "recipe", "compensation")
 README = "# x\n\nProse stays.\n\n" + "".join(
     f"<!-- generated:{n} -->\n(placeholder)\n<!-- /generated:{n} -->\n\nMore prose about {n}.\n\n" for n in NAMES)
 LOG_NAME = "2026-12-02T184400.000000.snakemake.log"

@@ -433,9 +433,6 @@ def check_method(config: dict, method: str) -> None:
         check_budget_cut(model_budget(config, spec.budget), spec, method)
     if spec.fit is not None:
         model_fit(config, spec.fit)
-        if spec.selector in ("pca", "pca-adv"):
-            raise ConfigError(f"method {method!r}: +{spec.fit} re-fits the output projection of a channel selection; "
-                              f"{spec.selector!r} rotates the heads instead (drop +{spec.fit})")
 
 
 def check_budget_cut(settings: BudgetSettings, spec, method: str) -> None:

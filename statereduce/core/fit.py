@@ -154,8 +154,8 @@ def _block_input(block: nn.Module, into: list) -> Any:
 
 
 def _projection_input(model: nn.Module, module: nn.Module, ids: torch.Tensor, block: nn.Module | None = None):
-    """The input [B*T, n] of ``module`` in ``model``'s forward on ``ids`` (the forward stops there), and with
-    ``block`` that block's input hidden state [B*T, D]."""
+    """The input [B*T, n] (float64, on the model's device) of ``module`` in ``model``'s forward on ``ids`` (the
+    forward stops there), and with ``block`` that block's input hidden state [B*T, D]."""
     got: list = []
     res: list = []
     handles = [_capture(module, got)] + ([_block_input(block, res)] if block is not None else [])
@@ -168,8 +168,8 @@ def _projection_input(model: nn.Module, module: nn.Module, ids: torch.Tensor, bl
             h.remove()
     if not got:
         raise RuntimeError(f"the forward never reached {type(module).__name__}")
-    z = got[0].reshape(-1, got[0].shape[-1]).double().cpu()
-    return z, (res[0].reshape(-1, res[0].shape[-1]).double().cpu() if res else None)
+    z = got[0].reshape(-1, got[0].shape[-1]).double()  # on the model's device: the sums are taken there
+    return z, (res[0].reshape(-1, res[0].shape[-1]).double() if res else None)
 
 
 def layer_stats(teacher: nn.Module, student: nn.Module, t_proj: nn.Module, s_proj: nn.Module, blocks: torch.Tensor,
@@ -184,8 +184,8 @@ def layer_stats(teacher: nn.Module, student: nn.Module, t_proj: nn.Module, s_pro
             zp, h_s = _projection_input(student, s_proj, ids, s_block)
             if stats is None:
                 n, m = z.shape[1], zp.shape[1]
-                stats = LayerStats(torch.zeros(n, m, dtype=torch.float64), torch.zeros(m, m, dtype=torch.float64),
-                                   torch.zeros(n, n, dtype=torch.float64))
+                stats = LayerStats(*(torch.zeros(a, b, dtype=torch.float64, device=z.device)
+                                     for a, b in ((n, m), (m, m), (n, n))))
             stats.cross += z.T @ zp
             stats.gram += zp.T @ zp
             stats.target += z.T @ z
@@ -193,7 +193,8 @@ def layer_stats(teacher: nn.Module, student: nn.Module, t_proj: nn.Module, s_pro
             if h_t is not None:
                 d = (scale * h_t - h_s).T @ zp
                 stats.drift = d if stats.drift is None else stats.drift + d
-    return stats
+    return LayerStats(stats.cross.cpu(), stats.gram.cpu(), stats.target.cpu(), stats.tokens,
+                      None if stats.drift is None else stats.drift.cpu())
 
 
 def fit_blocks(t_proj: OutProjection, s_proj: OutProjection, scope: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
