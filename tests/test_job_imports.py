@@ -44,10 +44,12 @@ NOT_LOADED = {
     # stages that load a model: torch, and the rest where the work needs it
     "calibrate": OTHER_STAGES,
     "eval_baseline": OTHER_STAGES,
+    "fit": OTHER_STAGES,
     "grad_scores": OTHER_STAGES,
     "init_random": OTHER_STAGES,
     "pretrain": OTHER_STAGES,
     "prune": OTHER_STAGES,
+    "prune_fit": OTHER_STAGES,
     "qk_weights": OTHER_STAGES,
     "rank": OTHER_STAGES,
     "rank_baseline": OTHER_STAGES,

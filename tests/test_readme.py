@@ -144,6 +144,13 @@ def _plant_recipe(root: Path, cpu: str) -> None:
                                         f"tiny-gdn,75.0,drrqr@sens,0.07,{cpu}\n")
 
 
+def _plant_compensation(root: Path) -> None:
+    folder = root / "docs" / "experiments" / "compensation"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "goal.md").write_text("| model | pct | `drrqr@sens` | best new cell |\n| --- | ---: | ---: | --- |\n"
+                                    "| tiny-dn | 75 | 0.0154 | `drrqr@sens+fit` |\n")
+
+
 @pytest.fixture
 def planted(tmp_path):
     """A checkout with every block's source (the default run published from a planted run directory; the recipe
@@ -153,6 +160,7 @@ def planted(tmp_path):
     publish_run.publish(tmp_path / "run", root / rb.DEFAULT_RUN)
     _plant_other(root)
     _plant_recipe(root, cpu_kind())
+    _plant_compensation(root)
     (root / "README.md").write_text(README)
     return root
 

@@ -253,6 +253,7 @@ def _owner(block: tuple, key: str) -> type[st.Settings]:
         ("$defs", "rft"): st.RftPlan if key in st.RftPlan.field_names() else st.RftSettings,
         ("$defs", "prune"): st.PruneSettings,
         ("$defs", "budget"): st.BudgetSettings,
+        ("$defs", "fit"): st.FitSettings,
         (*model, "pretrain", "properties", "recall_mix"): st.RecallMixSettings,
         (*model, "pretrain"): st.PretrainSettings,
         (*model, "init"): st.InitSettings,

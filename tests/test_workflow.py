@@ -236,9 +236,17 @@ def test_all_paper_plans_study_tables(tmp_path):
     split_cells = {f"results/{m}/{s}-kv@{val[key]}_{p}/eval.json" for m in val["models"] for s in val["selectors"]
                    for p in val["pcts"] for key in ("split", "split_layers")}
     value_cells |= split_cells
-    assert summaries == targets | cells | budget_cells | value_cells  # every target and every study cell, each once
+    com = cfg["studies"]["compensation"]
+    compensation_cells = {f"results/{m}/{x}_{p}/eval.json" for m in com["models"] for x in com["methods"]
+                          for p in com["pcts"]}
+    assert summaries == targets | cells | budget_cells | value_cells | compensation_cells  # each once
+    fitted = {p for p in compensation_cells if "+" in p}
+    assert set(jobs["fit"]) == {p.replace(f"/{p.split('/')[2]}/eval.json", "/select/") + p.split("/")[2]
+                                + ".fit.safetensors" for p in fitted}
+    joint_cells = {p.split("+")[0] + "_" + p.rsplit("_", 1)[1] if "+" in p else p
+                   for p in compensation_cells if "-kv@" in p}
     assert set(jobs["split"]) == {p.replace(f"/{p.split('/')[2]}/eval.json", "/select/") + p.split("/")[2]
-                                  + ".split.json" for p in split_cells}
+                                  + ".split.json" for p in split_cells | joint_cells}
     assert set(jobs["allocate"]) == {p.replace(f"/{p.split('/')[2]}/eval.json", "/select/") + p.split("/")[2]
                                      + ".allocation.json" for p in budget_cells if "@" in p}
     measured = [b for b in bud["budgets"] if cfg["budgets"][b]["policy"] in ("greedy", "sensitivity")]
