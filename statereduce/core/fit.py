@@ -1,7 +1,7 @@
 """Compensation after the cut: re-fit each cut mixer's output projection on calibration tokens (method tokens with
 ``+<fit>``, e.g. ``drrqr@sens+fit``); :func:`statereduce.stages.prune.fit_selection` is rule ``fit``'s entry.
 
-Selection only chooses which channels stay; the weights that stay are left as they were. This stage changes them:
+Selection only chooses which channels stay; the weights that stay are left as they were. The fit changes them:
 for every linear-attention layer whose key or value width was cut, it re-solves the columns of the mixer's output
 projection (fla's ``o_proj``, Mamba-2's and Qwen3.5's ``out_proj``) so that the pruned mixer's output matches the
 unpruned model's on the calibration tokens, as SparseGPT and OBS-style updates re-solve kept weights by least squares.
@@ -12,13 +12,16 @@ readout ``S q`` per head after the output norm and gate) is what the cut changed
 fit solves, per value head (``scope: head``; the block of the head's columns) or for the whole layer (``scope:
 layer``), the damped least squares
 
-    min_W  sum_t || r W_o z_t - W z'_t ||^2 + lam || W - W_p ||_F^2,   W = (r W_o C + lam W_p) (G + lam I)^-1,
+    min_W  sum_t || y_t - W z'_t ||^2 + lam || W - W_p ||_F^2,   W = (r W_o C + D + lam W_p) (G + lam I)^-1,
 
 with ``C = sum z z'^T``, ``G = sum z' z'^T`` (float64), ``W_o`` the unpruned projection, ``W_p`` the pruned one (what
 the plain cut keeps), ``lam = damping * mean(diag G)`` and ``r`` the pruned checkpoint's residual-stream scale (1, or
-the ``norm_eps="exact"`` factor; read from the input embeddings). The damping pulls toward the plain cut, so a layer
+the ``norm_eps="exact"`` factor; read from the input embeddings). The target ``y_t`` is the unpruned mixer's output
+``r W_o z_t`` (``target="mixer"``, ``D = 0``), or with ``target="stream"`` (``scope: layer`` only) that plus the
+drift of the residual stream entering the block, ``r h_t - h'_t`` (unpruned minus pruned), so that the stream after
+the mixer matches the unpruned one (``D = sum (r h - h') z'^T``). The damping pulls toward the plain cut, so a layer
 whose statistics say nothing keeps it. The layers are fitted in order, each on the stream that the earlier fitted
-layers produce (the target stays the unpruned model's output), so a layer also takes up error that reached it.
+layers produce.
 
 Value cuts shrink the projection's input (``z'`` has d_v' channels per head); key cuts keep its shape. Layers that
 keep every channel are left as they are, so with nothing cut the fit changes nothing. The fitted weights are an
@@ -48,6 +51,7 @@ from statereduce.core.artifacts import ArtifactError, check_provenance, missing,
 
 FIT_FORMAT = 1
 SCOPES = ("head", "layer")
+TARGETS = ("mixer", "stream")
 
 
 class _Stop(Exception):
@@ -218,9 +222,15 @@ def fit_out_projections(teacher: nn.Module, student: nn.Module, blocks: torch.Te
                         damping: float = 0.01, batch_size: int = 8, target: str = "mixer",
                         progress: bool = False) -> FitResult:
     """Fit, in place and layer by layer, the output projection of every cut mixer of ``student`` (a pruned copy of
-    ``teacher``) on the calibration ``blocks`` [N, T] (module docstring). Returns the :class:`FitResult`."""
+    ``teacher``) on the calibration ``blocks`` [N, T] (module docstring; ``scope`` "head" or "layer", ``target``
+    "mixer" or "stream"). Returns the :class:`FitResult`."""
     if scope not in SCOPES:
         raise ValueError(f"fit scope {scope!r} is not one of {', '.join(SCOPES)}")
+    if target not in TARGETS:
+        raise ValueError(f"fit target {target!r} is not one of {', '.join(TARGETS)}")
+    if target == "stream" and scope != "layer":
+        raise ValueError("fit target 'stream' matches the whole residual stream, which one head cannot; use scope "
+                         "'layer' with it")
     if not damping > 0:
         raise ValueError(f"fit damping {damping!r} must be > 0 (0.01: one percent of the mean input energy)")
     t_projs, s_projs = out_projections(teacher), out_projections(student)
