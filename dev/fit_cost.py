@@ -4,7 +4,8 @@ them), written as JSON.
 
     python dev/fit_cost.py MODEL --pct 50 --samples 16 --seq-len 2048 --out FILE [--device cuda] [--dtype bfloat16]
 
-MODEL is a model of config.yaml with a ``speed.arch`` (dn1.3b, gdn1.3b, ...). The model is built at that shape, a copy
+MODEL is a model of config.yaml with a ``speed.arch`` (dn1.3b, gdn1.3b, ...). Both are timed after a warm-up pass
+at both shapes (fla's kernels checked, compiled and autotuned), as on a machine that ran a job before. The model is built at that shape, a copy
 is pruned with a random uniform key cut at ``pct`` (``norm_eps: exact``), and the fit (scope layer, target stream, as
 ``fits.fit``) runs on ``samples`` random sequences of ``seq_len`` tokens. Reports the fit's wall time and peak device
 memory, the seconds per calibration sequence, one calibration-loss pass over the same sequences, and each layer's
@@ -66,7 +67,11 @@ def main(argv=None) -> None:
     vocab = teacher.get_input_embeddings().weight.shape[0]
     blocks = torch.randint(0, vocab, (args.samples, args.seq_len), generator=g)
 
-    calibration_loss(teacher, blocks[: args.batch], args.batch)  # warm-up: kernels compiled, autotuned
+    # warm-up at both shapes (kernels checked, compiled and autotuned once per machine), then the timed passes
+    calibration_loss(teacher, blocks[: args.batch], args.batch)
+    calibration_loss(student, blocks[: args.batch], args.batch)
+    fit_out_projections(teacher, copy.deepcopy(student), blocks[: args.batch], scope="layer", target="stream",
+                        damping=0.1, batch_size=args.batch)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     _sync(args.device)

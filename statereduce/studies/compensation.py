@@ -35,7 +35,8 @@ class CompensationStudy(Study):
     tables = (Table("compensation_study", "compensation beyond selection", """
 **Compensation beyond selection** (``studies.compensation``): each method token at each share of the state removed.
 Pruning loss is the pruned model's held-out bits per byte minus the unpruned model's, before recovery fine-tuning;
-× ref. divides it by the reference method's at the same model and pct (below 1: better). Then held-out bits per
+× ref. divides it by the reference method's at the same model and pct (below 1: better; "–" where either is
+negative, i.e. beats the unpruned model). Then held-out bits per
 byte before → after RFT and the recall probe's mean accuracy ± standard error before → after RFT. The long CSV is
 ``results/tables/compensation_study.csv``.
 """),)
@@ -89,8 +90,11 @@ def compensation_frame(summaries: list[dict], block: dict):
                                  "state": (doc.get("state") or {}).get("ratio", math.nan)})
     df = pd.DataFrame(rows)
     ref = df[df["method"] == block["reference"]].set_index(["model", "pct", "stage"])["loss"]
-    df["loss_vs_reference"] = [loss / ref.get((m, p, st), math.nan) if ref.get((m, p, st), 0) else math.nan
-                               for loss, m, p, st in zip(df["loss"], df["model"], df["pct"], df["stage"])]
+    # a ratio only where both losses are positive: a negative loss beats the unpruned model, and noise around zero
+    # makes any ratio meaningless
+    df["loss_vs_reference"] = [loss / r if r > 0 and loss >= 0 else math.nan
+                               for loss, r in ((loss, ref.get((m, p, st), math.nan)) for loss, m, p, st in
+                                               zip(df["loss"], df["model"], df["pct"], df["stage"]))]
     return df
 
 
@@ -107,7 +111,8 @@ def markdown(df, block: dict) -> str:
 
     parts = ["# Compensation beyond selection\n\n",
              f"Pruning loss: held-out bits per byte above the unpruned model before RFT; × ref.: its ratio to "
-             f"`{block['reference']}`'s. Bits per byte and recall (probe mean ± standard error): pre-RFT → post-RFT.\n"]
+             f"`{block['reference']}`'s where both are positive (– where either beats the unpruned model). Bits per "
+             "byte and recall (probe mean ± standard error): pre-RFT → post-RFT.\n"]
     for model in block["models"]:
         for pct in map(float, block["pcts"]):
             lines = ["| method | state kept | pruning loss | × ref. | bits/byte | recall |",

@@ -74,7 +74,7 @@ def main(argv=None) -> None:
             new = {m: v for m, v in new.items() if not math.isnan(v)}
             best = min(new, key=new.get) if new else None
             b = new.get(best, math.nan)
-            ratio = b / r if r and not math.isnan(r) and r > 0 else math.nan
+            ratio = b / r if r > 0 and b >= 0 else math.nan  # a negative loss beats the unpruned model
             ok = (b <= 0.5 * r) if r > 0 else (b <= r)
             met.setdefault(pct, []).append((model, ok, b <= r))
             lines.append(f"| {model} | {pct} | {r:.4f} | `{best}` | {b:.4f} | "
@@ -85,9 +85,16 @@ def main(argv=None) -> None:
         worse = [m for m, _, not_worse in rows if not not_worse]
         summary.append(f"- {pct}%: at most half of `{ref}`'s pruning loss on {len(half)} of {len(rows)} models "
                        f"({', '.join(half) or 'none'}); worse than it on {len(worse)} ({', '.join(worse) or 'none'}).")
+    for pct in map(str, block["pcts"]):
+        for stage, label in (("pruned", "before RFT"), ("rft", "after RFT")):
+            total = {m: sum(loss(root, model, m, pct, stage) for model in block["models"]) for m in block["methods"]}
+            top = sorted((v, m) for m, v in total.items() if not math.isnan(v))[:3]
+            summary.append(f"- {pct}%, {label}: lowest summed loss over the {len(block['models'])} models: "
+                           + ", ".join(f"`{m}` {v:.4f}" for v, m in top) + f" (`{ref}`: {total[ref]:.4f}).")
     head = (f"**Beyond selection, measured** (`studies.compensation`, {', '.join(cpus(root, block))}; "
             f"[docs/experiments/compensation](README.md)): pruning loss before RFT (held-out bits per byte above the "
-            f"unpruned model) of `{ref}` against the best new cell (`+fit`, `+fithead`, `@joint`, `ghost`).\n\n")
+            f"unpruned model) of `{ref}` against the best new cell (`+fit`, `@joint`, `ghost`); × ref. is their ratio "
+            "where both are positive (a negative loss beats the unpruned model).\n\n")
     (args.out / "goal.md").write_text(head + "\n".join(lines) + "\n\n" + "\n".join(summary) + "\n")
 
     jobs = [("fit", "fit", "*+*.tsv"), ("prune_fit (prune + fitted weights + eval)", "prune", "*+*.tsv"),
