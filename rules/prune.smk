@@ -55,7 +55,7 @@ rule prune_fit:
     log:
         "logs/prune/{model}/{method}_{pct}.log",
     benchmark:
-        "benchmarks/prune/{model}/{method}_{pct}.tsv"
+        "benchmarks/prune_fit/{model}/{method}_{pct}.tsv"
     conda:
         conda_env("lm_eval")
     script:

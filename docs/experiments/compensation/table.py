@@ -97,7 +97,7 @@ def main(argv=None) -> None:
             "where both are positive (a negative loss beats the unpruned model).\n\n")
     (args.out / "goal.md").write_text(head + "\n".join(lines) + "\n\n" + "\n".join(summary) + "\n")
 
-    jobs = [("fit", "fit", "*+*.tsv"), ("prune_fit (prune + fitted weights + eval)", "prune", "*+*.tsv"),
+    jobs = [("fit", "fit", "*+*.tsv"), ("prune_fit (prune + fitted weights + eval)", "prune_fit", "*+*.tsv"),
             ("prune (+ eval), for comparison", "prune", "drrqr@sens_*.tsv"),
             ("split of `@joint`", "split", "*@joint_*.tsv"), ("split of `@layersplit`", "split", "*@layersplit_*.tsv"),
             ("select_channels of `ghost`", "select_channels", "ghost_*.tsv"),
