@@ -37,6 +37,10 @@ two choices (``norm_eps``, ``PruneSettings.valid("norm_eps")``):
 
 Mamba-2's scan has no scale: there pruning equals zeroing the dropped B/C channels (and their conv bias), and
 ``"exact"`` changes nothing.
+
+Rule ``fit`` (a method token with ``+<fit>``) enters here too: :func:`fit_selection` prunes a copy of the base model
+as above and re-fits its output projections (:mod:`statereduce.core.fit`); rule ``prune_fit`` slices the same
+selection and loads the fitted weights.
 """
 
 from __future__ import annotations
