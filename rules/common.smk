@@ -186,7 +186,7 @@ def get_select_inputs(wildcards):
     spec = parse_method(wildcards.method)
     from statereduce.stages.select import cut_code_files, cut_needs
     if spec.fit is not None:
-        raise WorkflowError(f"method {wildcards.method!r} re-fits the selection of {_selection_token(wildcards.method)!r}: "
+        raise WorkflowError(f"method {wildcards.method!r} re-fits the selection of {layout.selection_token(wildcards.method)!r}: "
                             f"it has no selection file of its own")
 
     needs = cut_needs(wildcards.method)
@@ -354,14 +354,9 @@ def get_summary_inputs(wildcards):
     return inputs
 
 
-def _selection_token(method):
-    """The method token without +<fit> (MethodSpec.selection): the cut whose selection a fitted method reads."""
-    return method.partition("+")[0]
-
-
 def get_fit_selection(wildcards):
     """The selection file of a method (of the token without +<fit>, for a fitted method)."""
-    return layout.path(layout.SELECTION, model=wildcards.model, method=_selection_token(wildcards.method),
+    return layout.path(layout.SELECTION, model=wildcards.model, method=layout.selection_token(wildcards.method),
                        pct=wildcards.pct)
 
 
@@ -369,7 +364,7 @@ def get_fit_selection(wildcards):
 def get_fit_inputs(wildcards):
     """Rule fit: the base model, the selection of the token without +<fit>, and the fit's code."""
     srconfig.check_method(CFG, wildcards.method)
-    srconfig.check_reduction(CFG, wildcards.model, float(wildcards.pct), _selection_token(wildcards.method))
+    srconfig.check_reduction(CFG, wildcards.model, float(wildcards.pct), layout.selection_token(wildcards.method))
     return {"base": get_base(wildcards), "checkpoint": get_checkpoint_files(wildcards),
             "selection": get_fit_selection(wildcards), "code": [here_relative(FIT_CODE)]}
 

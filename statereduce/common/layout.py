@@ -272,6 +272,12 @@ def parse_token(token: str, vocabulary: Vocabulary | None = None) -> MethodSpec:
     return replace(spec, fit=fit) if plus else spec
 
 
+def selection_token(token: str) -> str:
+    """``token`` without its ``+<fit>``, as written: the method whose selection (and budget artifacts) a fitted method
+    reads (:attr:`MethodSpec.selection`, without parsing)."""
+    return token.partition("+")[0]
+
+
 def _parse_cut(token_cut: str, token: str, vocabulary: Vocabulary | None) -> MethodSpec:
     """:func:`parse_token` of the token without its ``+<fit>``."""
     rest, at, budget = token_cut.partition("@")

@@ -66,6 +66,20 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _calibration_subset(kind: str, n_samples: int | None, batch_size: int | None) -> None:
+    """Check a block's ``n_samples`` and ``batch_size`` over its calibration's sequences (positive, or unset)."""
+    for name, value in (("n_samples", n_samples), ("batch_size", batch_size)):
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ValueError(f"{kind} {name}={value!r} must be a positive integer (or unset)")
+
+
+def _subset_sizes(n_samples: int | None, batch_size: int | None, calibration) -> tuple[int, int]:
+    """``(n_samples, batch_size)`` over ``calibration``'s sequences: the first ``n_samples`` of them (all when unset),
+    ``batch_size`` per forward (the calibration's when unset)."""
+    n = calibration.n_samples if n_samples is None else min(n_samples, calibration.n_samples)
+    return n, calibration.batch_size if batch_size is None else batch_size
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -404,15 +418,11 @@ class BudgetSettings(Settings):
         if self.per_layer and self.policy != "split":
             raise ValueError(f"budget per_layer=true chooses a joint cut's split per layer; it takes policy 'split', "
                              f"not {self.policy!r}")
-        for name in ("n_samples", "batch_size"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"budget {name}={value!r} must be a positive integer (or unset)")
+        _calibration_subset("budget", self.n_samples, self.batch_size)
 
     def sizes(self, calibration: CalibrationSettings) -> tuple[int, int]:
         """``(n_samples, batch_size)`` of the sensitivity or split loss over ``calibration``'s sequences."""
-        n = calibration.n_samples if self.n_samples is None else min(self.n_samples, calibration.n_samples)
-        return n, calibration.batch_size if self.batch_size is None else self.batch_size
+        return _subset_sizes(self.n_samples, self.batch_size, calibration)
 
 
 @dataclass(frozen=True)
@@ -472,15 +482,11 @@ class FitSettings(Settings):
         if self.target == "stream" and self.scope != "layer":
             raise ValueError("fit target 'stream' matches the whole residual stream, which one head cannot; use scope "
                              "'layer' with it, or target 'mixer' with scope 'head'")
-        for name in ("n_samples", "batch_size"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"fit {name}={value!r} must be a positive integer (or unset)")
+        _calibration_subset("fit", self.n_samples, self.batch_size)
 
     def sizes(self, calibration: CalibrationSettings) -> tuple[int, int]:
         """``(n_samples, batch_size)`` of the fit over ``calibration``'s sequences."""
-        n = calibration.n_samples if self.n_samples is None else min(self.n_samples, calibration.n_samples)
-        return n, calibration.batch_size if self.batch_size is None else self.batch_size
+        return _subset_sizes(self.n_samples, self.batch_size, calibration)
 
 
 @dataclass(frozen=True)

@@ -447,28 +447,26 @@ def check_budget_cut(settings: BudgetSettings, spec, method: str) -> None:
                           f"split of a joint cut; use it as <selector>-kv@{spec.budget}")
 
 
+def _named(config: dict, cls: type[S], kind: str, name: str, sigil: str) -> S:
+    """The settings ``cls`` of ``<kind>s.<name>``, a block a method token names with ``<sigil><name>``."""
+    blocks = config.get(f"{kind}s") or {}
+    if name not in blocks:
+        raise ConfigError(f"unknown {kind} {name!r} (method token suffix {sigil}{name}); valid: "
+                          f"{', '.join(sorted(blocks)) or f'(none defined: add a {kind}s block)'}")
+    try:
+        return cls.from_dict(blocks[name])
+    except ValueError as e:
+        raise ConfigError(f"{kind}s.{name}: {e}") from None
+
+
 def model_budget(config: dict, budget: str) -> BudgetSettings:
     """The settings of ``budgets.<budget>`` (:class:`~statereduce.common.settings.BudgetSettings`)."""
-    budgets = config.get("budgets") or {}
-    if budget not in budgets:
-        raise ConfigError(f"unknown budget {budget!r} (method token suffix @{budget}); valid: "
-                          f"{', '.join(sorted(budgets)) or '(none defined: add a budgets block)'}")
-    try:
-        return BudgetSettings.from_dict(budgets[budget])
-    except ValueError as e:
-        raise ConfigError(f"budgets.{budget}: {e}") from None
+    return _named(config, BudgetSettings, "budget", budget, "@")
 
 
 def model_fit(config: dict, fit: str) -> FitSettings:
     """The settings of ``fits.<fit>`` (:class:`~statereduce.common.settings.FitSettings`)."""
-    fits = config.get("fits") or {}
-    if fit not in fits:
-        raise ConfigError(f"unknown fit {fit!r} (method token suffix +{fit}); valid: "
-                          f"{', '.join(sorted(fits)) or '(none defined: add a fits block)'}")
-    try:
-        return FitSettings.from_dict(fits[fit])
-    except ValueError as e:
-        raise ConfigError(f"fits.{fit}: {e}") from None
+    return _named(config, FitSettings, "fit", fit, "+")
 
 
 def model_fit_plan(config: dict, model: str, method: str) -> FitPlan:

@@ -65,7 +65,7 @@ from statereduce.adapters import EpsAttribute, LinearAttentionAdapter, ScaledRow
 from statereduce.adapters.mixer_layout import EPS_ATTRIBUTES
 from statereduce.core.artifacts import PRUNE_RECORD, check_prune_record  # noqa: F401  (check_prune_record re-exported)
 from statereduce.core.checkpoints import base_checkpoint
-from statereduce.common.layout import parse_token
+from statereduce.common.layout import parse_token, selection_token
 from statereduce.core.data import load_split, token_blocks
 from statereduce.core.fit import FIT_FORMAT, FitResult, fit_out_projections
 from statereduce.core.selection_file import KeptChannels, read_selection
@@ -923,7 +923,7 @@ def fit_selection(base: str | os.PathLike, selection: str | os.PathLike, method:
     start = time.perf_counter()
     if model is None:
         model, tokenizer = load_model(base, dtype=info.get("dtype"), device=info.get("device", "cpu"))
-    selection_method = _selection_token(method)
+    selection_method = selection_token(method)
     keep, meta = read_selection(selection, expect={**info, "method": selection_method, "pct": float(pct)})
     student = copy.deepcopy(model)  # the base stays whole: it gives the targets
     prune_model(student, keep, meta, norm_eps=norm_eps)
@@ -941,8 +941,3 @@ def fit_selection(base: str | os.PathLike, selection: str | os.PathLike, method:
         "seconds": round(time.perf_counter() - start, 3),
     }
     return result, doc
-
-
-def _selection_token(method: str) -> str:
-    """The token without ``+<fit>`` (:attr:`~statereduce.common.layout.MethodSpec.selection`), as written."""
-    return method.partition("+")[0]

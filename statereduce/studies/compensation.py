@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from statereduce.common.layout import format_pct
+from statereduce.common.layout import format_pct, selection_token
 from statereduce.config.blocks import ConfigError, check_budget_cell, check_method, check_reduction
 from statereduce.core.runtime import json_number, read_json
 from statereduce.studies.base import PCTS, Study, Table, known_models, register, summary_paths, unique_list
@@ -52,7 +52,7 @@ byte before → after RFT and the recall probe's mean accuracy ± standard error
         for model, method, pct in cells:
             try:
                 check_method(config, method)
-                check_reduction(config, model, pct, method.partition("+")[0])
+                check_reduction(config, model, pct, selection_token(method))
                 check_budget_cell(config, model, method, pct)
             except ConfigError as e:
                 raise ConfigError(f"{where}: {method} {e}") from None
