@@ -183,12 +183,17 @@ def write_hub_source(
 
 def save_checkpoint(model, tokenizer, folder: str | Path) -> Path:
     """Save ``model`` into ``folder`` as one :data:`WEIGHTS_FILE` (never sharded, whatever its size, so that the
-    rules can name the file as an output) with its config, and ``tokenizer`` when not None.
+    rules can name the file as an output) with its config, and ``tokenizer`` when not None. A model whose layers keep
+    widths its stock class cannot hold also gets the modeling code that loads it without statereduce
+    (:func:`statereduce.core.portable.write_portable`).
 
     Returns:
         The weights file.
     """
+    from statereduce.core.portable import write_portable
+
     model.save_pretrained(folder, safe_serialization=True, max_shard_size=_ONE_SHARD)
+    write_portable(model, folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     weights = Path(folder) / WEIGHTS_FILE
@@ -224,7 +229,8 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-    from statereduce.adapters import adapter_for_config
+    from statereduce.adapters import adapter_class, adapter_for_config
+    from statereduce.core.portable import is_portable, stock_config
 
     base = Path(base)
     source_file = base / SOURCE_FILE
@@ -242,10 +248,14 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
         raise ValueError(f"base model {str(base)!r} has neither {SOURCE_FILE} nor config.json")
     torch_type = torch_dtype(dtype)
     device = torch.device(device)
-    family = model_type_family(PretrainedConfig.get_config_dict(model_id, revision=revision)[0].get("model_type"))
+    config_dict = PretrainedConfig.get_config_dict(model_id, revision=revision)[0]
+    family = model_type_family(config_dict.get("model_type"))
     if family is None or family.uses_fla:
         import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
-    config = AutoConfig.from_pretrained(model_id, revision=revision)
+    if is_portable(config_dict) and family is not None:  # a checkpoint with its own modeling code: the stock config
+        config = stock_config(config_dict, adapter_class(family.family).config_class)
+    else:
+        config = AutoConfig.from_pretrained(model_id, revision=revision)
     adapter = adapter_for_config(config)
     adapter.install_fallbacks()  # CPU tensors to the torch kernels; CUDA calls at shapes fla mishandles padded
     kwargs: dict[str, Any] = {"revision": revision, "dtype": torch_type, **adapter.config_overrides}
@@ -253,11 +263,15 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
         model = load_mixed_widths(adapter.causal_lm_class or AutoModelForCausalLM, Path(model_id), config,
                                   torch_type, adapter.config_overrides)
     else:
+        if is_portable(config_dict):
+            kwargs["config"] = config
         model = (adapter.causal_lm_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
     model.to(device).eval()
     setattr(model, BASE_ATTR, checkpoint_provenance(base))
     check_kernels(model)
-    tokenizer = AutoTokenizer.from_pretrained(tok_id, revision=revision if tok_id == model_id else None)
+    own = tok_id == model_id  # the checkpoint's own tokenizer: AutoTokenizer reads its config (given, when portable)
+    tokenizer = AutoTokenizer.from_pretrained(tok_id, revision=revision if own else None,
+                                              **({"config": config} if own and is_portable(config_dict) else {}))
     return model, tokenizer
 
 
@@ -318,13 +332,15 @@ def load_mixed_widths(cls, folder: Path, config, dtype: torch.dtype, overrides: 
     from safetensors.torch import load_file
 
     from statereduce.adapters import get_adapter
+    from statereduce.core.portable import stock_config
     from statereduce.core.slicing import OUTPUT_NORM_EPS_FIELD, shape_mixers, shape_values
 
     if not (folder / "model.safetensors").is_file():
         raise ValueError(f"{folder} holds a checkpoint with per-layer widths but no model.safetensors (a local "
                          "checkpoint folder is needed)")
-    if getattr(cls, "config_class", None) is not None:  # the model class's own config class (fla registers its
-        config = cls.config_class.from_pretrained(folder)  # own mamba2 config with the Auto classes)
+    config_class = getattr(cls, "config_class", None)
+    if config_class is not None and not isinstance(config, config_class):  # the model class's own config class (fla
+        config = stock_config(json.loads((folder / "config.json").read_text()), config_class)  # registers its mamba2)
     for name, value in overrides.items():
         setattr(config, name, value)
     build = getattr(cls, "from_config", None) or cls._from_config  # an Auto class, or the model class itself

@@ -33,6 +33,10 @@ KEY_DIMS_FIELD = "statereduce_key_dims"
 #: config field of a checkpoint whose value width the stock config cannot express (Mamba-2): per decoder layer, the
 #: mixer's d_v' (None for other layers); :func:`statereduce.core.models.load_model` shapes the mixers from it
 VALUE_DIMS_FIELD = "statereduce_value_dims"
+#: The ``model_type`` prefix of a checkpoint that carries its own modeling code (:mod:`statereduce.core.portable`):
+#: ``statereduce_delta_net`` is a ``delta_net`` checkpoint whose layers keep different widths. A model type of its
+#: own makes transformers load the checkpoint's code, where fla's registration of the stock type would win.
+PORTABLE_PREFIX = "statereduce_"
 
 SHARE_CONV = PretrainSettings.valid("share_conv")
 """Values of ``share_conv``: a filter per channel (stock), one per head, one per layer (each of q and k)."""
@@ -85,7 +89,9 @@ def family_spec(family: str) -> type[FamilySpec]:
 
 def model_type_family(model_type: str | None) -> type[FamilySpec] | None:
     """The spec of the family whose ``model_types`` holds ``model_type`` (an HF config's), None if no family takes
-    it."""
+    it. A checkpoint with its own modeling code names its stock type after :data:`PORTABLE_PREFIX`."""
+    if model_type is not None:
+        model_type = model_type.removeprefix(PORTABLE_PREFIX)
     return next((s.spec for s in _FAMILIES.values() if model_type in s.spec.model_types), None)
 
 
@@ -395,6 +401,8 @@ def check_family(checkpoint: str, revision: str | None, family: str, download: b
     if not isinstance(path, (str, Path)) or not Path(path).is_file():
         return
     model_type = json.loads(Path(path).read_text()).get("model_type")
+    if model_type is not None:
+        model_type = model_type.removeprefix(PORTABLE_PREFIX)
     valid = family_spec(family).model_types
     if model_type is not None and model_type not in valid:
         raise ValueError(f"{checkpoint!r} is a {model_type!r} checkpoint, not {family} "
