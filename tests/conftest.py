@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from _paths import ROOT
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The modeling code of portable checkpoints (statereduce.core.portable) that transformers copies when it loads one.
+os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="statereduce-hf-modules-"))
 torch.set_num_threads(1)
 
 # The fixtures that read the finished tiny DAG run: a test that takes one is in the `workflow` tier (docs/testing.md).

@@ -30,3 +30,7 @@ class DeltaNetAdapter(DeltaNetFamily, FlaAdapter):
     padded_kernels = KERNELS  # statereduce.kernels.shapes: zero-padded at shapes stock fla mishandles
     checked_kernels = {k: k for k in KERNELS}  # statereduce.kernels.check: compared on CUDA with fla_fallback's
     mixer_class = LazyImport("fla.layers.delta_net:DeltaNet")
+
+    @classmethod
+    def mixer_expand_v(cls, mixer, value_dim: int) -> float:
+        return value_dim / mixer.hidden_size  # value_dim = hidden_size * expand_v

@@ -58,9 +58,10 @@ class FlaMixerLayout(MixerLayout):
                 ValueChannels("o_proj", mixer.o_proj, rows, "in")]
         return out
 
-    def value_updates(self, d_v_new: int) -> dict[str, int]:
+    def value_updates(self, d_v_new: int) -> dict[str, int | float]:
         hv = self.mixer.value_dim // self.value_dim
-        return {"head_v_dim": int(d_v_new), "value_dim": hv * int(d_v_new), "o_norm.hidden_size": int(d_v_new)}
+        return {"head_v_dim": int(d_v_new), "value_dim": hv * int(d_v_new), "o_norm.hidden_size": int(d_v_new),
+                "expand_v": self.adapter.mixer_expand_v(self.mixer, hv * int(d_v_new))}
 
     def qk_convs(self) -> tuple[nn.Conv1d | None, nn.Conv1d | None]:
         return (self.mixer.q_conv1d, self.mixer.k_conv1d) if self.mixer.use_short_conv else (None, None)
@@ -102,6 +103,12 @@ class FlaAdapter(LinearAttentionAdapter):
     exact_norms = FlaNorms
     #: the family's fla layer class (a LazyImport): ``block.attn`` of this class is a linear-attention mixer
     mixer_class: ClassVar[Any] = None
+
+    @classmethod
+    def mixer_expand_v(cls, mixer: nn.Module, value_dim: int) -> float:
+        """The mixer's ``expand_v`` after a value cut to ``value_dim`` channels: the value the family's config field
+        takes for that width (:meth:`value_config_updates`), so that the layer equals the one fla builds from it."""
+        raise NotImplementedError(f"{cls.__name__}.mixer_expand_v")
 
     @classmethod
     def install_fallbacks(cls, torch_device_types: tuple[str, ...] = ("cpu",)) -> None:

@@ -37,3 +37,7 @@ class GatedDeltaNetAdapter(GatedDeltaNetFamily, FlaAdapter):
     # what fla's GatedDeltaNet passes its kernels: the gate and beta's sigmoid computed in the kernel, the state [V, K]
     kernel_flags = {"state_v_first": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
     mixer_class = LazyImport("fla.layers.gated_deltanet:GatedDeltaNet")
+
+    @classmethod
+    def mixer_expand_v(cls, mixer, value_dim: int) -> float:
+        return value_dim // mixer.num_v_heads / mixer.head_k_dim  # head_v_dim = head_dim * expand_v

@@ -263,7 +263,9 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
         model = load_mixed_widths(adapter.causal_lm_class or AutoModelForCausalLM, Path(model_id), config,
                                   torch_type, adapter.config_overrides)
     else:
-        if is_portable(config_dict):
+        if is_portable(config_dict):  # the stock class from the stock config (from_pretrained would read the file's)
+            for name in adapter.config_overrides:
+                setattr(config, name, kwargs.pop(name))
             kwargs["config"] = config
         model = (adapter.causal_lm_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
     model.to(device).eval()
