@@ -74,3 +74,26 @@ rule all_speed:
     """The speed of every `speed.models` model on a GPU node: `snakemake all_speed --cores all --resources gpu=1`."""
     input:
         speed_outputs(),
+
+
+rule speed_generate:
+    """Hugging Face `generate()` of the unpruned model and of every `speed.pcts` ratio (tokens/s, time to first token,
+    peak memory) and the largest batch at a 40 GiB budget at 2K and 16K tokens, in one job (docs/speed.md,
+    "Generation with generate()")."""
+    output:
+        f"{layout.BASELINE}/generate.json",
+    params:
+        info=model_info,
+        model=lambda wildcards: {k: MODELS[wildcards.model].get(k) for k in ("family", "speed", "pretrain", "init")},
+        speed={k: v for k, v in CFG.get("speed", {}).items() if k in ("pcts", "dtype")},
+    threads: model_threads
+    resources:
+        gpu=one_gpu,
+    log:
+        "logs/speed_generate/{model}.log",
+    benchmark:
+        "benchmarks/speed_generate/{model}.tsv",
+    conda:
+        conda_env("fla", device="cuda")
+    script:
+        "../workflow_scripts/speed_generate.py"
