@@ -55,6 +55,7 @@ NOT_LOADED = {
     "rank_baseline": OTHER_STAGES,
     "rft": OTHER_STAGES,
     "speed": OTHER_STAGES,
+    "speed_generate": OTHER_STAGES,
 }
 WATCHED = sorted({m for mods in NOT_LOADED.values() for m in mods})
 GROUPS = {"model-free": MODEL_FREE, "model-free-tables": (*MODEL_FREE, "matplotlib"), "model-loading": OTHER_STAGES}

@@ -128,6 +128,30 @@ def test_pure_linear_state_does_not_grow_with_context_and_attention_does():
             assert sizes[0]["attention"] == sizes[1]["attention"] == 0
 
 
+def test_a_cell_that_does_not_fit_prefills_in_halving_sub_batches_or_is_skipped(monkeypatch):
+    model, _ = _model("delta_net")
+    real, tried = gen.time_generate, []
+
+    def fits_at(limit):
+        def fake(model, batch, prompt, new_tokens, *, per_chunk=None, seed=0):
+            tried.append(per_chunk)
+            if per_chunk is None or per_chunk > limit:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
+            return real(model, batch, prompt, new_tokens, per_chunk=per_chunk, seed=seed)
+        return fake
+
+    monkeypatch.setattr(gen, "time_generate", fits_at(2))
+    cell = gen.measure_cell(model, 5, 12, 2, trials=1, per_chunk=None, prefill_tokens=48)
+    assert tried == [None, 3, 1] and (cell["prefill_chunks"], cell["sequences_per_prefill"]) == (5, 1)
+    assert [n.split(" (")[0] for n in cell["fallback"]] == ["out of memory with one generate call",
+                                                             "out of memory with 3 sequences a prefill forward"]
+    tried.clear()
+    monkeypatch.setattr(gen, "time_generate", fits_at(0))
+    cell = gen.measure_cell(model, 4, 12, 2, trials=1, per_chunk=2, prefill_tokens=48)
+    assert tried == [2, 1] and cell["skipped"].startswith("out of memory with 2 sequences a prefill forward")
+    assert "total_s" not in cell
+
+
 def test_max_batch_arithmetic():
     assert gen.max_batch(100, 20, 8) == 10
     assert gen.max_batch(100, 20, 8, multiple=4) == 8

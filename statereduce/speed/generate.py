@@ -884,8 +884,8 @@ def documents_markdown(paths: Sequence[str | Path]) -> str:
             out += [f"#### {name}: `generate()`, prompt {s['prompt']:,}, {s['new_tokens']} new tokens ({where})", "",
                     table_markdown(doc), ""]
         if doc.get("budget"):
-            out += [f"#### {name}: largest batch at {s['budget_gib']:g} GiB, {s['budget_new_tokens']} new tokens "
-                    f"({where})", "", budget_markdown(doc), ""]
+            title = f"#### {name}: largest batch at {s['budget_gib']:g} GiB, {s['budget_new_tokens']} new tokens ({where})"
+            out += [title, "", budget_markdown(doc), ""]
     return "\n".join(out).rstrip() + "\n"
 
 
