@@ -461,3 +461,31 @@ def speed_outputs():
 
 def get_speed_docs(wildcards):
     return [layout.path(layout.BASELINE_SPEED, model=m) for m in SPEED_MODELS]
+
+
+def get_export_inputs(wildcards):
+    """What rule export reads: the checkpoint of its stage, the base artifact's marker (the card's base model), and
+    the eval.json of the base, the pruned model and (for an RFT export) the fine-tuned one."""
+    stage = layout.path(layout.STAGE, model=wildcards.model, method=wildcards.method, pct=wildcards.pct)
+    if wildcards.stage == "rft" and not rft_active(wildcards.model):
+        raise WorkflowError(f"RFT is off for model {wildcards.model!r} (rft.activate: false): export its pruned "
+                            f"checkpoint instead, {stage}/export/pruned/README.md")
+    folder = f"{stage}/{wildcards.stage}"
+    inputs = {"config": f"{folder}/config.json", "weights": f"{folder}/model.safetensors",
+              "record": f"{folder}/prune_record.json", "source": get_base(wildcards),
+              "base": layout.path(layout.BASELINE_EVAL, model=wildcards.model), "pruned": f"{stage}/pruned/eval.json"}
+    if wildcards.stage == "rft":
+        inputs["rft"] = f"{folder}/eval.json"
+    return inputs
+
+
+def get_export_calibration(wildcards):
+    """The calibration settings of the method's selection (the model card names them)."""
+    calib = layout.parse_token(wildcards.method).calib or layout.DEFAULT_CALIB
+    return srconfig.model_calibration(CFG, wildcards.model, calib).to_dict()
+
+
+def get_export_command(wildcards, output):
+    """The command that makes this export (the model card records it): the target and the config files given."""
+    files = [str(f) for f in getattr(workflow.config_settings, "configfiles", [])]
+    return " ".join(["snakemake --cores all", *(f"--configfile {f}" for f in files), str(output.card)])

@@ -8,6 +8,7 @@
     selection = api.select(model, stats, "drrqr", pct=50)   # any registered selector
     pruned = api.prune(model, selection)                    # a pruned copy of the model and its PruneRecord
     api.save(pruned, "pruned/", tokenizer)                  # reloads with statereduce.core.models.load_model
+    api.export("pruned/", "upload/", model_name="my-gdn")     # a folder a model hub accepts, with a model card
 
     widths = api.allocate(model, stats, "drrqr", 75, {"policy": "spectrum"})["key_dims"]   # per-layer budget
     mixed = api.prune(model, api.select(model, stats, "drrqr", pct=75, widths=widths))
@@ -49,8 +50,8 @@ from statereduce.stages.select import head_data, run_selector, write_selection
 from statereduce.selectors import HeadSelection, format_method, get_selector, n_keep_for, parse_method
 from statereduce.common.settings import BudgetSettings, CalibrationSettings, PruneSettings
 
-__all__ = ["Calibration", "Pruned", "Selection", "allocate", "build", "calibrate", "mean_loss", "prune", "save",
-           "select"]
+__all__ = ["Calibration", "Pruned", "Selection", "allocate", "build", "calibrate", "export", "mean_loss", "prune",
+           "save", "select"]
 
 #: What each selector ``need`` takes from a :class:`Calibration` layer.
 _STATS_FOR_NEED = {"activations": ("K", "Q"), "xnorm": ("xnorm",), "grad": ("grad_q", "grad_k")}
@@ -399,6 +400,24 @@ def save(pruned: Pruned, path: str | os.PathLike, tokenizer: Any = None) -> Path
 
 
 # ---- checks -------------------------------------------------------------------------------------
+def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, model_name: str,
+           evals: Mapping[str, str | os.PathLike | None] | None = None, base: Mapping[str, Any] | None = None,
+           calibration: Mapping[str, Any] | None = None, command: str | None = None,
+           pruned_repo: str | None = None) -> Path:
+    """A saved checkpoint (:func:`save`, or the workflow's ``pruned/`` / ``rft/``) as a folder ready to upload:
+    weights, config, tokenizer, the modeling code of per-layer widths (it loads with ``trust_remote_code=True`` and
+    without statereduce), RFT's adapter, and a model card; what rule ``export`` writes
+    (:func:`statereduce.stages.export.export_checkpoint`, whose arguments these are; ``evals`` defaults to the
+    checkpoint's own ``eval.json`` where it has one, as the pruned model's)."""
+    from statereduce.stages.export import export_checkpoint
+
+    if evals is None:
+        own = Path(checkpoint) / "eval.json"
+        evals = {"pruned": own if own.is_file() else None}
+    return export_checkpoint(checkpoint, out_dir, model_name=model_name, evals=evals, base=base,
+                             calibration=calibration, command=command, pruned_repo=pruned_repo)
+
+
 def _adapter(model: Any) -> LinearAttentionAdapter:
     """The model's adapter; anything that is not a causal LM of a registered family fails in one line."""
     if not isinstance(model, nn.Module) or getattr(model, "config", None) is None:

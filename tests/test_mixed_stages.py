@@ -14,7 +14,6 @@ import torch
 from _models import tiny_arch, tiny_inputs, tiny_model
 from _paths import ROOT
 from safetensors.torch import load_file
-from transformers import AutoConfig
 from test_mixed_widths import EPS, FAMILIES, mixed_selection, zero_masked
 
 from statereduce.stages import rft as ft
@@ -22,7 +21,7 @@ from statereduce.adapters import adapter_for_config, get_adapter
 from statereduce.adapters.conv_sharing import tie_qk_convs
 from statereduce.stages.rank import check_selection_widths, collect_rank_samples, rank_report
 from statereduce.eval.documents import state_record
-from statereduce.core.models import build_random, load_model, save_checkpoint
+from statereduce.core.models import build_random, checkpoint_config, load_model, save_checkpoint
 from statereduce.stages.prune import prune_model, save_pruned
 from statereduce.common.settings import RftSettings
 from statereduce.core.slicing import KEY_DIMS_FIELD, OUTPUT_NORM_EPS_FIELD
@@ -69,7 +68,7 @@ def test_state_bytes_sum_each_layers_own_width(family, tmp_path):
     # the config alone (no model: planning, speed) counts the same
     folder = save_pruned(model, byte_level_tokenizer(), record, tmp_path / "p")
 
-    config = AutoConfig.from_pretrained(folder)
+    config = checkpoint_config(folder)[1]  # the stock config (AutoConfig needs trust_remote_code: portable.py)
     assert adapter_for_config(config).config_state_bytes(config) == by_hand
     assert get_adapter(load_model(folder)[0]).state_bytes() == by_hand
 

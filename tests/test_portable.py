@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
 from _models import random_keep, tiny_inputs, tiny_model
+from _venv import load_there, without_statereduce
 
 from statereduce.adapters import get_adapter
 from statereduce.core.models import load_model, save_checkpoint
@@ -30,7 +27,6 @@ FLA = {"delta_net", "gated_deltanet"}
 CUTS = ["keys", "keys_per_layer", "values", "keys_values_per_layer"]
 # The cuts the stock class cannot hold: per-layer widths anywhere, and Mamba-2's value cut (its config has no d_v').
 REMOTE = {(f, c) for f in FAMILIES for c in ("keys_per_layer", "keys_values_per_layer")} | {("mamba2", "values")}
-CHILD = Path(__file__).with_name("_portable_child.py")
 
 
 def _keys(model, cut):
@@ -124,25 +120,6 @@ def test_the_carried_code_gives_load_models_logits(family, cut, saved):
         assert torch.equal(model(torch.load(case["ids"])).logits, case["logits"])
 
 
-def _venv_without_statereduce(root: Path, *, fla: bool) -> Path:
-    """A virtual environment of this interpreter whose site-packages links every package of this one but statereduce
-    (and fla unless ``fla``): the environment a user without the package has."""
-    env = root / ("venv_fla" if fla else "venv")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
-    here = Path(sysconfig.get_paths()["purelib"])
-    there = Path(subprocess.run([str(env / "bin" / "python"), "-c",
-                                 "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                check=True, capture_output=True, text=True).stdout.strip())
-    for entry in here.iterdir():
-        name = entry.name.lower()
-        if name.endswith(".pth") or name.startswith(("statereduce", "__editable__", "__pycache__")):
-            continue
-        if not fla and name.startswith(("fla", "flash_linear_attention")):
-            continue
-        (there / entry.name).symlink_to(entry)
-    return env
-
-
 def _strip(attrs: dict) -> dict:
     return {k: v for k, v in attrs.items() if k not in ("training", "gradient_checkpointing", "name_or_path")}
 
@@ -153,7 +130,7 @@ def test_every_cut_loads_without_statereduce(saved, tmp_path):
     with it."""
     reports = {}
     for with_fla in (False, True):
-        env = _venv_without_statereduce(tmp_path, fla=with_fla)
+        env = without_statereduce(tmp_path, fla=with_fla)
         cases = []
         for (family, cut), case in saved.items():
             if (family in FLA) != with_fla:
@@ -163,12 +140,7 @@ def test_every_cut_loads_without_statereduce(saved, tmp_path):
                           "ids": str(case["ids"]), "import_fla": family in FLA and (family, cut) not in REMOTE,
                           "forward": family not in FLA})
             reports[family, cut] = out
-        manifest = tmp_path / f"manifest_{with_fla}.json"
-        manifest.write_text(json.dumps({"cases": cases}))
-        environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-        environ["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
-        done = subprocess.run([str(env / "bin" / "python"), str(CHILD), str(manifest)], cwd=tmp_path, env=environ,
-                              capture_output=True, text=True)
+        done = load_there(env, cases, tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         assert f"loaded {len(cases)} checkpoints" in done.stdout
     for (family, cut), out in reports.items():
@@ -248,3 +220,9 @@ def test_write_portable_on_a_copy_keeps_the_models_config(tmp_path):
     after["architectures"] = before["architectures"]  # save_pretrained's own
     assert after == before and not hasattr(pruned.config, "auto_map")  # the file changes, not the model in memory
     assert write_portable(pruned, tmp_path) == json.loads((tmp_path / "config.json").read_text())[LAYOUT_FIELD]
+
+
+def test_attributes_the_stock_class_does_not_have_are_not_layout(saved):
+    """load_model attaches its provenance to the model; the stock code never reads it."""
+    model = saved["delta_net", "keys"]["model"]
+    assert hasattr(model, "statereduce_base_checkpoint") and module_layout(model) == {}

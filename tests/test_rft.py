@@ -605,3 +605,56 @@ def test_processes_accelerate_did_not_join_are_refused(pairs, tmp_path, monkeypa
     with pytest.raises(RuntimeError, match=r"^torchrun started 2 processes but accelerate joined 1 "):
         _run(pairs["delta_net"], tmp_path / "rft")
     assert not (tmp_path / "rft").exists()
+
+
+# ---- what RFT leaves for use outside the workflow ---------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rft_keeps_its_lora_adapter_in_peft_format_for_the_pruned_checkpoint(pairs, family, tmp_path):
+    """``rft/adapter`` on the pruned checkpoint, loaded the way a peft user loads it, gives the merged checkpoint's
+    logits (unmerged, to float32 rounding; fla's base with ``fuse_swiglu=False``), and merges to them."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, Mamba2ForCausalLM
+
+    out = tmp_path / "rft"
+    kept = {}
+    _run(pairs[family], out, on_saved=lambda m, t, o: kept.update(model=m))
+    adapter = out / ft.ADAPTER_DIR
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 32
+    x = tiny_inputs(2, 40, seed=5) % 256
+    with torch.no_grad():
+        want = kept["model"](input_ids=x).logits
+    cls = Mamba2ForCausalLM if family == "mamba2" else AutoModelForCausalLM  # fla registers its own Mamba-2
+    extra = {"fuse_swiglu": False, "fuse_cross_entropy": False} if family in ("delta_net", "gated_deltanet") else {}
+    base = cls.from_pretrained(pairs[family][1], dtype=torch.float32, **extra).eval()
+    model = PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        unmerged = model(input_ids=x).logits
+        merged = model.merge_and_unload()(input_ids=x).logits
+    torch.testing.assert_close(unmerged, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(merged, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rft_of_per_layer_widths_writes_a_checkpoint_that_loads_without_the_package(pairs, built, tmp_path):
+    """A per-layer cut stays one after RFT: the merged checkpoint carries its modeling code, and the way a user
+    loads it gives the merged model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from statereduce.core.portable import MODELING_FILE
+
+    def build(folder: Path) -> None:
+        model, tok = load_model(pairs["delta_net"][0])
+        keep = random_keep(model, 8, seed=4)
+        keep[0] = keep[0][:, :4]  # layer 0 keeps 4 channels, the others 8
+        save_pruned(model, tok, prune_model(model, keep, {"source": "base", "method": "rand", "pct": 80}), folder)
+
+    pruned = built("rft-mixed-delta_net", {"arch": ARCH["delta_net"], "keep": "8, layer 0: 4"}, build)
+    out = tmp_path / "rft"
+    kept = {}
+    _run((pairs["delta_net"][0], pruned), out, on_saved=lambda m, t, o: kept.update(model=m))
+    assert (out / MODELING_FILE).is_file()
+    x = tiny_inputs(2, 40, seed=5) % 256
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, kept["model"](input_ids=x).logits)

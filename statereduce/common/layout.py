@@ -18,6 +18,7 @@ input use it, so that the layout is written down here only.
     results/{model}/select/{method}_{pct}.fit.safetensors   re-fitted output projections of a method with +<fit>
     results/{model}/baseline/             eval.json, rank.json, speed.json of the unpruned model
     results/{model}/{method}_{pct}/       pruned/, rft/, eval.json (the summary), rank.json, speed.json
+    results/{model}/{method}_{pct}/export/{stage}/   pruned/ or rft/ ready to upload, with a model card
     results/tables/, results/figures/     across models
 
 Method tokens name a selection in these paths (``{method}``)::
@@ -78,6 +79,8 @@ STAGE = f"{MODEL}/{{method}}_{{pct}}"
 PRUNED = f"{STAGE}/pruned"
 RFT = f"{STAGE}/rft"
 RFT_RESUME = f"{STAGE}/.rft_resume"
+EXPORT = f"{STAGE}/export/{{stage}}"
+"""An upload-ready folder of the ``pruned`` or ``rft`` checkpoint with its model card (rule export)."""
 SUMMARY = f"{STAGE}/eval.json"
 RANK = f"{STAGE}/rank.json"
 SPEED = f"{STAGE}/speed.json"

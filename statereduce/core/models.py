@@ -17,6 +17,7 @@ Gated DeltaNet checkpoints whose key/query channels are pruned).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 from pathlib import Path
@@ -227,10 +228,10 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     artifacts written from it record.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from statereduce.adapters import adapter_class, adapter_for_config
-    from statereduce.core.portable import is_portable, stock_config
+    from statereduce.adapters import adapter_for_config
+    from statereduce.core.portable import is_portable
 
     base = Path(base)
     source_file = base / SOURCE_FILE
@@ -248,14 +249,7 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
         raise ValueError(f"base model {str(base)!r} has neither {SOURCE_FILE} nor config.json")
     torch_type = torch_dtype(dtype)
     device = torch.device(device)
-    config_dict = PretrainedConfig.get_config_dict(model_id, revision=revision)[0]
-    family = model_type_family(config_dict.get("model_type"))
-    if family is None or family.uses_fla:
-        import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
-    if is_portable(config_dict) and family is not None:  # a checkpoint with its own modeling code: the stock config
-        config = stock_config(config_dict, adapter_class(family.family).config_class)
-    else:
-        config = AutoConfig.from_pretrained(model_id, revision=revision)
+    config_dict, config = checkpoint_config(model_id, revision)
     adapter = adapter_for_config(config)
     adapter.install_fallbacks()  # CPU tensors to the torch kernels; CUDA calls at shapes fla mishandles padded
     kwargs: dict[str, Any] = {"revision": revision, "dtype": torch_type, **adapter.config_overrides}
@@ -275,6 +269,24 @@ def load_model(base: str | Path, *, dtype: str | None = None, device: str | torc
     tokenizer = AutoTokenizer.from_pretrained(tok_id, revision=revision if own else None,
                                               **({"config": config} if own and is_portable(config_dict) else {}))
     return model, tokenizer
+
+
+def checkpoint_config(model_id: str | Path, revision: str | None = None) -> tuple[dict[str, Any], Any]:
+    """(``config.json``'s dict, the config object :func:`load_model` builds the model from) of a checkpoint folder or
+    hub id. Imports fla first where the family needs it (its Auto registration); a checkpoint carrying its own modeling
+    code (:mod:`statereduce.core.portable`) gives its family's stock config class, whatever its model type says."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    from statereduce.adapters import adapter_class
+    from statereduce.core.portable import is_portable, stock_config
+
+    config_dict = PretrainedConfig.get_config_dict(str(model_id), revision=revision)[0]
+    family = model_type_family(config_dict.get("model_type"))
+    if family is None or family.uses_fla:
+        import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
+    if is_portable(config_dict) and family is not None:
+        return config_dict, stock_config(config_dict, adapter_class(family.family).config_class)
+    return config_dict, AutoConfig.from_pretrained(str(model_id), revision=revision)
 
 
 KERNEL_CHECK_ATTR = "_statereduce_kernel_check"
@@ -333,25 +345,11 @@ def load_mixed_widths(cls, folder: Path, config, dtype: torch.dtype, overrides: 
     """
     from safetensors.torch import load_file
 
-    from statereduce.adapters import get_adapter
-    from statereduce.core.portable import stock_config
-    from statereduce.core.slicing import OUTPUT_NORM_EPS_FIELD, shape_mixers, shape_values
-
     if not (folder / "model.safetensors").is_file():
         raise ValueError(f"{folder} holds a checkpoint with per-layer widths but no model.safetensors (a local "
                          "checkpoint folder is needed)")
-    config_class = getattr(cls, "config_class", None)
-    if config_class is not None and not isinstance(config, config_class):  # the model class's own config class (fla
-        config = stock_config(json.loads((folder / "config.json").read_text()), config_class)  # registers its mamba2)
-    for name, value in overrides.items():
-        setattr(config, name, value)
-    build = getattr(cls, "from_config", None) or cls._from_config  # an Auto class, or the model class itself
-    model = build(config, dtype=dtype)
-    adapter = get_adapter(model)
-    if getattr(config, KEY_DIMS_FIELD, None) is not None:
-        shape_mixers(adapter, getattr(config, KEY_DIMS_FIELD), getattr(config, OUTPUT_NORM_EPS_FIELD, None))
-    if getattr(config, VALUE_DIMS_FIELD, None) is not None:
-        shape_values(adapter, getattr(config, VALUE_DIMS_FIELD))
+    model = build_shaped(cls, folder, config, dtype, overrides)
+    config = model.config
     missing, unexpected = model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:
@@ -360,3 +358,47 @@ def load_mixed_widths(cls, folder: Path, config, dtype: torch.dtype, overrides: 
     if tied:
         model.tie_weights()
     return model.to(dtype)
+
+
+def build_shaped(cls, folder: Path, config, dtype: torch.dtype, overrides: dict[str, Any],
+                 device: str | torch.device | None = None):
+    """The model of ``cls`` built from ``config`` (re-read from ``folder`` as the class's own config class where it is
+    another, as for Mamba-2) with each mixer shaped to the checkpoint's per-layer widths; its weights are whatever
+    the class initialises, on ``device`` (None: the default; ``meta`` allocates nothing)."""
+    import torch
+
+    from statereduce.adapters import get_adapter
+    from statereduce.core.portable import stock_config
+    from statereduce.core.slicing import OUTPUT_NORM_EPS_FIELD, shape_mixers, shape_values
+
+    config_class = getattr(cls, "config_class", None)
+    if config_class is not None and not isinstance(config, config_class):  # the model class's own config class (fla
+        config = stock_config(json.loads((folder / "config.json").read_text()), config_class)  # registers its mamba2)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    build = getattr(cls, "from_config", None) or cls._from_config  # an Auto class, or the model class itself
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = build(config, dtype=dtype)
+    adapter = get_adapter(model)  # shaped outside the device context: the channel maps stay on the CPU
+    if getattr(config, KEY_DIMS_FIELD, None) is not None:
+        shape_mixers(adapter, getattr(config, KEY_DIMS_FIELD), getattr(config, OUTPUT_NORM_EPS_FIELD, None))
+    if getattr(config, VALUE_DIMS_FIELD, None) is not None:
+        shape_values(adapter, getattr(config, VALUE_DIMS_FIELD))
+    return model
+
+
+def shaped_model(folder: str | Path, *, device: str | torch.device = "meta"):
+    """The model :func:`load_model` builds from the checkpoint ``folder``, at its shapes and size attributes, without
+    reading its weights (on ``meta`` by default: any size, no memory). What :func:`statereduce.core.portable.
+    write_portable` needs to describe a checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from statereduce.adapters import adapter_for_config
+
+    config = checkpoint_config(folder)[1]
+    adapter = adapter_for_config(config)
+    for name, value in adapter.config_overrides.items():
+        setattr(config, name, value)
+    return build_shaped(adapter.causal_lm_class or AutoModelForCausalLM, Path(folder), config, torch.float32,
+                        adapter.config_overrides, device=device)

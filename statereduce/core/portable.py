@@ -40,9 +40,9 @@ _STOCK_PACKAGES = ("fla.", "transformers.")
 _SIMPLE = (bool, int, float, str, type(None))
 _RUNTIME_ATTRS = frozenset({"training", "gradient_checkpointing"})  # set by training, not by the widths
 
-_TEMPLATE = '''"""Loads a checkpoint pruned by statereduce (https://github.com/statereduce/statereduce) whose layers keep
-different state widths, which the stock {model} cannot hold: it builds the stock model from this config and gives
-each module listed in config.json's "{field}" its pruned shapes and size attributes before the weights load.
+_TEMPLATE = '''"""Loads a checkpoint pruned by statereduce whose layers keep different state widths, which the stock
+{model} cannot hold: it builds the stock model from this config and gives each module listed in
+config.json's "{field}" its pruned shapes and size attributes before the weights load.
 
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
@@ -128,8 +128,9 @@ def _plain(value: Any) -> Any:
 
 def module_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
     """Where ``model`` differs from the stock model of its config (:func:`stock_model`): per module path, the
-    parameters and persistent buffers of another shape and the plain attributes (numbers, strings, tuples of them) of
-    another value. Empty for a model the stock class holds.
+    parameters and persistent buffers of another shape and the plain attributes (numbers, strings, tuples of them) the
+    stock module has with another value (attributes it lacks, such as the provenance ``load_model`` attaches, are not
+    the stock code's). Empty for a model the stock class holds.
 
     Raises:
         ValueError: one line, where the difference is one the modeling code cannot rebuild: another module tree,
@@ -166,7 +167,7 @@ def module_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
         for name, value in vars(module).items():
             if name.startswith("_") or name in _RUNTIME_ATTRS or not _simple(value):
                 continue
-            if name not in stock_vars or _plain(stock_vars[name]) != _plain(value):
+            if name in stock_vars and _plain(stock_vars[name]) != _plain(value):  # what the stock code reads
                 entry.setdefault("attributes", {})[name] = _plain(value)
         if entry:
             layout[path] = entry

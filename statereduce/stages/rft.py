@@ -8,7 +8,8 @@ head and everything else stay frozen. The loss distils the
 unpruned model (the *teacher*): KL divergence between temperature-softened next-token distributions,
 times T^2 (Hinton et al., 2015), optionally plus the language-modelling cross entropy. The paper trains on
 32k sequences of 2048 tokens, effective batch 16, AdamW, LR 1e-4 -> 1e-5 cosine with 5% warm-up, bf16.
-Afterwards LoRA is merged, and the result is a plain HF checkpoint of the pruned shapes.
+Afterwards LoRA is merged, and the result is a plain HF checkpoint of the pruned shapes; the adapter itself is kept
+beside it in peft's format (``adapter/``, :func:`save_adapter`).
 
 Which subtrees may train is declared by each family (``FamilySpec.rft_targets``, :func:`rft_roots`): all decoder
 blocks for DeltaNet / Gated DeltaNet and Mamba-2, only the recurrent mixers for hybrids such as Qwen3.5.
@@ -68,6 +69,8 @@ from statereduce.eval.tasks import HELDOUT
 from statereduce.families.base import RftTargets, family_names, family_spec
 
 RECORD_FILE = "rft_record.json"
+ADAPTER_DIR = "adapter"
+"""The folder of an RFT checkpoint holding the LoRA adapter in peft's format (:func:`save_adapter`)."""
 LOG_FILE = "train_log.jsonl"
 RESUME_FILE = "resume.pt"
 
@@ -332,6 +335,20 @@ def attach_lora(model: nn.Module, cfg: RftSettings):
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The trainable tensors of ``model`` by name (what a resume checkpoint stores)."""
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_adapter(peft_model, folder: Path) -> None:
+    """Save the trained adapter in peft's format (``adapter_config.json``, ``adapter_model.safetensors``: the LoRA
+    weights and the fully trained modules), before :func:`merge` folds it in. It applies to the pruned checkpoint::
+
+        base = AutoModelForCausalLM.from_pretrained(pruned, trust_remote_code=True)  # fla: fuse_swiglu=False
+        model = PeftModel.from_pretrained(base, rft / "adapter")
+
+    ``base_model_name_or_path`` names the pruned checkpoint's folder. fla's fused SwiGLU hands ``down_proj.weight``
+    to its kernel without calling the module (:func:`unfuse_for_lora`), so an fla base is loaded with
+    ``fuse_swiglu=False`` for the adapter's ``down_proj`` update to run unmerged; ``merge_and_unload()`` needs nothing.
+    """
+    peft_model.save_pretrained(folder, safe_serialization=True)
 
 
 def merge(peft_model) -> nn.Module:
@@ -882,7 +899,8 @@ def fine_tune(
 
     ``out_dir`` gets the merged model in ``dtype``, the tokenizer, ``prune_record.json`` (the pruned
     checkpoint's decision record with an ``rft`` section: settings, data, statistics), ``rft_record.json``
-    (the same ``rft`` section) and ``train_log.jsonl``. Written to a temporary sibling and renamed.
+    (the same ``rft`` section), ``train_log.jsonl`` and ``adapter/`` (the LoRA adapter in peft's format, for the
+    pruned checkpoint: :func:`save_adapter`). Written to a temporary sibling and renamed.
 
     Args:
         pruned_dir: the pruned checkpoint (``results/{model}/{method}_{pct}/pruned``).
@@ -929,6 +947,7 @@ def fine_tune(
         if tmp is None:
             acc.wait_for_everyone()
             return record
+        save_adapter(acc.unwrap_model(peft_model), tmp / ADAPTER_DIR)
         model = merge(acc.unwrap_model(peft_model)).to(torch_dtype(dtype))
         _write_checkpoint(tmp, model, tokenizer, pruned_dir, record, log_path)
     _drop_resume(resume)
