@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import importlib.util
 import inspect
 import json
 import logging
@@ -52,9 +53,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import yaml
+from tqdm.auto import tqdm
+from transformers import StoppingCriteria
 
 from statereduce.adapters import adapter_class
 from statereduce.common.settings import OPTIONAL, Settings, choice
+from statereduce.config import validate_config
 from statereduce.core.runtime import versions, write_json
 from statereduce.core.slicing import KEY_DIMS_FIELD
 from statereduce.selectors import n_keep_for
@@ -182,10 +187,6 @@ def _merge(base: dict, over: Mapping) -> dict:
 def workflow_plan(name: str, configs: Sequence[str | Path]) -> dict[str, Any]:
     """:func:`generate_plan` of model ``name`` of the workflow config files ``configs``, merged in order as
     ``snakemake --configfile`` overlays them (a later file's blocks update the earlier ones key by key)."""
-    import yaml
-
-    from statereduce.config import validate_config
-
     merged: dict = {}
     for path in configs:
         if not Path(path).is_file():
@@ -461,19 +462,20 @@ class _Clock:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def criterion(self):
-        """A stopping criterion that never stops and notes when the first token was appended."""
-        from transformers import StoppingCriteria
+    def criterion(self) -> _FirstToken:
+        return _FirstToken(self)
 
-        clock = self
 
-        class FirstToken(StoppingCriteria):
-            def __call__(self, input_ids, scores, **kwargs):
-                if clock.first is None:
-                    clock.first = clock.now()
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+class _FirstToken(StoppingCriteria):
+    """A stopping criterion that never stops and notes on its clock when the first token was appended."""
 
-        return FirstToken()
+    def __init__(self, clock: _Clock):
+        self.clock = clock
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.clock.first is None:
+            self.clock.first = self.clock.now()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def _generate_kwargs(model, new_tokens: int) -> dict[str, Any]:
@@ -668,8 +670,6 @@ def run_generate(family: str, arch: Mapping[str, Any], settings: GenerateSetting
         doc["elapsed_s"] = round(time.perf_counter() - t0, 1)
         write_json(out_path, doc)
 
-    from tqdm.auto import tqdm
-
     n_cells = len(models) * (len(settings.batches) * ("table" in parts) + len(settings.timed) * ("budget" in parts))
     bar = tqdm(total=n_cells, desc=f"generate {model_name or family}", unit="cell")
     for v in models:
@@ -723,8 +723,6 @@ def _brief(cell: Mapping[str, Any]) -> dict:
 def _kernel_record() -> dict[str, bool]:
     """Which optional kernel packages this process can import (transformers' Qwen3.5 uses fla's delta rule and
     causal-conv1d's short convolution where they are installed, its PyTorch code otherwise)."""
-    import importlib.util
-
     return {name: importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d")}
 
 
