@@ -257,6 +257,22 @@ def test_the_document_schema_and_its_ratios(hybrid_doc):
     assert rows[16]["batch_ratio"] == budget[("50", 16)]["max_batch"] / budget[("base", 16)]["max_batch"]
 
 
+def test_a_shorter_budget_prompt_for_a_pure_linear_model_only(tmp_path):
+    """The timed budget cells of a model without attention KV may use a shorter prompt (its decode step does not
+    depend on the prompt's length); a hybrid's are refused before anything is built."""
+    arch = tiny_arch("delta_net")
+    settings = gen.GenerateSettings.from_dict({**SMALL, "budget_gib": 0.01, "pcts": [], "budget_prompt": 8,
+                                               "contexts": [16, 40], "timed_contexts": [40]})
+    doc = gen.run_generate("delta_net", arch, settings, tmp_path / "g.json", parts=["budget"], device="cpu")
+    timed = [c for c in doc["budget"] if "tokens_per_s" in c]
+    assert [(c["context"], c["prompt"], c["batch"]) for c in timed] == [(40, 8, 3)] and not doc["table"]
+    assert "(prompt 8)" in gen.budget_markdown(doc)
+    with pytest.raises(ValueError, match="exact only for models whose cache holds no attention KV; tiny's grows"):
+        gen.run_generate("qwen3_5", tiny_arch("qwen3_5"), settings, tmp_path / "q.json", device="cpu",
+                         model_name="tiny")
+    assert not (tmp_path / "q.json").exists()
+
+
 def test_the_markdown_tables(hybrid_doc, capsys):
     _, path = hybrid_doc
     assert gen.main(["--tables", str(path)]) == 0

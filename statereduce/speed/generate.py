@@ -91,6 +91,10 @@ class GenerateSettings(Settings):
         budget_new_tokens: generated tokens of a budget cell.
         budget_multiple: the largest batch is rounded down to a multiple of this.
         budget_max_batch: a cap on the timed batch (None: none); the document records the uncapped one too.
+        budget_prompt: the prompt of a timed budget cell (None: the context). Only for models whose cache holds no
+            attention KV: their per-sequence cache and decode step do not depend on the prompt's length, so the
+            decode rate at the largest batch is the one at the context (a shorter prompt saves the prefill of
+            thousands of sequences); refused for a model whose cache grows with the context.
         prefill_tokens: tokens per forward of a prefill in sub-batches.
         dtype: the models' dtype.
     """
@@ -111,8 +115,9 @@ class GenerateSettings(Settings):
     contexts: list = field(default_factory=lambda: [2048, 16384])
     timed_contexts: list | None = field(default=None, metadata=OPTIONAL)
     budget_new_tokens: int = 256
-    budget_multiple: int = 16
+    budget_multiple: int = 1
     budget_max_batch: int | None = field(default=None, metadata=OPTIONAL)
+    budget_prompt: int | None = field(default=None, metadata=OPTIONAL)
     prefill_tokens: int = 262144
     dtype: str = choice("bfloat16", ("bfloat16", "float16", "float32"))
 
@@ -122,9 +127,9 @@ class GenerateSettings(Settings):
                      "budget_multiple", "prefill_tokens"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"generate {name}={getattr(self, name)!r} must be a positive integer")
-        if self.budget_max_batch is not None and not _positive_int(self.budget_max_batch):
-            raise ValueError(f"generate budget_max_batch={self.budget_max_batch!r} must be a positive integer (or "
-                             "unset)")
+        for name in ("budget_max_batch", "budget_prompt"):
+            if getattr(self, name) is not None and not _positive_int(getattr(self, name)):
+                raise ValueError(f"generate {name}={getattr(self, name)!r} must be a positive integer (or unset)")
         for name in ("batches", "warmup_batches", "contexts", "timed_contexts"):
             values = getattr(self, name)
             if values is None or (name == "timed_contexts" and values == []):
@@ -656,6 +661,11 @@ def run_generate(family: str, arch: Mapping[str, Any], settings: GenerateSetting
     pcts = list(settings.pcts if settings.pcts is not None else (pcts if pcts is not None else [50, 75]))
     models = variants(family, arch, pcts, allocations)
     dtype = getattr(torch, settings.dtype)
+    if settings.budget_prompt is not None and "budget" in parts and any(
+            config_cache_bytes(family, v.config, 1, dtype)["attention"] for v in models):
+        raise ValueError("generate budget_prompt shortens the prompt of the timed budget cells, which is exact only "
+                         f"for models whose cache holds no attention KV; {model_name or family}'s grows with the "
+                         "context")
     doc: dict[str, Any] = {
         "kind": "generate", "model": model_name, "family": family, "arch": dict(arch), "settings": settings.to_dict(),
         "parts": parts, "weights": "random (speed does not depend on weight values); shapes from arch and the pruned "
@@ -698,8 +708,9 @@ def run_generate(family: str, arch: Mapping[str, Any], settings: GenerateSetting
                 cell = _budget_cell(model, v.name, record, context, settings, doc["budget_bytes"])
                 if "max_batch" in cell and cell["max_batch"] and context in settings.timed:
                     batch = cell["batch"]
-                    per_chunk = max(1, min(batch, settings.prefill_tokens // context))
-                    cell.update(measure_cell(model, batch, context, settings.budget_new_tokens, trials=1,
+                    prompt = _budget_prompt(record, context, settings)
+                    per_chunk = max(1, min(batch, settings.prefill_tokens // prompt))
+                    cell.update(measure_cell(model, batch, prompt, settings.budget_new_tokens, trials=1,
                                              per_chunk=per_chunk, prefill_tokens=settings.prefill_tokens))
                     bar.update()
                 elif context in settings.timed:
@@ -741,6 +752,15 @@ def _cache_record(model, family: str, config, settings: GenerateSettings, dtype:
                                                    for k in ("recurrent", "conv", "attention"))}
         _sync_free(device)
     return out
+
+
+def _budget_prompt(record: Mapping[str, Any], context: int, settings: GenerateSettings) -> int:
+    """The prompt of a timed budget cell: ``budget_prompt`` where the cache holds no attention KV (checked by
+    :func:`run_generate` from the config, and here on the measured cache), else the context."""
+    if settings.budget_prompt is None:
+        return context
+    assert not any(c["measured"]["attention"] for c in record["cache"].values())
+    return settings.budget_prompt
 
 
 def _budget_cell(model, name: str, record: dict, context: int, settings: GenerateSettings, budget: int) -> dict:
@@ -862,8 +882,8 @@ def budget_markdown(doc: Mapping[str, Any]) -> str:
             _mib(c["attention_bytes_per_sequence"]), _gib(c["weights_bytes"]), batch,
             "1.00×" if base else (f"{r['batch_ratio']:.2f}×" if r.get("batch_ratio") else "–"),
             _gib(c["predicted_resident_bytes"]), _gib(c.get("peak_mem_bytes")),
-            f"{c['decode_tokens_per_s']:,.0f}" if c.get("decode_tokens_per_s") else
-            ("not timed" if not timed and "skipped" not in c else "–"),
+            (f"{c['decode_tokens_per_s']:,.0f}" + (f" (prompt {c['prompt']:,})" if c["prompt"] != c["context"] else ""))
+            if c.get("decode_tokens_per_s") else ("not timed" if not timed and "skipped" not in c else "–"),
             f"{c['tokens_per_s']:,.0f}" if timed else (f"skipped: {c['skipped'][:60]}" if "skipped" in c else "–"),
             "1.00×" if base and timed else (f"{r['throughput_ratio']:.2f}×" if "throughput_ratio" in r else "–"),
         ]) + " |")
