@@ -45,6 +45,7 @@ from statereduce.core.cuts import Cut
 from statereduce.stages.capture import activation_arrays, grad_score_arrays, qk_weight_arrays
 from statereduce.core.models import build_random
 from statereduce.stages.pretrain import mean_loss
+from statereduce.stages.export import export_checkpoint
 from statereduce.stages.prune import PruneRecord, prune_model, save_pruned
 from statereduce.stages.select import head_data, run_selector, write_selection
 from statereduce.selectors import HeadSelection, format_method, get_selector, n_keep_for, parse_method
@@ -409,8 +410,6 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, model_n
     without statereduce), RFT's adapter, and a model card; what rule ``export`` writes
     (:func:`statereduce.stages.export.export_checkpoint`, whose arguments these are; ``evals`` defaults to the
     checkpoint's own ``eval.json`` where it has one, as the pruned model's)."""
-    from statereduce.stages.export import export_checkpoint
-
     if evals is None:
         own = Path(checkpoint) / "eval.json"
         evals = {"pruned": own if own.is_file() else None}

@@ -14,13 +14,13 @@ from _venv import load_there, without_statereduce
 from test_portable import _pruned
 
 from statereduce import api
+from statereduce.core.checkpoints import ADAPTER_DIR
 from statereduce.core.models import load_model
 from statereduce.core.portable import LAYOUT_FIELD, MODELING_FILE, is_portable
 from statereduce.core.runtime import read_json, write_json
 from statereduce.core.tokenizer import byte_level_tokenizer
 from statereduce.stages.export import base_description, export_checkpoint, metrics_table
 from statereduce.stages.prune import save_pruned
-from statereduce.stages.rft import ADAPTER_DIR
 
 
 def _eval(loss: float, acc: float) -> dict:

@@ -44,6 +44,7 @@ NOT_LOADED = {
     # stages that load a model: torch, and the rest where the work needs it
     "calibrate": OTHER_STAGES,
     "eval_baseline": OTHER_STAGES,
+    "export": OTHER_STAGES,
     "fit": OTHER_STAGES,
     "grad_scores": OTHER_STAGES,
     "init_random": OTHER_STAGES,

@@ -618,7 +618,7 @@ def test_rft_keeps_its_lora_adapter_in_peft_format_for_the_pruned_checkpoint(pai
     out = tmp_path / "rft"
     kept = {}
     _run(pairs[family], out, on_saved=lambda m, t, o: kept.update(model=m))
-    adapter = out / ft.ADAPTER_DIR
+    adapter = out / "adapter"  # statereduce.core.checkpoints.ADAPTER_DIR
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 32

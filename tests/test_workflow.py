@@ -354,3 +354,39 @@ def test_prune_norm_eps_reruns_pruning_and_what_reads_it(finished_run):
     record = json.loads(record_path.read_text())
     assert "norm_eps" not in record["kernel_scale"]  # stock records only the factor that would make it exact
     assert record["kernel_scale"]["o_norm_eps_factor_for_exact_zeroing"] == eps["factor"]
+
+
+def test_export_of_a_per_layer_rft_checkpoint_runs_alone_and_loads_without_the_package(finished_run, tmp_path):
+    """``export/rft`` of a per-layer budget's cell plans the export job only; the folder carries the modeling code,
+    RFT's adapter and a card with the base, the widths, the metrics before and after RFT and the command, and it
+    loads in an environment without statereduce as the checkpoint does in the workflow."""
+    from _venv import load_there, without_statereduce
+
+    target = "results/wf-dn/drrqr@sens_50/export/rft/README.md"
+    assert planned_outputs(finished_run, target) == {"export": [target]}
+    run = _snakemake(finished_run, target, "--cores", "1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = finished_run / target.rsplit("/", 1)[0]
+    names = {p.name for p in out.iterdir()}
+    assert {"modeling_statereduce.py", "adapter", "model.safetensors", "config.json", "tokenizer.json",
+            "prune_record.json", "rft_record.json", "eval.json"} <= names
+    card = (out / "README.md").read_text()
+    assert "`drrqr@sens` at 50 %" in card and "pruned and fine-tuned (RFT)" in card
+    assert "| task | metric | base | pruned | after RFT |" in card
+    assert f"snakemake --cores all {target}" in card
+    widths = json.loads((out / "config.json").read_text())["statereduce_key_dims"]
+    assert len({w for w in widths if w is not None}) > 1  # per-layer widths: the modeling code is needed
+    torch_ids = tmp_path / "ids.pt"
+    import torch
+
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    torch.save(ids, torch_ids)
+    env = without_statereduce(tmp_path, fla=True)
+    done = load_there(env, [{"name": "export", "folder": str(out), "out": str(tmp_path / "got.pt"),
+                             "ids": str(torch_ids), "import_fla": False, "forward": False}], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = torch.load(tmp_path / "got.pt")
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "model.safetensors")
+    assert all(torch.equal(got["tensors"][k], v) for k, v in weights.items())

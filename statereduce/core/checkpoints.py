@@ -21,6 +21,10 @@ from typing import Any
 SOURCE_FILE = "source.json"
 """The base artifact of a hub or local model: what to load, never a copy of the weights."""
 
+ADAPTER_DIR = "adapter"
+"""The folder of an RFT checkpoint holding its LoRA adapter in peft's format
+(:func:`statereduce.stages.rft.save_adapter`), which rule export copies."""
+
 BASE_ATTR = "statereduce_base_checkpoint"
 """The attribute :func:`statereduce.core.models.load_model` sets on every model it loads: :func:`checkpoint_provenance`
 of its folder."""

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from statereduce import __version__
 from statereduce.families.base import PORTABLE_PREFIX
 
 MODELING_FILE = "modeling_statereduce.py"
@@ -176,8 +177,6 @@ def module_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
 
 def modeling_code(model: nn.Module) -> str:
     """The text of :data:`MODELING_FILE` for ``model``'s stock classes."""
-    from statereduce import __version__
-
     model_cls, config_cls = stock_class(model), stock_class(model.config)
     needs = ", fla" if model_cls.__module__.startswith("fla.") else ""
     return _TEMPLATE.format(

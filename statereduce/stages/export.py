@@ -24,6 +24,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from statereduce.adapters import adapter_for_config
+from statereduce.core.checkpoints import ADAPTER_DIR
+from statereduce.core.models import checkpoint_config, shaped_model
+from statereduce.core.portable import LAYOUT_FIELD, MODELING_FILE, write_portable
 from statereduce.core.runtime import atomic_dir, read_json, write_json
 
 CARD = "README.md"
@@ -102,14 +106,10 @@ def ensure_portable(checkpoint: Path, folder: Path) -> dict[str, Any] | None:
     it, else written here from the model :func:`statereduce.core.models.load_model` would build (on the meta device:
     no weights are read), for a checkpoint saved before checkpoints carried it. Returns the layout, or None for a
     checkpoint the stock class holds."""
-    from statereduce.core.portable import LAYOUT_FIELD, MODELING_FILE, write_portable
-
     config = read_json(folder / "config.json")
     if (checkpoint / MODELING_FILE).is_file() and config.get(LAYOUT_FIELD):
         _link_or_copy(checkpoint / MODELING_FILE, folder / MODELING_FILE)
         return config[LAYOUT_FIELD]
-    from statereduce.core.models import shaped_model
-
     (folder / "config.json").unlink()  # a copy of its own: the hard link would change the checkpoint's file
     write_json(folder / "config.json", config)
     return write_portable(shaped_model(checkpoint, device="meta"), folder)
@@ -125,9 +125,6 @@ def checkpoint_base(record: Mapping[str, Any], base: Mapping[str, Any] | None) -
 def layer_widths(folder: Path, base_folder: Path | None = None) -> list[dict[str, Any]]:
     """Per linear-attention layer of the checkpoint in ``folder``: its key and value widths (``d_k``, ``d_v`` per
     head), state heads and state bytes per sequence (float32), and the base's where ``base_folder`` has a config."""
-    from statereduce.adapters import adapter_for_config
-    from statereduce.core.models import checkpoint_config
-
     config = checkpoint_config(folder)[1]
     shapes = adapter_for_config(config).config_layer_state_shapes(config)
     before = {}
@@ -272,8 +269,6 @@ def metrics_table(metrics: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 
 def _copy_adapter(checkpoint: Path, folder: Path, pruned_repo: str | None) -> bool:
-    from statereduce.stages.rft import ADAPTER_DIR
-
     source = checkpoint / ADAPTER_DIR
     if not (source / "adapter_config.json").is_file():
         return False

@@ -52,6 +52,7 @@ from statereduce.adapters.mixer_layout import module_names
 from statereduce.core.artifacts import check_prune_record
 from statereduce.core.checkpoints import checkpoint_provenance
 from statereduce.core.data import corpus_provenance, load_split, token_blocks
+from statereduce.core.checkpoints import ADAPTER_DIR
 from statereduce.core.models import check_kernels, kernel_check_record, load_model, save_checkpoint, torch_dtype
 from statereduce.core.runtime import (
     Schedule,
@@ -69,8 +70,6 @@ from statereduce.eval.tasks import HELDOUT
 from statereduce.families.base import RftTargets, family_names, family_spec
 
 RECORD_FILE = "rft_record.json"
-ADAPTER_DIR = "adapter"
-"""The folder of an RFT checkpoint holding the LoRA adapter in peft's format (:func:`save_adapter`)."""
 LOG_FILE = "train_log.jsonl"
 RESUME_FILE = "resume.pt"
 
