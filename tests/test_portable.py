@@ -24,16 +24,17 @@ from statereduce.stages.prune import prune_model, save_pruned
 
 FAMILIES = ["delta_net", "gated_deltanet", "qwen3_5", "mamba2"]
 FLA = {"delta_net", "gated_deltanet"}
-CUTS = ["keys", "keys_per_layer", "values", "keys_values_per_layer"]
-# The cuts the stock class cannot hold: per-layer widths anywhere, and Mamba-2's value cut (its config has no d_v').
-REMOTE = {(f, c) for f in FAMILIES for c in ("keys_per_layer", "keys_values_per_layer")} | {("mamba2", "values")}
+CUTS = ["keys", "keys_per_layer", "values", "keys_values", "keys_values_per_layer"]
+# The cuts the stock class cannot hold: per-layer widths anywhere, and Mamba-2's value cuts (its config has no d_v').
+REMOTE = ({(f, c) for f in FAMILIES for c in ("keys_per_layer", "keys_values_per_layer")}
+          | {("mamba2", "values"), ("mamba2", "keys_values")})
 
 
 def _keys(model, cut):
     ad = get_adapter(model)
     if cut == "values":
         return None
-    if cut == "keys":
+    if cut in ("keys", "keys_values"):
         return random_keep(model, ad.head_k_dim // 2)
     gen = torch.Generator().manual_seed(1)
     layers = [i for i, _ in ad.mixer_layers()]
@@ -43,13 +44,14 @@ def _keys(model, cut):
 
 
 def _values(model, cut):
-    if cut not in ("values", "keys_values_per_layer"):
+    if cut not in ("values", "keys_values", "keys_values_per_layer"):
         return None
     ad = get_adapter(model)
     _, hv, _, d_v = ad.dims(ad.config)
     gen = torch.Generator().manual_seed(2)
     layers = [i for i, _ in ad.mixer_layers()]
-    widths = {layer: d_v // 2 if cut == "values" else (d_v // 2, d_v // 4 * 3)[j % 2] for j, layer in enumerate(layers)}
+    widths = {layer: (d_v // 2, d_v // 4 * 3)[j % 2] if cut.endswith("per_layer") else d_v // 2
+              for j, layer in enumerate(layers)}
     return {layer: torch.stack([torch.randperm(d_v, generator=gen)[:w].sort().values for _ in range(hv)])
             for layer, w in widths.items()}
 

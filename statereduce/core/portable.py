@@ -236,14 +236,6 @@ def stock_config(config: Mapping[str, Any], config_class: type):
     return config_class.from_dict(fields)
 
 
-def layout_summary(layout: Mapping[str, Any] | None) -> str:
-    """One line: how many modules the modeling code reshapes."""
-    if not layout:
-        return "stock classes"
-    n = sum(len(e.get("parameters", {})) + len(e.get("buffers", {})) for e in layout.values())
-    return f"remote code: {len(layout)} modules, {n} tensors reshaped"
-
-
 def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
