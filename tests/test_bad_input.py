@@ -284,6 +284,9 @@ def test_local_checkpoint_must_be_a_folder_with_config_json(shipped_config, tmp_
     ("results/tiny-dn/drrqr_1.6/eval.json", None),
     ("results/tiny-dn/evals/eval.json", "'evals' is neither <method>_<pct> (e.g. drrqr_75) nor one of base, baseline,"),
     ("results/tiny-dn/baseline/eval.json", None),
+    ("results/tiny-dn/drrqr_75/export/merged/README.md",
+     "export of 'merged': valid: export/pruned/README.md, export/rft/README.md"),
+    ("results/tiny-dn/drrqr@sens_75/export/rft/README.md", None),
     ("results/tiny-dn/select/l1-q.prose_75.parquet", None),
     ("results/tables/comparison.md", None),
 ])

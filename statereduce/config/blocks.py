@@ -576,6 +576,9 @@ def check_target(config: dict, target: str) -> None:
                               f"{layout.with_pct(target, pct)}")
         check_reduction(config, found.model, float(found.pct), found.method)
         check_budget_cell(config, found.model, found.method, float(found.pct))
+        if found.rest[:1] == ("export",) and found.rest[1:2] not in (("pruned",), ("rft",)):
+            stage = found.rest[1] if len(found.rest) > 1 else ""
+            raise ConfigError(f"export of {stage!r}: valid: export/pruned/README.md, export/rft/README.md")
     except ConfigError as e:
         raise ConfigError(f"{target}: {e}") from None
 
