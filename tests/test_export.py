@@ -136,8 +136,8 @@ def test_the_api_exports_a_saved_checkpoint(tmp_path):
     folder = api.save(pruned, tmp_path / "p", byte_level_tokenizer())
     out = api.export(folder, tmp_path / "up", model_name="mine")
     card = (out / "README.md").read_text()
-    assert "# mine, " in card and "stock" not in front_matter(card) and MODELING_FILE not in {p.name for p in
-                                                                                             out.iterdir()}
+    assert "# mine: " in card and "custom_code" not in front_matter(card)
+    assert MODELING_FILE not in {p.name for p in out.iterdir()}  # one width in every layer: the stock class holds it
     assert "## Metrics" not in card  # nothing evaluated
 
 

@@ -371,7 +371,7 @@ def test_export_of_a_per_layer_rft_checkpoint_runs_alone_and_loads_without_the_p
     assert {"modeling_statereduce.py", "adapter", "model.safetensors", "config.json", "tokenizer.json",
             "prune_record.json", "rft_record.json", "eval.json"} <= names
     card = (out / "README.md").read_text()
-    assert "`drrqr@sens` at 50 %" in card and "pruned and fine-tuned (RFT)" in card
+    assert "`drrqr@sens`, 50 % of key channels removed, fine-tuned" in card and "optimizer steps" in card
     assert "| task | metric | base | pruned | after RFT |" in card
     assert f"snakemake --cores all {target}" in card
     widths = json.loads((out / "config.json").read_text())["statereduce_key_dims"]

@@ -161,8 +161,8 @@ def model_card(*, model_name: str, record: Mapping[str, Any], widths: list[dict[
     meta.append("tags:")
     meta += [f"- {t}" for t in tags]
     meta.append("---")
-    stage = "pruned and fine-tuned (RFT)" if rft else "pruned"
-    out = [*meta, "", f"# {model_name}, `{method}` at {_pct(pct)} % of key channels removed ({stage})", ""]
+    stage = ", fine-tuned" if rft else ""
+    out = [*meta, "", f"# {model_name}: `{method}`, {_pct(pct)} % of key channels removed{stage}", ""]
     base_line = _base_line(base, record)
     total_after = sum(w["state_bytes"] for w in widths)
     total_before = sum(w.get("base_state_bytes", 0) for w in widths)
@@ -194,9 +194,11 @@ def model_card(*, model_name: str, record: Mapping[str, Any], widths: list[dict[
                + (f"; fitted output projections (`+{record['fit']['name']}`)" if isinstance(record.get("fit"), dict)
                   else "") + ".")
     scale = (record.get("kernel_scale") or {}).get("norm_eps") or {}
-    if scale.get("choice"):
-        out.append(f"- Kernel scale: `norm_eps: {scale['choice']}` (the output norms' eps times "
-                   f"{scale.get('factor', 1.0):g}, so the cut equals zeroing the dropped channels).")
+    if scale.get("choice") == "exact":
+        out.append("- Kernel scale: `norm_eps: exact` (each cut layer's output-norm eps scaled with its kept width, so "
+                   "the cut equals zeroing the dropped channels).")
+    elif scale.get("choice"):
+        out.append(f"- Kernel scale: `norm_eps: {scale['choice']}` (the config's eps, as the paper's checkpoints).")
     if calibration:
         out.append(f"- Calibration (`{extra.get('calibration', 'default')}`): "
                    + ", ".join(f"{k} {_fmt(v)}" for k, v in calibration.items()) + ".")
@@ -211,12 +213,11 @@ def model_card(*, model_name: str, record: Mapping[str, Any], widths: list[dict[
     if rft:
         settings = rft.get("settings") or {}
         lora = settings.get("lora") or {}
-        stats = rft.get("stats") or rft.get("training") or {}
         out += ["## Recovery fine-tuning", "",
                 f"LoRA (rank {lora.get('rank')}, alpha {lora.get('alpha')}) and distillation from the base model "
                 f"({settings.get('n_samples')} sequences of {settings.get('seq_len')} tokens, learning rate "
                 f"{settings.get('lr')}), merged into these weights"
-                + (f"; {_fmt(stats.get('steps'))} steps" if stats.get("steps") else "") + "."]
+                + (f"; {rft['steps']} optimizer steps" if rft.get("steps") else "") + "."]
         if adapter:
             where = f"`{pruned_repo}`" if pruned_repo else "the pruned checkpoint"
             out += ["", f"The adapter alone is in `adapter/` (peft's format), for {where}:", "", "```python",
