@@ -142,12 +142,14 @@ def test_a_cell_that_does_not_fit_prefills_in_halving_sub_batches_or_is_skipped(
 
     monkeypatch.setattr(gen, "time_generate", fits_at(2))
     cell = gen.measure_cell(model, 5, 12, 2, trials=1, per_chunk=None, prefill_tokens=48)
-    assert tried == [None, 3, 1] and (cell["prefill_chunks"], cell["sequences_per_prefill"]) == (5, 1)
+    # each plan first warms up at its own shapes (where it runs out of memory), then the plan that fits is timed
+    assert tried == [None, 3, 1, 1] and (cell["prefill_chunks"], cell["sequences_per_prefill"]) == (5, 1)
+    assert cell["warmup_s"] >= 0
     assert [n.split(" (")[0] for n in cell["fallback"]] == ["out of memory with one generate call",
                                                              "out of memory with 3 sequences a prefill forward"]
     tried.clear()
     monkeypatch.setattr(gen, "time_generate", fits_at(0))
-    cell = gen.measure_cell(model, 4, 12, 2, trials=1, per_chunk=2, prefill_tokens=48)
+    cell = gen.measure_cell(model, 4, 12, 2, trials=1, per_chunk=2, prefill_tokens=48, warmup=False)
     assert tried == [2, 1] and cell["skipped"].startswith("out of memory with 2 sequences a prefill forward")
     assert "total_s" not in cell
 
@@ -273,10 +275,17 @@ def test_a_shorter_budget_prompt_for_a_pure_linear_model_only(tmp_path):
     assert not (tmp_path / "q.json").exists()
 
 
-def test_the_markdown_tables(hybrid_doc, capsys):
-    _, path = hybrid_doc
+def test_the_markdown_tables(hybrid_doc, capsys, tmp_path):
+    doc, path = hybrid_doc
+    assert all(c["warmup_s"] >= 0 for c in doc["table"])  # every cell warmed up at its own shapes first
     assert gen.main(["--tables", str(path)]) == 0
     text = capsys.readouterr().out
+    assert "†" not in text
+    old = json.loads(path.read_text())  # a document from before the per-cell warm-up: its first calls are marked
+    del old["settings"]["cell_warmup"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    marked = gen.documents_markdown([tmp_path / "old.json"])
+    assert marked.rstrip().endswith(gen.FIRST_USE_NOTE) and "| 1 | base |" in marked and "†" in marked
     assert "#### tiny: `generate()`, prompt 70, 3 new tokens (cpu, generate.json)" in text
     assert "| 1 | base |" in text and "| 2 | 50 % (d_k' 16) |" in text
     assert "#### tiny: largest batch at" in text and "| 40 | base |" in text and "not timed" in text

@@ -85,6 +85,10 @@ class GenerateSettings(Settings):
         pcts: ratios beside the baseline (None: the model's ``speed.pcts``).
         trials: timed ``generate`` calls per cell (the median of each measure is reported).
         warmup_prompt, warmup_tokens, warmup_batches: the short ``generate`` calls that warm up each model.
+        cell_warmup: before a cell's timed calls, one untimed ``generate`` of 2 tokens at the cell's own batch, prompt
+            and prefill plan. fla 0.6.0 autotunes its norm kernels (RMSNorm, the q/k L2 norm, the gated output norm)
+            per bucket of the row count (``NB``), so the first call at a new batch x length autotunes inside the
+            prefill: without this warm-up a TTFT at a new shape holds seconds of autotuning.
         budget_gib: the server's memory budget for weights and caches (GiB).
         contexts: prompt lengths of the budget part.
         timed_contexts: the contexts whose largest batch is timed (None: all); the others get the byte count only.
@@ -111,6 +115,7 @@ class GenerateSettings(Settings):
     warmup_prompt: int = 128
     warmup_tokens: int = 4
     warmup_batches: list = field(default_factory=lambda: [1, 16])
+    cell_warmup: bool = True
     budget_gib: float = 40.0
     contexts: list = field(default_factory=lambda: [2048, 16384])
     timed_contexts: list | None = field(default=None, metadata=OPTIONAL)
@@ -142,6 +147,8 @@ class GenerateSettings(Settings):
         if self.timed_contexts is not None and set(self.timed_contexts) - set(self.contexts):
             raise ValueError(f"generate timed_contexts {sorted(set(self.timed_contexts) - set(self.contexts))} are not "
                              f"in contexts {self.contexts}")
+        if not isinstance(self.cell_warmup, bool):
+            raise ValueError(f"generate cell_warmup must be true or false; got {self.cell_warmup!r}")  # noqa: TRY004
         if isinstance(self.budget_gib, bool) or not isinstance(self.budget_gib, (int, float)) or not (
                 math.isfinite(self.budget_gib) and self.budget_gib > 0):
             raise ValueError(f"generate budget_gib={self.budget_gib!r} must be a positive number of GiB")
@@ -574,11 +581,12 @@ def _prefill_plans(batch: int, per_chunk: int | None, chunk: int):
 
 
 def measure_cell(model, batch: int, prompt: int, new_tokens: int, *, trials: int, per_chunk: int | None,
-                 prefill_tokens: int) -> dict[str, Any]:
+                 prefill_tokens: int, warmup: bool = True) -> dict[str, Any]:
     """A cell: ``trials`` timed generations (:func:`time_generate`), the median of each measure, tokens/s and peak
-    memory. Without ``per_chunk`` it first tries one ``generate`` call; if that runs out of memory it prefills in
-    sub-batches of ``prefill_tokens // prompt`` sequences (at most half the batch), halved while it does not fit. Out
-    of memory at one sequence a forward: ``{"skipped": reason}``."""
+    memory, after (``warmup``) one untimed generation of 2 tokens at the same shapes. Without ``per_chunk`` it first
+    tries one ``generate`` call; if that runs out of memory it prefills in sub-batches of ``prefill_tokens // prompt``
+    sequences (at most half the batch), halved while it does not fit. Out of memory at one sequence a forward:
+    ``{"skipped": reason}``."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     cell: dict[str, Any] = {"batch": batch, "prompt": prompt, "new_tokens": new_tokens}
@@ -589,6 +597,13 @@ def measure_cell(model, batch: int, prompt: int, new_tokens: int, *, trials: int
             torch.cuda.reset_peak_memory_stats()
             resident = torch.cuda.memory_allocated()
         try:
+            if warmup:
+                t0 = time.perf_counter()
+                del time_generate(model, batch, prompt, min(2, new_tokens), per_chunk=used, seed=99)["sequences"]
+                cell["warmup_s"] = round(time.perf_counter() - t0, 2)
+                _sync_free(device)
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
             runs = []
             for t in range(trials):
                 run = time_generate(model, batch, prompt, new_tokens, per_chunk=used, seed=t)
@@ -698,7 +713,8 @@ def run_generate(family: str, arch: Mapping[str, Any], settings: GenerateSetting
             for batch in settings.batches:
                 cell = {"variant": v.name, **measure_cell(model, batch, settings.prompt, settings.new_tokens,
                                                          trials=settings.trials, per_chunk=None,
-                                                         prefill_tokens=settings.prefill_tokens)}
+                                                         prefill_tokens=settings.prefill_tokens,
+                                                         warmup=settings.cell_warmup)}
                 doc["table"].append(cell)
                 log.info("table %s B=%d %s", v.name, batch, _brief(cell))
                 bar.update()
@@ -711,7 +727,8 @@ def run_generate(family: str, arch: Mapping[str, Any], settings: GenerateSetting
                     prompt = _budget_prompt(record, context, settings)
                     per_chunk = max(1, min(batch, settings.prefill_tokens // prompt))
                     cell.update(measure_cell(model, batch, prompt, settings.budget_new_tokens, trials=1,
-                                             per_chunk=per_chunk, prefill_tokens=settings.prefill_tokens))
+                                             per_chunk=per_chunk, prefill_tokens=settings.prefill_tokens,
+                                             warmup=settings.cell_warmup))
                     bar.update()
                 elif context in settings.timed:
                     cell["skipped"] = "no sequence fits beside the weights"
@@ -837,14 +854,27 @@ def _variant_label(doc: Mapping[str, Any], name: str) -> str:
     return f"{name} % (d_k' {rec['d_k']})"
 
 
+FIRST_USE_NOTE = ("† measured without the per-cell warm-up (`cell_warmup`): the time to first token, and with it the "
+                  "total, the end-to-end rate and their ratios, hold fla's first-call autotuning at the cell's batch x "
+                  "length (seconds); the decode rate excludes the prefill (its first step can hold an autotuning at a "
+                  "new batch).")
+
+
+def _first_use(doc: Mapping[str, Any]) -> bool:
+    """Whether a document's cells were timed without the per-cell warm-up (documents from before ``cell_warmup``)."""
+    return not doc.get("settings", {}).get("cell_warmup", False)
+
+
 def table_markdown(doc: Mapping[str, Any]) -> str:
     """The table part of a document: per batch and variant, decode tokens/s, end-to-end tokens/s, TTFT, total, peak
-    memory and the ratios against the baseline."""
+    memory and the ratios against the baseline (a document timed without the per-cell warm-up marks what its
+    first calls' autotuning holds with †, :data:`FIRST_USE_NOTE`)."""
     head = ["B", "variant", "decode tok/s", "end-to-end tok/s", "TTFT s", "total s", "peak GiB", "speedup (end to end)",
             "decode ×", "TTFT ×", "memory ×"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     ratios = {(r["variant"], r["batch"]): r for r in generate_ratios(doc)["table"]}
     order = list(doc["variants"])
+    dag = "†" if _first_use(doc) else ""
     for c in sorted(doc["table"], key=lambda c: (c["batch"], order.index(c["variant"]))):
         label = _variant_label(doc, c["variant"])
         if "skipped" in c:
@@ -855,11 +885,11 @@ def table_markdown(doc: Mapping[str, Any]) -> str:
         chunks = f" ({c['prefill_chunks']} prefill forwards)" if c.get("prefill_chunks", 1) > 1 else ""
         lines.append("| " + " | ".join([
             str(c["batch"]), label, f"{c['decode_tokens_per_s']:,.0f}" if c.get("decode_tokens_per_s") else "–",
-            f"{c['tokens_per_s']:,.0f}", f"{c['ttft_s']:.3f}{chunks}", f"{c['total_s']:.2f}",
+            f"{c['tokens_per_s']:,.0f}{dag}", f"{c['ttft_s']:.3f}{dag}{chunks}", f"{c['total_s']:.2f}{dag}",
             _gib(c.get("peak_mem_bytes")),
-            "1.00×" if base else (f"{r['speedup']:.2f}×" if "speedup" in r else "–"),
+            "1.00×" if base else (f"{r['speedup']:.2f}×{dag}" if "speedup" in r else "–"),
             "1.00×" if base else (f"{r['decode_speedup']:.2f}×" if "decode_speedup" in r else "–"),
-            "1.00×" if base else (f"{r['ttft_speedup']:.2f}×" if "ttft_speedup" in r else "–"),
+            "1.00×" if base else (f"{r['ttft_speedup']:.2f}×{dag}" if "ttft_speedup" in r else "–"),
             "1.00×" if base else (f"{r['memory_ratio']:.2f}×" if "memory_ratio" in r else "–")]) + " |")
     return "\n".join(lines)
 
@@ -868,10 +898,12 @@ def budget_markdown(doc: Mapping[str, Any]) -> str:
     """The budget part of a document: per context and variant, the bytes per sequence (state, attention), the largest
     batch at the budget, the measured peak and the throughput at that batch, with ratios against the baseline."""
     head = ["context", "variant", "state MiB/seq", "attention KV MiB/seq", "weights GiB", "largest batch",
-            "batch ×", "predicted GiB", "peak GiB", "tok/s (decode)", "tok/s (end to end)", "throughput ×"]
+            "batch ×", "predicted GiB", "peak GiB", "tok/s (decode)", "decode ×", "tok/s (end to end)",
+            "end to end ×"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     ratios = {(r["variant"], r["context"]): r for r in generate_ratios(doc)["budget"]}
     order = list(doc["variants"])
+    dag = "†" if _first_use(doc) else ""
     for c in sorted(doc["budget"], key=lambda c: (c["context"], order.index(c["variant"]))):
         r = ratios.get((c["variant"], c["context"]), {})
         base = c["variant"] == "base"
@@ -884,8 +916,10 @@ def budget_markdown(doc: Mapping[str, Any]) -> str:
             _gib(c["predicted_resident_bytes"]), _gib(c.get("peak_mem_bytes")),
             (f"{c['decode_tokens_per_s']:,.0f}" + (f" (prompt {c['prompt']:,})" if c["prompt"] != c["context"] else ""))
             if c.get("decode_tokens_per_s") else ("not timed" if not timed and "skipped" not in c else "–"),
-            f"{c['tokens_per_s']:,.0f}" if timed else (f"skipped: {c['skipped'][:60]}" if "skipped" in c else "–"),
-            "1.00×" if base and timed else (f"{r['throughput_ratio']:.2f}×" if "throughput_ratio" in r else "–"),
+            "1.00×" if base and timed else (f"{r['decode_throughput_ratio']:.2f}×" if "decode_throughput_ratio" in r
+                                            else "–"),
+            f"{c['tokens_per_s']:,.0f}{dag}" if timed else (f"skipped: {c['skipped'][:60]}" if "skipped" in c else "–"),
+            "1.00×" if base and timed else (f"{r['throughput_ratio']:.2f}×{dag}" if "throughput_ratio" in r else "–"),
         ]) + " |")
     return "\n".join(lines)
 
@@ -904,6 +938,8 @@ def documents_markdown(paths: Sequence[str | Path]) -> str:
         if doc.get("budget"):
             title = f"#### {name}: largest batch at {s['budget_gib']:g} GiB, {s['budget_new_tokens']} new tokens ({where})"
             out += [title, "", budget_markdown(doc), ""]
+        if _first_use(doc):
+            out += [FIRST_USE_NOTE, ""]
     return "\n".join(out).rstrip() + "\n"
 
 
