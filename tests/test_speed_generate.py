@@ -259,6 +259,23 @@ def test_the_document_schema_and_its_ratios(hybrid_doc):
     assert rows[16]["batch_ratio"] == budget[("50", 16)]["max_batch"] / budget[("base", 16)]["max_batch"]
 
 
+def test_the_byte_budget_from_the_config_equals_the_measured_one(hybrid_doc, tmp_path, capsys, monkeypatch):
+    """``--bytes-only`` (no GPU): weights from a model on the meta device and cache bytes from the config give the
+    measured run's largest batches."""
+    doc, _ = hybrid_doc
+    settings = gen.GenerateSettings.from_dict(doc["settings"])
+    from_config = gen.budget_from_config("qwen3_5", tiny_arch("qwen3_5"), settings, model_name="tiny")
+    pick = ("variant", "context", "weights_bytes", "per_sequence_bytes", "max_batch", "batch")
+    assert [{k: c[k] for k in pick} for c in from_config["budget"]] == [{k: c[k] for k in pick} for c in doc["budget"]]
+    assert from_config["device"] == "none" and "tokens_per_s" not in str(from_config["budget"])
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "bytes.json"
+    assert gen.main([str(out), "--model", "tiny-qwen35", "--bytes-only", "--settings", '{"dtype": "float32"}']) == 0
+    text = capsys.readouterr().out
+    assert "byte counts of the config, nothing timed" in text and "not timed" in text
+    assert [c["context"] for c in json.loads(out.read_text())["budget"]] == [2048, 16384] * 3
+
+
 def test_a_shorter_budget_prompt_for_a_pure_linear_model_only(tmp_path):
     """The timed budget cells of a model without attention KV may use a shorter prompt (its decode step does not
     depend on the prompt's length); a hybrid's are refused before anything is built."""

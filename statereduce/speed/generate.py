@@ -442,11 +442,12 @@ def config_cache_bytes(family: str, config, tokens: int, dtype: torch.dtype, sta
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the model's parameters and buffers (a tied weight once)."""
+    """Bytes of the model's parameters and buffers (a tied weight once; on the meta device, by tensor)."""
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+        key = id(t) if t.is_meta else t.data_ptr()
+        if key not in seen:
+            seen.add(key)
             total += t.numel() * t.element_size()
     return total
 
@@ -799,6 +800,38 @@ def _budget_cell(model, name: str, record: dict, context: int, settings: Generat
             "predicted_resident_bytes": weights + batch * per_seq}
 
 
+def budget_from_config(family: str, arch: Mapping[str, Any], settings: GenerateSettings, *,
+                       model_name: str | None = None, pcts: Sequence | None = None) -> dict:
+    """The budget part's arithmetic without a GPU: every variant's weights (a model built on the meta device) and its
+    per-sequence cache bytes from the config (:func:`config_cache_bytes`, float32 recurrent state as fla and
+    transformers keep it), the largest batch at each context; nothing is timed. The document's ``source`` says so;
+    the run's own documents hold the measured counts (which equal these where both exist)."""
+    pcts = list(settings.pcts if settings.pcts is not None else (pcts if pcts is not None else [50, 75]))
+    dtype = getattr(torch, settings.dtype)
+    doc: dict[str, Any] = {
+        "kind": "generate", "source": "config (no GPU: the byte counts of the config, nothing timed)",
+        "model": model_name, "family": family, "arch": dict(arch), "settings": settings.to_dict(), "parts": ["budget"],
+        "device": "none", "versions": versions(), "budget_bytes": int(settings.budget_gib * GIB), "variants": {},
+        "table": [], "budget": [],
+    }
+    adapter = adapter_class(family)
+    for v in variants(family, arch, pcts):
+        with torch.device("meta"):
+            model = adapter.build(v.config, dtype=dtype)
+        record = {**v.record, "weights_bytes": weight_bytes(model), "cache": {}}
+        for context in settings.contexts:
+            c = config_cache_bytes(family, v.config, context, dtype)
+            record["cache"][str(context)] = {"config": c, "measured": {**c, "other": 0, "batch": 1,
+                                                                       "attention_tokens": context if c["attention"]
+                                                                       else 0}}
+        doc["variants"][v.name] = record
+        for context in settings.contexts:
+            doc["budget"].append(_budget_cell(None, v.name, record, context, settings, doc["budget_bytes"]))
+        del model
+    doc["ratios"] = generate_ratios(doc)
+    return doc
+
+
 # ---------------------------------------------------------------------------------------------
 # ratios and tables
 # ---------------------------------------------------------------------------------------------
@@ -931,7 +964,8 @@ def documents_markdown(paths: Sequence[str | Path]) -> str:
         doc = json.loads(Path(path).read_text())
         s = doc["settings"]
         name = doc.get("model") or doc["family"]
-        where = f"{doc['device']}, {Path(path).name}"
+        where = f"{doc['device']}, {Path(path).name}" if doc["device"] != "none" else (
+            f"byte counts of the config, nothing timed, {Path(path).name}")
         if doc.get("table"):
             out += [f"#### {name}: `generate()`, prompt {s['prompt']:,}, {s['new_tokens']} new tokens ({where})", "",
                     table_markdown(doc), ""]
@@ -993,6 +1027,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--key-dims", action="append", default=[], metavar="[NAME=]WIDTHS",
                    help="a per-layer allocation of this model (as python -m statereduce.speed takes it); repeatable")
+    p.add_argument("--bytes-only", action="store_true",
+                   help="no GPU: write the budget part's byte counts and largest batches from the config, untimed")
     p.add_argument("--recipe", action="append", default=[], metavar="NAME=ALLOCATION.json",
                    help="a per-layer budget's allocation of another model, scaled onto this one (each source layer's "
                         "fraction of d_k on a contiguous block of layers, multiples of 16, the uniform total); "
@@ -1038,6 +1074,11 @@ def main(argv: list[str] | None = None) -> int:
         bad = sorted(set(parts) - set(PARTS))
         if bad or not parts:
             raise ValueError(f"unknown --parts {bad or parts}; valid: {', '.join(PARTS)}")
+        if args.bytes_only:
+            write_json(args.out, budget_from_config(plan["family"], plan["arch"], settings, model_name=args.model,
+                                                    pcts=plan["pcts"]))
+            print(documents_markdown([args.out]), end="")
+            return 0
         bench.require_cuda()
         doc = run_generate(plan["family"], plan["arch"], settings, args.out, model_name=args.model, parts=parts,
                            allocations=allocations, pcts=plan["pcts"])
