@@ -61,7 +61,7 @@ from statereduce.adapters import adapter_class
 from statereduce.common.settings import OPTIONAL, Settings, choice
 from statereduce.config import validate_config
 from statereduce.core.runtime import versions, write_json
-from statereduce.core.slicing import KEY_DIMS_FIELD
+from statereduce.core.slicing import KEY_DIMS_FIELD, shape_mixers
 from statereduce.selectors import n_keep_for
 from statereduce.speed import bench
 
@@ -801,7 +801,8 @@ def _budget_cell(model, name: str, record: dict, context: int, settings: Generat
 
 
 def budget_from_config(family: str, arch: Mapping[str, Any], settings: GenerateSettings, *,
-                       model_name: str | None = None, pcts: Sequence | None = None) -> dict:
+                       model_name: str | None = None, pcts: Sequence | None = None,
+                       allocations: Mapping[str, Mapping] | None = None) -> dict:
     """The budget part's arithmetic without a GPU: every variant's weights (a model built on the meta device) and its
     per-sequence cache bytes from the config (:func:`config_cache_bytes`, float32 recurrent state as fla and
     transformers keep it), the largest batch at each context; nothing is timed. The document's ``source`` says so;
@@ -815,9 +816,11 @@ def budget_from_config(family: str, arch: Mapping[str, Any], settings: GenerateS
         "table": [], "budget": [],
     }
     adapter = adapter_class(family)
-    for v in variants(family, arch, pcts):
+    for v in variants(family, arch, pcts, allocations):
         with torch.device("meta"):
             model = adapter.build(v.config, dtype=dtype)
+        if getattr(v.config, KEY_DIMS_FIELD, None) is not None:  # per-layer widths: each mixer at its own
+            shape_mixers(adapter(model), getattr(v.config, KEY_DIMS_FIELD))
         record = {**v.record, "weights_bytes": weight_bytes(model), "cache": {}}
         for context in settings.contexts:
             c = config_cache_bytes(family, v.config, context, dtype)
@@ -972,6 +975,13 @@ def documents_markdown(paths: Sequence[str | Path]) -> str:
         if doc.get("budget"):
             title = f"#### {name}: largest batch at {s['budget_gib']:g} GiB, {s['budget_new_tokens']} new tokens ({where})"
             out += [title, "", budget_markdown(doc), ""]
+        for vname, rec in doc["variants"].items():
+            if rec.get("widths") is not None:
+                src = rec.get("source") or {}
+                origin = (f" (scaled from {src.get('model')}'s {src.get('method')} {rec['pct']:g} % allocation "
+                          f"{rec['source_widths']}, d_k {rec['source_d_k']}: {rec['rule']})" if src else "")
+                widths = ", ".join("–" if w is None else str(w) for w in rec["widths"])
+                out += [f"- {name} `{vname}`: d_k' per layer {widths}{origin}", ""]
         if _first_use(doc):
             out += [FIRST_USE_NOTE, ""]
     return "\n".join(out).rstrip() + "\n"
@@ -1076,7 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"unknown --parts {bad or parts}; valid: {', '.join(PARTS)}")
         if args.bytes_only:
             write_json(args.out, budget_from_config(plan["family"], plan["arch"], settings, model_name=args.model,
-                                                    pcts=plan["pcts"]))
+                                                    pcts=plan["pcts"], allocations=allocations))
             print(documents_markdown([args.out]), end="")
             return 0
         bench.require_cuda()
