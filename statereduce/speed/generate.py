@@ -936,10 +936,12 @@ def budget_markdown(doc: Mapping[str, Any]) -> str:
     head = ["context", "variant", "state MiB/seq", "attention KV MiB/seq", "weights GiB", "largest batch",
             "batch ×", "predicted GiB", "peak GiB", "tok/s (decode)", "decode ×", "tok/s (end to end)",
             "end to end ×"]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     ratios = {(r["variant"], r["context"]): r for r in generate_ratios(doc)["budget"]}
     order = list(doc["variants"])
     dag = "†" if _first_use(doc) else ""
+    width = len(head) if any("tokens_per_s" in c or "skipped" in c for c in doc["budget"]) else 8  # bytes only
+    head = head[:width]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for c in sorted(doc["budget"], key=lambda c: (c["context"], order.index(c["variant"]))):
         r = ratios.get((c["variant"], c["context"]), {})
         base = c["variant"] == "base"
@@ -956,7 +958,7 @@ def budget_markdown(doc: Mapping[str, Any]) -> str:
                                             else "–"),
             f"{c['tokens_per_s']:,.0f}{dag}" if timed else (f"skipped: {c['skipped'][:60]}" if "skipped" in c else "–"),
             "1.00×" if base and timed else (f"{r['throughput_ratio']:.2f}×{dag}" if "throughput_ratio" in r else "–"),
-        ]) + " |")
+        ][:width]) + " |")
     return "\n".join(lines)
 
 
