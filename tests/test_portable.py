@@ -228,3 +228,21 @@ def test_attributes_the_stock_class_does_not_have_are_not_layout(saved):
     """load_model attaches its provenance to the model; the stock code never reads it."""
     model = saved["delta_net", "keys"]["model"]
     assert hasattr(model, "statereduce_base_checkpoint") and module_layout(model) == {}
+
+
+@pytest.mark.parametrize("family", sorted(FLA))
+def test_generate_with_the_carried_code_of_an_fla_model_keeps_its_state(family, saved):
+    """transformers' generate() passes the cache as ``cache=``, fla's models read ``past_key_values``: the carried code
+    maps one onto the other, so generated tokens equal greedy decoding by full forward passes."""
+    from transformers import AutoModelForCausalLM
+
+    case = saved[family, "keys_per_layer"]
+    model = AutoModelForCausalLM.from_pretrained(case["folder"], trust_remote_code=True, dtype=torch.float32).eval()
+    ids = torch.load(case["ids"])[:, :8]
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                             attention_mask=torch.ones_like(ids))
+        want = ids
+        for _ in range(4):
+            want = torch.cat([want, case["model"](want).logits[:, -1:].argmax(-1)], 1)
+    assert torch.equal(got, want)

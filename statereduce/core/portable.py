@@ -93,6 +93,17 @@ class {model_class}(_StockForCausalLM):
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         apply_layout(self, getattr(config, "{field}", None) or {{}})
+{cache_alias}'''
+
+# fla 0.6.0's models read their cache from ``past_key_values``; transformers >= 5.24's generate() passes it as
+# ``cache``, and the model would then decode every step from an empty state. The carried code of an fla model maps one
+# onto the other (statereduce.speed.generate.install_cache_alias does the same for any loaded model).
+_FLA_CACHE_ALIAS = '''
+    def forward(self, *args, cache=None, **kwargs):
+        """The stock forward; a cache given as ``cache`` (transformers' generate) is the model's ``past_key_values``."""
+        if cache is not None and kwargs.get("past_key_values") is None:
+            kwargs["past_key_values"] = cache
+        return super().forward(*args, **kwargs)
 '''
 
 
@@ -178,11 +189,13 @@ def module_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
 def modeling_code(model: nn.Module) -> str:
     """The text of :data:`MODELING_FILE` for ``model``'s stock classes."""
     model_cls, config_cls = stock_class(model), stock_class(model.config)
-    needs = ", fla" if model_cls.__module__.startswith("fla.") else ""
+    fla = model_cls.__module__.startswith("fla.")
+    needs = ", fla" if fla else ""
     return _TEMPLATE.format(
         model=model_cls.__name__, model_module=model_cls.__module__, config=config_cls.__name__,
         config_module=config_cls.__module__, config_class=CONFIG_CLASS, model_class=MODEL_CLASS, field=LAYOUT_FIELD,
         needs=needs, version=__version__, model_type=PORTABLE_PREFIX + stock_type(model),
+        cache_alias=_FLA_CACHE_ALIAS if fla else "",
     )
 
 

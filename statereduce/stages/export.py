@@ -186,7 +186,10 @@ def model_card(*, model_name: str, record: Mapping[str, Any], widths: list[dict[
                 "the stock model and gives each listed module its pruned shape before the weights load "
                 "(`statereduce_layout` in `config.json`).", ""]
     elif family in ("delta_net", "gated_deltanet"):
-        out += ["Needs `flash-linear-attention` (fla), as the base model does.", ""]
+        out += ["Needs `flash-linear-attention` (fla), as the base model does. With fla 0.6.0 and transformers 5.24, "
+                "`generate()` passes the cache as `cache=` while fla's model reads `past_key_values=`, and decodes "
+                "without its state: map one onto the other (`statereduce.speed.generate.install_cache_alias` "
+                "does).", ""]
     out += ["## What was cut", "", f"- Base model: {base_line}."]
     out.append(f"- Method: `{method}` (selector `{extra.get('selector', method)}`"
                + (f", per-layer budget `{extra['budget']}`" if extra.get("budget") else "")
