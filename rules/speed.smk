@@ -81,7 +81,7 @@ rule speed_generate:
     peak memory) and the largest batch at a 40 GiB budget at 2K and 16K tokens, in one job (docs/speed.md,
     "Generation with generate()")."""
     output:
-        f"{layout.BASELINE}/generate.json",
+        layout.BASELINE_GENERATE,
     params:
         info=model_info,
         model=lambda wildcards: {k: MODELS[wildcards.model].get(k) for k in ("family", "speed", "pretrain", "init")},

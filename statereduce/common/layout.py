@@ -16,7 +16,8 @@ input use it, so that the layout is written down here only.
     results/{model}/select/{method}_{pct}.split.json        d_k' and d_v' of a joint cut with @<budget> (policy split)
     results/{model}/select/{method}.values.json    a measured budget's per-width values (every pct's allocation)
     results/{model}/select/{method}_{pct}.fit.safetensors   re-fitted output projections of a method with +<fit>
-    results/{model}/baseline/             eval.json, rank.json, speed.json of the unpruned model
+    results/{model}/baseline/             eval.json, rank.json, speed.json of the unpruned model; generate.json
+                                          (generate() speed, baseline and pruned shapes side by side)
     results/{model}/{method}_{pct}/       pruned/, rft/, eval.json (the summary), rank.json, speed.json
     results/{model}/{method}_{pct}/export/{stage}/   pruned/ or rft/ ready to upload, with a model card
     results/tables/, results/figures/     across models
@@ -75,6 +76,7 @@ BASELINE = f"{MODEL}/baseline"
 BASELINE_EVAL = f"{BASELINE}/eval.json"
 BASELINE_RANK = f"{BASELINE}/rank.json"
 BASELINE_SPEED = f"{BASELINE}/speed.json"
+BASELINE_GENERATE = f"{BASELINE}/generate.json"
 STAGE = f"{MODEL}/{{method}}_{{pct}}"
 PRUNED = f"{STAGE}/pruned"
 RFT = f"{STAGE}/rft"
