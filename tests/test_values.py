@@ -206,8 +206,8 @@ for family in adapter_families():
     adapter_class(family).install_fallbacks()
 out = {}
 for ckpt in sys.argv[1:]:
-    stock = json.load(open(ckpt + "/config.json"))["model_type"] != "mamba2"
-    model = (AutoModelForCausalLM.from_pretrained(ckpt) if stock else load_model(ckpt)[0]).float().eval()
+    portable = json.load(open(ckpt + "/config.json"))["model_type"].startswith("statereduce_")
+    model = (load_model(ckpt)[0] if portable else AutoModelForCausalLM.from_pretrained(ckpt)).float().eval()
     with torch.no_grad():
         out[ckpt] = model(torch.load(ckpt + "/../inputs.pt"), use_cache=False).logits
 torch.save(out, sys.argv[1] + "/../../reloaded.pt")
@@ -217,7 +217,8 @@ torch.save(out, sys.argv[1] + "/../../reloaded.pt")
 @pytest.mark.slow
 def test_reload_in_a_fresh_process(tmp_path):
     """Every family's value-pruned checkpoint in one fresh process: the stock classes for fla and Qwen3.5,
-    ``load_model`` for Mamba-2 (its config keeps head_dim and names d_v' in statereduce_value_dims)."""
+    ``load_model`` for Mamba-2 (its config keeps head_dim and names d_v' in statereduce_value_dims; the checkpoint
+    carries its modeling code, tests/test_portable.py)."""
     folders, want = [], {}
     for case in ("delta_net", "gdn_gva", "qwen3_5", "mamba2"):
         model, inputs = model_of(case), tiny_inputs()
