@@ -1092,10 +1092,9 @@ def main(argv: list[str] | None = None) -> int:
             print(documents_markdown([args.out]), end="")
             return 0
         bench.require_cuda()
-        doc = run_generate(plan["family"], plan["arch"], settings, args.out, model_name=args.model, parts=parts,
-                           allocations=allocations, pcts=plan["pcts"])
+        run_generate(plan["family"], plan["arch"], settings, args.out, model_name=args.model, parts=parts,
+                     allocations=allocations, pcts=plan["pcts"])
         print(documents_markdown([args.out]), end="")
-        del doc
     except (RuntimeError, ValueError) as e:
         if isinstance(e, torch.cuda.OutOfMemoryError):
             raise
