@@ -6,6 +6,7 @@ model's cells on CUDA with fla's kernels."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -322,6 +323,56 @@ def test_ratios_of_a_planted_document():
     assert ratios["budget"] == [{"variant": "50", "context": 2048, "batch_ratio": 2.5, "throughput_ratio": 1.5}]
 
 
+def test_the_summary_over_a_timed_table_and_an_untimed_budget(hybrid_doc, tmp_path):
+    doc, path = hybrid_doc
+    table_only = {**doc, "budget": [], "model": "m"}
+    budget_only = {**doc, "table": [], "device": "none", "model": "m",
+                   "budget": [{k: v for k, v in c.items() if k not in ("tokens_per_s", "decode_tokens_per_s")}
+                              for c in doc["budget"]]}
+    (tmp_path / "t.json").write_text(json.dumps(table_only))
+    (tmp_path / "b.json").write_text(json.dumps(budget_only))
+    text = gen.summary_markdown([tmp_path / "t.json", tmp_path / "b.json"])
+    ratios = {(r["variant"], r["batch"]): r for r in gen.generate_ratios(doc)["table"]}
+    batches = sorted({c["batch"] for c in doc["table"]})
+    budget = {(c["variant"], c["context"]): c for c in doc["budget"]}
+    contexts = sorted({c["context"] for c in doc["budget"]})
+    rows = [line for line in text.splitlines() if line.startswith("| m |")]
+    assert [r.split(" | ")[1] for r in rows] == [gen._variant_label(doc, v) for v in doc["variants"]]
+    row = rows[1].strip("| ").split(" | ")  # the first pruned variant: one model row from two documents
+    name = list(doc["variants"])[1]
+    assert row[2:2 + len(batches)] == [f"{ratios[(name, b)]['speedup']:.2f}×" for b in batches]
+    base_batch = budget[("base", contexts[0])]["max_batch"]
+    assert row[4 + len(batches)] == (f"{budget[(name, contexts[0])]['max_batch']:,} "
+                                     f"({budget[(name, contexts[0])]['max_batch'] / base_batch:.2f}×)")
+    assert row[-1] == "not timed"  # the budget came from the untimed document
+    assert "Sources: m: table t.json (cpu); budget b.json (byte counts, untimed)." in text and "†" not in text
+
+
+def test_the_generated_doc_blocks_are_what_their_commands_print(tmp_path):
+    blocks = _dev_module("doc_blocks")
+    assert blocks.pages(), "no docs page holds a generated block"
+    assert blocks.main(["--check"]) == 0  # every committed page
+    page = next(p for p in blocks.pages() if "--summary" in p.read_text())
+    text = page.read_text()
+    planted = tmp_path / page.name
+    first = next(line for line in text.splitlines() if line.startswith("| ") and "×" in line)
+    planted.write_text(text.replace(first, first.replace("×", "x", 1), 1))
+    assert blocks.rewrite(planted)[0] == text and blocks.rewrite(planted)[1] == []
+    bad = tmp_path / "bad.md"
+    bad.write_text("<!-- generated: rm -rf / -->\nkept\n<!-- /generated -->\n<!-- generated: python -m "
+                   "statereduce.speed.generate --summary nowhere.json -->\nkept\n<!-- /generated -->\n")
+    out, problems = blocks.rewrite(bad)
+    assert out == bad.read_text() and len(problems) == 2
+    assert "is not `python -m statereduce.speed.generate" in problems[0] and "nowhere.json not found" in problems[1]
+
+
+def _dev_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "dev" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("args, message", [
     (["o.json", "--model", "dn1.3b", "--batches", "0,16"], "--batches '0,16': '0' is not a positive integer"),
     (["o.json", "--model", "dn1.3b", "--batches", "x"], "--batches 'x': 'x' is not a positive integer"),
@@ -336,9 +387,10 @@ def test_ratios_of_a_planted_document():
     (["o.json", "--model", "dn1.3b", "--key-dims", "w=8,8"], "key_dims has 2 widths; the delta_net model has 24"),
     (["o.json"], "give --model NAME (a model of the workflow config) or --family with --arch"),
     (["--tables", "missing.json"], "--tables: 'missing.json' not found"),
+    (["--summary", "missing.json"], "--summary: 'missing.json' not found"),
     (["o.json", "--model", "dn1.3b"], "speed benchmarks need a CUDA GPU and this machine has none"),
 ], ids=["zero-batch", "word-batch", "float-batch", "trials", "budget", "unknown-setting", "unknown-model", "part",
-        "recipe-file", "key-dims", "no-model", "tables", "no-cuda"])
+        "recipe-file", "key-dims", "no-model", "tables", "summary", "no-cuda"])
 def test_bad_input_fails_in_one_line(args, message, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -989,6 +989,75 @@ def documents_markdown(paths: Sequence[str | Path]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+
+def summary_markdown(paths: Sequence[str | Path]) -> str:
+    """One table over the documents in ``paths``: per model and pruned variant, the end-to-end speedup of
+    ``generate()`` at every batch of the table, the decode speedup and peak memory at the largest batch, and the
+    largest batch at the budget per context (with the throughput ratio where that batch was timed). A model's table
+    and budget may come from different documents (a timed table beside a ``--bytes-only`` budget); each ratio is
+    within its own document. Models keep the order of ``paths``."""
+    docs = [(Path(p).name, json.loads(Path(p).read_text())) for p in paths]
+    models: dict[str, dict[str, Any]] = {}
+    for name, doc in docs:
+        entry = models.setdefault(doc.get("model") or doc["family"], {})
+        if doc.get("table") and "table" not in entry:
+            entry["table"] = (name, doc)
+        timed = any("tokens_per_s" in c for c in doc.get("budget", []))
+        if doc.get("budget") and ("budget" not in entry or (timed and not entry["budget_timed"])):
+            entry["budget"], entry["budget_timed"] = (name, doc), timed
+    batches = sorted({c["batch"] for e in models.values() if "table" in e for c in e["table"][1]["table"]})
+    contexts = sorted({c["context"] for e in models.values() if "budget" in e for c in e["budget"][1]["budget"]})
+    top = batches[-1] if batches else None
+    head = (["model", "variant"] + [f"end to end × B = {b}" for b in batches]
+            + ([f"decode × B = {top}", f"peak memory × B = {top}"] if batches else [])
+            + [f"largest batch {_tokens(c)}" for c in contexts] + [f"tok/s × at that batch, {_tokens(c)}" for c in contexts])
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    sources, first_use = [], False
+    for model, entry in models.items():
+        tname, tdoc = entry.get("table", (None, None))
+        bname, bdoc = entry.get("budget", (None, None))
+        sources.append(f"{model}: " + "; ".join(
+            f"{what} {name} ({doc['device'] if doc['device'] != 'none' else 'byte counts, untimed'})"
+            for what, name, doc in (("table", tname, tdoc), ("budget", bname, bdoc)) if doc))
+        dag = "†" if tdoc and _first_use(tdoc) else ""
+        first_use = first_use or bool(dag)
+        trat = {(r["variant"], r["batch"]): r for r in generate_ratios(tdoc)["table"]} if tdoc else {}
+        brat = {(r["variant"], r["context"]): r for r in generate_ratios(bdoc)["budget"]} if bdoc else {}
+        bcell = {(c["variant"], c["context"]): c for c in bdoc["budget"]} if bdoc else {}
+        names = list(dict.fromkeys(list((tdoc or {}).get("variants", {})) + list((bdoc or {}).get("variants", {}))))
+        for v in names:
+            label = _variant_label(tdoc if tdoc and v in tdoc["variants"] else bdoc, v)
+            row = [model, label]
+            for b in batches:
+                r = trat.get((v, b), {})
+                row.append("1.00×" if v == "base" and tdoc and any(c["variant"] == "base" and c["batch"] == b
+                                                                   for c in tdoc["table"])
+                           else (f"{r['speedup']:.2f}×{dag}" if "speedup" in r else "–"))
+            if batches:
+                r = trat.get((v, top), {})
+                row += [f"{r['decode_speedup']:.2f}×" if "decode_speedup" in r else ("1.00×" if v == "base" and trat
+                                                                                        else "–"),
+                        f"{r['memory_ratio']:.2f}×" if "memory_ratio" in r else ("1.00×" if v == "base" and trat
+                                                                                 else "–")]
+            for c in contexts:
+                cell, r = bcell.get((v, c), {}), brat.get((v, c), {})
+                row.append("–" if not cell.get("max_batch") else f"{cell['max_batch']:,}" + (
+                    f" ({r['batch_ratio']:.2f}×)" if r.get("batch_ratio") else ""))
+            for c in contexts:
+                cell, r = bcell.get((v, c), {}), brat.get((v, c), {})
+                bdag = "†" if _first_use(bdoc) else ""
+                first_use = first_use or bool(bdag and "throughput_ratio" in r)
+                row.append(f"{r['throughput_ratio']:.2f}×{bdag}" if "throughput_ratio" in r else (
+                    "1.00×" if v == "base" and "tokens_per_s" in cell else "not timed" if cell else "–"))
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n\nSources: " + "; ".join(sources) + ".\n" + (f"\n{FIRST_USE_NOTE}\n" if first_use
+                                                                             else "")
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
+
+
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
@@ -1023,6 +1092,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m statereduce.speed.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("out", nargs="?", help="generate.json to write")
     p.add_argument("--tables", nargs="+", metavar="DOC", help="print the Markdown tables of these documents and exit")
+    p.add_argument("--summary", nargs="+", metavar="DOC",
+                   help="print one table over these documents (per model and variant: end-to-end speedups, largest "
+                        "batch at the budget) and exit")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="a model of the workflow config (its family and speed arch)")
     src.add_argument("--family", help="adapter family, with --arch")
@@ -1048,12 +1120,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
-        if args.tables:
-            missing = [t for t in args.tables if not Path(t).is_file()]
-            if missing:
-                raise ValueError(f"--tables: {missing[0]!r} not found")
-            print(documents_markdown(args.tables), end="")
-            return 0
+        for option, render in (("tables", documents_markdown), ("summary", summary_markdown)):
+            docs = getattr(args, option)
+            if docs:
+                missing = [t for t in docs if not Path(t).is_file()]
+                if missing:
+                    raise ValueError(f"--{option}: {missing[0]!r} not found")
+                print(render(docs), end="")
+                return 0
         if not args.out:
             raise ValueError("give the document to write (OUT.json), or --tables DOC.json ...")
         if not (args.model or args.family):
