@@ -65,6 +65,7 @@ def main() -> None:
     from statereduce.adapters import get_adapter
     from statereduce.core.models import build_random, load_model
     from statereduce.core.tokenizer import byte_level_tokenizer
+    from statereduce.speed.generate import install_cache_alias
     from statereduce.stages.prune import prune_model, save_pruned
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -91,6 +92,7 @@ def main() -> None:
                 record = prune_model(model, keep, {"method": name, "pct": 50}, values=vals)
                 folder = save_pruned(model, byte_level_tokenizer(), record, tmp / family / name)
                 ours, _ = load_model(folder, dtype="bfloat16", device="cuda")
+                install_cache_alias(ours)  # stock fla 0.6.0 ignores generate()'s cache= (the carried code maps it)
                 with torch.no_grad():
                     want = ours(ids.cuda()).logits.float().cpu()
                     want_tokens = ours.generate(ids[:, :32].cuda(), max_new_tokens=16, min_new_tokens=16,
