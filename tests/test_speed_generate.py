@@ -323,6 +323,47 @@ def test_ratios_of_a_planted_document():
     assert ratios["budget"] == [{"variant": "50", "context": 2048, "batch_ratio": 2.5, "throughput_ratio": 1.5}]
 
 
+def test_a_killed_run_resumes_with_the_missing_cells_only(tmp_path, monkeypatch):
+    arch = tiny_arch("delta_net")
+    budget = 1.5 * gen.weight_bytes(_model("delta_net")[0])
+    settings = gen.GenerateSettings.from_dict({**SMALL, "budget_gib": budget / gen.GIB, "pcts": [50]})
+    path = tmp_path / "generate.json"
+    measured = []
+    real = gen.measure_cell
+
+    def measure(model, batch, prompt, *args, **kwargs):
+        if stop_after is not None and len(measured) == stop_after:
+            raise KeyboardInterrupt  # the call's time limit
+        measured.append((sum(p.numel() for p in model.parameters()), batch, prompt))
+        return real(model, batch, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(gen, "measure_cell", measure)
+    stop_after = 4  # base's two table cells and its budget cell, then the pruned model's first table cell
+    with pytest.raises(KeyboardInterrupt):
+        gen.run_generate("delta_net", arch, settings, path, model_name="tiny", device="cpu")
+    killed = json.loads(path.read_text())
+    assert [(c["variant"], c["batch"]) for c in killed["table"]] == [("base", 1), ("base", 2), ("50", 1)]
+    assert [c["variant"] for c in killed["budget"]] == ["base", "base"]  # 16 timed, 40 counted only
+    stop_after, first = None, list(measured)
+    doc = gen.run_generate("delta_net", arch, settings, path, model_name="tiny", device="cpu", resume=True)
+    pruned = next(c for c in doc["budget"] if c["variant"] == "50" and c["context"] == 16)
+    assert measured[len(first):] == [(first[3][0], 2, 70), (first[3][0], pruned["batch"], 16)]  # the 50 % model's
+    assert doc["runs"] == 2 and json.loads(path.read_text())["runs"] == 2
+    assert sorted((c["variant"], c["batch"]) for c in doc["table"]) == [("50", 1), ("50", 2), ("base", 1), ("base", 2)]
+    assert sorted((c["variant"], c["context"]) for c in doc["budget"]) == [("50", 16), ("50", 40), ("base", 16),
+                                                                          ("base", 40)]
+    assert doc["table"][:3] == killed["table"] and {r["batch"] for r in doc["ratios"]["table"]} == {1, 2}
+    assert gen.run_generate("delta_net", arch, settings, path, model_name="tiny", device="cpu",
+                            resume=True)["runs"] == 3 and len(measured) == 6  # nothing left to measure
+    other = gen.GenerateSettings.from_dict({**settings.to_dict(), "new_tokens": 4})
+    with pytest.raises(ValueError, match=r"^--resume: .*generate.json was measured with another settings .*mix two"):
+        gen.run_generate("delta_net", arch, other, path, model_name="tiny", device="cpu", resume=True)
+    monkeypatch.setattr(gen, "machine_id", lambda device: "elsewhere/cpu")
+    with pytest.raises(ValueError, match=r"another machine \('.*/cpu'; this run: 'elsewhere/cpu'\)"):
+        gen.run_generate("delta_net", arch, settings, path, model_name="tiny", device="cpu", resume=True)
+    assert json.loads(path.read_text())["runs"] == 3  # a refused resume leaves the document as it was
+
+
 def test_the_summary_over_a_timed_table_and_an_untimed_budget(hybrid_doc, tmp_path):
     doc, path = hybrid_doc
     table_only = {**doc, "budget": [], "model": "m"}

@@ -44,6 +44,7 @@ import inspect
 import json
 import logging
 import math
+import platform
 import statistics
 import sys
 import time
@@ -646,12 +647,52 @@ def warm_up(model, settings: GenerateSettings) -> float:
 # ---------------------------------------------------------------------------------------------
 # one run
 # ---------------------------------------------------------------------------------------------
+def machine_id(device: torch.device) -> str:
+    """The host and the device a run measured on: ``host/GPU-UUID`` on CUDA, ``host/cpu`` otherwise."""
+    if device.type == "cuda":
+        return f"{platform.node()}/{torch.cuda.get_device_properties(device).uuid}"
+    return f"{platform.node()}/cpu"
+
+
+# what a resumed run must share with the document it continues (the variants' records without what a build measures)
+RESUME_KEYS = ("kind", "model", "family", "arch", "settings", "parts", "versions", "machine", "budget_bytes")
+MEASURED_VARIANT_KEYS = ("weights_bytes", "build_s", "warmup_s", "cache")
+
+
+def _resumed(out_path: Path, doc: Mapping[str, Any]) -> dict | None:
+    """The document at ``out_path`` to continue, or None where there is none.
+
+    Raises:
+        ValueError: one line, where it was measured with another model, settings, versions or machine (its ratios
+            would mix two runs).
+    """
+    if not out_path.is_file():
+        log.info("--resume: %s does not exist; measuring afresh", out_path)
+        return None
+    old = json.loads(out_path.read_text())
+    for key in RESUME_KEYS:
+        if json.loads(json.dumps(old.get(key))) != json.loads(json.dumps(doc[key])):
+            raise ValueError(f"--resume: {out_path} was measured with another {key} ({old.get(key)!r}; this run: "
+                             f"{doc[key]!r}); its ratios would mix two runs: measure afresh into another file")
+    strip = [{n: {k: v for k, v in r.items() if k not in MEASURED_VARIANT_KEYS} for n, r in d["variants"].items()}
+             for d in (old, doc)]
+    if json.loads(json.dumps(strip[0])) != json.loads(json.dumps(strip[1])):
+        raise ValueError(f"--resume: {out_path} measured other variants ({', '.join(old['variants'])}; this run: "
+                         f"{', '.join(doc['variants'])}); measure afresh into another file")
+    return old
+
+
 def run_generate(family: str, arch: Mapping[str, Any], settings: GenerateSettings, out_path: str | Path, *,
                  model_name: str | None = None, parts: Sequence[str] = PARTS,
                  allocations: Mapping[str, Mapping] | None = None, device: str = "cuda",
-                 pcts: Sequence | None = None) -> dict:
+                 pcts: Sequence | None = None, resume: bool = False) -> dict:
     """Measure every variant (:func:`variants`) of the model of ``arch``: the table and the budget (``parts``); write
     ``out_path`` after every cell (atomically, so a killed run keeps what it measured).
+
+    With ``resume``, a document already at ``out_path`` is continued: its cells are kept and only the missing ones
+    measured (a variant with none missing is not built). It must come from this machine and GPU (:func:`machine_id`),
+    with the same model, settings, parts, variants and versions, so that every ratio stays within one machine's
+    measurements; the document counts the runs that made it (``runs``).
 
     Args:
         family, arch: the model (random weights of that shape).
@@ -662,6 +703,7 @@ def run_generate(family: str, arch: Mapping[str, Any], settings: GenerateSetting
         allocations: named per-layer allocations (name -> ``{"widths": [...], ...}``), measured after the ratios.
         device: ``cuda`` (CPU only for tests: no memory figures).
         pcts: the ratios when ``settings.pcts`` is None (default 50 and 75).
+        resume: continue the document at ``out_path`` (above).
     Returns:
         The document: ``variants`` (per variant its widths, state bytes, weights and the cache bytes a one-sequence
         prefill leaves at each context), ``table`` and ``budget`` cells, ``ratios`` (:func:`generate_ratios`), the
@@ -687,18 +729,37 @@ def run_generate(family: str, arch: Mapping[str, Any], settings: GenerateSetting
         "parts": parts, "weights": "random (speed does not depend on weight values); shapes from arch and the pruned "
         "config", "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "versions": versions(),
         "kernels": _kernel_record(), "budget_bytes": int(settings.budget_gib * GIB),
-        "variants": {v.name: v.record for v in models}, "table": [], "budget": [],
+        "variants": {v.name: v.record for v in models}, "table": [], "budget": [], "machine": machine_id(dev),
+        "runs": 1,
     }
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), 0.0
+    previous = _resumed(Path(out_path), doc) if resume else None
+    if previous is not None:
+        doc["variants"] = previous["variants"]
+        doc["table"], doc["budget"] = previous["table"], previous["budget"]
+        doc["runs"], before = previous.get("runs", 1) + 1, previous.get("elapsed_s", 0.0)
 
     def save():
         doc["ratios"] = generate_ratios(doc)
-        doc["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        doc["elapsed_s"] = round(before + time.perf_counter() - t0, 1)
         write_json(out_path, doc)
 
-    n_cells = len(models) * (len(settings.batches) * ("table" in parts) + len(settings.timed) * ("budget" in parts))
+    def missing(v: Variant) -> tuple[list[int], list[int]]:
+        table = {c["batch"] for c in doc["table"] if c["variant"] == v.name}
+        budget = {c["context"] for c in doc["budget"] if c["variant"] == v.name}
+        return ([b for b in settings.batches if b not in table] if "table" in parts else [],
+                [c for c in settings.contexts if c not in budget] if "budget" in parts else [])
+
+    todo = {v.name: missing(v) for v in models}
+    n_cells = sum(len(t) + len([c for c in b if c in settings.timed]) for t, b in todo.values())
+    if previous is not None:
+        log.info("--resume: %s holds %d table and %d budget cells; %d timed cells to go", out_path,
+                 len(doc["table"]), len(doc["budget"]), n_cells)
     bar = tqdm(total=n_cells, desc=f"generate {model_name or family}", unit="cell")
     for v in models:
+        batches, contexts = todo[v.name]
+        if not batches and not contexts:
+            continue
         t_build = time.perf_counter()
         model = bench.build_model(v.config, dtype, device)
         install_cache_alias(model)
@@ -707,11 +768,11 @@ def run_generate(family: str, arch: Mapping[str, Any], settings: GenerateSetting
         record["build_s"] = round(time.perf_counter() - t_build, 2)
         record["warmup_s"] = round(warm_up(model, settings), 2)
         log.info("%s: built in %.1f s, warmed up in %.1f s", v.name, record["build_s"], record["warmup_s"])
-        if "budget" in parts:
+        if "budget" in parts and "cache" not in record:
             record["cache"] = _cache_record(model, family, v.config, settings, dtype)
         save()
         if "table" in parts:
-            for batch in settings.batches:
+            for batch in batches:
                 cell = {"variant": v.name, **measure_cell(model, batch, settings.prompt, settings.new_tokens,
                                                          trials=settings.trials, per_chunk=None,
                                                          prefill_tokens=settings.prefill_tokens,
@@ -721,7 +782,7 @@ def run_generate(family: str, arch: Mapping[str, Any], settings: GenerateSetting
                 bar.update()
                 save()
         if "budget" in parts:
-            for context in settings.contexts:
+            for context in contexts:
                 cell = _budget_cell(model, v.name, record, context, settings, doc["budget_bytes"])
                 if "max_batch" in cell and cell["max_batch"] and context in settings.timed:
                     batch = cell["batch"]
@@ -1111,6 +1172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--key-dims", action="append", default=[], metavar="[NAME=]WIDTHS",
                    help="a per-layer allocation of this model (as python -m statereduce.speed takes it); repeatable")
+    p.add_argument("--resume", action="store_true",
+                   help="continue OUT where a killed run stopped: keep its cells, measure the missing ones (refused "
+                        "unless it was measured on this GPU with the same model, settings and versions)")
     p.add_argument("--bytes-only", action="store_true",
                    help="no GPU: write the budget part's byte counts and largest batches from the config, untimed")
     p.add_argument("--recipe", action="append", default=[], metavar="NAME=ALLOCATION.json",
@@ -1167,7 +1231,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         bench.require_cuda()
         run_generate(plan["family"], plan["arch"], settings, args.out, model_name=args.model, parts=parts,
-                     allocations=allocations, pcts=plan["pcts"])
+                     allocations=allocations, pcts=plan["pcts"], resume=args.resume)
         print(documents_markdown([args.out]), end="")
     except (RuntimeError, ValueError) as e:
         if isinstance(e, torch.cuda.OutOfMemoryError):
