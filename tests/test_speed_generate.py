@@ -273,7 +273,8 @@ def test_the_byte_budget_from_the_config_equals_the_measured_one(hybrid_doc, tmp
     out = tmp_path / "bytes.json"
     assert gen.main([str(out), "--model", "tiny-qwen35", "--bytes-only", "--settings", '{"dtype": "float32"}']) == 0
     text = capsys.readouterr().out
-    assert "byte counts of the config, nothing timed" in text and "| largest batch | batch × | predicted GiB |\n" in text
+    assert "byte counts of the config, nothing timed" in text
+    assert "| largest batch | batch × | predicted GiB |\n" in text
     assert [c["context"] for c in json.loads(out.read_text())["budget"]] == [2048, 16384] * 3
 
 

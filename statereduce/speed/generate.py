@@ -167,11 +167,11 @@ class GenerateSettings(Settings):
 # ---------------------------------------------------------------------------------------------
 def generate_plan(entry: Mapping[str, Any], speed: Mapping[str, Any] | None = None, *,
                   name: str = "model") -> dict[str, Any]:
-    """``{"family", "arch", "pcts", "dtype"}`` of one ``models.<name>`` entry of the workflow config: the arch its speed runs
-    use (``speed.arch``, else the ``pretrain.arch`` or ``init.arch`` of a model the workflow makes) and the ratios
-    (the model's ``speed.pcts``, else the top-level ``speed`` block's ``pcts``, else 50 and 75) and the dtype (the
-    same way from ``speed.dtype``, else bfloat16). Unlike the decode
-    benchmark this covers every family ``generate`` runs (Qwen3.5 too).
+    """``{"family", "arch", "pcts", "dtype"}`` of one ``models.<name>`` entry of the workflow config: the arch its speed
+    runs use (``speed.arch``, else the ``pretrain.arch`` or ``init.arch`` of a model the workflow makes) and the
+    ratios (the model's ``speed.pcts``, else the top-level ``speed`` block's ``pcts``, else 50 and 75) and the dtype
+    (the same way from ``speed.dtype``, else bfloat16). Unlike the decode benchmark this covers every family
+    ``generate`` runs (Qwen3.5 too).
 
     Raises:
         ValueError: one line, for a model without an arch or an arch key the family does not take.
@@ -203,7 +203,8 @@ def workflow_plan(name: str, configs: Sequence[str | Path]) -> dict[str, Any]:
     merged: dict = {}
     for path in configs:
         if not Path(path).is_file():
-            raise ValueError(f"workflow config {str(path)!r} not found; pass the workflow's config.yaml as --config PATH")
+            raise ValueError(f"workflow config {str(path)!r} not found; pass the workflow's config.yaml as "
+                             "--config PATH")
         merged = _merge(merged, yaml.safe_load(Path(path).read_text()) or {})
     cfg = validate_config(merged)
     if name not in cfg["models"]:
@@ -281,7 +282,8 @@ def scale_allocation(source: Mapping[str, Any], family: str, arch: Mapping[str, 
         full[layer] = int(w)
     rule = (f"source layer i of {len(widths)} (d_k {d_src}) -> target layers [i*{len(layers)}/{len(widths)}, "
             f"(i+1)*{len(layers)}/{len(widths)}) keep w_i/{d_src}*{d_k} rounded to a multiple of {multiple}, the total "
-            f"moved to the uniform {float(pct):g} % cut's ({target}) one multiple at a time, largest rounding loss first")
+            f"moved to the uniform {float(pct):g} % cut's ({target}) one multiple at a time, largest rounding loss "
+            "first")
     return {"widths": full, "source_widths": list(widths), "source_d_k": d_src, "pct": float(pct), "rule": rule}
 
 
@@ -1036,7 +1038,8 @@ def documents_markdown(paths: Sequence[str | Path]) -> str:
             out += [f"#### {name}: `generate()`, prompt {s['prompt']:,}, {s['new_tokens']} new tokens ({where})", "",
                     table_markdown(doc), ""]
         if doc.get("budget"):
-            title = f"#### {name}: largest batch at {s['budget_gib']:g} GiB, {s['budget_new_tokens']} new tokens ({where})"
+            title = (f"#### {name}: largest batch at {s['budget_gib']:g} GiB, {s['budget_new_tokens']} new tokens "
+                     f"({where})")
             out += [title, "", budget_markdown(doc), ""]
         for vname, rec in doc["variants"].items():
             if rec.get("widths") is not None:
@@ -1071,7 +1074,8 @@ def summary_markdown(paths: Sequence[str | Path]) -> str:
     top = batches[-1] if batches else None
     head = (["model", "variant"] + [f"end to end × B = {b}" for b in batches]
             + ([f"decode × B = {top}", f"peak memory × B = {top}"] if batches else [])
-            + [f"largest batch {_tokens(c)}" for c in contexts] + [f"tok/s × at that batch, {_tokens(c)}" for c in contexts])
+            + [f"largest batch {_tokens(c)}" for c in contexts]
+            + [f"tok/s × at that batch, {_tokens(c)}" for c in contexts])
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     sources, first_use = [], False
     for model, entry in models.items():
