@@ -7,7 +7,9 @@
 #   dev/gpu_call.sh DEADLINE_S 'name:command' ['name:command' ...]
 #
 # Each job's output goes to <name>.log, returned in $OUT/logs.tgz (at most 8 files come back); a job gets what is
-# left of the deadline less 30 s for the cache.
+# left of the deadline less 30 s for the cache. GPU_CALL_KEEP names files or folders of the repository (space
+# separated) copied to $OUT after the jobs, also when the deadline killed one: a document that a later call on the
+# same warm machine continues (`python -m statereduce.speed.generate DOC --resume`) stays where it is and comes back.
 set -u
 start=$SECONDS
 deadline=$1
@@ -25,6 +27,9 @@ for job in "$@"; do
   timeout "$left" bash -c "$cmd" >"$OUT/$name.log" 2>&1
   echo "=== $name rc=$? end $(date +%T)"
   grep -v Warning "$OUT/$name.log" | tail -4
+done
+for keep in ${GPU_CALL_KEEP:-}; do
+  [ -e "$keep" ] && cp -r "$keep" "$OUT/" || echo "=== GPU_CALL_KEEP: $keep not found"
 done
 return_triton_cache
 # at most 8 files come back: the logs travel as one archive
