@@ -42,7 +42,7 @@ def profile_variant(model, batch: int, prompt: int, steps: int, cuda: bool) -> t
     events = prof.key_averages()
     tables = []
     if cuda:
-        tables.append(events.table(sort_by="self_cuda_time_total", row_limit=30))
+        tables.append(events.table(sort_by="self_device_time_total", row_limit=30))
     tables.append(events.table(sort_by="self_cpu_time_total", row_limit=30))
     record = {"total_s": round(timed["total_s"], 4), "ttft_s": round(timed["ttft_s"], 4),
               "step_ms": round(1e3 * timed["decode_s"] / max(1, steps - 1), 2),
@@ -64,13 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--steps", type=int, default=16, help="new tokens of the profiled call")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the model's speed dtype, else bfloat16")
     args = p.parse_args(argv)
     if args.batch < 1 or args.prompt < 1 or args.steps < 2:
         p.error(f"--batch {args.batch}, --prompt {args.prompt} and --steps {args.steps}: batch and prompt >= 1, "
                 "steps >= 2")
     plan = (gen.workflow_plan(args.model, args.config or ["config.yaml"]) if args.model
             else {"family": args.family, "arch": dict(args.arch)})
+    dtype = args.dtype or plan.get("dtype", "bfloat16")
     pcts = [float(x) if "." in x else int(x) for x in args.pcts.split(",") if x.strip()]
     if args.device == "cuda":
         bench.require_cuda()
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
            "versions": versions(), "variants": {}}
     for v in gen.variants(plan["family"], plan["arch"], pcts):
         t0 = time.perf_counter()
-        model = bench.build_model(v.config, getattr(torch, args.dtype), args.device)
+        model = bench.build_model(v.config, getattr(torch, dtype), args.device)
         gen.install_cache_alias(model)
         record, text = profile_variant(model, args.batch, args.prompt, args.steps, args.device == "cuda")
         record["seconds"] = round(time.perf_counter() - t0, 1)
