@@ -390,6 +390,29 @@ def test_the_summary_over_a_timed_table_and_an_untimed_budget(hybrid_doc, tmp_pa
     assert "Sources: m: table t.json (cpu); budget b.json (byte counts, untimed)." in text and "†" not in text
 
 
+def test_the_summary_takes_a_models_variants_from_several_table_documents(hybrid_doc, tmp_path):
+    doc, _ = hybrid_doc
+    base_total = {c["batch"]: c["total_s"] for c in doc["table"] if c["variant"] == "base"}
+    pruned_total = {c["batch"]: c["total_s"] for c in doc["table"] if c["variant"] == "50"}
+    partial = {**doc, "budget": [], "table": [c for c in doc["table"] if c["batch"] == 1]}  # 50 % at B = 1 only
+    slower_base = {**doc, "table": [dict(c, total_s=c["total_s"] * (3 if c["variant"] == "base" else 1))
+                                    for c in doc["table"]]}  # another run, its own base
+    renamed = {**doc, "budget": [], "variants": {"base": doc["variants"]["base"],
+                                                 "75": {**doc["variants"]["50"], "d_k": 8}},
+               "table": [dict(c, variant="75" if c["variant"] == "50" else "base") for c in doc["table"]]}
+    for name, d in (("a.json", partial), ("b.json", slower_base), ("c.json", renamed)):
+        (tmp_path / name).write_text(json.dumps({**d, "model": "m"}))
+    text = gen.summary_markdown([tmp_path / n for n in ("a.json", "b.json", "c.json")])
+    rows = {r.split(" | ")[1]: r.strip("| ").split(" | ") for r in text.splitlines() if r.startswith("| m |")}
+    assert list(rows) == ["base", "50 % (d_k' 16)", "75 % (d_k' 8)"]
+    assert rows["base"][2:4] == ["1.00×", "1.00×"]
+    # 50 %: the document with both of its cells, against that run's (slower) base; 75 %: its own run's base
+    assert rows["50 % (d_k' 16)"][2:4] == [f"{3 * base_total[b] / pruned_total[b]:.2f}×" for b in (1, 2)]
+    assert rows["75 % (d_k' 8)"][2:4] == [f"{base_total[b] / pruned_total[b]:.2f}×" for b in (1, 2)]
+    assert rows["50 % (d_k' 16)"][6] != "–" and rows["75 % (d_k' 8)"][6] == "–"  # the budget of b.json only
+    assert "Sources: m: table a.json (cpu); table b.json (cpu); table c.json (cpu); budget b.json (cpu)." in text
+
+
 def test_the_generated_doc_blocks_are_what_their_commands_print(tmp_path):
     blocks = _dev_module("doc_blocks")
     assert blocks.pages(), "no docs page holds a generated block"

@@ -1058,18 +1058,20 @@ def summary_markdown(paths: Sequence[str | Path]) -> str:
     """One table over the documents in ``paths``: per model and pruned variant, the end-to-end speedup of
     ``generate()`` at every batch of the table, the decode speedup and peak memory at the largest batch, and the
     largest batch at the budget per context (with the throughput ratio where that batch was timed). A model's table
-    and budget may come from different documents (a timed table beside a ``--bytes-only`` budget); each ratio is
-    within its own document. Models keep the order of ``paths``."""
+    and budget may come from different documents (a timed table beside a ``--bytes-only`` budget), and its variants
+    from several table documents (each variant's row from the document with most of its cells, the first on a tie);
+    each ratio is within its own document, against the base measured in that run. Models keep the order of
+    ``paths``."""
     docs = [(Path(p).name, json.loads(Path(p).read_text())) for p in paths]
     models: dict[str, dict[str, Any]] = {}
     for name, doc in docs:
-        entry = models.setdefault(doc.get("model") or doc["family"], {})
-        if doc.get("table") and "table" not in entry:
-            entry["table"] = (name, doc)
+        entry = models.setdefault(doc.get("model") or doc["family"], {"tables": []})
+        if doc.get("table"):
+            entry["tables"].append((name, doc))
         timed = any("tokens_per_s" in c for c in doc.get("budget", []))
         if doc.get("budget") and ("budget" not in entry or (timed and not entry["budget_timed"])):
             entry["budget"], entry["budget_timed"] = (name, doc), timed
-    batches = sorted({c["batch"] for e in models.values() if "table" in e for c in e["table"][1]["table"]})
+    batches = sorted({c["batch"] for e in models.values() for _, d in e["tables"] for c in d["table"]})
     contexts = sorted({c["context"] for e in models.values() if "budget" in e for c in e["budget"][1]["budget"]})
     top = batches[-1] if batches else None
     head = (["model", "variant"] + [f"end to end × B = {b}" for b in batches]
@@ -1079,31 +1081,34 @@ def summary_markdown(paths: Sequence[str | Path]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     sources, first_use = [], False
     for model, entry in models.items():
-        tname, tdoc = entry.get("table", (None, None))
+        tables = entry["tables"]
         bname, bdoc = entry.get("budget", (None, None))
-        sources.append(f"{model}: " + "; ".join(
-            f"{what} {name} ({doc['device'] if doc['device'] != 'none' else 'byte counts, untimed'})"
-            for what, name, doc in (("table", tname, tdoc), ("budget", bname, bdoc)) if doc))
-        dag = "†" if tdoc and _first_use(tdoc) else ""
-        first_use = first_use or bool(dag)
-        trat = {(r["variant"], r["batch"]): r for r in generate_ratios(tdoc)["table"]} if tdoc else {}
+        parts = [f"table {name} ({doc['device']})" for name, doc in tables]
+        if bdoc:
+            parts.append(f"budget {bname} ({bdoc['device'] if bdoc['device'] != 'none' else 'byte counts, untimed'})")
+        sources.append(f"{model}: " + "; ".join(parts))
+        trat = [{(r["variant"], r["batch"]): r for r in generate_ratios(d)["table"]} for _, d in tables]
+        base_batches = {c["batch"] for _, d in tables for c in d["table"] if c["variant"] == "base"}
         brat = {(r["variant"], r["context"]): r for r in generate_ratios(bdoc)["budget"]} if bdoc else {}
         bcell = {(c["variant"], c["context"]): c for c in bdoc["budget"]} if bdoc else {}
-        names = list(dict.fromkeys(list((tdoc or {}).get("variants", {})) + list((bdoc or {}).get("variants", {}))))
+        names = list(dict.fromkeys([v for _, d in tables for v in d.get("variants", {})]
+                                   + list((bdoc or {}).get("variants", {}))))
         for v in names:
-            label = _variant_label(tdoc if tdoc and v in tdoc["variants"] else bdoc, v)
-            row = [model, label]
+            counts = [sum(c["variant"] == v for c in d["table"]) for _, d in tables]
+            k = counts.index(max(counts)) if counts and max(counts) else None
+            tdoc, rat = (tables[k][1], trat[k]) if k is not None else (None, {})
+            dag = "†" if tdoc and _first_use(tdoc) else ""
+            first_use = first_use or bool(dag and v != "base")
+            row = [model, _variant_label(tdoc if tdoc else bdoc, v)]
             for b in batches:
-                r = trat.get((v, b), {})
-                row.append("1.00×" if v == "base" and tdoc and any(c["variant"] == "base" and c["batch"] == b
-                                                                   for c in tdoc["table"])
+                r = rat.get((v, b), {})
+                row.append("1.00×" if v == "base" and b in base_batches
                            else (f"{r['speedup']:.2f}×{dag}" if "speedup" in r else "–"))
             if batches:
-                r = trat.get((v, top), {})
-                row += [f"{r['decode_speedup']:.2f}×" if "decode_speedup" in r else ("1.00×" if v == "base" and trat
-                                                                                        else "–"),
-                        f"{r['memory_ratio']:.2f}×" if "memory_ratio" in r else ("1.00×" if v == "base" and trat
-                                                                                 else "–")]
+                r = rat.get((v, top), {})
+                base_top = v == "base" and top in base_batches
+                row += [f"{r['decode_speedup']:.2f}×" if "decode_speedup" in r else ("1.00×" if base_top else "–"),
+                        f"{r['memory_ratio']:.2f}×" if "memory_ratio" in r else ("1.00×" if base_top else "–")]
             for c in contexts:
                 cell, r = bcell.get((v, c), {}), brat.get((v, c), {})
                 row.append("–" if not cell.get("max_batch") else f"{cell['max_batch']:,}" + (
