@@ -411,6 +411,10 @@ def test_the_summary_takes_a_models_variants_from_several_table_documents(hybrid
     assert rows["75 % (d_k' 8)"][2:4] == [f"{base_total[b] / pruned_total[b]:.2f}×" for b in (1, 2)]
     assert rows["50 % (d_k' 16)"][6] != "–" and rows["75 % (d_k' 8)"][6] == "–"  # the budget of b.json only
     assert "Sources: m: table a.json (cpu); table b.json (cpu); table c.json (cpu); budget b.json (cpu)." in text
+    (tmp_path / "d.json").write_text(json.dumps({**renamed, "model": "m", "variants": {
+        **doc["variants"], "50": {**doc["variants"]["50"], "d_k": 8}}}))
+    with pytest.raises(ValueError, match=r"^--summary: variant '50' of m has other widths in b.json, d.json; "):
+        gen.summary_markdown([tmp_path / "b.json", tmp_path / "d.json"])
 
 
 def test_the_generated_doc_blocks_are_what_their_commands_print(tmp_path):
