@@ -9,7 +9,8 @@ Writes OUT_DIR/<variant>.txt (the operators by self device time and by self CPU 
 OUT_DIR/profile.json (per variant: wall seconds of the profiled call and of a decode step, the top operators, and with
 --step-tokens the wall time of each step of an unprofiled call: does a step's cost grow with the position?). On CUDA
 the gap between a step's wall time and its device time is the host's (Python, launches); an operator that is slow on
-the device shows at the top of the first table. `--device cpu` runs the same on a tiny arch (`--family`, `--arch`).
+the device shows at the top of the first table; `--reverse` runs the baseline last. `--device cpu` runs the same on a
+tiny arch (`--family`, `--arch`).
 """
 from __future__ import annotations
 
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=16, help="new tokens of the profiled call")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the model's speed dtype, else bfloat16")
+    p.add_argument("--reverse", action="store_true",
+                   help="build and profile the variants in reverse order (the baseline last): an order effect?")
     p.add_argument("--step-tokens", type=int, default=0,
                    help="also time each decode step of an unprofiled generate of this many tokens (0: none)")
     args = p.parse_args(argv)
@@ -113,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"model": args.model or args.family, "batch": args.batch, "prompt": args.prompt, "steps": args.steps,
            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "versions": versions(), "variants": {}}
-    for v in gen.variants(plan["family"], plan["arch"], pcts):
+    variants = list(gen.variants(plan["family"], plan["arch"], pcts))
+    if args.reverse:
+        variants.reverse()
+    doc["order"] = [v.name for v in variants]
+    for v in variants:
         t0 = time.perf_counter()
         model = bench.build_model(v.config, getattr(torch, dtype), args.device)
         gen.install_cache_alias(model)
