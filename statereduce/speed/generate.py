@@ -1094,11 +1094,11 @@ def summary_markdown(paths: Sequence[str | Path]) -> str:
         names = list(dict.fromkeys([v for _, d in tables for v in d.get("variants", {})]
                                    + list((bdoc or {}).get("variants", {}))))
         for v in names:
-            shapes = {(n, json.dumps([d["variants"][v].get(k) for k in ("d_k", "widths")])) for n, d in tables
-                      if v in d.get("variants", {})}
-            if len({shape for _, shape in shapes}) > 1:
+            shapes = {n: json.dumps([d["variants"][v].get("d_k"), d["variants"][v].get("widths")])
+                      for n, d in tables if v in d.get("variants", {})}
+            if len(set(shapes.values())) > 1:
                 raise ValueError(f"--summary: variant {v!r} of {model} has other widths in "
-                                 f"{', '.join(sorted(n for n, _ in shapes))}; summarise one of them")
+                                 f"{', '.join(sorted(shapes))}; summarise one of them")
             counts = [sum(c["variant"] == v for c in d["table"]) for _, d in tables]
             k = counts.index(max(counts)) if counts and max(counts) else None
             tdoc, rat = (tables[k][1], trat[k]) if k is not None else (None, {})
