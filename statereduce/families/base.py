@@ -171,6 +171,12 @@ class FamilySpec(ABC):
     #: transformers' Auto classes) and routes its kernels on CPU to PyTorch (the adapter's ``install_fallbacks``);
     #: a family that runs none (Mamba-2: transformers' model, its PyTorch path on CPU) loads without importing fla
     uses_fla: ClassVar[bool] = True
+    #: the vLLM model class that serves the family's stock checkpoints (the ``architectures`` name vLLM registers),
+    #: None where vLLM has none (fla's DeltaNet and Gated DeltaNet); :mod:`statereduce.serve.engines`
+    vllm_architecture: ClassVar[str | None] = None
+    #: the kind of vLLM layer that holds the family's recurrent state: "gdn" (Gated DeltaNet kernels) or "mamba"
+    #: (Mamba-2's SSD kernels); its constraints on head sizes are :mod:`statereduce.serve.engines`'
+    vllm_state_layer: ClassVar[str | None] = None
     #: whether the GPU speed benchmarks (statereduce.speed) cover the family
     speed_benchmark: ClassVar[bool] = False
     #: whether the family's training backward runs fla's gated delta rule chunk kernel, which fla 0.6.0 refuses on

@@ -24,6 +24,8 @@ class Qwen35Family(FamilySpec):
     rft_targets = RftTargets(default_scope="recurrent")  # paper Table 4: only the recurrent components are fine-tuned
     model_types = ("qwen3_5_text", "qwen3_5")
     config_class = LazyImport("transformers.models.qwen3_5:Qwen3_5TextConfig")
+    vllm_architecture = "Qwen3_5ForCausalLM"  # vLLM's Qwen3.5 text model
+    vllm_state_layer = "gdn"
     fla_gated_backward = True  # with fla installed, transformers binds fla's chunk_gated_delta_rule
     # every RMSNorm of the text model reads it: the block norms, the Gated DeltaNet layers' gated `norm`, the final norm
     # and the attention layers' q_norm/k_norm

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -156,6 +155,16 @@ def run_vllm(folder: str | os.PathLike, job: Mapping[str, Any], python: str | os
         return json.loads(out_file.read_text())
 
 
+def state_widths(folder: str | os.PathLike) -> list[dict[str, int]]:
+    """Per linear-attention layer of the checkpoint in ``folder``: ``{"layer", "heads", "d_k", "d_v"}``."""
+    from statereduce.adapters import adapter_for_config
+    from statereduce.core.models import checkpoint_config
+
+    config = checkpoint_config(Path(folder))[1]
+    shapes = adapter_for_config(config).config_layer_state_shapes(config)
+    return [{"layer": layer, "heads": s.num_heads, "d_k": s.d_k, "d_v": s.d_v} for layer, s in sorted(shapes.items())]
+
+
 def check_checkpoint(folder: str | os.PathLike, *, python: str | os.PathLike | None = None,
                      kv_cache_bytes: int = 64 << 20, throughput: Mapping[str, int] | None = None,
                      engine_args: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -164,10 +173,12 @@ def check_checkpoint(folder: str | os.PathLike, *, python: str | os.PathLike | N
 
     Returns:
         ``{"folder", "state": the checkpoint's widths, "vllm": the worker's result, "parity": compare(...)}`` (no
-        ``parity`` where vLLM refused the checkpoint: its message is ``vllm.error``).
+        ``parity`` where vLLM refused the checkpoint: its message is ``vllm.error``). Where vLLM refused a checkpoint
+        that carries its modeling code, ``vllm_remote_code`` is its result with ``trust_remote_code=True``.
     """
     from statereduce.core.models import load_model
-    from statereduce.stages.export import layer_widths
+    from statereduce.core.portable import is_portable
+    from statereduce.core.runtime import read_json
 
     _, tokenizer = load_model(folder, dtype="float32")
     prompts = prompt_ids(tokenizer)
@@ -175,20 +186,14 @@ def check_checkpoint(folder: str | os.PathLike, *, python: str | os.PathLike | N
            "kv_cache_bytes": int(kv_cache_bytes), "max_num_seqs": 1024, "throughput": dict(throughput or {}) or None,
            "engine_args": dict(engine_args or {})}
     start = time.perf_counter()
-    result = {"folder": str(folder), "state": layer_widths(Path(folder)), "vllm": run_vllm(folder, job, python)}
+    result = {"folder": str(folder), "state": state_widths(folder), "vllm": run_vllm(folder, job, python)}
     result["vllm_wall_s"] = time.perf_counter() - start
+    if not result["vllm"]["ok"] and is_portable(read_json(Path(folder) / "config.json")):
+        # vLLM refuses code it has not been allowed to run: what it does when allowed is the answer that matters
+        result["vllm_remote_code"] = run_vllm(folder, {**job, "throughput": None,
+                                                       "engine_args": {**job["engine_args"], "trust_remote_code": True}},
+                                              python)
     if result["vllm"]["ok"]:
         gens = result["vllm"]["generations"]
         result["parity"] = compare(reference(folder, prompts), gens, score(folder, prompts, gens))
     return result
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m statereduce.serve`` (docs/serving.md)."""
-    from statereduce.serve.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,9 +25,13 @@ import traceback
 
 
 def _error(exc: BaseException) -> str:
-    """The engine's message: the exception's type and its first line that says something."""
+    """The engine's message: the exception's type and its first line that says something (a pydantic validation
+    error's first line only counts the errors: its second holds the message)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    if len(lines) > 1 and "validation error" in lines[0]:
+        lines = lines[1:]
+    text = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {text[:300]}"
 
 
 def _allocation(llm) -> dict:

@@ -29,8 +29,11 @@ from statereduce.core.checkpoints import ADAPTER_DIR
 from statereduce.core.models import checkpoint_config, shaped_model
 from statereduce.core.portable import LAYOUT_FIELD, MODELING_FILE, write_portable
 from statereduce.core.runtime import atomic_dir, read_json, write_json
+from statereduce.serve.engines import Verdict, card_section, support_record
 
 CARD = "README.md"
+SERVING = "serving.json"
+"""Which serving engines take the exported checkpoint, and with which flags (:mod:`statereduce.serve.engines`)."""
 STAGES = ("pruned", "rft")
 """The checkpoints an export takes: the pruned one, or the one recovery fine-tuning made of it."""
 _LOAD_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -79,9 +82,12 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         layout = ensure_portable(checkpoint, tmp)
         adapter = _copy_adapter(checkpoint, tmp, pruned_repo)
         widths = layer_widths(tmp, checkpoint_base(record, base))
+        serving = support_record(read_json(tmp / "config.json"), record.get("family"), widths)
+        write_json(tmp / SERVING, serving)
         card = model_card(model_name=model_name, record=record, widths=widths, metrics=metrics, base=base,
                           calibration=calibration, command=command, portable=layout is not None,
-                          adapter=adapter, pruned_repo=pruned_repo)
+                          adapter=adapter, pruned_repo=pruned_repo,
+                          engines=[Verdict(**v) for v in serving["engines"]])
         (tmp / CARD).write_text(card)
     return out_dir
 
@@ -145,7 +151,7 @@ def layer_widths(folder: Path, base_folder: Path | None = None) -> list[dict[str
 def model_card(*, model_name: str, record: Mapping[str, Any], widths: list[dict[str, Any]],
                metrics: Mapping[str, Mapping[str, Any]], base: Mapping[str, Any] | None,
                calibration: Mapping[str, Any] | None, command: str | None, portable: bool, adapter: bool,
-               pruned_repo: str | None = None) -> str:
+               pruned_repo: str | None = None, engines: list[Verdict] | None = None) -> str:
     """The model card (``README.md``): Hugging Face's YAML metadata, then what the model is, how to load it, what
     was cut in each layer, its metrics, how it was made."""
     extra = record.get("extra") or {}
@@ -190,6 +196,8 @@ def model_card(*, model_name: str, record: Mapping[str, Any], widths: list[dict[
                 "`generate()` passes the cache as `cache=` while fla's model reads `past_key_values=`, and decodes "
                 "without its state: map one onto the other (`statereduce.speed.generate.install_cache_alias` "
                 "does).", ""]
+    if engines:
+        out += card_section(engines)
     out += ["## What was cut", "", f"- Base model: {base_line}."]
     out.append(f"- Method: `{method}` (selector `{extra.get('selector', method)}`"
                + (f", per-layer budget `{extra['budget']}`" if extra.get("budget") else "")
