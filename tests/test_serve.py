@@ -143,7 +143,11 @@ def test_tables_put_each_cut_beside_its_base_and_quote_refusals(tmp_path):
                ("m/keys", {"state": [{"layer": 0, "heads": 1, "d_k": 64, "d_v": 128}],
                            "vllm": {"ok": False, "stage": "generate", "error": "RuntimeError: a | b"},
                            "vllm_remote_code": {"ok": False, "stage": "load", "error": "ValueError: no"}})])}
+    doc["checkpoints"]["m/base"]["quality"] = {"base": 3.5}
+    doc["checkpoints"]["m/cut"]["quality"] = {"base": 3.5, "pruned": 3.75, "rft": 3.625}
     text = cli.tables(doc)
+    assert "| m/cut | 64 × 64 | yes | 3.750 | 3.625 | +0.1250 |" in text
+    assert "| m/base | 128 × 128 | yes | 3.500 | 3.500 | +0.0000 |" in text
     assert "| m/cut | 64 × 64 | 7 of 8 | 8 of 8 | 0.020 | 0.010 | prompt 7, token 3: gap 0.020 |" in text
     assert "| m/cut | 65,536 | 256 | 10 | 128.0 | 128 | 2000 | 2.00 |" in text
     assert "`RuntimeError: a \\| b`" in text and "`trust_remote_code=True`" in text and "ValueError: no" in text
@@ -152,6 +156,17 @@ def test_tables_put_each_cut_beside_its_base_and_quote_refusals(tmp_path):
     assert cli.main(["tables", str(path)]) == 0
     path.write_text(json.dumps({**doc, "format": 99}))
     assert cli.main(["tables", str(path)]) == 1
+
+
+def test_cell_quality_reads_the_workflow_summaries(tmp_path):
+    (tmp_path / "m" / "baseline").mkdir(parents=True)
+    (tmp_path / "m" / "baseline" / "eval.json").write_text(json.dumps({"metrics": {"heldout": {"bits_per_byte": 3.5}}}))
+    (tmp_path / "m" / "drrqr_75").mkdir()
+    (tmp_path / "m" / "drrqr_75" / "eval.json").write_text(json.dumps({"metrics": {
+        "baseline": {"heldout": {"bits_per_byte": 3.5}}, "pruned": {"heldout": {"bits_per_byte": 3.7}}, "rft": None}}))
+    assert cli.cell_quality(tmp_path, "m/base") == {"base": 3.5}
+    assert cli.cell_quality(tmp_path, "m/drrqr_75") == {"base": 3.5, "pruned": 3.7, "rft": None}
+    assert cli.cell_quality(tmp_path, "m/drrqr_50") is None
 
 
 def test_check_refuses_a_pair_that_is_not_a_checkpoint(tmp_path, capsys):

@@ -53,9 +53,10 @@ def _cpu() -> str:
 
 
 def check(pairs: Sequence[tuple[str, str]], out: Path, *, python: str | None, kv_cache_mib: float,
-          throughput: bool, command: str) -> dict[str, Any]:
+          throughput: bool, command: str, results: Path | None = None) -> dict[str, Any]:
     """Run :func:`~statereduce.serve.engine.check_checkpoint` on every pair and write the document to ``out``
-    (a temporary file renamed into place)."""
+    (a temporary file renamed into place); with ``results`` (the workflow's ``results/``), each pair's quality
+    (:func:`cell_quality`)."""
     from statereduce.core.runtime import write_json
     from statereduce.serve.engine import check_checkpoint, serve_python
 
@@ -69,8 +70,32 @@ def check(pairs: Sequence[tuple[str, str]], out: Path, *, python: str | None, kv
                                                     throughput=spec)
         result = doc["checkpoints"][name]
         print(f"  {'served' if result['vllm']['ok'] else 'refused: ' + result['vllm']['error']}", file=sys.stderr)
+        if results is not None:
+            result["quality"] = cell_quality(results, name)
     write_json(out, doc)
     return doc
+
+
+def cell_quality(results: Path, name: str) -> dict[str, Any] | None:
+    """Held-out bits per byte of the workflow's cell ``MODEL/CUT`` under ``results`` (the workflow's ``results/``):
+    ``{"base"}`` from ``MODEL/baseline/eval.json`` for ``MODEL/base``, else ``{"base", "pruned", "rft"}`` from the
+    cell's summary ``MODEL/CUT/eval.json``; None where the workflow has not written it."""
+    from statereduce.core.runtime import read_json
+
+    model, cut = name.split("/", 1)
+    if cut == "base":
+        path = results / model / "baseline" / "eval.json"
+        return {"base": _bpb(read_json(path)["metrics"])} if path.is_file() else None
+    path = results / model / cut / "eval.json"
+    if not path.is_file():
+        return None
+    metrics = read_json(path)["metrics"]
+    return {stage: _bpb(metrics.get(key)) for stage, key in (("base", "baseline"), ("pruned", "pruned"),
+                                                              ("rft", "rft"))}
+
+
+def _bpb(metrics: Mapping[str, Any] | None) -> float | None:
+    return ((metrics or {}).get("heldout") or {}).get("bits_per_byte")
 
 
 def widths(state: Sequence[Mapping[str, Any]]) -> str:
@@ -113,6 +138,19 @@ def tables(doc: Mapping[str, Any]) -> str:
                 out.append(f"| {name}, `trust_remote_code=True` | | {again.get('stage', 'served')} | "
                            + (f"`{_cell(again['error'])}` |" if not again["ok"] else "served |"))
         out.append("")
+    quality = {n: r for n, r in rows.items() if r.get("quality")}
+    if quality:
+        out += ["| checkpoint | d_k × d_v | vLLM CPU serves it | bits per byte: pruned | after RFT | above the base, "
+                "after RFT |", "| --- | --- | --- | ---: | ---: | ---: |"]
+        for name, r in quality.items():
+            q = r["quality"]
+            base = q.get("base")
+            after = q.get("rft", base if name.endswith("/base") else None)
+            loss = f"{after - base:+.4f}" if after is not None and base is not None else "–"
+            out.append(f"| {name} | {widths(r['state'])} | {'yes' if r['vllm']['ok'] else 'no'} | "
+                       f"{_num(q.get('pruned', base))} | {_num(after)} | {loss} |")
+        out += ["", "Held-out bits per byte (lower is better) of the workflow's cells: the pruned checkpoint and the "
+                "one recovery fine-tuning made of it (the base's in both columns of its row).", ""]
     if served:
         out += ["| checkpoint | state page (bytes) | attention block (tokens) | blocks | largest concurrency | "
                 "batch | tokens/s | × base |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -135,6 +173,10 @@ def tables(doc: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _num(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("`", "'")
 
@@ -152,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--python", help="the serving environment's Python (default: $STATEREDUCE_SERVE_PYTHON or "
                                      ".venv-serve/bin/python)")
     c.add_argument("--kv-cache-mib", type=float, default=64.0, help="vLLM's KV-cache budget (default 64 MiB)")
+    c.add_argument("--results", type=Path, help="the workflow's results/ folder: each MODEL/CUT's held-out bits per "
+                   "byte before and after RFT go into the document (its quality table)")
     c.add_argument("--throughput", action="store_true",
                    help="also decode one batch at the largest concurrency vLLM admits, and time it")
     t = sub.add_parser("tables", help="print the Markdown tables of a check document")
@@ -162,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "check":
         try:
             check(args.pairs, args.out, python=args.python, kv_cache_mib=args.kv_cache_mib,
-                  throughput=args.throughput, command="python -m statereduce.serve " + " ".join(
+                  throughput=args.throughput, results=args.results, command="python -m statereduce.serve " + " ".join(
                       sys.argv[1:] if argv is None else argv))
         except (FileNotFoundError, RuntimeError) as e:
             print(f"error: {e}", file=sys.stderr)
