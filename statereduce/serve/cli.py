@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import platform
 import sys
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,16 @@ def _pair(text: str) -> tuple[str, str]:
     return name, folder
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--engine-args {text!r} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--engine-args {text!r} is not a JSON object of vllm.LLM keyword arguments")
+    return value
+
+
 def _cpu() -> str:
     """The CPU's model name (/proc/cpuinfo) and torch's CPU capability."""
     import torch
@@ -53,7 +64,8 @@ def _cpu() -> str:
 
 
 def check(pairs: Sequence[tuple[str, str]], out: Path, *, python: str | None, kv_cache_mib: float,
-          throughput: bool, command: str, results: Path | None = None) -> dict[str, Any]:
+          throughput: bool, command: str, results: Path | None = None,
+          engine_args: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Run :func:`~statereduce.serve.engine.check_checkpoint` on every pair and write the document to ``out``
     (a temporary file renamed into place); with ``results`` (the workflow's ``results/``), each pair's quality
     (:func:`cell_quality`)."""
@@ -63,11 +75,12 @@ def check(pairs: Sequence[tuple[str, str]], out: Path, *, python: str | None, kv
     python = str(serve_python(python))
     spec = {"prompt_len": 64, "max_tokens": 32, "max_batch": 512} if throughput else None
     doc = {"format": DOC_FORMAT, "made": datetime.date.today().isoformat(), "cpu": _cpu(), "command": command,
-           "kv_cache_bytes": int(kv_cache_mib * (1 << 20)), "throughput": spec, "checkpoints": {}}
+           "kv_cache_bytes": int(kv_cache_mib * (1 << 20)), "throughput": spec, "engine_args": dict(engine_args or {}),
+           "checkpoints": {}}
     for name, folder in pairs:
         print(f"{name}: {folder}", file=sys.stderr)
         doc["checkpoints"][name] = check_checkpoint(folder, python=python, kv_cache_bytes=doc["kv_cache_bytes"],
-                                                    throughput=spec)
+                                                    throughput=spec, engine_args=engine_args)
         result = doc["checkpoints"][name]
         print(f"  {'served' if result['vllm']['ok'] else 'refused: ' + result['vllm']['error']}", file=sys.stderr)
         if results is not None:
@@ -194,6 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--python", help="the serving environment's Python (default: $STATEREDUCE_SERVE_PYTHON or "
                                      ".venv-serve/bin/python)")
     c.add_argument("--kv-cache-mib", type=float, default=64.0, help="vLLM's KV-cache budget (default 64 MiB)")
+    c.add_argument("--engine-args", type=_json_object, default={}, metavar="JSON",
+                   help="more keyword arguments of vllm.LLM, e.g. on a Hopper GPU for d_k != d_v: "
+                        "'{\"additional_config\": {\"gdn_prefill_backend\": \"triton\"}}'")
     c.add_argument("--results", type=Path, help="the workflow's results/ folder: each MODEL/CUT's held-out bits per "
                    "byte before and after RFT go into the document (its quality table)")
     c.add_argument("--throughput", action="store_true",
@@ -206,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "check":
         try:
             check(args.pairs, args.out, python=args.python, kv_cache_mib=args.kv_cache_mib,
-                  throughput=args.throughput, results=args.results, command="python -m statereduce.serve " + " ".join(
+                  throughput=args.throughput, results=args.results, engine_args=args.engine_args, command="python -m statereduce.serve " + " ".join(
                       sys.argv[1:] if argv is None else argv))
         except (FileNotFoundError, RuntimeError) as e:
             print(f"error: {e}", file=sys.stderr)
