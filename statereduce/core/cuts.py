@@ -24,6 +24,7 @@ from typing import Any
 from statereduce.common.layout import CUTS
 from statereduce.core.artifacts import ArtifactError, read_json_artifact, remedy
 from statereduce.core.budgets import read_allocation
+from statereduce.core.engines import pair_check
 from statereduce.families import family_spec
 from statereduce.selectors import parse_method
 from statereduce.selectors.registry import n_keep_for, n_removed_for, no_channel_removed
@@ -156,7 +157,7 @@ def joint_widths(d_k: int, d_v: int, pct: float,
                                 err, -k, k, v))
     for k, v in _passing([c[-2:] for c in sorted(candidates)], check):
         return k, v
-    raise _no_pair(d_k, d_v, pct)
+    raise _no_pair(d_k, d_v, pct, check)
 
 
 def _state_target(d_k: int, d_v: int, pct: float) -> tuple[int, float]:
@@ -182,8 +183,10 @@ def _passing(pairs, check: Callable[[int, int], None] | None):
         yield k, v
 
 
-def _no_pair(d_k: int, d_v: int, pct: float) -> ValueError:
-    return ValueError(f"no key and value widths of d_k={d_k}, d_v={d_v} remove {pct}% of the state")
+def _no_pair(d_k: int, d_v: int, pct: float, check: Callable[[int, int], None] | None = None) -> ValueError:
+    note = getattr(check, "note", None)
+    return ValueError(f"no key and value widths of d_k={d_k}, d_v={d_v} remove {pct}% of the state"
+                      + (f" and are served ({note})" if note else ""))
 
 
 def cut_widths(cut: str, d_k: int, d_v: int, pct: float,
@@ -228,7 +231,7 @@ def state_split_candidates(d_k: int, d_v: int, pct: float, key_widths: list[int]
     pairs.discard((d_k, d_v))
     out = list(_passing(sorted(pairs), check))
     if not out:
-        raise _no_pair(d_k, d_v, pct)
+        raise _no_pair(d_k, d_v, pct, check)
     return out
 
 
@@ -296,18 +299,23 @@ def plan_cut(method: str, pct: float, d_k: int, d_v: int | None, layers, *, fami
     return Cut.per_layer(spec.cut, d_k, d_v, pairs), record
 
 
-def state_pair_check(family: str | None, d_k: int, d_v: int):
-    """The check of a pair (d_k', d_v') the family's config must express, for :func:`joint_widths` and
+def state_pair_check(family: str | None, d_k: int, d_v: int, engine: str | None = None):
+    """The check of a pair (d_k', d_v') the family's config must express, and with ``engine`` (a split budget's) the
+    serving engine must take (:func:`statereduce.core.engines.pair_check`), for :func:`joint_widths` and
     :func:`state_split_candidates` (None without a family)."""
     if family is None:
         return None
 
     fspec = family_spec(family)
+    served = pair_check(engine, family, d_k, d_v) if engine is not None else None
 
     def check(k: int, v: int) -> None:
         fspec.check_reduction(d_k, v, k)
         fspec.check_value_reduction(d_v, v)
+        if served is not None:
+            served(k, v)
 
+    check.note = getattr(served, "note", None)
     return check
 
 

@@ -172,10 +172,13 @@ class FamilySpec(ABC):
     #: a family that runs none (Mamba-2: transformers' model, its PyTorch path on CPU) loads without importing fla
     uses_fla: ClassVar[bool] = True
     #: the vLLM model class that serves the family's stock checkpoints (the ``architectures`` name vLLM registers),
-    #: None where vLLM has none (fla's DeltaNet and Gated DeltaNet); :mod:`statereduce.serve.engines`
+    #: None where vLLM has none (fla's DeltaNet and Gated DeltaNet); :mod:`statereduce.core.engines`
     vllm_architecture: ClassVar[str | None] = None
+    #: whether a value cut (d_v' < d_v in every layer) is a stock checkpoint: the config has a value-width field that
+    #: :meth:`value_config_updates` sets (False: Mamba-2, whose value cut carries modeling code)
+    stock_value_cut: ClassVar[bool] = True
     #: the kind of vLLM layer that holds the family's recurrent state: "gdn" (Gated DeltaNet kernels) or "mamba"
-    #: (Mamba-2's SSD kernels); its constraints on head sizes are :mod:`statereduce.serve.engines`'
+    #: (Mamba-2's SSD kernels); its constraints on head sizes are :mod:`statereduce.core.engines`'
     vllm_state_layer: ClassVar[str | None] = None
     #: whether the GPU speed benchmarks (statereduce.speed) cover the family
     speed_benchmark: ClassVar[bool] = False

@@ -17,6 +17,7 @@ class Mamba2Family(FamilySpec):
     uses_fla = False  # transformers' model; on CPU its PyTorch path, on CUDA mamba_ssm's kernels where installed
     vllm_architecture = "Mamba2ForCausalLM"
     vllm_state_layer = "mamba"
+    stock_value_cut = False  # Mamba2Config has no d_v field: num_heads * head_dim is tied to expand * hidden_size
     # the fused training kernel (mamba_ssm) reads out_proj.weight directly, so a LoRA on it would never run; peft
     # refuses LoRA on a Mamba out_proj for that reason. RFT trains in_proj (LoRA), conv1d and the norms
     rft_targets = RftTargets(lora_excluded=("out_proj",))

@@ -146,13 +146,17 @@ def run_vllm(folder: str | os.PathLike, job: Mapping[str, Any], python: str | os
     python = serve_python(python)
     with tempfile.TemporaryDirectory() as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job_file.write_text(json.dumps({**job, "model": str(Path(folder).resolve())}))
+        resolved = str(Path(folder).resolve())
+        job_file.write_text(json.dumps({**job, "model": resolved}))
         proc = subprocess.run([str(python), str(WORKER), str(job_file), str(out_file)], capture_output=True,
                               text=True, timeout=timeout, cwd=tmp)
         if not out_file.is_file():
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["no output"]
             raise RuntimeError(f"the vLLM worker on {folder} exited {proc.returncode} without a result: {tail[0]}")
-        return json.loads(out_file.read_text())
+        result = json.loads(out_file.read_text())
+    if "error" in result:  # the folder as the caller named it, not where it lies
+        result["error"] = result["error"].replace(resolved, str(folder))
+    return result
 
 
 def state_widths(folder: str | os.PathLike) -> list[dict[str, int]]:

@@ -31,7 +31,8 @@ def _error(exc: BaseException) -> str:
     if len(lines) > 1 and "validation error" in lines[0]:
         lines = lines[1:]
     text = lines[0] if lines else ""
-    return f"{type(exc).__name__}: {text[:300]}"
+    end = text.find(". ", 40)  # the first sentence: what follows repeats the path or says where to read more
+    return f"{type(exc).__name__}: {text[:end + 1] if end > 0 else text[:300]}"
 
 
 def _allocation(llm) -> dict:

@@ -29,11 +29,11 @@ from statereduce.core.checkpoints import ADAPTER_DIR
 from statereduce.core.models import checkpoint_config, shaped_model
 from statereduce.core.portable import LAYOUT_FIELD, MODELING_FILE, write_portable
 from statereduce.core.runtime import atomic_dir, read_json, write_json
-from statereduce.serve.engines import Verdict, card_section, support_record
+from statereduce.core.engines import Verdict, card_section, support_record
 
 CARD = "README.md"
 SERVING = "serving.json"
-"""Which serving engines take the exported checkpoint, and with which flags (:mod:`statereduce.serve.engines`)."""
+"""Which serving engines take the exported checkpoint, and with which flags (:mod:`statereduce.core.engines`)."""
 STAGES = ("pruned", "rft")
 """The checkpoints an export takes: the pruned one, or the one recovery fine-tuning made of it."""
 _LOAD_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -562,7 +562,7 @@ def choose_state_split(weights: str | Path, method: str, pct: float, plan: Budge
                          f"(-kv@{plan.name}) takes policy 'split' or 'joint'")
     wattrs = H5Artifact(weights).expect(expect)
     d_k, d_v, family = int(wattrs["head_k_dim"]), int(wattrs["head_v_dim"]), wattrs.get("family")
-    check = state_pair_check(family, d_k, d_v)
+    check = state_pair_check(family, d_k, d_v, settings.engine)
     candidates = state_split_candidates(d_k, d_v, pct, allowed_widths(d_k, settings), check)
     if model is None:
         model, blocks, settings = loss_inputs(plan, base, expect)

