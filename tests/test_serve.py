@@ -167,6 +167,29 @@ def test_the_shipped_engine_budget_stops_a_model_it_cannot_serve_before_any_job(
             check_budget_cell(shipped_config, model, "drrqr-kv@vllmcpu", 75.0)
 
 
+def test_a_mamba2_checkpoint_with_value_widths_loads_after_fla_is_imported(tmp_path):
+    """A Mamba-2 joint cut that keeps every value channel (the split ``@vllmcpu`` takes) names its value widths, so
+    load_model builds it from Mamba-2's own config class, which fla's registration displaces: the config is read as
+    transformers reads it (its JSON stores time_step_limit's infinity as {"__float__": "Infinity"})."""
+    import fla  # noqa: F401 - registers fla's mamba2 with the Auto classes, as any fla family's load does
+    import torch
+    from _models import tiny_model
+
+    from statereduce.core.models import VALUE_DIMS_FIELD, load_model, save_checkpoint
+    from statereduce.core.tokenizer import byte_level_tokenizer
+
+    model = tiny_model("mamba2", vocab_size=257, bos_token_id=256, eos_token_id=256)
+    save_checkpoint(model, byte_level_tokenizer(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "__float__" in json.dumps(config["time_step_limit"])
+    config[VALUE_DIMS_FIELD] = [model.config.head_dim] * model.config.num_hidden_layers
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded, _ = load_model(tmp_path)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
 def test_the_worker_reports_the_engine_message_not_the_wrapper():
     class ValidationError(Exception):
         pass

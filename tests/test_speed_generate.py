@@ -429,10 +429,20 @@ def test_the_generated_doc_blocks_are_what_their_commands_print(tmp_path):
     assert blocks.rewrite(planted)[0] == text and blocks.rewrite(planted)[1] == []
     bad = tmp_path / "bad.md"
     bad.write_text("<!-- generated: rm -rf / -->\nkept\n<!-- /generated -->\n<!-- generated: python -m "
-                   "statereduce.speed.generate --summary nowhere.json -->\nkept\n<!-- /generated -->\n")
+                   "statereduce.speed.generate --summary nowhere.json -->\nkept\n<!-- /generated -->\n"
+                   "<!-- generated: python -m statereduce.serve check a=b -->\nkept\n<!-- /generated -->\n"
+                   "<!-- generated: python -m statereduce.serve tables nowhere.json -->\nkept\n<!-- /generated -->\n")
     out, problems = blocks.rewrite(bad)
-    assert out == bad.read_text() and len(problems) == 2
-    assert "is not `python -m statereduce.speed.generate" in problems[0] and "nowhere.json not found" in problems[1]
+    assert out == bad.read_text() and len(problems) == 4
+    assert "is neither `python -m statereduce.speed.generate" in problems[0]
+    assert "nowhere.json not found" in problems[1] and "nowhere.json not found" in problems[3]
+    assert "is not `python -m statereduce.serve tables DOC.json`" in problems[2]
+    serving = next(p for p in blocks.pages() if "statereduce.serve tables" in p.read_text())
+    text = serving.read_text()
+    served = next(line for line in text.splitlines() if line.startswith("| ") and " of 8 |" in line)
+    planted = tmp_path / serving.name
+    planted.write_text(text.replace(served, served.replace(" of 8 |", " of 9 |", 1), 1))
+    assert blocks.rewrite(planted) == (text, [])
 
 
 def _dev_module(name: str):

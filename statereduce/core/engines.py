@@ -24,6 +24,7 @@ from typing import Any
 
 from statereduce.common.settings import SERVING_ENGINES
 from statereduce.families import family_spec
+from statereduce.families.base import PORTABLE_PREFIX
 
 CPU_GDN_SERVED = (64, 128)
 """Head sizes d_k = d_v at which vLLM's CPU build served a Qwen3.5 (docs/serving.md)."""
@@ -75,10 +76,9 @@ def vllm_support(config: Mapping[str, Any], family: str, widths: Sequence[Mappin
         widths: per linear-attention layer ``{"d_k", "d_v"}``
             (:func:`statereduce.stages.export.layer_widths`).
     """
-    from statereduce.core.portable import is_portable
-
     pairs = sorted({(int(w["d_k"]), int(w["d_v"])) for w in widths})
-    return _verdicts(family, pairs[0], portable=is_portable(config) or len(pairs) > 1)
+    carries_code = str(config.get("model_type", "")).startswith(PORTABLE_PREFIX)  # core.portable's test (torch-free)
+    return _verdicts(family, pairs[0], portable=carries_code or len(pairs) > 1)
 
 
 def _verdicts(family: str, pair: tuple[int, int], portable: bool) -> list[Verdict]:

@@ -373,7 +373,8 @@ def build_shaped(cls, folder: Path, config, dtype: torch.dtype, overrides: dict[
 
     config_class = getattr(cls, "config_class", None)
     if config_class is not None and not isinstance(config, config_class):  # the model class's own config class (fla
-        config = stock_config(json.loads((folder / "config.json").read_text()), config_class)  # registers its mamba2)
+        # registers its mamba2); read as transformers reads it: its JSON writes an infinite float as {"__float__": ...}
+        config = stock_config(config_class.get_config_dict(str(folder))[0], config_class)
     for name, value in overrides.items():
         setattr(config, name, value)
     build = getattr(cls, "from_config", None) or cls._from_config  # an Auto class, or the model class itself

@@ -199,7 +199,9 @@ def _vllm_version(rows: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m statereduce.serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m statereduce.serve",
+                                description="Serve checkpoints with vLLM, check them against transformers, and print "
+                                            "the tables of docs/serving.md.")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="serve checkpoints with vLLM and check them against transformers")
     c.add_argument("pairs", nargs="+", type=_pair, metavar="MODEL/CUT=FOLDER")
