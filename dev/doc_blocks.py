@@ -105,8 +105,8 @@ def rewrite(page: Path, root: Path = ROOT) -> tuple[str, list[str]]:
             break
         try:
             if not OPEN.match(line.rstrip("\n")):
-                raise ValueError(f"block command {m['command']!r} is neither `python -m statereduce.speed.generate ...` "
-                                 "nor `python -m statereduce.serve tables ...`")
+                raise ValueError(f"block command {m['command']!r} is neither `python -m statereduce.speed.generate "
+                                 "...` nor `python -m statereduce.serve tables ...`")
             body = "\n" + render(m["command"], root) + "\n"
         except ValueError as e:
             problems.append(f"{name}: {e}")

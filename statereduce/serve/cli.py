@@ -134,9 +134,9 @@ def tables(doc: Mapping[str, Any]) -> str:
                 "largest \\|Δ log p\\| | first divergence |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
         for name, r in served.items():
             p = r["parity"]
-            first = next((row["first_divergence"] for row in p["rows"] if "first_divergence" in row), None)
-            where = "none" if first is None else (f"prompt {next(row['prompt'] for row in p['rows'] if 'first_divergence' in row)}"
-                                                  f", token {first['position']}: gap {first['gap']:.3f}")
+            row = next((row for row in p["rows"] if "first_divergence" in row), None)
+            where = "none" if row is None else (f"prompt {row['prompt']}, token {row['first_divergence']['position']}: "
+                                                f"gap {row['first_divergence']['gap']:.3f}")
             out.append(f"| {name} | {widths(r['state'])} | {p['match']} of {p['prompts']} | {p['agree']} of "
                        f"{p['prompts']} | {p['max_gap']:.3f} | {p['max_logprob_diff']:.3f} | {where} |")
         out += ["", f"Greedy decoding of 8 prompts, 32 tokens each. Gap: the float32 reference's best log-probability "
@@ -223,9 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.cmd == "check":
         try:
+            command = "python -m statereduce.serve " + " ".join(sys.argv[1:] if argv is None else argv)
             check(args.pairs, args.out, python=args.python, kv_cache_mib=args.kv_cache_mib,
-                  throughput=args.throughput, results=args.results, engine_args=args.engine_args, command="python -m statereduce.serve " + " ".join(
-                      sys.argv[1:] if argv is None else argv))
+                  throughput=args.throughput, results=args.results, engine_args=args.engine_args, command=command)
         except (FileNotFoundError, RuntimeError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

@@ -194,9 +194,8 @@ def check_checkpoint(folder: str | os.PathLike, *, python: str | os.PathLike | N
     result["vllm_wall_s"] = time.perf_counter() - start
     if not result["vllm"]["ok"] and is_portable(read_json(Path(folder) / "config.json")):
         # vLLM refuses code it has not been allowed to run: what it does when allowed is the answer that matters
-        result["vllm_remote_code"] = run_vllm(folder, {**job, "throughput": None,
-                                                       "engine_args": {**job["engine_args"], "trust_remote_code": True}},
-                                              python)
+        again = {**job, "throughput": None, "engine_args": {**job["engine_args"], "trust_remote_code": True}}
+        result["vllm_remote_code"] = run_vllm(folder, again, python)
     if result["vllm"]["ok"]:
         gens = result["vllm"]["generations"]
         result["parity"] = compare(reference(folder, prompts), gens, score(folder, prompts, gens))
