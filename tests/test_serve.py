@@ -238,8 +238,9 @@ def test_tables_put_each_cut_beside_its_base_and_quote_refusals(tmp_path):
     doc["checkpoints"]["m/base"]["quality"] = {"base": 3.5}
     doc["checkpoints"]["m/cut"]["quality"] = {"base": 3.5, "pruned": 3.75, "rft": 3.625}
     text = cli.tables(doc)
-    assert "| m/cut | 64 × 64 | yes | 3.750 | 3.625 | +0.1250 |" in text
-    assert "| m/base | 128 × 128 | yes | 3.500 | 3.500 | +0.0000 |" in text
+    assert "| m/cut | 64 × 64 | yes | – | 3.750 | 3.625 | +0.1250 |" in text
+    doc["checkpoints"]["m/base"]["verdicts"] = [{"engine": "vLLM CUDA", "serves": "expected"}]
+    assert "| m/base | 128 × 128 | yes | expected | 3.500 | 3.500 | +0.0000 |" in cli.tables(doc)
     assert "| m/cut | 64 × 64 | 7 of 8 | 8 of 8 | 0.020 | 0.010 | prompt 7, token 3: gap 0.020 |" in text
     assert "| m/cut | 65,536 | 256 | 10 | 128.0 | 128 | 2000 | 2.00 |" in text
     assert "`RuntimeError: a \\| b`" in text and "`trust_remote_code=True`" in text and "ValueError: no" in text
@@ -371,6 +372,7 @@ def test_a_cut_gets_a_smaller_state_page_and_more_sequences_from_vllm(served, cu
 @pytest.mark.serve
 def test_each_exported_card_states_what_vllm_did(served):
     for name, result in served["doc"]["checkpoints"].items():
+        assert result["verdicts"][0]["serves"] == ("yes" if result["vllm"]["ok"] else "no"), (name, result["verdicts"])
         if name.endswith("/base"):
             continue
         folder = served["work"] / "results" / name / "export" / "pruned"

@@ -153,17 +153,20 @@ def tables(doc: Mapping[str, Any]) -> str:
         out.append("")
     quality = {n: r for n, r in rows.items() if r.get("quality")}
     if quality:
-        out += ["| checkpoint | d_k × d_v | vLLM CPU serves it | bits per byte: pruned | after RFT | above the base, "
-                "after RFT |", "| --- | --- | --- | ---: | ---: | ---: |"]
+        out += ["| checkpoint | d_k × d_v | vLLM CPU serves it | vLLM CUDA (its source) | bits per byte: pruned | "
+                "after RFT | above the base, after RFT |", "| --- | --- | --- | --- | ---: | ---: | ---: |"]
         for name, r in quality.items():
             q = r["quality"]
             base = q.get("base")
             after = q.get("rft", base if name.endswith("/base") else None)
             loss = f"{after - base:+.4f}" if after is not None and base is not None else "–"
-            out.append(f"| {name} | {widths(r['state'])} | {'yes' if r['vllm']['ok'] else 'no'} | "
+            cuda = next((v["serves"] for v in r.get("verdicts", []) if "CUDA" in v["engine"]), "–")
+            out.append(f"| {name} | {widths(r['state'])} | {'yes' if r['vllm']['ok'] else 'no'} | {cuda} | "
                        f"{_num(q.get('pruned', base))} | {_num(after)} | {loss} |")
         out += ["", "Held-out bits per byte (lower is better) of the workflow's cells: the pruned checkpoint and the "
-                "one recovery fine-tuning made of it (the base's in both columns of its row).", ""]
+                "one recovery fine-tuning made of it (the base's in both columns of its row). vLLM CPU: measured in "
+                "this run; vLLM CUDA: the verdict of `statereduce.core.engines` (expected: its source admits the "
+                "shape; not run).", ""]
     if served:
         out += ["| checkpoint | state page (bytes) | attention block (tokens) | blocks | largest concurrency | "
                 "batch | tokens/s | × base |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

@@ -169,6 +169,21 @@ def state_widths(folder: str | os.PathLike) -> list[dict[str, int]]:
     return [{"layer": layer, "heads": s.num_heads, "d_k": s.d_k, "d_v": s.d_v} for layer, s in sorted(shapes.items())]
 
 
+def verdicts(folder: str | os.PathLike) -> list[dict[str, str]]:
+    """What :func:`statereduce.core.engines.vllm_support` says of the checkpoint in ``folder`` (as its export's card
+    does): one ``{"engine", "serves", "reason", "flags"}`` per engine build."""
+    from dataclasses import asdict
+
+    from statereduce.adapters import adapter_for_config
+    from statereduce.core.engines import vllm_support
+    from statereduce.core.models import checkpoint_config
+    from statereduce.core.runtime import read_json
+
+    config = checkpoint_config(Path(folder))[1]
+    family = adapter_for_config(config).family
+    return [asdict(v) for v in vllm_support(read_json(Path(folder) / "config.json"), family, state_widths(folder))]
+
+
 def check_checkpoint(folder: str | os.PathLike, *, python: str | os.PathLike | None = None,
                      kv_cache_bytes: int = 64 << 20, throughput: Mapping[str, int] | None = None,
                      engine_args: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -176,7 +191,8 @@ def check_checkpoint(folder: str | os.PathLike, *, python: str | os.PathLike | N
     ``throughput`` gives ``prompt_len``, ``max_tokens``, ``max_batch``) against the reference.
 
     Returns:
-        ``{"folder", "state": the checkpoint's widths, "vllm": the worker's result, "parity": compare(...)}`` (no
+        ``{"folder", "state": the checkpoint's widths, "verdicts": :func:`verdicts`, "vllm": the worker's result,
+        "parity": compare(...)}`` (no
         ``parity`` where vLLM refused the checkpoint: its message is ``vllm.error``). Where vLLM refused a checkpoint
         that carries its modeling code, ``vllm_remote_code`` is its result with ``trust_remote_code=True``.
     """
@@ -190,7 +206,8 @@ def check_checkpoint(folder: str | os.PathLike, *, python: str | os.PathLike | N
            "kv_cache_bytes": int(kv_cache_bytes), "max_num_seqs": 1024, "throughput": dict(throughput or {}) or None,
            "engine_args": dict(engine_args or {})}
     start = time.perf_counter()
-    result = {"folder": str(folder), "state": state_widths(folder), "vllm": run_vllm(folder, job, python)}
+    result = {"folder": str(folder), "state": state_widths(folder), "verdicts": verdicts(folder),
+              "vllm": run_vllm(folder, job, python)}
     result["vllm_wall_s"] = time.perf_counter() - start
     if not result["vllm"]["ok"] and is_portable(read_json(Path(folder) / "config.json")):
         # vLLM refuses code it has not been allowed to run: what it does when allowed is the answer that matters
