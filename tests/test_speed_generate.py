@@ -437,7 +437,7 @@ def test_the_generated_doc_blocks_are_what_their_commands_print(tmp_path):
     assert "is neither `python -m statereduce.speed.generate" in problems[0]
     assert "nowhere.json not found" in problems[1] and "nowhere.json not found" in problems[3]
     assert "is not `python -m statereduce.serve tables DOC.json`" in problems[2]
-    serving = next(p for p in blocks.pages() if "statereduce.serve tables" in p.read_text())
+    serving = next(p for p in blocks.pages() if "<!-- generated: python -m statereduce.serve tables" in p.read_text())
     text = serving.read_text()
     served = next(line for line in text.splitlines() if line.startswith("| ") and " of 8 |" in line)
     planted = tmp_path / serving.name

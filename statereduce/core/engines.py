@@ -74,7 +74,7 @@ def vllm_support(config: Mapping[str, Any], family: str, widths: Sequence[Mappin
         config: the checkpoint's ``config.json`` dict.
         family: its family name.
         widths: per linear-attention layer ``{"d_k", "d_v"}``
-            (:func:`statereduce.stages.export.layer_widths`).
+            (:func:`statereduce.core.models.checkpoint_widths`).
     """
     pairs = sorted({(int(w["d_k"]), int(w["d_v"])) for w in widths})
     carries_code = str(config.get("model_type", "")).startswith(PORTABLE_PREFIX)  # core.portable's test (torch-free)

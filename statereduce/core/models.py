@@ -293,6 +293,28 @@ KERNEL_CHECK_ATTR = "_statereduce_kernel_check"
 """The attribute of a loaded model holding the record of its kernel check (:func:`check_kernels`)."""
 
 
+def checkpoint_widths(folder: str | Path, base_folder: str | Path | None = None) -> list[dict[str, Any]]:
+    """Per linear-attention layer of the checkpoint in ``folder``: its key and value widths (``d_k``, ``d_v`` per
+    head), state heads and state bytes per sequence (float32), and the base's where ``base_folder`` has a config."""
+    from statereduce.adapters import adapter_for_config
+
+    config = checkpoint_config(Path(folder))[1]
+    shapes = adapter_for_config(config).config_layer_state_shapes(config)
+    before = {}
+    if base_folder is not None:
+        base_config = checkpoint_config(Path(base_folder))[1]
+        before = adapter_for_config(base_config).config_layer_state_shapes(base_config)
+    rows = []
+    for layer, shape in sorted(shapes.items()):
+        row = {"layer": layer, "heads": shape.num_heads, "d_k": shape.d_k, "d_v": shape.d_v,
+               "state_bytes": shape.recurrent_elems * 4}
+        if layer in before:
+            row.update(base_d_k=before[layer].d_k, base_d_v=before[layer].d_v,
+                       base_state_bytes=before[layer].recurrent_elems * 4)
+        rows.append(row)
+    return rows
+
+
 def check_kernels(model: torch.nn.Module, backward: bool = False, policy: str | None = None) -> list[dict[str, Any]]:
     """The run-time check of the fla kernels ``model`` will run, on CUDA (:mod:`statereduce.kernels.check`).
 

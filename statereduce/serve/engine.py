@@ -66,15 +66,12 @@ def prompt_ids(tokenizer, prompts: Sequence[str] = PROMPTS) -> list[list[int]]:
     return [list(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
 
 
-def reference(folder: str | os.PathLike, prompts: Sequence[Sequence[int]],
-              max_tokens: int = MAX_TOKENS) -> list[dict[str, Any]]:
-    """Greedy decoding of each prompt by transformers' ``generate()`` on ``folder`` (float32, CPU): ``[{"tokens",
-    "logprobs"}]``, the log-probability of each chosen token under the model."""
+def reference(model, prompts: Sequence[Sequence[int]], max_tokens: int = MAX_TOKENS) -> list[dict[str, Any]]:
+    """Greedy decoding of each prompt by transformers' ``generate()`` on ``model`` (the checkpoint as
+    :func:`statereduce.core.models.load_model` loads it, float32): ``[{"tokens", "logprobs"}]``, the log-probability
+    of each chosen token under the model."""
     import torch
 
-    from statereduce.core.models import load_model
-
-    model, _ = load_model(folder, dtype="float32")
     out = []
     with torch.no_grad():
         for ids in prompts:
@@ -86,15 +83,12 @@ def reference(folder: str | os.PathLike, prompts: Sequence[Sequence[int]],
     return out
 
 
-def score(folder: str | os.PathLike, prompts: Sequence[Sequence[int]],
+def score(model, prompts: Sequence[Sequence[int]],
           generations: Sequence[Mapping[str, Any]]) -> list[dict[str, list[float]]]:
     """The reference model's view of another engine's generations (teacher forcing, one forward per sequence):
     per generated position the log-probability of the token generated there and the best log-probability."""
     import torch
 
-    from statereduce.core.models import load_model
-
-    model, _ = load_model(folder, dtype="float32")
     out = []
     with torch.no_grad():
         for ids, gen in zip(prompts, generations):
@@ -159,16 +153,6 @@ def run_vllm(folder: str | os.PathLike, job: Mapping[str, Any], python: str | os
     return result
 
 
-def state_widths(folder: str | os.PathLike) -> list[dict[str, int]]:
-    """Per linear-attention layer of the checkpoint in ``folder``: ``{"layer", "heads", "d_k", "d_v"}``."""
-    from statereduce.adapters import adapter_for_config
-    from statereduce.core.models import checkpoint_config
-
-    config = checkpoint_config(Path(folder))[1]
-    shapes = adapter_for_config(config).config_layer_state_shapes(config)
-    return [{"layer": layer, "heads": s.num_heads, "d_k": s.d_k, "d_v": s.d_v} for layer, s in sorted(shapes.items())]
-
-
 def verdicts(folder: str | os.PathLike) -> list[dict[str, str]]:
     """What :func:`statereduce.core.engines.vllm_support` says of the checkpoint in ``folder`` (as its export's card
     does): one ``{"engine", "serves", "reason", "flags"}`` per engine build."""
@@ -176,12 +160,11 @@ def verdicts(folder: str | os.PathLike) -> list[dict[str, str]]:
 
     from statereduce.adapters import adapter_for_config
     from statereduce.core.engines import vllm_support
-    from statereduce.core.models import checkpoint_config
-    from statereduce.core.runtime import read_json
+    from statereduce.core.models import checkpoint_config, checkpoint_widths
 
-    config = checkpoint_config(Path(folder))[1]
+    config_dict, config = checkpoint_config(Path(folder))
     family = adapter_for_config(config).family
-    return [asdict(v) for v in vllm_support(read_json(Path(folder) / "config.json"), family, state_widths(folder))]
+    return [asdict(v) for v in vllm_support(config_dict, family, checkpoint_widths(folder))]
 
 
 def check_checkpoint(folder: str | os.PathLike, *, python: str | os.PathLike | None = None,
@@ -196,17 +179,17 @@ def check_checkpoint(folder: str | os.PathLike, *, python: str | os.PathLike | N
         ``parity`` where vLLM refused the checkpoint: its message is ``vllm.error``). Where vLLM refused a checkpoint
         that carries its modeling code, ``vllm_remote_code`` is its result with ``trust_remote_code=True``.
     """
-    from statereduce.core.models import load_model
+    from statereduce.core.models import checkpoint_widths, load_model
     from statereduce.core.portable import is_portable
     from statereduce.core.runtime import read_json
 
-    _, tokenizer = load_model(folder, dtype="float32")
+    model, tokenizer = load_model(folder, dtype="float32")
     prompts = prompt_ids(tokenizer)
     job = {"prompts": prompts, "max_tokens": MAX_TOKENS, "dtype": "bfloat16", "max_model_len": 512,
            "kv_cache_bytes": int(kv_cache_bytes), "max_num_seqs": 1024, "throughput": dict(throughput or {}) or None,
            "engine_args": dict(engine_args or {})}
     start = time.perf_counter()
-    result = {"folder": str(folder), "state": state_widths(folder), "verdicts": verdicts(folder),
+    result = {"folder": str(folder), "state": checkpoint_widths(folder), "verdicts": verdicts(folder),
               "vllm": run_vllm(folder, job, python)}
     result["vllm_wall_s"] = time.perf_counter() - start
     if not result["vllm"]["ok"] and is_portable(read_json(Path(folder) / "config.json")):
@@ -215,5 +198,5 @@ def check_checkpoint(folder: str | os.PathLike, *, python: str | os.PathLike | N
         result["vllm_remote_code"] = run_vllm(folder, again, python)
     if result["vllm"]["ok"]:
         gens = result["vllm"]["generations"]
-        result["parity"] = compare(reference(folder, prompts), gens, score(folder, prompts, gens))
+        result["parity"] = compare(reference(model, prompts), gens, score(model, prompts, gens))
     return result

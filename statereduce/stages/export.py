@@ -24,9 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from statereduce.adapters import adapter_for_config
 from statereduce.core.checkpoints import ADAPTER_DIR
-from statereduce.core.models import checkpoint_config, shaped_model
+from statereduce.core.models import checkpoint_widths, shaped_model
 from statereduce.core.portable import LAYOUT_FIELD, MODELING_FILE, write_portable
 from statereduce.core.runtime import atomic_dir, read_json, write_json
 from statereduce.core.engines import Verdict, card_section, support_record
@@ -81,7 +80,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
                 _link_or_copy(checkpoint / name, tmp / name)
         layout = ensure_portable(checkpoint, tmp)
         adapter = _copy_adapter(checkpoint, tmp, pruned_repo)
-        widths = layer_widths(tmp, checkpoint_base(record, base))
+        widths = checkpoint_widths(tmp, checkpoint_base(record, base))
         serving = support_record(read_json(tmp / "config.json"), record.get("family"), widths)
         write_json(tmp / SERVING, serving)
         card = model_card(model_name=model_name, record=record, widths=widths, metrics=metrics, base=base,
@@ -126,26 +125,6 @@ def checkpoint_base(record: Mapping[str, Any], base: Mapping[str, Any] | None) -
     source = record.get("source_model")
     path = Path(source) if source else None
     return path if path is not None and (path / "config.json").is_file() else None
-
-
-def layer_widths(folder: Path, base_folder: Path | None = None) -> list[dict[str, Any]]:
-    """Per linear-attention layer of the checkpoint in ``folder``: its key and value widths (``d_k``, ``d_v`` per
-    head), state heads and state bytes per sequence (float32), and the base's where ``base_folder`` has a config."""
-    config = checkpoint_config(folder)[1]
-    shapes = adapter_for_config(config).config_layer_state_shapes(config)
-    before = {}
-    if base_folder is not None:
-        base_config = checkpoint_config(base_folder)[1]
-        before = adapter_for_config(base_config).config_layer_state_shapes(base_config)
-    rows = []
-    for layer, shape in sorted(shapes.items()):
-        row = {"layer": layer, "heads": shape.num_heads, "d_k": shape.d_k, "d_v": shape.d_v,
-               "state_bytes": shape.recurrent_elems * 4}
-        if layer in before:
-            row.update(base_d_k=before[layer].d_k, base_d_v=before[layer].d_v,
-                       base_state_bytes=before[layer].recurrent_elems * 4)
-        rows.append(row)
-    return rows
 
 
 def model_card(*, model_name: str, record: Mapping[str, Any], widths: list[dict[str, Any]],
